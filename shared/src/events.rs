@@ -1,0 +1,515 @@
+//! The event log's vocabulary: every kind a session's log can hold, with typed payloads.
+//! Payloads are stored as the producer sent them; decoding tolerates unknown fields and
+//! missing optional ones, so old rows keep decoding as kinds gain fields.
+
+use std::fmt;
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::ids::EventId;
+
+/// The kinds of event. Kinds are added, never changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    SessionStarted,
+    UserMessage,
+    AssistantTurn,
+    ToolExecution,
+    TurnMemory,
+    CompactionApplied,
+    PendingState,
+    PermissionRequest,
+    PermissionResolved,
+    TurnFailed,
+    MemoryExtracted,
+}
+
+impl EventKind {
+    pub const ALL: [EventKind; 11] = [
+        EventKind::SessionStarted,
+        EventKind::UserMessage,
+        EventKind::AssistantTurn,
+        EventKind::ToolExecution,
+        EventKind::TurnMemory,
+        EventKind::CompactionApplied,
+        EventKind::PendingState,
+        EventKind::PermissionRequest,
+        EventKind::PermissionResolved,
+        EventKind::TurnFailed,
+        EventKind::MemoryExtracted,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::SessionStarted => "session_started",
+            EventKind::UserMessage => "user_message",
+            EventKind::AssistantTurn => "assistant_turn",
+            EventKind::ToolExecution => "tool_execution",
+            EventKind::TurnMemory => "turn_memory",
+            EventKind::CompactionApplied => "compaction_applied",
+            EventKind::PendingState => "pending_state",
+            EventKind::PermissionRequest => "permission_request",
+            EventKind::PermissionResolved => "permission_resolved",
+            EventKind::TurnFailed => "turn_failed",
+            EventKind::MemoryExtracted => "memory_extracted",
+        }
+    }
+}
+
+impl fmt::Display for EventKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("unknown event kind {0:?}")]
+pub struct UnknownKind(pub String);
+
+impl FromStr for EventKind {
+    type Err = UnknownKind;
+    fn from_str(s: &str) -> Result<Self, UnknownKind> {
+        EventKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| UnknownKind(s.chars().take(64).collect()))
+    }
+}
+
+// ---- payloads -------------------------------------------------------------------------
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct SessionStarted {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub title: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageRef {
+    pub id: String,
+    pub mime: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Document {
+    pub id: String,
+    pub mime: String,
+    /// The document converted to markdown once, at send time.
+    pub markdown: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct UserMessage {
+    pub text: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub category: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_hint: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<ImageRef>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub documents: Vec<Document>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BlockType {
+    Text,
+    Reasoning,
+    ToolCall,
+    Meta,
+    /// A block type added after this code was written: shown as-is, never projected.
+    #[serde(other)]
+    Other,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Block {
+    #[serde(rename = "type")]
+    pub kind: BlockType,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub meta: Option<Value>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct UiPart {
+    #[serde(default)]
+    pub blocks: Vec<Block>,
+}
+
+/// An OpenAI-style message content: a string, or an array of typed parts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<Value>),
+}
+
+impl MessageContent {
+    /// The text of the content; text parts joined in order, other parts skipped.
+    pub fn text(&self) -> String {
+        match self {
+            MessageContent::Text(s) => s.clone(),
+            MessageContent::Parts(parts) => parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect::<Vec<_>>()
+                .join(""),
+        }
+    }
+}
+
+/// The assistant message as the model produced it (what the model is shown later).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct LlmMessage {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<MessageContent>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct LlmPart {
+    #[serde(default)]
+    pub message: LlmMessage,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Usage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_input_tokens: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct AssistantTurn {
+    #[serde(default)]
+    pub ui: UiPart,
+    #[serde(default)]
+    pub llm: LlmPart,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub currency: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finish_reason: Option<String>,
+}
+
+impl AssistantTurn {
+    /// The text the user saw: every text block, in order.
+    pub fn ui_text(&self) -> String {
+        self.ui
+            .blocks
+            .iter()
+            .filter(|b| b.kind == BlockType::Text)
+            .filter_map(|b| b.text.as_deref())
+            .collect::<Vec<_>>()
+            .join("")
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ToolExecution {
+    pub call_id: String,
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result_digest: Option<String>,
+    pub status: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    pub what: String,
+    pub why: String,
+}
+
+/// The distilled residue of one turn: what the model needs of it in later turns.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct TurnMemory {
+    pub turn_seq: i64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub files_changed: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failures: Vec<Failure>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub key_findings: Vec<String>,
+}
+
+impl TurnMemory {
+    pub fn is_empty(&self) -> bool {
+        self.files_changed.is_empty() && self.failures.is_empty() && self.key_findings.is_empty()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct CompactionApplied {
+    pub summary: String,
+    pub replaces_through_seq: i64,
+    #[serde(default)]
+    pub facts_extracted: Vec<uuid::Uuid>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PendingReason {
+    #[default]
+    Interrupted,
+    Stopped,
+}
+
+/// A checkpoint of an answer still streaming (or cut off): the whole partial so far.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct PendingState {
+    pub partial: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<PendingReason>,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct PermissionRequest {
+    pub id: String,
+    pub call_id: String,
+    pub tool: String,
+    #[serde(default)]
+    pub args: Value,
+    pub danger_level: String,
+    #[serde(default)]
+    pub rationale: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PermissionResolved {
+    pub id: String,
+    pub decision: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct TurnFailed {
+    pub code: String,
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt_id: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExtractedMemory {
+    pub id: uuid::Uuid,
+    pub text: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct MemoryExtracted {
+    pub turn_seq: i64,
+    #[serde(default)]
+    pub memories: Vec<ExtractedMemory>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// An event's typed payload; the variant is the kind.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EventBody {
+    SessionStarted(SessionStarted),
+    UserMessage(UserMessage),
+    AssistantTurn(AssistantTurn),
+    ToolExecution(ToolExecution),
+    TurnMemory(TurnMemory),
+    CompactionApplied(CompactionApplied),
+    PendingState(PendingState),
+    PermissionRequest(PermissionRequest),
+    PermissionResolved(PermissionResolved),
+    TurnFailed(TurnFailed),
+    MemoryExtracted(MemoryExtracted),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error(transparent)]
+    UnknownKind(#[from] UnknownKind),
+    #[error("event seq {seq}: {kind} payload does not decode: {source}")]
+    Payload {
+        kind: EventKind,
+        seq: i64,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+impl EventBody {
+    pub fn kind(&self) -> EventKind {
+        match self {
+            EventBody::SessionStarted(_) => EventKind::SessionStarted,
+            EventBody::UserMessage(_) => EventKind::UserMessage,
+            EventBody::AssistantTurn(_) => EventKind::AssistantTurn,
+            EventBody::ToolExecution(_) => EventKind::ToolExecution,
+            EventBody::TurnMemory(_) => EventKind::TurnMemory,
+            EventBody::CompactionApplied(_) => EventKind::CompactionApplied,
+            EventBody::PendingState(_) => EventKind::PendingState,
+            EventBody::PermissionRequest(_) => EventKind::PermissionRequest,
+            EventBody::PermissionResolved(_) => EventKind::PermissionResolved,
+            EventBody::TurnFailed(_) => EventKind::TurnFailed,
+            EventBody::MemoryExtracted(_) => EventKind::MemoryExtracted,
+        }
+    }
+
+    /// Decodes a stored payload. `seq` only labels the error (0 before a seq is assigned).
+    pub fn decode(kind: EventKind, payload: &Value, seq: i64) -> Result<Self, DecodeError> {
+        fn de<T: serde::de::DeserializeOwned>(v: &Value) -> serde_json::Result<T> {
+            T::deserialize(v)
+        }
+        let body = match kind {
+            EventKind::SessionStarted => de(payload).map(EventBody::SessionStarted),
+            EventKind::UserMessage => de(payload).map(EventBody::UserMessage),
+            EventKind::AssistantTurn => de(payload).map(EventBody::AssistantTurn),
+            EventKind::ToolExecution => de(payload).map(EventBody::ToolExecution),
+            EventKind::TurnMemory => de(payload).map(EventBody::TurnMemory),
+            EventKind::CompactionApplied => de(payload).map(EventBody::CompactionApplied),
+            EventKind::PendingState => de(payload).map(EventBody::PendingState),
+            EventKind::PermissionRequest => de(payload).map(EventBody::PermissionRequest),
+            EventKind::PermissionResolved => de(payload).map(EventBody::PermissionResolved),
+            EventKind::TurnFailed => de(payload).map(EventBody::TurnFailed),
+            EventKind::MemoryExtracted => de(payload).map(EventBody::MemoryExtracted),
+        };
+        body.map_err(|source| DecodeError::Payload { kind, seq, source })
+    }
+
+    /// Decodes with the kind given as text (as stored, or as sent on the bus).
+    pub fn decode_str(kind: &str, payload: &Value, seq: i64) -> Result<Self, DecodeError> {
+        Self::decode(kind.parse()?, payload, seq)
+    }
+
+    /// The payload as JSON (the shape producers send and the log stores).
+    pub fn to_payload(&self) -> Value {
+        let v = match self {
+            EventBody::SessionStarted(p) => serde_json::to_value(p),
+            EventBody::UserMessage(p) => serde_json::to_value(p),
+            EventBody::AssistantTurn(p) => serde_json::to_value(p),
+            EventBody::ToolExecution(p) => serde_json::to_value(p),
+            EventBody::TurnMemory(p) => serde_json::to_value(p),
+            EventBody::CompactionApplied(p) => serde_json::to_value(p),
+            EventBody::PendingState(p) => serde_json::to_value(p),
+            EventBody::PermissionRequest(p) => serde_json::to_value(p),
+            EventBody::PermissionResolved(p) => serde_json::to_value(p),
+            EventBody::TurnFailed(p) => serde_json::to_value(p),
+            EventBody::MemoryExtracted(p) => serde_json::to_value(p),
+        };
+        // Plain structs of strings, numbers and JSON values always serialize.
+        v.unwrap_or(Value::Null)
+    }
+}
+
+/// One committed event of a session's log.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub seq: i64,
+    pub event_id: EventId,
+    pub created_at: DateTime<Utc>,
+    pub body: EventBody,
+}
+
+impl Event {
+    pub fn kind(&self) -> EventKind {
+        self.body.kind()
+    }
+
+    /// Decodes a stored row; the error names the kind and the seq.
+    pub fn decode(
+        seq: i64,
+        event_id: EventId,
+        kind: &str,
+        payload: &Value,
+        created_at: DateTime<Utc>,
+    ) -> Result<Self, DecodeError> {
+        Ok(Self { seq, event_id, created_at, body: EventBody::decode_str(kind, payload, seq)? })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn every_kind_round_trips_its_name() {
+        for k in EventKind::ALL {
+            assert_eq!(k.as_str().parse::<EventKind>().unwrap(), k);
+            assert_eq!(serde_json::to_value(k).unwrap(), json!(k.as_str()));
+        }
+        assert!("user_msg".parse::<EventKind>().is_err());
+    }
+
+    #[test]
+    fn unknown_fields_and_missing_optionals_are_tolerated() {
+        let body = EventBody::decode(
+            EventKind::UserMessage,
+            &json!({"text": "hi", "future_field": {"x": 1}}),
+            3,
+        )
+        .unwrap();
+        let EventBody::UserMessage(m) = body else { panic!("wrong variant") };
+        assert_eq!(m.text, "hi");
+        assert!(m.images.is_empty() && m.documents.is_empty() && m.category.is_none());
+
+        let turn = EventBody::decode(EventKind::AssistantTurn, &json!({}), 4).unwrap();
+        assert!(matches!(turn, EventBody::AssistantTurn(_)));
+
+        let blocks = json!({"ui": {"blocks": [{"type": "hologram", "text": "?"}]}});
+        let EventBody::AssistantTurn(t) = EventBody::decode(EventKind::AssistantTurn, &blocks, 5).unwrap()
+        else {
+            panic!("wrong variant")
+        };
+        assert_eq!(t.ui.blocks[0].kind, BlockType::Other);
+    }
+
+    #[test]
+    fn decode_error_names_kind_and_seq() {
+        let err = EventBody::decode(EventKind::UserMessage, &json!({"text": 5}), 42).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("user_message") && msg.contains("42"), "{msg}");
+        let err = EventBody::decode_str("nope", &json!({}), 1).unwrap_err();
+        assert!(err.to_string().contains("nope"));
+    }
+
+    #[test]
+    fn payloads_round_trip() {
+        let body = EventBody::PendingState(PendingState {
+            partial: "half an answ".into(),
+            attempt_id: Some("a1".into()),
+            reason: Some(PendingReason::Stopped),
+        });
+        let v = body.to_payload();
+        assert_eq!(v, json!({"partial": "half an answ", "attempt_id": "a1", "reason": "stopped"}));
+        assert_eq!(EventBody::decode(EventKind::PendingState, &v, 1).unwrap(), body);
+    }
+
+    #[test]
+    fn llm_content_accepts_string_or_parts() {
+        let t: LlmMessage = serde_json::from_value(json!({"role": "assistant", "content": "x"})).unwrap();
+        assert_eq!(t.content.unwrap().text(), "x");
+        let t: LlmMessage =
+            serde_json::from_value(json!({"content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}))
+                .unwrap();
+        assert_eq!(t.content.unwrap().text(), "ab");
+    }
+}

@@ -1,0 +1,154 @@
+//! Validated identifiers. Raw strings are parsed into these at the edge (HTTP, bus) so
+//! nothing inside the services handles an unchecked id.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+macro_rules! uuid_newtype {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(transparent)]
+        pub struct $name(pub Uuid);
+
+        impl $name {
+            /// A new time-ordered (v7) id.
+            pub fn new() -> Self {
+                Self(Uuid::now_v7())
+            }
+            pub fn as_uuid(&self) -> Uuid {
+                self.0
+            }
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self::new()
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = IdError;
+            fn from_str(s: &str) -> Result<Self, IdError> {
+                Uuid::parse_str(s).map(Self).map_err(|_| IdError {
+                    what: stringify!($name),
+                    value: s.chars().take(64).collect(),
+                })
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.fmt(f)
+            }
+        }
+
+        impl From<Uuid> for $name {
+            fn from(u: Uuid) -> Self {
+                Self(u)
+            }
+        }
+    };
+}
+
+uuid_newtype!(
+    /// A chat session.
+    SessionId
+);
+uuid_newtype!(
+    /// One event, chosen by its producer; the writer deduplicates on it.
+    EventId
+);
+
+impl EventId {
+    /// A deterministic id for an event derived from another one (a worker's output for a
+    /// given turn), so a redelivered input produces the same id and the writer drops it.
+    pub fn derived(session: SessionId, seq: i64, purpose: &str) -> Self {
+        let name = format!("{session}:{seq}:{purpose}");
+        Self(Uuid::new_v5(&DERIVED_NAMESPACE, name.as_bytes()))
+    }
+}
+
+const DERIVED_NAMESPACE: Uuid = Uuid::from_u128(0x6f1c_2a4e_8d3b_4c57_9e21_0b7a_5d4c_3f10);
+
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("invalid {what}: {value:?} is not a UUID")]
+pub struct IdError {
+    pub what: &'static str,
+    pub value: String,
+}
+
+/// The owner a session belongs to (an API token maps to one). Non-empty, at most 128
+/// bytes, printable ASCII without whitespace so it can travel in subjects and logs.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Owner(String);
+
+impl Owner {
+    pub const MAX_LEN: usize = 128;
+
+    pub fn parse(s: &str) -> Result<Self, OwnerError> {
+        if s.is_empty() || s.len() > Self::MAX_LEN || !s.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(OwnerError(s.chars().take(64).collect()));
+        }
+        Ok(Self(s.to_owned()))
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("invalid owner {0:?}: 1-128 printable ASCII characters without spaces")]
+pub struct OwnerError(String);
+
+impl TryFrom<String> for Owner {
+    type Error = OwnerError;
+    fn try_from(s: String) -> Result<Self, OwnerError> {
+        Self::parse(&s)
+    }
+}
+
+impl From<Owner> for String {
+    fn from(o: Owner) -> String {
+        o.0
+    }
+}
+
+impl fmt::Display for Owner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_id_rejects_garbage_and_names_it() {
+        let err = "not-a-uuid".parse::<SessionId>().unwrap_err();
+        assert!(err.to_string().contains("SessionId"), "{err}");
+        assert!("0190a0e4-3b1c-7cc1-9a2b-5f0e3d2c1b0a".parse::<SessionId>().is_ok());
+    }
+
+    #[test]
+    fn derived_event_ids_are_deterministic_and_distinct() {
+        let s = SessionId::new();
+        assert_eq!(EventId::derived(s, 7, "turn_memory"), EventId::derived(s, 7, "turn_memory"));
+        assert_ne!(EventId::derived(s, 7, "turn_memory"), EventId::derived(s, 7, "memory_extracted"));
+        assert_ne!(EventId::derived(s, 7, "turn_memory"), EventId::derived(s, 8, "turn_memory"));
+    }
+
+    #[test]
+    fn owner_validation() {
+        assert!(Owner::parse("alice").is_ok());
+        assert!(Owner::parse("").is_err());
+        assert!(Owner::parse("has space").is_err());
+        assert!(Owner::parse(&"x".repeat(129)).is_err());
+        assert!(serde_json::from_str::<Owner>("\"bad owner\"").is_err());
+    }
+}

@@ -1,0 +1,74 @@
+//! Token counting with OpenAI's o200k_base encoding. The encoder is loaded once per
+//! process; counts of the log's events are computed once (by the writer, stored beside
+//! each event) so sizing a request sums the live tail instead of re-encoding history.
+
+use crate::message::ChatMessage;
+
+/// Tokens every message costs beyond its text (role and framing), as OpenAI counts them.
+pub const MESSAGE_OVERHEAD: u32 = 4;
+/// Tokens a request costs beyond its messages (the primed assistant reply).
+pub const REQUEST_OVERHEAD: u32 = 3;
+/// Share of the model's context window a request may fill; the rest is for the answer.
+pub const BUDGET_PERCENT: u32 = 60;
+/// Budget when no window is known for the model (`TURNLOG_CONTEXT_BUDGET`'s default).
+pub const DEFAULT_BUDGET: u32 = 60_000;
+
+fn bpe() -> &'static tiktoken_rs::CoreBPE {
+    tiktoken_rs::o200k_base_singleton()
+}
+
+/// Loads the encoder now (it takes a moment) instead of on the first request.
+pub fn warm_up() {
+    let _ = bpe();
+}
+
+/// o200k_base token ids of `text`, special-token text counted as ordinary text.
+pub fn encode(text: &str) -> Vec<u32> {
+    bpe().encode_ordinary(text)
+}
+
+pub fn count(text: &str) -> u32 {
+    if text.is_empty() {
+        return 0;
+    }
+    u32::try_from(encode(text).len()).unwrap_or(u32::MAX)
+}
+
+/// A message's cost in a request: its texts plus the per-message overhead. Image
+/// references are not counted (providers bill images separately).
+pub fn message_tokens(m: &ChatMessage) -> u32 {
+    m.texts().map(count).fold(MESSAGE_OVERHEAD, u32::saturating_add)
+}
+
+/// The whole request: every message plus the request overhead.
+pub fn request_tokens<'a>(messages: impl IntoIterator<Item = &'a ChatMessage>) -> u32 {
+    messages.into_iter().map(message_tokens).fold(REQUEST_OVERHEAD, u32::saturating_add)
+}
+
+/// 60% of the model's window, or the fallback budget when the window is unknown.
+pub fn budget_for(window: Option<u32>, fallback: u32) -> u32 {
+    match window {
+        Some(w) if w > 0 => (u64::from(w) * u64::from(BUDGET_PERCENT) / 100) as u32,
+        _ => fallback,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::Role;
+
+    #[test]
+    fn budget_is_sixty_percent_of_window_else_fallback() {
+        assert_eq!(budget_for(Some(128_000), DEFAULT_BUDGET), 76_800);
+        assert_eq!(budget_for(None, 4_000), 4_000);
+        assert_eq!(budget_for(Some(0), 4_000), 4_000);
+    }
+
+    #[test]
+    fn message_cost_includes_overhead() {
+        let m = ChatMessage::text(Role::User, "hello world");
+        assert_eq!(message_tokens(&m), MESSAGE_OVERHEAD + 2);
+        assert_eq!(request_tokens([&m, &m]), REQUEST_OVERHEAD + 2 * (MESSAGE_OVERHEAD + 2));
+    }
+}
