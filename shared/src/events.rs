@@ -461,12 +461,9 @@ mod tests {
 
     #[test]
     fn unknown_fields_and_missing_optionals_are_tolerated() {
-        let body = EventBody::decode(
-            EventKind::UserMessage,
-            &json!({"text": "hi", "future_field": {"x": 1}}),
-            3,
-        )
-        .unwrap();
+        let body =
+            EventBody::decode(EventKind::UserMessage, &json!({"text": "hi", "future_field": {"x": 1}}), 3)
+                .unwrap();
         let EventBody::UserMessage(m) = body else { panic!("wrong variant") };
         assert_eq!(m.text, "hi");
         assert!(m.images.is_empty() && m.documents.is_empty() && m.category.is_none());
@@ -507,9 +504,10 @@ mod tests {
     fn llm_content_accepts_string_or_parts() {
         let t: LlmMessage = serde_json::from_value(json!({"role": "assistant", "content": "x"})).unwrap();
         assert_eq!(t.content.unwrap().text(), "x");
-        let t: LlmMessage =
-            serde_json::from_value(json!({"content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}))
-                .unwrap();
+        let t: LlmMessage = serde_json::from_value(
+            json!({"content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}),
+        )
+        .unwrap();
         assert_eq!(t.content.unwrap().text(), "ab");
     }
 }

@@ -2,11 +2,19 @@
 //! of a session's log (what the model sees, what the user sees), compaction planning,
 //! token budgeting and request assembly. Pure logic here has no I/O and no clock.
 
+pub mod budget;
+pub mod compaction;
 pub mod events;
 pub mod ids;
+pub mod llm_context;
+pub mod log_builder;
 pub mod message;
+pub mod request;
 pub mod tokens;
+pub mod ui_transcript;
 
 pub use events::{Event, EventBody, EventKind};
 pub use ids::{EventId, Owner, SessionId};
+pub use llm_context::{llm_context, ProjectedMessage};
 pub use message::{ChatMessage, Content, ContentPart, Role};
+pub use ui_transcript::{ui_transcript, TranscriptItem};

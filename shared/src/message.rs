@@ -15,9 +15,14 @@ pub enum Role {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ContentPart {
-    Text { text: String },
+    Text {
+        text: String,
+    },
     /// An image stored elsewhere, by id; never its bytes.
-    ImageRef { id: String, mime: String },
+    ImageRef {
+        id: String,
+        mime: String,
+    },
 }
 
 /// Content is a plain string unless the message carries images or several blocks.

@@ -2,16 +2,14 @@
 //! process; counts of the log's events are computed once (by the writer, stored beside
 //! each event) so sizing a request sums the live tail instead of re-encoding history.
 
+use crate::events::EventBody;
+use crate::llm_context::project_event;
 use crate::message::ChatMessage;
 
 /// Tokens every message costs beyond its text (role and framing), as OpenAI counts them.
 pub const MESSAGE_OVERHEAD: u32 = 4;
 /// Tokens a request costs beyond its messages (the primed assistant reply).
 pub const REQUEST_OVERHEAD: u32 = 3;
-/// Share of the model's context window a request may fill; the rest is for the answer.
-pub const BUDGET_PERCENT: u32 = 60;
-/// Budget when no window is known for the model (`TURNLOG_CONTEXT_BUDGET`'s default).
-pub const DEFAULT_BUDGET: u32 = 60_000;
 
 fn bpe() -> &'static tiktoken_rs::CoreBPE {
     tiktoken_rs::o200k_base_singleton()
@@ -45,25 +43,16 @@ pub fn request_tokens<'a>(messages: impl IntoIterator<Item = &'a ChatMessage>) -
     messages.into_iter().map(message_tokens).fold(REQUEST_OVERHEAD, u32::saturating_add)
 }
 
-/// 60% of the model's window, or the fallback budget when the window is unknown.
-pub fn budget_for(window: Option<u32>, fallback: u32) -> u32 {
-    match window {
-        Some(w) if w > 0 => (u64::from(w) * u64::from(BUDGET_PERCENT) / 100) as u32,
-        _ => fallback,
-    }
+/// The per-event count stored beside each event: what the event costs when it projects
+/// (a pending as if live), 0 for kinds that never project.
+pub fn event_tokens(body: &EventBody) -> u32 {
+    project_event(body).map_or(0, |m| message_tokens(&m))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::message::Role;
-
-    #[test]
-    fn budget_is_sixty_percent_of_window_else_fallback() {
-        assert_eq!(budget_for(Some(128_000), DEFAULT_BUDGET), 76_800);
-        assert_eq!(budget_for(None, 4_000), 4_000);
-        assert_eq!(budget_for(Some(0), 4_000), 4_000);
-    }
 
     #[test]
     fn message_cost_includes_overhead() {

@@ -1,0 +1,90 @@
+//! How big a session's next request is, decided from the per-event token counts stored
+//! beside the log: a sum over the live tail, never a re-encode of the history.
+
+use crate::events::{Event, EventKind};
+use crate::tokens::{event_tokens, REQUEST_OVERHEAD};
+
+/// Share of the model's context window a request may fill; the rest is for the answer.
+pub const BUDGET_PERCENT: u32 = 60;
+/// Budget when no window is known for the model (`TURNLOG_CONTEXT_BUDGET`'s default).
+pub const DEFAULT_BUDGET: u32 = 60_000;
+
+/// 60% of the model's window, or the fallback budget when the window is unknown.
+pub fn budget_for(window: Option<u32>, fallback: u32) -> u32 {
+    match window {
+        Some(w) if w > 0 => (u64::from(w) * u64::from(BUDGET_PERCENT) / 100) as u32,
+        _ => fallback,
+    }
+}
+
+/// An event as the budget sees it: its kind, its cached token count and, for a
+/// compaction, its boundary. This is what the read side loads for the live tail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CountedEvent {
+    pub seq: i64,
+    pub kind: EventKind,
+    pub tokens: u32,
+    /// `replaces_through_seq` of a `compaction_applied`.
+    pub replaces_through: Option<i64>,
+}
+
+impl CountedEvent {
+    /// Counts an event (done once, when it is written).
+    pub fn of(e: &Event) -> Self {
+        let replaces_through = match &e.body {
+            crate::EventBody::CompactionApplied(c) => Some(c.replaces_through_seq),
+            _ => None,
+        };
+        Self { seq: e.seq, kind: e.kind(), tokens: event_tokens(&e.body), replaces_through }
+    }
+}
+
+/// Tokens of the projected history (the messages of `llm_context`, without the request
+/// overhead), from cached counts. Applies the same rules as the projection: the newest
+/// compaction's summary, everything projecting after its boundary, and only the live
+/// pending. Works on the whole log or on its live tail; events in seq order.
+pub fn history_tokens(events: &[CountedEvent]) -> u32 {
+    let compaction = events.iter().rev().find(|e| e.kind == EventKind::CompactionApplied);
+    let boundary = compaction.and_then(|c| c.replaces_through).unwrap_or(0);
+    let mut total = compaction.map_or(0, |c| c.tokens);
+    let mut live_pending_found = false;
+    let mut answered_after = false;
+    // Walk backwards so the live pending is known in the same pass.
+    for e in events.iter().rev().take_while(|e| e.seq > boundary) {
+        match e.kind {
+            EventKind::UserMessage | EventKind::TurnMemory | EventKind::TurnFailed => {
+                total = total.saturating_add(e.tokens)
+            }
+            EventKind::AssistantTurn => {
+                answered_after = true;
+                total = total.saturating_add(e.tokens);
+            }
+            EventKind::PendingState if !live_pending_found => {
+                live_pending_found = true;
+                if !answered_after {
+                    total = total.saturating_add(e.tokens);
+                }
+            }
+            _ => {}
+        }
+    }
+    total
+}
+
+/// The whole next request: system prompt and per-turn extras (`reserve_tokens`, already
+/// counted with their message overhead) plus the history plus the request overhead.
+pub fn request_size(history: u32, reserve_tokens: u32) -> u32 {
+    history.saturating_add(reserve_tokens).saturating_add(REQUEST_OVERHEAD)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budget_is_sixty_percent_of_window_else_fallback() {
+        assert_eq!(budget_for(Some(128_000), DEFAULT_BUDGET), 76_800);
+        assert_eq!(budget_for(None, 4_000), 4_000);
+        assert_eq!(budget_for(Some(0), 4_000), 4_000);
+    }
+}

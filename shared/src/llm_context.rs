@@ -1,0 +1,171 @@
+//! What the model sees: a pure projection of a session's events into chat messages.
+//! Appending an event only ever extends this list (prefix stability, so provider prompt
+//! caches keep hitting); only a new compaction moves the prefix, and the live pending
+//! disappears when its turn's successor completes.
+
+use crate::events::{
+    AssistantTurn, CompactionApplied, Event, EventBody, PendingReason, PendingState, TurnFailed, TurnMemory,
+    UserMessage,
+};
+use crate::message::{ChatMessage, Content, ContentPart, Role};
+
+/// First line of the user-role message that stands for everything a compaction replaced.
+pub const SUMMARY_MARKER: &str = "[Summary of the earlier conversation; it replaces those messages]";
+/// Ends the live pending when its answer was cut off by a fault.
+pub const INTERRUPTED_NOTE: &str = "[this response was interrupted mid-stream; continue from it]";
+/// Ends the live pending when the user stopped it.
+pub const STOPPED_NOTE: &str = "[this response was stopped by the user]";
+
+/// Which event a projected message came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The newest compaction's summary, standing for everything up to its boundary.
+    Summary,
+    User,
+    Assistant,
+    /// The newest unsuperseded partial answer.
+    LivePending,
+    TurnMemory,
+    TurnFailed,
+}
+
+/// One message of the model's history and the event it came from. For the summary, `seq`
+/// is the compaction's boundary (`replaces_through_seq`), so seqs rise along the list.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProjectedMessage {
+    pub seq: i64,
+    pub source: Source,
+    pub message: ChatMessage,
+}
+
+/// The model's history: the newest compaction's summary, then every projecting event after
+/// its boundary in seq order. Accepts the whole log or just its live tail (the newest
+/// compaction and the events after its boundary) — both give the same result. Events must
+/// be in seq order. Never trims to a budget: the compactor enforces the budget.
+pub fn llm_context(events: &[Event]) -> Vec<ProjectedMessage> {
+    let compaction = newest_compaction(events);
+    let boundary = compaction.map_or(0, |(_, c)| c.replaces_through_seq);
+    let live_pending = live_pending_seq(events);
+
+    let mut out = Vec::new();
+    if let Some((_, c)) = compaction {
+        out.push(ProjectedMessage { seq: boundary, source: Source::Summary, message: summary_message(c) });
+    }
+    for e in events.iter().filter(|e| e.seq > boundary) {
+        let projected = match &e.body {
+            EventBody::PendingState(p) if Some(e.seq) == live_pending => {
+                Some((Source::LivePending, pending_message(p)))
+            }
+            EventBody::UserMessage(m) => Some((Source::User, user_message(m))),
+            EventBody::AssistantTurn(t) => Some((Source::Assistant, assistant_message(t))),
+            EventBody::TurnMemory(m) => turn_memory_note(m).map(|n| (Source::TurnMemory, n)),
+            EventBody::TurnFailed(f) => Some((Source::TurnFailed, turn_failed_note(f))),
+            _ => None,
+        };
+        if let Some((source, message)) = projected {
+            out.push(ProjectedMessage { seq: e.seq, source, message });
+        }
+    }
+    out
+}
+
+/// Just the messages of [`llm_context`].
+pub fn llm_messages(events: &[Event]) -> Vec<ChatMessage> {
+    llm_context(events).into_iter().map(|p| p.message).collect()
+}
+
+/// The newest `compaction_applied` event and its payload.
+pub fn newest_compaction(events: &[Event]) -> Option<(i64, &CompactionApplied)> {
+    events.iter().rev().find_map(|e| match &e.body {
+        EventBody::CompactionApplied(c) => Some((e.seq, c)),
+        _ => None,
+    })
+}
+
+/// The seq of the pending that projects, if any: the newest `pending_state`, unless an
+/// `assistant_turn` follows it or the newest compaction covers it. A later user message
+/// does not supersede it — the question after an interruption must still see the partial.
+pub fn live_pending_seq(events: &[Event]) -> Option<i64> {
+    let boundary = newest_compaction(events).map_or(0, |(_, c)| c.replaces_through_seq);
+    for e in events.iter().rev() {
+        match e.body {
+            EventBody::AssistantTurn(_) => return None,
+            EventBody::PendingState(_) => return (e.seq > boundary).then_some(e.seq),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The message a live event projects to, or None when the kind never projects (or a turn
+/// memory is empty). A pending always renders as live here; whether it is live is the
+/// caller's business. This is what per-event token counts are computed from.
+pub fn project_event(body: &EventBody) -> Option<ChatMessage> {
+    match body {
+        EventBody::UserMessage(m) => Some(user_message(m)),
+        EventBody::AssistantTurn(t) => Some(assistant_message(t)),
+        EventBody::TurnMemory(m) => turn_memory_note(m),
+        EventBody::TurnFailed(f) => Some(turn_failed_note(f)),
+        EventBody::PendingState(p) => Some(pending_message(p)),
+        EventBody::CompactionApplied(c) => Some(summary_message(c)),
+        _ => None,
+    }
+}
+
+fn summary_message(c: &CompactionApplied) -> ChatMessage {
+    ChatMessage::text(Role::User, format!("{SUMMARY_MARKER}\n{}", c.summary))
+}
+
+/// Document markdown rides as text blocks after the message; images stay references.
+fn user_message(m: &UserMessage) -> ChatMessage {
+    if m.documents.is_empty() && m.images.is_empty() {
+        return ChatMessage::text(Role::User, m.text.clone());
+    }
+    let mut parts = vec![ContentPart::Text { text: m.text.clone() }];
+    parts.extend(
+        m.documents
+            .iter()
+            .map(|d| ContentPart::Text { text: format!("[document {} ({})]\n{}", d.id, d.mime, d.markdown) }),
+    );
+    parts.extend(m.images.iter().map(|i| ContentPart::ImageRef { id: i.id.clone(), mime: i.mime.clone() }));
+    ChatMessage { role: Role::User, content: Content::Parts(parts) }
+}
+
+fn assistant_message(t: &AssistantTurn) -> ChatMessage {
+    let text = match &t.llm.message.content {
+        Some(c) => c.text(),
+        None => t.ui_text(),
+    };
+    ChatMessage::text(Role::Assistant, text)
+}
+
+fn pending_message(p: &PendingState) -> ChatMessage {
+    let note = match p.reason.unwrap_or_default() {
+        PendingReason::Interrupted => INTERRUPTED_NOTE,
+        PendingReason::Stopped => STOPPED_NOTE,
+    };
+    let text = if p.partial.is_empty() { note.to_owned() } else { format!("{}\n\n{note}", p.partial) };
+    ChatMessage::text(Role::Assistant, text)
+}
+
+/// A user-role note, never assistant-role: models imitate what they seem to have written.
+fn turn_memory_note(m: &TurnMemory) -> Option<ChatMessage> {
+    if m.is_empty() {
+        return None;
+    }
+    let mut text = format!("[turn memory of turn #{}]", m.turn_seq);
+    if !m.files_changed.is_empty() {
+        text.push_str(&format!("\nfiles changed: {}", m.files_changed.join(", ")));
+    }
+    for f in &m.failures {
+        text.push_str(&format!("\nfailed: {} — {}", f.what, f.why));
+    }
+    for k in &m.key_findings {
+        text.push_str(&format!("\nfinding: {k}"));
+    }
+    Some(ChatMessage::text(Role::User, text))
+}
+
+fn turn_failed_note(f: &TurnFailed) -> ChatMessage {
+    ChatMessage::text(Role::User, format!("[previous turn failed: {}: {}]", f.code, f.message))
+}

@@ -1,0 +1,68 @@
+//! Request assembly: a stable system prompt, then the history, then this turn's extras.
+//! Extras (recalled memories, the date) change every turn, so they go after the whole
+//! history — anything that changes early in a request breaks the provider's prompt cache
+//! for everything after it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::message::{ChatMessage, Role};
+use crate::tokens::message_tokens;
+
+/// Opens the per-turn extras message.
+pub const EXTRAS_MARKER: &str = "[context for this turn; not part of the conversation]";
+
+/// Per-turn material that is not stored in the log.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Extras {
+    /// Today's date as the model should read it, e.g. "2026-11-29 (Sunday)".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub date: Option<String>,
+    /// Recalled long-term memories, most relevant first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub memories: Vec<String>,
+}
+
+impl Extras {
+    pub fn is_empty(&self) -> bool {
+        self.date.is_none() && self.memories.is_empty()
+    }
+
+    /// The user-role message that carries the extras, or None when there are none.
+    pub fn message(&self) -> Option<ChatMessage> {
+        if self.is_empty() {
+            return None;
+        }
+        let mut text = EXTRAS_MARKER.to_owned();
+        if let Some(date) = &self.date {
+            text.push_str(&format!("\ntoday: {date}"));
+        }
+        if !self.memories.is_empty() {
+            text.push_str("\nremembered from earlier conversations:");
+            for m in &self.memories {
+                text.push_str(&format!("\n- {m}"));
+            }
+        }
+        Some(ChatMessage::text(Role::User, text))
+    }
+}
+
+/// The messages of one request: system prompt, history, extras last.
+pub fn assemble(system_prompt: &str, history: Vec<ChatMessage>, extras: &Extras) -> Vec<ChatMessage> {
+    let mut out = Vec::with_capacity(history.len() + 2);
+    if !system_prompt.is_empty() {
+        out.push(ChatMessage::text(Role::System, system_prompt));
+    }
+    out.extend(history);
+    out.extend(extras.message());
+    out
+}
+
+/// What the system prompt and extras add to a request (the compactor's `reserve_tokens`).
+pub fn reserve_tokens(system_prompt: &str, extras: &Extras) -> u32 {
+    let system = if system_prompt.is_empty() {
+        0
+    } else {
+        message_tokens(&ChatMessage::text(Role::System, system_prompt))
+    };
+    system.saturating_add(extras.message().map_or(0, |m| message_tokens(&m)))
+}
