@@ -3,15 +3,20 @@
 //! token budgeting and request assembly. Pure logic here has no I/O and no clock.
 
 pub mod budget;
+pub mod bus;
 pub mod compaction;
+pub mod db;
 pub mod events;
 pub mod ids;
+pub mod lease;
 pub mod llm_context;
 pub mod log_builder;
 pub mod message;
+pub mod read;
 pub mod request;
 pub mod tokens;
 pub mod ui_transcript;
+pub mod upstream;
 
 pub use events::{Event, EventBody, EventKind};
 pub use ids::{EventId, Owner, SessionId};

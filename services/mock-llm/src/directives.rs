@@ -1,0 +1,151 @@
+//! The knobs that shape one mock answer: server defaults from [`crate::MockConfig`],
+//! overridden per request by `[mock key=value flag ...]` directives in the last user
+//! message.
+
+/// How the mock answers a request. Every field is also a directive key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Knobs {
+    /// `words=N`: words in a chat reply.
+    pub words: usize,
+    /// `delay_ms=N`: pause before every delta.
+    pub delay_ms: u64,
+    /// `reasoning=N`: `reasoning_content` deltas before the text.
+    pub reasoning: usize,
+    /// `fail_after=N`: drop the connection after N deltas.
+    pub fail_after: Option<usize>,
+    /// `stall_after=N`: after N deltas send nothing more, keeping the connection open.
+    pub stall_after: Option<usize>,
+    /// `no_done`: end the stream without `data: [DONE]`.
+    pub no_done: bool,
+    /// `status=N`: answer HTTP N (400–599) with an OpenAI-style error body.
+    pub status: Option<u16>,
+    /// `hang`: accept the request and never answer it.
+    pub hang: bool,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Self {
+            words: 24,
+            delay_ms: 0,
+            reasoning: 0,
+            fail_after: None,
+            stall_after: None,
+            no_done: false,
+            status: None,
+            hang: false,
+        }
+    }
+}
+
+const OPEN: &str = "[mock";
+
+impl Knobs {
+    /// These knobs with every directive in `text` applied; an unknown key or bad value is
+    /// an error, so a typo in a test fails loudly instead of being ignored.
+    pub fn with_directives(mut self, text: &str) -> Result<Self, String> {
+        for directive in directives(text) {
+            for setting in directive.split_whitespace() {
+                self.apply(setting)?;
+            }
+        }
+        Ok(self)
+    }
+
+    fn apply(&mut self, setting: &str) -> Result<(), String> {
+        let (key, value) = match setting.split_once('=') {
+            Some((key, value)) => (key, Some(value)),
+            None => (setting, None),
+        };
+        let number = |value: Option<&str>| -> Result<u64, String> {
+            value
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| format!("mock directive `{setting}` needs a number"))
+        };
+        match key {
+            "words" => self.words = number(value)? as usize,
+            "delay_ms" => self.delay_ms = number(value)?,
+            "reasoning" => self.reasoning = number(value)? as usize,
+            "fail_after" => self.fail_after = Some(number(value)? as usize),
+            "stall_after" => self.stall_after = Some(number(value)? as usize),
+            "status" => {
+                let status = number(value)?;
+                if !(400..=599).contains(&status) {
+                    return Err(format!("mock directive `{setting}`: status must be 400–599"));
+                }
+                self.status = Some(status as u16);
+            }
+            "no_done" if value.is_none() => self.no_done = true,
+            "hang" if value.is_none() => self.hang = true,
+            _ => return Err(format!("unknown mock directive `{setting}`")),
+        }
+        Ok(())
+    }
+}
+
+/// The insides of every `[mock ...]` in `text`.
+fn directives(text: &str) -> impl Iterator<Item = &str> {
+    text.match_indices(OPEN).filter_map(move |(start, _)| {
+        let rest = &text[start + OPEN.len()..];
+        let end = rest.find(']')?;
+        let inside = &rest[..end];
+        // `[mockery]` is not a directive.
+        (inside.is_empty() || inside.starts_with(char::is_whitespace)).then_some(inside)
+    })
+}
+
+/// `text` without its directives, so they never leak into replies, titles or summaries.
+pub fn strip_directives(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(start) = rest.find(OPEN) {
+        let after = &rest[start + OPEN.len()..];
+        match after.find(']') {
+            Some(end) if after[..end].is_empty() || after.starts_with(char::is_whitespace) => {
+                out.push_str(&rest[..start]);
+                rest = &after[end + 1..];
+            }
+            _ => {
+                out.push_str(&rest[..start + OPEN.len()]);
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn directives_override_defaults() {
+        let knobs = Knobs::default()
+            .with_directives("hi [mock words=3 delay_ms=5 reasoning=2 fail_after=1 no_done]")
+            .unwrap();
+        assert_eq!(knobs.words, 3);
+        assert_eq!(knobs.delay_ms, 5);
+        assert_eq!(knobs.reasoning, 2);
+        assert_eq!(knobs.fail_after, Some(1));
+        assert!(knobs.no_done);
+        assert!(!knobs.hang);
+        let knobs = Knobs::default().with_directives("[mock status=503] [mock hang]").unwrap();
+        assert_eq!(knobs.status, Some(503));
+        assert!(knobs.hang);
+    }
+
+    #[test]
+    fn bad_directives_are_refused() {
+        for bad in ["[mock wrds=3]", "[mock words=many]", "[mock status=200]", "[mock hang=1]"] {
+            assert!(Knobs::default().with_directives(bad).is_err(), "{bad}");
+        }
+        assert_eq!(Knobs::default().with_directives("a [mockery] b").unwrap(), Knobs::default());
+    }
+
+    #[test]
+    fn stripping_removes_only_directives() {
+        assert_eq!(strip_directives("Hi [mock words=2] there [mockery]"), "Hi  there [mockery]");
+        assert_eq!(strip_directives("[mock] x [mock"), " x [mock");
+    }
+}

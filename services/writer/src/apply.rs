@@ -1,0 +1,376 @@
+//! Applying a batch of append requests to the sessions they touch, in stream order, in
+//! memory: what to insert and update, each request's outcome, and what goes to the dead
+//! letters. No I/O here; `store` loads the state and writes the result in one transaction.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use turnlog_core::bus::{
+    AppendRequest, CommittedEvent, DeadLetter, Op, Outcome, OutcomeStatus, MAX_EVENT_BYTES,
+};
+use turnlog_core::events::{EventBody, EventKind};
+use turnlog_core::ids::{Owner, SessionId};
+use turnlog_core::tokens::event_tokens;
+use uuid::Uuid;
+
+/// One TURNLOG_APPEND message as the writer received it.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    pub stream_seq: u64,
+    /// The stream's timestamp: every stored time comes from here, so a rebuild reproduces it.
+    pub published: DateTime<Utc>,
+    /// The session named by the subject (`None` when the subject is malformed).
+    pub subject_session: Option<SessionId>,
+    pub reply_to: Option<String>,
+    pub body: Bytes,
+}
+
+/// A session's row as the batch sees and changes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionRow {
+    pub id: SessionId,
+    pub owner: String,
+    pub title: Option<String>,
+    pub archived: bool,
+    pub last_category: Option<String>,
+    pub last_seq: i64,
+    pub compacted_through: Option<i64>,
+    pub compaction_seq: Option<i64>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone)]
+pub struct EventRow {
+    pub event: CommittedEvent,
+    pub tokens: i32,
+    pub stream_seq: i64,
+}
+
+#[derive(Debug, Clone)]
+pub struct MemoryRow {
+    pub id: Uuid,
+    pub owner: String,
+    pub session_id: SessionId,
+    pub turn_seq: i64,
+    pub text: String,
+    pub created_at: DateTime<Utc>,
+}
+
+/// Everything one batch does, ready to be written in one transaction.
+#[derive(Debug, Default)]
+pub struct BatchEffects {
+    /// Sessions this batch created (inserted) — their final state.
+    pub created: Vec<SessionRow>,
+    /// Existing sessions this batch changed — their final state.
+    pub updated: Vec<SessionRow>,
+    pub events: Vec<EventRow>,
+    /// Outcomes to record (new requests only; duplicates are answered, not recorded).
+    pub outcomes: Vec<(Outcome, Option<SessionId>)>,
+    pub memories: Vec<MemoryRow>,
+    /// A session deleted by this batch (a delete ends its batch).
+    pub deleted: Option<SessionId>,
+    pub dead: Vec<(Option<SessionId>, DeadLetter)>,
+    /// Outcomes to send after the commit.
+    pub replies: Vec<(String, Outcome)>,
+    /// The last stream sequence this batch consumed.
+    pub last_stream_seq: u64,
+    /// How many of the incoming messages this batch consumed (the rest wait for the next).
+    pub consumed: usize,
+}
+
+/// A request that cannot be applied: its dead-letter reason and detail.
+struct Refusal {
+    reason: &'static str,
+    detail: String,
+}
+
+fn refuse(reason: &'static str, detail: impl Into<String>) -> Refusal {
+    Refusal { reason, detail: detail.into() }
+}
+
+/// The state a batch needs from the database, loaded before applying it.
+#[derive(Debug, Default)]
+pub struct LoadedState {
+    pub sessions: HashMap<SessionId, SessionRow>,
+    pub outcomes: HashMap<Uuid, Outcome>,
+}
+
+/// Applies `batch` in order. Stops after a delete (so a batch deletes at most one session
+/// and nothing after it sees a half-deleted state); `consumed` says how far it got.
+pub fn apply_batch(batch: &[Incoming], mut state: LoadedState) -> BatchEffects {
+    let mut fx = BatchEffects::default();
+    let mut created: Vec<SessionId> = Vec::new();
+    let mut touched: Vec<SessionId> = Vec::new();
+
+    for msg in batch {
+        fx.consumed += 1;
+        fx.last_stream_seq = msg.stream_seq;
+        let req = match serde_json::from_slice::<AppendRequest>(&msg.body) {
+            Ok(r) => r,
+            Err(e) => {
+                dead_letter(
+                    &mut fx,
+                    msg,
+                    None,
+                    refuse("bad_request", format!("request does not decode: {e}")),
+                );
+                continue;
+            }
+        };
+        if let Some(prev) = state.outcomes.get(&req.request_id) {
+            let dup = Outcome { status: OutcomeStatus::Duplicate, ..prev.clone() };
+            if let Some(r) = &msg.reply_to {
+                fx.replies.push((r.clone(), dup));
+            }
+            continue;
+        }
+        let known = state.sessions.contains_key(&req.session_id).then_some(req.session_id);
+        let result = apply_one(&req, msg, &mut state.sessions, &mut fx);
+        let outcome = match result {
+            Ok(Applied { seq, rejected }) => Outcome {
+                request_id: req.request_id,
+                status: if rejected.is_some() { OutcomeStatus::Rejected } else { OutcomeStatus::Committed },
+                seq,
+                reason: rejected.map(str::to_owned),
+            },
+            Err(refusal) => {
+                let reason = refusal.reason;
+                dead_letter(&mut fx, msg, known, refusal);
+                Outcome {
+                    request_id: req.request_id,
+                    status: OutcomeStatus::Rejected,
+                    seq: None,
+                    reason: Some(reason.into()),
+                }
+            }
+        };
+        if outcome.status == OutcomeStatus::Committed {
+            match req.op {
+                Op::Create => created.push(req.session_id),
+                Op::Delete => fx.deleted = Some(req.session_id),
+                Op::Append | Op::Update => touched.push(req.session_id),
+            }
+        }
+        state.outcomes.insert(req.request_id, outcome.clone());
+        fx.outcomes.push((outcome.clone(), Some(req.session_id)));
+        if let Some(r) = &msg.reply_to {
+            fx.replies.push((r.clone(), outcome));
+        }
+        if fx.deleted.is_some() {
+            break;
+        }
+    }
+
+    for id in &created {
+        if let Some(row) = state.sessions.get(id) {
+            if !fx.created.iter().any(|r| r.id == *id) {
+                fx.created.push(row.clone());
+            }
+        }
+    }
+    for id in &touched {
+        if created.contains(id) || fx.updated.iter().any(|r| r.id == *id) {
+            continue;
+        }
+        if let Some(row) = state.sessions.get(id) {
+            fx.updated.push(row.clone());
+        }
+    }
+    fx
+}
+
+struct Applied {
+    seq: Option<i64>,
+    /// A reason when the request was valid but its condition failed (no dead letter).
+    rejected: Option<&'static str>,
+}
+
+fn apply_one(
+    req: &AppendRequest,
+    msg: &Incoming,
+    sessions: &mut HashMap<SessionId, SessionRow>,
+    fx: &mut BatchEffects,
+) -> Result<Applied, Refusal> {
+    if msg.subject_session != Some(req.session_id) {
+        return Err(refuse("wrong_subject", "the request's session_id is not the one its subject names"));
+    }
+    Owner::parse(&req.owner).map_err(|e| refuse("bad_request", e.to_string()))?;
+    for text in [&req.title, &req.title_if_empty].into_iter().flatten() {
+        if text.contains('\0') {
+            return Err(refuse("unstorable_text", "title contains a NUL character"));
+        }
+    }
+    let now = msg.published;
+
+    if req.op == Op::Create {
+        if sessions.contains_key(&req.session_id) {
+            return Err(refuse("session_exists", "create for a session that already exists"));
+        }
+        let payload = match &req.title {
+            Some(t) => serde_json::json!({ "title": t }),
+            None => serde_json::json!({}),
+        };
+        let row = SessionRow {
+            id: req.session_id,
+            owner: req.owner.clone(),
+            title: req.title.clone(),
+            archived: false,
+            last_category: None,
+            last_seq: 0,
+            compacted_through: None,
+            compaction_seq: None,
+            created_at: now,
+            updated_at: now,
+        };
+        sessions.insert(req.session_id, row);
+        let seq = push_event(sessions, fx, req, msg, EventKind::SessionStarted, payload, 0);
+        return Ok(Applied { seq: Some(seq), rejected: None });
+    }
+
+    let Some(session) = sessions.get_mut(&req.session_id) else {
+        return Err(refuse("unknown_session", format!("no session {}", req.session_id)));
+    };
+    if session.owner != req.owner {
+        return Err(refuse(
+            "owner_mismatch",
+            format!("session belongs to another owner than {:?}", req.owner),
+        ));
+    }
+
+    match req.op {
+        // (create returned above)
+        Op::Create | Op::Delete => Ok(Applied { seq: None, rejected: None }),
+        Op::Update => {
+            if let Some(t) = &req.title {
+                session.title = Some(t.clone());
+            }
+            if let Some(t) = &req.title_if_empty {
+                if session.title.as_deref().is_none_or(|s| s.trim().is_empty()) {
+                    session.title = Some(t.clone());
+                }
+            }
+            if let Some(a) = req.archived {
+                session.archived = a;
+            }
+            Ok(Applied { seq: None, rejected: None })
+        }
+        Op::Append => {
+            let (Some(kind), Some(payload)) = (&req.kind, &req.payload) else {
+                return Err(refuse("bad_request", "append needs kind and payload"));
+            };
+            let kind: EventKind = kind
+                .parse()
+                .map_err(|e: turnlog_core::events::UnknownKind| refuse("unknown_kind", e.to_string()))?;
+            if kind == EventKind::SessionStarted {
+                return Err(refuse("unknown_kind", "session_started is written by create only"));
+            }
+            let body =
+                EventBody::decode(kind, payload, 0).map_err(|e| refuse("bad_payload", e.to_string()))?;
+            let size = serde_json::to_vec(payload).map_or(usize::MAX, |v| v.len());
+            if size > MAX_EVENT_BYTES {
+                return Err(refuse(
+                    "too_large",
+                    format!("event is {size} bytes; the limit is {MAX_EVENT_BYTES}"),
+                ));
+            }
+            if has_nul(payload) {
+                return Err(refuse("unstorable_text", "payload text contains a NUL character"));
+            }
+            if let Some(expect) = req.expect {
+                if expect.compacted_through != session.compacted_through {
+                    return Ok(Applied { seq: None, rejected: Some("expect_failed") });
+                }
+            }
+            let seq = session.last_seq + 1;
+            match &body {
+                EventBody::UserMessage(m) => {
+                    if m.category.is_some() {
+                        session.last_category = m.category.clone();
+                    }
+                }
+                EventBody::CompactionApplied(c) => {
+                    let after_previous = session.compacted_through.is_none_or(|b| c.replaces_through_seq > b);
+                    if c.replaces_through_seq < 1 || c.replaces_through_seq >= seq || !after_previous {
+                        return Err(refuse(
+                            "bad_payload",
+                            format!(
+                                "replaces_through_seq {} is outside the live log",
+                                c.replaces_through_seq
+                            ),
+                        ));
+                    }
+                    session.compacted_through = Some(c.replaces_through_seq);
+                    session.compaction_seq = Some(seq);
+                }
+                EventBody::MemoryExtracted(m) => {
+                    fx.memories.extend(m.memories.iter().map(|mem| MemoryRow {
+                        id: mem.id,
+                        owner: session.owner.clone(),
+                        session_id: req.session_id,
+                        turn_seq: m.turn_seq,
+                        text: mem.text.clone(),
+                        created_at: msg.published,
+                    }));
+                }
+                _ => {}
+            }
+            let tokens = i32::try_from(event_tokens(&body)).unwrap_or(i32::MAX);
+            let seq = push_event(sessions, fx, req, msg, kind, payload.clone(), tokens);
+            Ok(Applied { seq: Some(seq), rejected: None })
+        }
+    }
+}
+
+fn push_event(
+    sessions: &mut HashMap<SessionId, SessionRow>,
+    fx: &mut BatchEffects,
+    req: &AppendRequest,
+    msg: &Incoming,
+    kind: EventKind,
+    payload: Value,
+    tokens: i32,
+) -> i64 {
+    let Some(session) = sessions.get_mut(&req.session_id) else { return 0 };
+    session.last_seq += 1;
+    session.updated_at = msg.published;
+    fx.events.push(EventRow {
+        event: CommittedEvent {
+            session_id: req.session_id,
+            owner: session.owner.clone(),
+            seq: session.last_seq,
+            event_id: req.request_id,
+            kind: kind.as_str().to_owned(),
+            payload,
+            created_at: msg.published,
+        },
+        tokens,
+        stream_seq: i64::try_from(msg.stream_seq).unwrap_or(i64::MAX),
+    });
+    session.last_seq
+}
+
+/// Postgres cannot store U+0000 in text or jsonb.
+fn has_nul(v: &Value) -> bool {
+    match v {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(a) => a.iter().any(has_nul),
+        Value::Object(o) => o.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
+        _ => false,
+    }
+}
+
+fn dead_letter(fx: &mut BatchEffects, msg: &Incoming, session: Option<SessionId>, refusal: Refusal) {
+    tracing::warn!(stream_seq = msg.stream_seq, reason = refusal.reason, detail = %refusal.detail, "request dead-lettered");
+    fx.dead.push((
+        session,
+        DeadLetter {
+            reason: refusal.reason.to_owned(),
+            detail: refusal.detail,
+            stream_seq: Some(msg.stream_seq),
+            request: String::from_utf8_lossy(&msg.body).into_owned(),
+        },
+    ));
+}

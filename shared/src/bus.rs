@@ -1,0 +1,507 @@
+//! The bus contract (DESIGN.md §6): stream and subject names under `TURNLOG_BUS_PREFIX`,
+//! the messages on them, the topology every service creates or verifies at start, the
+//! turn-lease bucket, and `append_and_wait` — the one way any producer appends.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, message::PublishMessage, stream};
+use bytes::Bytes;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::ids::SessionId;
+
+/// Header naming the core NATS subject the writer answers a request's outcome on.
+pub const REPLY_HEADER: &str = "Turnlog-Reply-To";
+/// The writer refuses an event whose serialized payload is larger (a constant, not a
+/// setting, so a rebuild applies the same rule).
+pub const MAX_EVENT_BYTES: usize = 768 * 1024;
+/// JetStream's dedup window on every stream; resending a request within it is a no-op
+/// even before the writer sees it.
+pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
+/// The turn lease expires unless renewed within this.
+pub const TURN_LEASE_TTL: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    #[error("invalid TURNLOG_BUS_PREFIX {0:?}: use 1-32 characters of a-z, 0-9, _ or -")]
+    BadPrefix(String),
+    #[error("cannot reach NATS at {url}: {source}")]
+    Connect { url: String, source: async_nats::ConnectError },
+    #[error("JetStream: {0}")]
+    JetStream(String),
+    #[error("stream {name} exists with subjects {found:?}, expected {expected:?}")]
+    Mismatch { name: String, found: Vec<String>, expected: Vec<String> },
+}
+
+fn js_err(e: impl std::fmt::Display) -> BusError {
+    BusError::JetStream(e.to_string())
+}
+
+/// Every stream, bucket and subject name, derived from the bus prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BusNames {
+    prefix: String,
+    upper: String,
+}
+
+impl BusNames {
+    pub fn new(prefix: &str) -> Result<Self, BusError> {
+        let ok = !prefix.is_empty()
+            && prefix.len() <= 32
+            && prefix.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+        if !ok {
+            return Err(BusError::BadPrefix(prefix.chars().take(40).collect()));
+        }
+        Ok(Self { prefix: prefix.to_owned(), upper: prefix.to_ascii_uppercase() })
+    }
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+    pub fn append_stream(&self) -> String {
+        format!("{}_APPEND", self.upper)
+    }
+    pub fn events_stream(&self) -> String {
+        format!("{}_EVENTS", self.upper)
+    }
+    pub fn dead_stream(&self) -> String {
+        format!("{}_DEAD", self.upper)
+    }
+    pub fn turns_bucket(&self) -> String {
+        format!("{}_TURNS", self.upper)
+    }
+    pub fn append_subject(&self, partition: u32, session: SessionId) -> String {
+        format!("{}.append.{partition}.{session}", self.prefix)
+    }
+    /// Everything a partition's writer reads.
+    pub fn append_partition_filter(&self, partition: u32) -> String {
+        format!("{}.append.{partition}.*", self.prefix)
+    }
+    pub fn events_subject(&self, kind: &str, session: SessionId) -> String {
+        format!("{}.events.{kind}.{session}", self.prefix)
+    }
+    pub fn events_kind_filter(&self, kind: &str) -> String {
+        format!("{}.events.{kind}.*", self.prefix)
+    }
+    /// `session` is None when the request named no session the writer could read.
+    pub fn dead_subject(&self, reason: &str, session: Option<SessionId>) -> String {
+        match session {
+            Some(s) => format!("{}.dead.{reason}.{s}", self.prefix),
+            None => format!("{}.dead.{reason}.none", self.prefix),
+        }
+    }
+    pub fn compact_subject(&self, session: SessionId) -> String {
+        format!("{}.compact.{session}", self.prefix)
+    }
+    pub fn live_subject(&self, session: SessionId) -> String {
+        format!("{}.live.{session}", self.prefix)
+    }
+    pub fn turn_subject(&self, session: SessionId) -> String {
+        format!("{}.turn.{session}", self.prefix)
+    }
+    pub fn control_subject(&self, session: SessionId) -> String {
+        format!("{}.control.{session}", self.prefix)
+    }
+    /// Subjects of one session in each stream, for purging a deleted session.
+    pub fn session_filters(&self, partition: u32, session: SessionId) -> [(String, String); 3] {
+        [
+            (self.append_stream(), self.append_subject(partition, session)),
+            (self.events_stream(), format!("{}.events.*.{session}", self.prefix)),
+            (self.dead_stream(), format!("{}.dead.*.{session}", self.prefix)),
+        ]
+    }
+}
+
+/// The partition a session's appends go to: FNV-1a of its id's bytes, mod the partition
+/// count. Stable across versions and processes; the count is fixed for a deployment.
+pub fn partition_of(session: SessionId, partitions: u32) -> u32 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in session.0.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    (h % u64::from(partitions.max(1))) as u32
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    Create,
+    Append,
+    Update,
+    Delete,
+}
+
+/// `expect` of a conditional append; `compacted_through` null means "no compaction yet".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Expect {
+    #[serde(default)]
+    pub compacted_through: Option<i64>,
+}
+
+/// A request to the writer, the body of a TURNLOG_APPEND message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AppendRequest {
+    /// Equals the event's `event_id` when `op` is append.
+    pub request_id: Uuid,
+    pub op: Op,
+    pub session_id: SessionId,
+    pub owner: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expect: Option<Expect>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub title: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub archived: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub title_if_empty: Option<String>,
+}
+
+impl AppendRequest {
+    fn base(op: Op, session_id: SessionId, owner: &str) -> Self {
+        Self {
+            request_id: Uuid::now_v7(),
+            op,
+            session_id,
+            owner: owner.to_owned(),
+            kind: None,
+            payload: None,
+            expect: None,
+            title: None,
+            archived: None,
+            title_if_empty: None,
+        }
+    }
+    pub fn create(session_id: SessionId, owner: &str, title: Option<String>) -> Self {
+        Self { title, ..Self::base(Op::Create, session_id, owner) }
+    }
+    /// An append of `body`, with `event_id` as the request id.
+    pub fn append(session_id: SessionId, owner: &str, event_id: Uuid, body: &crate::EventBody) -> Self {
+        Self {
+            request_id: event_id,
+            kind: Some(body.kind().as_str().to_owned()),
+            payload: Some(body.to_payload()),
+            ..Self::base(Op::Append, session_id, owner)
+        }
+    }
+    pub fn update(session_id: SessionId, owner: &str) -> Self {
+        Self::base(Op::Update, session_id, owner)
+    }
+    pub fn delete(session_id: SessionId, owner: &str) -> Self {
+        Self::base(Op::Delete, session_id, owner)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutcomeStatus {
+    Committed,
+    Rejected,
+    /// The request was applied before; `seq` and `reason` are the recorded ones.
+    Duplicate,
+}
+
+impl OutcomeStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutcomeStatus::Committed => "committed",
+            OutcomeStatus::Rejected => "rejected",
+            OutcomeStatus::Duplicate => "duplicate",
+        }
+    }
+}
+
+/// What became of a request: recorded in `request_outcomes` with its effect, and sent to
+/// the request's reply subject after the commit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Outcome {
+    pub request_id: Uuid,
+    pub status: OutcomeStatus,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl Outcome {
+    /// Committed now or before (a duplicate of a committed request carries its seq).
+    pub fn is_applied(&self) -> bool {
+        match self.status {
+            OutcomeStatus::Committed => true,
+            OutcomeStatus::Duplicate => self.reason.is_none(),
+            OutcomeStatus::Rejected => false,
+        }
+    }
+}
+
+/// An event on TURNLOG_EVENTS, published by the writer after its commit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CommittedEvent {
+    pub session_id: SessionId,
+    pub owner: String,
+    pub seq: i64,
+    pub event_id: Uuid,
+    pub kind: String,
+    pub payload: Value,
+    pub created_at: DateTime<Utc>,
+}
+
+impl CommittedEvent {
+    /// The feed's dedup id: republishing after a crash is harmless.
+    pub fn msg_id(&self) -> String {
+        format!("{}:{}", self.session_id, self.seq)
+    }
+}
+
+/// A dead letter: a request the writer could not apply, with the original bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    pub reason: String,
+    pub detail: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_seq: Option<u64>,
+    pub request: String,
+}
+
+/// A connection to the bus: core NATS, JetStream and the names.
+#[derive(Clone)]
+pub struct Bus {
+    pub client: async_nats::Client,
+    pub js: jetstream::Context,
+    pub names: BusNames,
+    pub partitions: u32,
+}
+
+impl Bus {
+    /// Connects (retrying in the background after a disconnect, as async-nats does).
+    pub async fn connect(url: &str, prefix: &str, partitions: u32) -> Result<Self, BusError> {
+        let names = BusNames::new(prefix)?;
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(Duration::from_secs(5))
+            .retry_on_initial_connect()
+            .max_reconnects(None)
+            .connect(url)
+            .await
+            .map_err(|source| BusError::Connect { url: url.to_owned(), source })?;
+        // First contact: fail fast rather than hang when nothing listens.
+        tokio::time::timeout(Duration::from_secs(10), client.flush())
+            .await
+            .map_err(|_| BusError::JetStream(format!("no answer from NATS at {url} within 10 s")))?
+            .map_err(js_err)?;
+        let js = jetstream::new(client.clone());
+        Ok(Self { client, js, names, partitions: partitions.max(1) })
+    }
+
+    pub fn partition_of(&self, session: SessionId) -> u32 {
+        partition_of(session, self.partitions)
+    }
+
+    /// Creates the streams and the turn-lease bucket, or verifies that existing ones carry
+    /// the expected subjects. `append_max_age` None keeps appends forever (rebuildable).
+    pub async fn ensure_topology(&self, append_max_age: Option<Duration>) -> Result<(), BusError> {
+        let n = &self.names;
+        let log_stream = |name: String, subject: String, max_age: Duration| stream::Config {
+            name,
+            subjects: vec![subject],
+            storage: stream::StorageType::File,
+            retention: stream::RetentionPolicy::Limits,
+            duplicate_window: DUPLICATE_WINDOW,
+            max_age,
+            ..Default::default()
+        };
+        let p = n.prefix();
+        self.ensure_stream(log_stream(
+            n.append_stream(),
+            format!("{p}.append.>"),
+            append_max_age.unwrap_or_default(),
+        ))
+        .await?;
+        self.ensure_stream(log_stream(n.events_stream(), format!("{p}.events.>"), Duration::ZERO)).await?;
+        self.ensure_stream(log_stream(n.dead_stream(), format!("{p}.dead.>"), Duration::ZERO)).await?;
+        // The KV bucket through its backing stream: on nats-server 2.9 async-nats'
+        // create_key_value cannot parse the server's account reply.
+        let bucket = n.turns_bucket();
+        self.ensure_stream(stream::Config {
+            name: format!("KV_{bucket}"),
+            subjects: vec![format!("$KV.{bucket}.>")],
+            max_messages_per_subject: 1,
+            max_age: TURN_LEASE_TTL,
+            allow_rollup: true,
+            deny_delete: true,
+            allow_direct: true,
+            discard: stream::DiscardPolicy::New,
+            storage: stream::StorageType::File,
+            duplicate_window: Duration::from_secs(2),
+            ..Default::default()
+        })
+        .await?;
+        Ok(())
+    }
+
+    async fn ensure_stream(&self, config: stream::Config) -> Result<(), BusError> {
+        let (name, expected) = (config.name.clone(), config.subjects.clone());
+        let mut s = self.js.get_or_create_stream(config).await.map_err(js_err)?;
+        let found = s.info().await.map_err(js_err)?.config.subjects.clone();
+        if found != expected {
+            return Err(BusError::Mismatch { name, found, expected });
+        }
+        Ok(())
+    }
+
+    /// The turn-lease bucket (created by [`Bus::ensure_topology`]).
+    pub async fn turn_leases(&self) -> Result<jetstream::kv::Store, BusError> {
+        self.js.get_key_value(self.names.turns_bucket()).await.map_err(js_err)
+    }
+
+    /// Publishes a request to TURNLOG_APPEND and waits for JetStream's PubAck.
+    pub async fn publish_append(
+        &self,
+        req: &AppendRequest,
+        reply_to: Option<&str>,
+    ) -> Result<jetstream::publish::PublishAck, BusError> {
+        let body = serde_json::to_vec(req).map_err(js_err)?;
+        self.publish_append_raw(req.session_id, &req.request_id.to_string(), Bytes::from(body), reply_to)
+            .await
+    }
+
+    /// Publishes already-serialized request bytes (also how poison is injected in tests).
+    pub async fn publish_append_raw(
+        &self,
+        session: SessionId,
+        msg_id: &str,
+        body: Bytes,
+        reply_to: Option<&str>,
+    ) -> Result<jetstream::publish::PublishAck, BusError> {
+        let subject = self.names.append_subject(self.partition_of(session), session);
+        let mut msg = PublishMessage::build().payload(body).message_id(msg_id);
+        if let Some(r) = reply_to {
+            msg = msg.header(REPLY_HEADER, r);
+        }
+        let ack = self.js.send_publish(subject, msg).await.map_err(js_err)?;
+        ack.await.map_err(js_err)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppendError {
+    /// NATS (or the writer behind it) could not take the request in time; retrying with
+    /// the same request id is safe.
+    #[error("the bus could not take the request: {0}")]
+    Unavailable(String),
+    /// Published, but no outcome arrived before the deadline; resending the same request
+    /// id is always safe.
+    #[error("outcome unknown after {0:?}")]
+    OutcomeUnknown(Duration),
+}
+
+/// Appends through the writer and waits for the outcome: subscribe to an inbox, publish
+/// with the reply header, await the PubAck, await the outcome until the deadline. When the
+/// PubAck says duplicate, or the reply does not come, the outcome is looked up in
+/// `request_outcomes` until found or the deadline passes.
+pub async fn append_and_wait(
+    bus: &Bus,
+    pool: &PgPool,
+    req: &AppendRequest,
+    timeout: Duration,
+) -> Result<Outcome, AppendError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let inbox = bus.client.new_inbox();
+    let mut replies =
+        bus.client.subscribe(inbox.clone()).await.map_err(|e| AppendError::Unavailable(e.to_string()))?;
+
+    let ack = tokio::time::timeout_at(deadline, bus.publish_append(req, Some(&inbox))).await;
+    let ack = match ack {
+        Err(_) => return Err(AppendError::Unavailable(format!("no PubAck within {timeout:?}"))),
+        Ok(Err(e)) => return Err(AppendError::Unavailable(e.to_string())),
+        Ok(Ok(ack)) => ack,
+    };
+    if !ack.duplicate {
+        use futures::StreamExt;
+        while let Ok(Some(msg)) = tokio::time::timeout_at(deadline, replies.next()).await {
+            if let Ok(outcome) = serde_json::from_slice::<Outcome>(&msg.payload) {
+                if outcome.request_id == req.request_id {
+                    return Ok(outcome);
+                }
+            }
+        }
+    }
+    // The reply went to an earlier sender (duplicate) or was lost: the database knows.
+    loop {
+        if let Ok(Some(outcome)) = recorded_outcome(pool, req.request_id).await {
+            return Ok(outcome);
+        }
+        if tokio::time::Instant::now() + Duration::from_millis(25) > deadline {
+            return Err(AppendError::OutcomeUnknown(timeout));
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// The outcome the writer recorded for a request, if it has applied it.
+pub async fn recorded_outcome(pool: &PgPool, request_id: Uuid) -> Result<Option<Outcome>, sqlx::Error> {
+    let row: Option<(String, Option<i64>, Option<String>)> =
+        sqlx::query_as("SELECT status, seq, reason FROM request_outcomes WHERE request_id = $1")
+            .bind(request_id)
+            .fetch_optional(pool)
+            .await?;
+    Ok(row.map(|(status, seq, reason)| Outcome {
+        request_id,
+        status: if status == "committed" { OutcomeStatus::Committed } else { OutcomeStatus::Rejected },
+        seq,
+        reason,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_prefix() {
+        let n = BusNames::new("turnlog").unwrap();
+        assert_eq!(n.append_stream(), "TURNLOG_APPEND");
+        assert_eq!(n.turns_bucket(), "TURNLOG_TURNS");
+        let s: SessionId = "0190a0e4-3b1c-7cc1-9a2b-5f0e3d2c1b0a".parse().unwrap();
+        assert_eq!(n.append_subject(0, s), format!("turnlog.append.0.{s}"));
+        assert_eq!(n.dead_subject("bad_json", None), "turnlog.dead.bad_json.none");
+        assert!(BusNames::new("Bad.Prefix").is_err());
+        assert!(BusNames::new("").is_err());
+    }
+
+    #[test]
+    fn partitions_are_stable_and_spread() {
+        let ids: Vec<SessionId> = (0..1000).map(|_| SessionId::new()).collect();
+        let mut counts = [0u32; 4];
+        for id in &ids {
+            let p = partition_of(*id, 4);
+            assert_eq!(p, partition_of(*id, 4));
+            counts[p as usize] += 1;
+        }
+        assert!(counts.iter().all(|c| *c > 150), "{counts:?}");
+        assert_eq!(partition_of(ids[0], 1), 0);
+    }
+
+    #[test]
+    fn request_wire_shape() {
+        let s = SessionId::new();
+        let mut r = AppendRequest::append(
+            s,
+            "alice",
+            Uuid::nil(),
+            &crate::EventBody::TurnFailed(crate::events::TurnFailed::default()),
+        );
+        r.expect = Some(Expect { compacted_through: None });
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["op"], "append");
+        assert_eq!(v["kind"], "turn_failed");
+        assert_eq!(v["expect"], serde_json::json!({"compacted_through": null}));
+        assert_eq!(serde_json::from_value::<AppendRequest>(v).unwrap(), r);
+    }
+}

@@ -1,0 +1,210 @@
+//! The read side: owner-scoped queries every service uses (the ingress for its API, the
+//! workers for a session's live tail). Another owner's session is simply not found.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::budget::CountedEvent;
+use crate::events::{DecodeError, Event, EventKind};
+use crate::ids::{EventId, SessionId};
+
+/// A session as clients see it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
+pub struct Session {
+    pub id: Uuid,
+    pub title: Option<String>,
+    pub archived: bool,
+    pub last_category: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A session with the bookkeeping the services need beyond what clients see.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct SessionState {
+    #[sqlx(flatten)]
+    pub session: Session,
+    pub owner: String,
+    pub last_seq: i64,
+    pub compacted_through: Option<i64>,
+    pub compaction_seq: Option<i64>,
+}
+
+/// An event row as stored: kind and payload raw (the `/events` page), decodable.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct StoredEvent {
+    pub seq: i64,
+    #[serde(skip)]
+    pub event_id: Uuid,
+    pub kind: String,
+    pub payload: serde_json::Value,
+    #[serde(skip)]
+    pub tokens: i32,
+    pub created_at: DateTime<Utc>,
+}
+
+impl StoredEvent {
+    pub fn decode(&self) -> Result<Event, DecodeError> {
+        Event::decode(self.seq, EventId(self.event_id), &self.kind, &self.payload, self.created_at)
+    }
+
+    /// The budget's view, from the stored count (no re-encoding).
+    pub fn counted(&self) -> Result<CountedEvent, DecodeError> {
+        let kind: EventKind = self.kind.parse()?;
+        let replaces_through = match kind {
+            EventKind::CompactionApplied => self.payload.get("replaces_through_seq").and_then(|v| v.as_i64()),
+            _ => None,
+        };
+        Ok(CountedEvent {
+            seq: self.seq,
+            kind,
+            tokens: u32::try_from(self.tokens).unwrap_or(0),
+            replaces_through,
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+}
+
+const SESSION_COLUMNS: &str = "id, title, archived, last_category, created_at, updated_at, owner, last_seq, \
+                               compacted_through, compaction_seq";
+
+pub async fn session_state(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+) -> Result<Option<SessionState>, sqlx::Error> {
+    sqlx::query_as(&format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1 AND owner = $2"))
+        .bind(id.0)
+        .bind(owner)
+        .fetch_optional(pool)
+        .await
+}
+
+pub async fn get_session(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<Session>, sqlx::Error> {
+    Ok(session_state(pool, owner, id).await?.map(|s| s.session))
+}
+
+/// A session's live tail: its newest compaction and every event after that compaction's
+/// boundary — all that the model's context and the next request's size depend on.
+#[derive(Debug, Clone)]
+pub struct LiveTail {
+    pub state: SessionState,
+    pub events: Vec<Event>,
+    pub counted: Vec<CountedEvent>,
+}
+
+pub async fn live_tail(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<LiveTail>, ReadError> {
+    let Some(state) = session_state(pool, owner, id).await? else { return Ok(None) };
+    let rows: Vec<StoredEvent> = sqlx::query_as(
+        "SELECT seq, event_id, kind, payload, tokens, created_at FROM session_events
+          WHERE session_id = $1 AND (seq > $2 OR seq = $3) ORDER BY seq",
+    )
+    .bind(id.0)
+    .bind(state.compacted_through.unwrap_or(0))
+    .bind(state.compaction_seq.unwrap_or(0))
+    .fetch_all(pool)
+    .await?;
+    let counted = rows.iter().map(StoredEvent::counted).collect::<Result<Vec<_>, _>>()?;
+    let events = rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(LiveTail { state, events, counted }))
+}
+
+/// Every event of a session, decoded (for the transcript).
+pub async fn all_events(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<Vec<Event>>, ReadError> {
+    match events_page(pool, owner, id, 0, i64::MAX).await? {
+        None => Ok(None),
+        Some(rows) => Ok(Some(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?)),
+    }
+}
+
+/// Up to `limit` raw events after `after`, or None when the session is not the owner's.
+pub async fn events_page(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+    after: i64,
+    limit: i64,
+) -> Result<Option<Vec<StoredEvent>>, sqlx::Error> {
+    let rows: Vec<StoredEvent> = sqlx::query_as(
+        "SELECT e.seq, e.event_id, e.kind, e.payload, e.tokens, e.created_at
+           FROM session_events e JOIN sessions s ON s.id = e.session_id
+          WHERE e.session_id = $1 AND s.owner = $2 AND e.seq > $3
+          ORDER BY e.seq LIMIT $4",
+    )
+    .bind(id.0)
+    .bind(owner)
+    .bind(after)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    if rows.is_empty() && session_state(pool, owner, id).await?.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(rows))
+}
+
+/// The composite paging cursor: the `(updated_at, id)` of the last row of a page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cursor {
+    pub before: DateTime<Utc>,
+    pub before_id: Uuid,
+}
+
+impl Cursor {
+    /// `before` as clients echo it: RFC 3339 with microseconds, the database's precision.
+    pub fn before_text(&self) -> String {
+        self.before.to_rfc3339_opts(SecondsFormat::Micros, true)
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ListQuery {
+    pub limit: i64,
+    /// Full-text match on the title or any user message; archived sessions included.
+    pub q: Option<String>,
+    pub archived: bool,
+    pub before: Option<Cursor>,
+}
+
+/// Newest first by `(updated_at, id)`; returns the page and the cursor of the next one.
+pub async fn list_sessions(
+    pool: &PgPool,
+    owner: &str,
+    query: &ListQuery,
+) -> Result<(Vec<Session>, Option<Cursor>), sqlx::Error> {
+    let limit = query.limit.clamp(1, 1000);
+    let rows: Vec<Session> = sqlx::query_as(
+        "SELECT id, title, archived, last_category, created_at, updated_at FROM sessions s
+          WHERE owner = $1
+            AND ($2::text IS NOT NULL OR archived = $3)
+            AND ($4::timestamptz IS NULL OR (updated_at, id) < ($4, $5))
+            AND ($2::text IS NULL
+                 OR to_tsvector('simple', coalesce(title, '')) @@ plainto_tsquery('simple', $2)
+                 OR EXISTS (SELECT 1 FROM session_events e
+                             WHERE e.session_id = s.id AND e.kind = 'user_message'
+                               AND to_tsvector('simple', e.payload ->> 'text') @@ plainto_tsquery('simple', $2)))
+          ORDER BY updated_at DESC, id DESC
+          LIMIT $6",
+    )
+    .bind(owner)
+    .bind(query.q.as_deref())
+    .bind(query.archived)
+    .bind(query.before.map(|c| c.before))
+    .bind(query.before.map_or(Uuid::max(), |c| c.before_id))
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    let next = (rows.len() as i64 == limit)
+        .then(|| rows.last().map(|s| Cursor { before: s.updated_at, before_id: s.id }))
+        .flatten();
+    Ok((rows, next))
+}

@@ -1,0 +1,129 @@
+//! Models' context windows: from the gateway's `/models` listing (each server names the
+//! field differently) or from `TURNLOG_MODEL_WINDOWS`, and how long a listing is trusted.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::UpstreamError;
+
+/// How long a `/models` listing (or a failure to get one) is reused.
+pub const MODELS_CACHE_TTL: Duration = Duration::from_secs(30);
+
+/// The window fields of a `/models` entry, in the order they are trusted: OpenAI-style
+/// gateways, OpenRouter, vLLM, LiteLLM.
+const WINDOW_FIELDS: [&str; 4] = ["context_window", "context_length", "max_model_len", "max_input_tokens"];
+
+/// Parses `TURNLOG_MODEL_WINDOWS`: `model=tokens,...`, blanks ignored.
+pub fn parse_model_windows(spec: &str) -> Result<HashMap<String, u32>, String> {
+    let mut windows = HashMap::new();
+    for entry in spec.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        // Split at the last `=` so a model name may itself contain one.
+        let Some((model, tokens)) = entry.rsplit_once('=') else {
+            return Err(format!("`{entry}` is not model=tokens"));
+        };
+        let model = model.trim();
+        if model.is_empty() {
+            return Err(format!("`{entry}` names no model"));
+        }
+        let tokens: u32 = tokens
+            .trim()
+            .parse()
+            .map_err(|_| format!("`{entry}`: `{}` is not a token count", tokens.trim()))?;
+        if tokens == 0 {
+            return Err(format!("`{entry}`: a context window cannot be 0"));
+        }
+        windows.insert(model.to_owned(), tokens);
+    }
+    Ok(windows)
+}
+
+/// Windows from a `/models` body (`{"data": [{"id", ...}]}`); entries without a window
+/// are left out.
+pub(super) fn parse_listing(body: &[u8]) -> Result<HashMap<String, u32>, UpstreamError> {
+    let listing: Value =
+        serde_json::from_slice(body).map_err(|e| UpstreamError::Malformed(format!("models listing: {e}")))?;
+    let entries = listing
+        .get("data")
+        .and_then(Value::as_array)
+        .ok_or_else(|| UpstreamError::Malformed("models listing without `data`".into()))?;
+    Ok(entries
+        .iter()
+        .filter_map(|entry| {
+            let id = entry.get("id")?.as_str()?;
+            let window =
+                WINDOW_FIELDS.iter().filter_map(|field| entry.get(field)?.as_u64()).find(|w| *w > 0)?;
+            Some((id.to_owned(), u32::try_from(window).unwrap_or(u32::MAX)))
+        })
+        .collect())
+}
+
+/// One listing and when it was taken.
+pub(super) struct Snapshot {
+    windows: HashMap<String, u32>,
+    taken_at: Instant,
+}
+
+impl Snapshot {
+    pub(super) fn new(windows: HashMap<String, u32>, taken_at: Instant) -> Self {
+        Self { windows, taken_at }
+    }
+
+    pub(super) fn is_fresh(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.taken_at) < MODELS_CACHE_TTL
+    }
+
+    pub(super) fn window(&self, model: &str) -> Option<u32> {
+        self.windows.get(model).copied()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_model_windows() {
+        let windows = parse_model_windows(" gpt-4o=128000, mock-small = 6700 ,,").unwrap();
+        assert_eq!(windows.get("gpt-4o"), Some(&128_000));
+        assert_eq!(windows.get("mock-small"), Some(&6_700));
+        assert_eq!(parse_model_windows("").unwrap().len(), 0);
+        assert_eq!(parse_model_windows("a=b=5").unwrap().get("a=b"), Some(&5));
+    }
+
+    #[test]
+    fn rejects_bad_model_windows() {
+        for bad in ["gpt-4o", "=100", "m=lots", "m=0", "m=-3", "m=99999999999"] {
+            assert!(parse_model_windows(bad).is_err(), "{bad} should be refused");
+        }
+    }
+
+    #[test]
+    fn listing_takes_the_first_window_field_each_server_uses() {
+        let body = br#"{"object":"list","data":[
+            {"id":"openai-like","context_window":128000},
+            {"id":"openrouter","context_length":200000,"top_provider":{}},
+            {"id":"vllm","max_model_len":32768},
+            {"id":"litellm","max_input_tokens":8192},
+            {"id":"ollama","object":"model"},
+            {"id":"zero","context_window":0,"max_model_len":4096}
+        ]}"#;
+        let windows = parse_listing(body).unwrap();
+        assert_eq!(windows.get("openai-like"), Some(&128_000));
+        assert_eq!(windows.get("openrouter"), Some(&200_000));
+        assert_eq!(windows.get("vllm"), Some(&32_768));
+        assert_eq!(windows.get("litellm"), Some(&8_192));
+        assert_eq!(windows.get("ollama"), None);
+        assert_eq!(windows.get("zero"), Some(&4_096));
+        assert!(parse_listing(b"<html>").is_err());
+    }
+
+    #[test]
+    fn snapshot_is_trusted_for_thirty_seconds() {
+        let taken = Instant::now();
+        let snapshot = Snapshot::new(HashMap::new(), taken);
+        assert!(snapshot.is_fresh(taken + Duration::from_secs(29)));
+        assert!(!snapshot.is_fresh(taken + Duration::from_secs(30)));
+    }
+}
