@@ -1,0 +1,542 @@
+//! The writer against a real Postgres and nats-server (in-process writer; the
+//! kill-and-restart tests run the `turnlog` binary, in services/turnlog/tests).
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
+use bytes::Bytes;
+use futures::StreamExt;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use turnlog_core::bus::{
+    append_and_wait, AppendRequest, Bus, CommittedEvent, DeadLetter, Expect, OutcomeStatus,
+};
+use turnlog_core::events::*;
+use turnlog_core::ids::SessionId;
+use turnlog_core::lease::TurnLeases;
+use turnlog_core::read::{self, Cursor, ListQuery};
+use turnlog_testkit::{eventually, test_env, TestEnv};
+use turnlog_writer::WriterConfig;
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+struct Harness {
+    env: TestEnv,
+    bus: Bus,
+    shutdown: CancellationToken,
+    writer: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Harness {
+    async fn start() -> Self {
+        let env = test_env().await;
+        let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
+        bus.ensure_topology(None).await.unwrap();
+        let (shutdown, writer) = spawn_writer(&env);
+        Self { env, bus, shutdown, writer }
+    }
+
+    async fn stop(self) -> TestEnv {
+        self.shutdown.cancel();
+        self.writer.await.unwrap().unwrap();
+        self.env
+    }
+
+    async fn create(&self, owner: &str) -> SessionId {
+        let id = SessionId::new();
+        let o = self.send(&AppendRequest::create(id, owner, None)).await;
+        assert_eq!((o.status, o.seq), (OutcomeStatus::Committed, Some(1)));
+        id
+    }
+
+    async fn send(&self, req: &AppendRequest) -> turnlog_core::bus::Outcome {
+        append_and_wait(&self.bus, &self.env.pool, req, WAIT).await.unwrap()
+    }
+
+    async fn user(&self, session: SessionId, owner: &str, text: &str) -> turnlog_core::bus::Outcome {
+        let body = EventBody::UserMessage(UserMessage { text: text.into(), ..Default::default() });
+        self.send(&AppendRequest::append(session, owner, Uuid::now_v7(), &body)).await
+    }
+
+    async fn seqs(&self, session: SessionId) -> Vec<(i64, String)> {
+        sqlx::query_as("SELECT seq, payload->>'text' FROM session_events WHERE session_id = $1 AND kind = 'user_message' ORDER BY seq")
+            .bind(session.0)
+            .fetch_all(&self.env.pool)
+            .await
+            .unwrap()
+    }
+
+    /// Every message of a stream (by subject filter), read from the start.
+    async fn stream_messages(&self, stream: &str, filter: &str) -> Vec<async_nats::jetstream::Message> {
+        let Ok(s) = self.bus.js.get_stream(stream).await else { return vec![] };
+        let pending = s.clone().info().await.unwrap().state.messages;
+        if pending == 0 {
+            return vec![];
+        }
+        let consumer = s
+            .create_consumer(OrderedConfig {
+                filter_subject: filter.into(),
+                deliver_policy: DeliverPolicy::All,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut msgs = consumer.messages().await.unwrap();
+        let mut out = vec![];
+        while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(500), msgs.next()).await {
+            out.push(m);
+        }
+        out
+    }
+}
+
+fn spawn_writer(env: &TestEnv) -> (CancellationToken, tokio::task::JoinHandle<anyhow::Result<()>>) {
+    let config = WriterConfig {
+        database_url: env.database_url.clone(),
+        nats_url: env.nats_url.clone(),
+        bus_prefix: env.bus_prefix.clone(),
+        partitions: 1,
+        append_max_age: None,
+    };
+    let shutdown = CancellationToken::new();
+    let handle = tokio::spawn(turnlog_writer::run(config, shutdown.clone()));
+    (shutdown, handle)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_producers_get_gapless_ordered_seqs() {
+    let h = Harness::start().await;
+    let shared = h.create("alice").await;
+    let mut own = Vec::new();
+    for _ in 0..25 {
+        own.push(h.create("alice").await);
+    }
+    // 50 producers on one session, and 25 more each on its own session, all at once.
+    let per_producer = 12;
+    let mut tasks = Vec::new();
+    for p in 0..75usize {
+        let (bus, pool) = (h.bus.clone(), h.env.pool.clone());
+        let session = if p < 50 { shared } else { own[p - 50] };
+        tasks.push(tokio::spawn(async move {
+            let mut seqs = Vec::new();
+            for i in 0..per_producer {
+                let body =
+                    EventBody::UserMessage(UserMessage { text: format!("p{p}-{i}"), ..Default::default() });
+                let req = AppendRequest::append(session, "alice", Uuid::now_v7(), &body);
+                let o = append_and_wait(&bus, &pool, &req, WAIT).await.unwrap();
+                assert_eq!(o.status, OutcomeStatus::Committed);
+                seqs.push(o.seq.unwrap());
+            }
+            (p, seqs)
+        }));
+    }
+    let mut reported: HashMap<usize, Vec<i64>> = HashMap::new();
+    for t in tasks {
+        let (p, seqs) = t.await.unwrap();
+        assert!(seqs.windows(2).all(|w| w[0] < w[1]), "producer {p}'s order not kept: {seqs:?}");
+        reported.insert(p, seqs);
+    }
+    let rows = h.seqs(shared).await;
+    assert_eq!(rows.len(), 50 * per_producer, "nothing lost or doubled");
+    let all: Vec<i64> =
+        sqlx::query_scalar("SELECT seq FROM session_events WHERE session_id = $1 ORDER BY seq")
+            .bind(shared.0)
+            .fetch_all(&h.env.pool)
+            .await
+            .unwrap();
+    assert_eq!(all, (1..=all.len() as i64).collect::<Vec<_>>(), "gapless from 1");
+    for (seq, text) in &rows {
+        let p: usize = text[1..text.find('-').unwrap()].parse().unwrap();
+        assert!(reported[&p].contains(seq), "event {text} at seq {seq} was not reported to its producer");
+    }
+    for (i, s) in own.iter().enumerate() {
+        let seqs: Vec<i64> = h.seqs(*s).await.into_iter().map(|r| r.0).collect();
+        assert_eq!(seqs, (2..=per_producer as i64 + 1).collect::<Vec<_>>());
+        assert_eq!(reported[&(50 + i)], seqs);
+    }
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_request_id_twice_is_one_event_with_one_seq() {
+    let h = Harness::start().await;
+    let s = h.create("alice").await;
+    let body = EventBody::UserMessage(UserMessage { text: "once".into(), ..Default::default() });
+    let req = AppendRequest::append(s, "alice", Uuid::now_v7(), &body);
+    let (a, b) = tokio::join!(h.send(&req), h.send(&req));
+    assert_eq!(a.seq, b.seq);
+    assert!(a.is_applied() && b.is_applied());
+    // Within JetStream's dedup window the PubAck says duplicate: the look-up path answers.
+    let ack = h.bus.publish_append(&req, None).await.unwrap();
+    assert!(ack.duplicate);
+    let c = h.send(&req).await;
+    assert_eq!(c.seq, a.seq);
+    // The same event_id with another payload, past JetStream's dedup (another msg id): the
+    // writer's own dedup answers with the first seq.
+    let mut other = req.clone();
+    other.payload = Some(json!({"text": "different"}));
+    let raw = serde_json::to_vec(&other).unwrap();
+    h.bus.publish_append_raw(s, &Uuid::now_v7().to_string(), Bytes::from(raw), None).await.unwrap();
+    h.user(s, "alice", "after").await;
+    assert_eq!(h.seqs(s).await.iter().map(|r| r.1.as_str()).collect::<Vec<_>>(), ["once", "after"]);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_compactions_with_the_same_expectation_apply_once() {
+    let h = Harness::start().await;
+    let s = h.create("alice").await;
+    for i in 0..6 {
+        h.user(s, "alice", &format!("m{i}")).await;
+    }
+    let compaction = |through| {
+        let body = EventBody::CompactionApplied(CompactionApplied {
+            summary: format!("summary through {through}"),
+            replaces_through_seq: through,
+            facts_extracted: vec![],
+        });
+        let mut r = AppendRequest::append(s, "alice", Uuid::now_v7(), &body);
+        r.expect = Some(Expect { compacted_through: None });
+        r
+    };
+    let (c4, c5) = (compaction(4), compaction(5));
+    let (a, b) = tokio::join!(h.send(&c4), h.send(&c5));
+    let statuses = [a.status, b.status];
+    assert!(
+        statuses.contains(&OutcomeStatus::Committed) && statuses.contains(&OutcomeStatus::Rejected),
+        "{a:?} {b:?}"
+    );
+    let rejected = if a.status == OutcomeStatus::Rejected { &a } else { &b };
+    assert_eq!(rejected.reason.as_deref(), Some("expect_failed"));
+    let n: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM session_events WHERE session_id = $1 AND kind = 'compaction_applied'",
+    )
+    .bind(s.0)
+    .fetch_one(&h.env.pool)
+    .await
+    .unwrap();
+    assert_eq!(n, 1);
+    let tail = read::live_tail(&h.env.pool, "alice", s).await.unwrap().unwrap();
+    assert!(tail.state.compacted_through.is_some());
+    assert!(tail
+        .events
+        .iter()
+        .all(|e| e.seq > tail.state.compacted_through.unwrap() || e.kind() == EventKind::CompactionApplied));
+    let context = turnlog_core::llm_context(&tail.events);
+    assert_eq!(
+        context[0].source,
+        turnlog_core::llm_context::Source::Summary,
+        "the live tail opens with the summary"
+    );
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_requests_are_dead_lettered_and_do_not_block() {
+    let h = Harness::start().await;
+    let s = h.create("alice").await;
+    let valid = |text: &str| {
+        AppendRequest::append(
+            s,
+            "alice",
+            Uuid::now_v7(),
+            &EventBody::UserMessage(UserMessage { text: text.into(), ..Default::default() }),
+        )
+    };
+    let mut unknown_op = serde_json::to_value(valid("x")).unwrap();
+    unknown_op["op"] = json!("explode");
+    let mut wrong_schema = serde_json::to_value(valid("x")).unwrap();
+    wrong_schema["payload"] = json!({"text": 42});
+    let mut unknown_kind = serde_json::to_value(valid("x")).unwrap();
+    unknown_kind["kind"] = json!("user_msg");
+    let nul = valid("nul \u{0} here");
+    let mut not_owner = valid("x");
+    not_owner.owner = "mallory".into();
+    let huge = valid(&"x".repeat(800 * 1024));
+    let unknown_session = AppendRequest::append(
+        SessionId::new(),
+        "alice",
+        Uuid::now_v7(),
+        &EventBody::UserMessage(UserMessage::default()),
+    );
+
+    let poison: Vec<(&str, Vec<u8>, SessionId)> = vec![
+        ("bad_request", b"\x00\xffgarbage{".to_vec(), s),
+        ("bad_request", serde_json::to_vec(&unknown_op).unwrap(), s),
+        ("bad_payload", serde_json::to_vec(&wrong_schema).unwrap(), s),
+        ("unknown_kind", serde_json::to_vec(&unknown_kind).unwrap(), s),
+        ("unstorable_text", serde_json::to_vec(&nul).unwrap(), s),
+        ("owner_mismatch", serde_json::to_vec(&not_owner).unwrap(), s),
+        ("too_large", serde_json::to_vec(&huge).unwrap(), s),
+        ("unknown_session", serde_json::to_vec(&unknown_session).unwrap(), unknown_session.session_id),
+    ];
+    for (_, bytes, session) in &poison {
+        h.bus
+            .publish_append_raw(*session, &Uuid::now_v7().to_string(), Bytes::from(bytes.clone()), None)
+            .await
+            .unwrap();
+    }
+    let after = h.user(s, "alice", "behind the poison").await;
+    assert_eq!(after.status, OutcomeStatus::Committed);
+    assert_eq!(after.seq, Some(2), "no poison request became an event");
+
+    let dead = h.stream_messages(&h.bus.names.dead_stream(), &format!("{}.dead.>", h.env.bus_prefix)).await;
+    let letters: Vec<DeadLetter> = dead.iter().map(|m| serde_json::from_slice(&m.payload).unwrap()).collect();
+    let reasons: Vec<&str> = letters.iter().map(|l| l.reason.as_str()).collect();
+    assert_eq!(reasons, poison.iter().map(|p| p.0).collect::<Vec<_>>());
+    assert!(dead.last().unwrap().subject.ends_with(".unknown_session.none"));
+    assert!(letters.iter().all(|l| l.stream_seq.is_some() && !l.detail.is_empty()));
+    // Each decodable poison request has a rejected outcome with its reason.
+    let outcome =
+        turnlog_core::bus::recorded_outcome(&h.env.pool, not_owner.request_id).await.unwrap().unwrap();
+    assert_eq!(
+        (outcome.status, outcome.reason.as_deref()),
+        (OutcomeStatus::Rejected, Some("owner_mismatch"))
+    );
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_removes_rows_memories_and_stream_messages_of_that_session_only() {
+    let h = Harness::start().await;
+    let (doomed, kept) = (h.create("alice").await, h.create("alice").await);
+    for s in [doomed, kept] {
+        h.user(s, "alice", "remember Zanzibar").await;
+        let memory = EventBody::MemoryExtracted(MemoryExtracted {
+            turn_seq: 2,
+            memories: vec![ExtractedMemory { id: Uuid::now_v7(), text: "likes Zanzibar".into() }],
+            error: None,
+        });
+        h.send(&AppendRequest::append(s, "alice", Uuid::now_v7(), &memory)).await;
+        let mut bad = AppendRequest::append(
+            s,
+            "alice",
+            Uuid::now_v7(),
+            &EventBody::UserMessage(UserMessage::default()),
+        );
+        bad.owner = "mallory".into();
+        h.bus.publish_append(&bad, None).await.unwrap();
+    }
+    h.user(kept, "alice", "sync").await;
+    let o = h.send(&AppendRequest::delete(doomed, "alice")).await;
+    assert_eq!(o.status, OutcomeStatus::Committed);
+
+    let count = |sql: &'static str, s: SessionId| {
+        let pool = h.env.pool.clone();
+        async move { sqlx::query_scalar::<_, i64>(sql).bind(s.0).fetch_one(&pool).await.unwrap() }
+    };
+    for s in [doomed, kept] {
+        let expect = if s == doomed { 0 } else { 1 };
+        assert_eq!(count("SELECT count(*) FROM sessions WHERE id = $1", s).await, expect);
+        assert_eq!(count("SELECT count(*) FROM memories WHERE session_id = $1", s).await, expect);
+        assert_eq!(count("SELECT count(*) FROM session_events WHERE session_id = $1", s).await, expect * 4);
+    }
+    eventually(WAIT, || async {
+        (count("SELECT count(*) FROM pending_purges WHERE session_id = $1", doomed).await == 0).then_some(())
+    })
+    .await;
+    let n = &h.bus.names;
+    for (stream, filter, kept_count) in [
+        (n.append_stream(), format!("{}.append.*.{{}}", h.env.bus_prefix), 5),
+        (n.events_stream(), format!("{}.events.*.{{}}", h.env.bus_prefix), 4),
+        (n.dead_stream(), format!("{}.dead.*.{{}}", h.env.bus_prefix), 1),
+    ] {
+        assert!(
+            h.stream_messages(&stream, &filter.replace("{}", &doomed.to_string())).await.is_empty(),
+            "{stream} still holds the deleted session"
+        );
+        assert_eq!(
+            h.stream_messages(&stream, &filter.replace("{}", &kept.to_string())).await.len(),
+            kept_count,
+            "{stream}"
+        );
+    }
+    // The deleted session is gone for good: appends to it are dead letters.
+    let late = h.user(doomed, "alice", "hello?").await;
+    assert_eq!(late.reason.as_deref(), Some("unknown_session"));
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_reach_the_feed_in_order_and_a_crash_before_publishing_is_repaired() {
+    let h = Harness::start().await;
+    let s = h.create("alice").await;
+    for i in 0..5 {
+        h.user(s, "alice", &format!("m{i}")).await;
+    }
+    let env = h.stop().await;
+    // State as a crash between commit and feed publish leaves it: position applied, not
+    // published, and the feed missing those events. (Deleting the stream, not purging it,
+    // also forgets its dedup ids, as a feed that never received them would not have them.)
+    sqlx::query("UPDATE writer_positions SET published_seq = 0").execute(&env.pool).await.unwrap();
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
+    bus.js.delete_stream(bus.names.events_stream()).await.unwrap();
+
+    let (shutdown, writer) = spawn_writer(&env);
+    let h = Harness { env, bus, shutdown, writer };
+    let feed =
+        h.stream_messages(&h.bus.names.events_stream(), &format!("{}.events.>", h.env.bus_prefix)).await;
+    let feed = if feed.len() < 6 {
+        eventually(WAIT, || async {
+            let f = h
+                .stream_messages(&h.bus.names.events_stream(), &format!("{}.events.>", h.env.bus_prefix))
+                .await;
+            (f.len() >= 6).then_some(f)
+        })
+        .await
+    } else {
+        feed
+    };
+    let events: Vec<CommittedEvent> =
+        feed.iter().map(|m| serde_json::from_slice(&m.payload).unwrap()).collect();
+    assert_eq!(events.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
+    assert_eq!(events[0].kind, "session_started");
+    assert_eq!(events[1].owner, "alice");
+    let published: i64 = sqlx::query_scalar("SELECT published_seq FROM writer_positions")
+        .fetch_one(&h.env.pool)
+        .await
+        .unwrap();
+    assert!(published > 0);
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_whose_position_moved_steps_down_and_resumes_from_the_new_position() {
+    let h = Harness::start().await;
+    let s = h.create("alice").await;
+    h.user(s, "alice", "before").await;
+    // Another writer (simulated) has applied the next three messages.
+    sqlx::query("UPDATE writer_positions SET stream_seq = stream_seq + 3, published_seq = published_seq + 3")
+        .execute(&h.env.pool)
+        .await
+        .unwrap();
+    let mut skipped = vec![];
+    for i in 0..3 {
+        let body = EventBody::UserMessage(UserMessage {
+            text: format!("owned by the other writer {i}"),
+            ..Default::default()
+        });
+        let req = AppendRequest::append(s, "alice", Uuid::now_v7(), &body);
+        h.bus.publish_append(&req, None).await.unwrap();
+        skipped.push(req.request_id);
+    }
+    let after = h.user(s, "alice", "after").await;
+    assert_eq!(after.seq, Some(3), "the fenced batch was not applied");
+    for id in skipped {
+        assert!(turnlog_core::bus::recorded_outcome(&h.env.pool, id).await.unwrap().is_none());
+    }
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_writer_stands_by_and_takes_over() {
+    let h = Harness::start().await;
+    let (standby_stop, standby) = spawn_writer(&h.env);
+    let s = h.create("alice").await;
+    for i in 0..10 {
+        h.user(s, "alice", &format!("a{i}")).await;
+    }
+    // Stop the active one; the standby takes the lock and carries on.
+    let Harness { env, bus, shutdown, writer } = h;
+    shutdown.cancel();
+    writer.await.unwrap().unwrap();
+    let h = Harness { env, bus, shutdown: standby_stop, writer: standby };
+    for i in 0..10 {
+        h.user(s, "alice", &format!("b{i}")).await;
+    }
+    let seqs: Vec<i64> = h.seqs(s).await.into_iter().map(|r| r.0).collect();
+    assert_eq!(seqs, (2..=21).collect::<Vec<_>>());
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn updates_set_title_archive_and_category() {
+    let h = Harness::start().await;
+    let s = h.create("alice").await;
+    let body = EventBody::UserMessage(UserMessage {
+        text: "q".into(),
+        category: Some("code".into()),
+        ..Default::default()
+    });
+    h.send(&AppendRequest::append(s, "alice", Uuid::now_v7(), &body)).await;
+    let mut u = AppendRequest::update(s, "alice");
+    u.title_if_empty = Some("First title".into());
+    h.send(&u).await;
+    let mut u = AppendRequest::update(s, "alice");
+    u.title_if_empty = Some("Ignored".into());
+    u.archived = Some(true);
+    h.send(&u).await;
+    let got = read::get_session(&h.env.pool, "alice", s).await.unwrap().unwrap();
+    assert_eq!(
+        (got.title.as_deref(), got.archived, got.last_category.as_deref()),
+        (Some("First title"), true, Some("code"))
+    );
+    assert!(read::get_session(&h.env.pool, "bob", s).await.unwrap().is_none(), "owner-scoped");
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paging_over_tied_timestamps_loses_and_repeats_nothing() {
+    let h = Harness::start().await;
+    // 500 sessions in one batch of requests: many share one stream timestamp; force all to
+    // one updated_at to be sure.
+    let mut ids = Vec::new();
+    for _ in 0..500 {
+        let id = SessionId::new();
+        h.bus.publish_append(&AppendRequest::create(id, "alice", None), None).await.unwrap();
+        ids.push(id);
+    }
+    h.create("alice").await;
+    sqlx::query("UPDATE sessions SET updated_at = '2026-01-02T03:04:05.123456Z'")
+        .execute(&h.env.pool)
+        .await
+        .unwrap();
+
+    let mut seen = Vec::new();
+    let mut cursor: Option<Cursor> = None;
+    loop {
+        let q = ListQuery { limit: 37, before: cursor, ..Default::default() };
+        let (page, next) = read::list_sessions(&h.env.pool, "alice", &q).await.unwrap();
+        seen.extend(page.iter().map(|s| s.id));
+        match next {
+            Some(c) => {
+                assert_eq!(c.before_text(), "2026-01-02T03:04:05.123456Z");
+                cursor = Some(c);
+            }
+            None => break,
+        }
+    }
+    let mut unique = seen.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!((seen.len(), unique.len()), (501, 501), "nothing lost or repeated");
+    assert!(ids.iter().all(|id| seen.contains(&id.0)));
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turn_lease_is_exclusive_compare_and_set_and_expires() {
+    let h = Harness::start().await;
+    let leases = TurnLeases::open(&h.bus).await.unwrap();
+    let s = SessionId::new();
+    let lease = leases.acquire(s, "copy-a").await.unwrap().expect("free lease");
+    assert!(leases.acquire(s, "copy-b").await.unwrap().is_none(), "held");
+    let renewed = leases.renew(lease, "copy-a").await.unwrap().expect("renewable");
+    assert!(leases.renew(lease, "copy-a").await.unwrap().is_none(), "stale revision fails");
+    assert!(leases.is_held(s).await.unwrap());
+    // Not renewed: it expires by itself within ~10 s.
+    let started = std::time::Instant::now();
+    let taken =
+        eventually(Duration::from_secs(20), || async { leases.acquire(s, "copy-b").await.unwrap() }).await;
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(7) && waited <= Duration::from_secs(15),
+        "expired after {waited:?}"
+    );
+    assert!(leases.renew(renewed, "copy-a").await.unwrap().is_none(), "the old holder lost it");
+    leases.release(taken).await.unwrap();
+    assert!(leases.acquire(s, "copy-c").await.unwrap().is_some(), "released");
+    h.stop().await;
+}

@@ -1,0 +1,156 @@
+//! Running our own nats-server with JetStream: finding the binary, and [`PrivateNats`], a
+//! per-test server on a fixed port whose store survives restarts, for fault tests.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+
+use crate::process::ExternalProcess;
+use crate::util::{accepts, find_executable, random_alnum};
+
+/// The nats-server binary, or a message naming the package that provides it.
+pub(crate) fn nats_server_bin() -> anyhow::Result<PathBuf> {
+    find_executable("nats-server").context(
+        "nats-server not found on PATH or in /usr/sbin: install the Debian package `nats-server` \
+         (apt-get install nats-server), or set NATS_URL to an existing server with JetStream",
+    )
+}
+
+/// Arguments for a JetStream server on 127.0.0.1:`port` keeping its store in `store_dir`.
+pub(crate) fn server_args(port: u16, store_dir: &Path) -> Vec<String> {
+    vec![
+        "-js".to_owned(),
+        "-a".to_owned(),
+        "127.0.0.1".to_owned(),
+        "-p".to_owned(),
+        port.to_string(),
+        "-sd".to_owned(),
+        store_dir.display().to_string(),
+    ]
+}
+
+/// A nats-server (JetStream on) of one test's own, on a fixed port with its own store
+/// directory, so it can be restarted, killed or frozen under a running service. Distinct
+/// from the shared once-per-run server; killed and its store deleted when dropped.
+///
+/// ```ignore
+/// let mut nats = private_nats(free_port()).await;
+/// let env = test_env_on(None, Some(&nats.url())).await;
+/// nats.kill();              // crash
+/// nats.restart().await;     // same port, same JetStream store
+/// nats.stop(); nats.cont(); // freeze and thaw
+/// ```
+#[derive(Debug)]
+pub struct PrivateNats {
+    port: u16,
+    store_dir: PathBuf,
+    process: ExternalProcess,
+}
+
+/// Starts nats-server with JetStream on `port` and waits until it accepts connections.
+/// Panics with a clear message when it cannot.
+pub async fn private_nats(port: u16) -> PrivateNats {
+    let bin = nats_server_bin().unwrap_or_else(|e| panic!("turnlog-testkit: {e:#}"));
+    let store_dir = std::env::temp_dir().join(format!("turnlog-testkit-nats-{port}-{}", random_alnum(8)));
+    if let Err(e) = std::fs::create_dir_all(&store_dir) {
+        panic!("turnlog-testkit: cannot create {}: {e}", store_dir.display());
+    }
+    let process =
+        ExternalProcess::new(&format!("nats-server-{port}"), bin).args(server_args(port, &store_dir));
+    let mut nats = PrivateNats { port, store_dir, process };
+    nats.start().await;
+    nats
+}
+
+impl PrivateNats {
+    /// `nats://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
+    pub fn store_dir(&self) -> &Path {
+        &self.store_dir
+    }
+
+    pub fn log_path(&self) -> &Path {
+        self.process.log_path()
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.process.is_running()
+    }
+
+    /// Starts the server if it is not running, then waits (up to 15 s) until it accepts
+    /// connections; nats-server enables JetStream before it accepts clients.
+    pub async fn start(&mut self) {
+        if !self.process.is_running() {
+            if let Err(e) = self.process.start() {
+                panic!("turnlog-testkit: {e:#}");
+            }
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        let port = self.port;
+        loop {
+            if !self.process.is_running() {
+                panic!(
+                    "turnlog-testkit: private nats-server on port {port} exited while starting \
+                     (port taken?); log {}:\n{}",
+                    self.log_path().display(),
+                    self.process.log_tail(30)
+                );
+            }
+            let up = tokio::task::spawn_blocking(move || accepts(port, Duration::from_millis(250)))
+                .await
+                .unwrap_or(false);
+            if up {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                panic!(
+                    "turnlog-testkit: private nats-server on port {port} not accepting after 15 s; log {}:\n{}",
+                    self.log_path().display(),
+                    self.process.log_tail(30)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Graceful stop if running (SIGTERM; SIGKILL after 10 s), then a start on the same
+    /// port with the same store. After [`kill`](Self::kill) it is a crash-restart.
+    pub async fn restart(&mut self) {
+        self.process.shutdown(Duration::from_secs(10)).await;
+        self.start().await;
+    }
+
+    /// SIGKILL (a crash), then reap. Bring it back with [`restart`](Self::restart).
+    pub fn kill(&mut self) {
+        self.process.kill();
+    }
+
+    /// SIGSTOP: clients stay connected to a server that answers nothing.
+    pub fn stop(&mut self) {
+        self.process.stop();
+    }
+
+    /// SIGCONT.
+    pub fn cont(&mut self) {
+        self.process.cont();
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        self.process.kill();
+        let _ = std::fs::remove_dir_all(&self.store_dir);
+    }
+}

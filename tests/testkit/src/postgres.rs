@@ -1,0 +1,326 @@
+//! Running our own PostgreSQL: finding the server binaries, creating a cluster (as the
+//! `postgres` user when we are root — Postgres refuses to run as root), the settings that
+//! make it fast for tests, and [`PrivatePostgres`], a per-test server on a fixed port.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::Context;
+use sqlx::Connection;
+
+use crate::process::ExternalProcess;
+use crate::util::{
+    current_uid, find_executable, is_executable, is_root, lookup_user, random_alnum, tail_lines,
+};
+
+const MISSING: &str = "PostgreSQL server binaries (initdb, pg_ctl, postgres) not found under \
+    /usr/lib/postgresql/<version>/bin or on PATH: install the Debian package `postgresql` \
+    (apt-get install postgresql), or set DATABASE_URL to an existing server";
+
+/// The directory holding `initdb`, `pg_ctl` and `postgres`.
+#[derive(Debug, Clone)]
+pub(crate) struct PgBins {
+    pub(crate) dir: PathBuf,
+    /// Major version, to notice a data directory made by another one.
+    pub(crate) major: String,
+}
+
+impl PgBins {
+    /// The highest version under `/usr/lib/postgresql` (Debian's layout), else `PATH`.
+    pub(crate) fn find() -> anyhow::Result<PgBins> {
+        let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+            .map(|entries| {
+                entries
+                    .filter_map(Result::ok)
+                    .filter_map(|e| {
+                        Some((e.file_name().to_str()?.parse::<u32>().ok()?, e.path().join("bin")))
+                    })
+                    .filter(|(_, bin)| Self::complete(bin))
+                    .collect()
+            })
+            .unwrap_or_default();
+        versions.sort();
+        if let Some((major, dir)) = versions.pop() {
+            return Ok(PgBins { dir, major: major.to_string() });
+        }
+        let pg_ctl = find_executable("pg_ctl").context(MISSING)?;
+        // Resolve symlinks (Debian's /usr/bin/pg_ctl is a wrapper; /usr/local/bin links)
+        // so `postgres` is looked up beside the real binary.
+        let dir = std::fs::canonicalize(&pg_ctl)?.parent().map(Path::to_path_buf).context(MISSING)?;
+        anyhow::ensure!(Self::complete(&dir), "{MISSING}");
+        let out = Command::new(dir.join("postgres")).arg("--version").output()?;
+        // "postgres (PostgreSQL) 15.8 (Debian 15.8-1)" → "15"
+        let version = String::from_utf8_lossy(&out.stdout);
+        let major = version
+            .split_whitespace()
+            .nth(2)
+            .and_then(|v| v.split('.').next())
+            .context("cannot read the version of postgres")?
+            .to_owned();
+        Ok(PgBins { dir, major })
+    }
+
+    fn complete(dir: &Path) -> bool {
+        ["initdb", "pg_ctl", "postgres"].iter().all(|b| is_executable(&dir.join(b)))
+    }
+
+    pub(crate) fn bin(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+}
+
+/// Who runs Postgres: `Some((uid, gid))` of the `postgres` user when we are root, `None`
+/// (ourselves) otherwise.
+pub(crate) fn server_user() -> anyhow::Result<Option<(u32, u32)>> {
+    if !is_root() {
+        return Ok(None);
+    }
+    lookup_user("postgres").map(Some).context(
+        "running as root, and Postgres refuses to: no `postgres` user to run it as; install the \
+         Debian package `postgresql` (it creates the user), or set DATABASE_URL",
+    )
+}
+
+/// Where our clusters live: a directory the server's user owns and can reach (a path
+/// under /root would not be reachable by `postgres`).
+pub(crate) fn base_dir() -> PathBuf {
+    if is_root() {
+        PathBuf::from("/var/tmp/turnlog-testkit-pg")
+    } else {
+        PathBuf::from(format!("/var/tmp/turnlog-testkit-{}/pg", current_uid()))
+    }
+}
+
+/// Creates `dir` owned by the server's user, mode 0700.
+pub(crate) fn prepare_owned_dir(dir: &Path, user: Option<(u32, u32)>) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    if let Some((uid, gid)) = user {
+        std::os::unix::fs::chown(dir, Some(uid), Some(gid))
+            .with_context(|| format!("cannot chown {} to postgres", dir.display()))?;
+    }
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    Ok(())
+}
+
+/// A command for one of the server binaries, run as the server's user from a directory it
+/// can enter (the test's own working directory may be closed to it).
+pub(crate) fn pg_command(bins: &PgBins, name: &str, user: Option<(u32, u32)>, cwd: &Path) -> Command {
+    use std::os::unix::process::CommandExt;
+    let mut command = Command::new(bins.bin(name));
+    command.current_dir(cwd);
+    if let Some((uid, gid)) = user {
+        command.uid(uid).gid(gid);
+    }
+    command
+}
+
+/// `initdb` into `data_dir` (which must not exist yet, its parent owned by the server's
+/// user): trust auth, superuser `postgres`, UTF-8, no fsync. Output goes to `log`.
+pub(crate) fn initdb(
+    bins: &PgBins,
+    user: Option<(u32, u32)>,
+    data_dir: &Path,
+    log: &Path,
+) -> anyhow::Result<()> {
+    let parent = data_dir.parent().context("data directory has no parent")?;
+    let log_file = std::fs::OpenOptions::new().create(true).append(true).open(log)?;
+    let status = pg_command(bins, "initdb", user, parent)
+        .arg("-D")
+        .arg(data_dir)
+        .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"])
+        .stdin(std::process::Stdio::null())
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file)
+        .status()
+        .context("cannot run initdb")?;
+    anyhow::ensure!(status.success(), "initdb failed ({status}):\n{}", tail_lines(log, 20));
+    Ok(())
+}
+
+/// Server settings: loopback only on `port`, the socket in the data directory, and no
+/// work against machine crashes (a test database is disposable; speed matters on small
+/// machines). `crash_safe_commits` keeps `synchronous_commit` on, so a commit survives a
+/// crash of the server *process* (the OS still has the written WAL without fsync): fault
+/// tests kill the server and must find every acknowledged commit.
+pub(crate) fn server_args(port: u16, data_dir: &Path, crash_safe_commits: bool) -> Vec<String> {
+    let mut args = vec!["-p".to_owned(), port.to_string()];
+    for setting in [
+        "listen_addresses=127.0.0.1".to_owned(),
+        format!("unix_socket_directories={}", data_dir.display()),
+        "fsync=off".to_owned(),
+        format!("synchronous_commit={}", if crash_safe_commits { "on" } else { "off" }),
+        "full_page_writes=off".to_owned(),
+        "max_connections=300".to_owned(),
+    ] {
+        args.push("-c".to_owned());
+        args.push(setting);
+    }
+    args
+}
+
+/// URL of database `database` as superuser `postgres` on 127.0.0.1:`port`.
+pub(crate) fn local_url(port: u16, database: &str) -> String {
+    format!("postgres://postgres@127.0.0.1:{port}/{database}")
+}
+
+/// A Postgres server of one test's own, on a fixed port, for fault tests (restart it under
+/// a running service, crash it). Distinct from the shared once-per-run server; stopped and
+/// its data deleted when dropped. Unlike the shared server, commits are crash-safe (a
+/// commit is acknowledged after its WAL is written), so a killed server loses nothing it
+/// acknowledged.
+///
+/// ```ignore
+/// let mut pg = private_postgres(free_port()).await;
+/// let env = test_env_on(Some(&pg.url()), None).await;
+/// pg.restart().await;   // same port, same data
+/// ```
+#[derive(Debug)]
+pub struct PrivatePostgres {
+    port: u16,
+    data_dir: PathBuf,
+    process: ExternalProcess,
+}
+
+/// Creates a cluster (initdb, about a second) and starts it on `port`, waiting until it
+/// accepts queries. Panics with a clear message when it cannot.
+pub async fn private_postgres(port: u16) -> PrivatePostgres {
+    let (bins, user, data_dir) = match tokio::task::spawn_blocking(move || new_cluster(port)).await {
+        Ok(Ok(cluster)) => cluster,
+        Ok(Err(e)) => panic!("turnlog-testkit: cannot create a private Postgres: {e:#}"),
+        Err(e) => panic!("turnlog-testkit: cannot create a private Postgres: {e}"),
+    };
+    let process = ExternalProcess::new(&format!("postgres-{port}"), bins.bin("postgres"))
+        .arg("-D")
+        .arg(&data_dir)
+        .args(server_args(port, &data_dir, true))
+        .current_dir(data_dir.parent().unwrap_or(Path::new("/")))
+        .run_as(user);
+    let mut pg = PrivatePostgres { port, data_dir, process };
+    pg.start().await;
+    pg
+}
+
+/// Binaries, the user to run as, and a new cluster's data directory.
+type NewCluster = (PgBins, Option<(u32, u32)>, PathBuf);
+
+fn new_cluster(port: u16) -> anyhow::Result<NewCluster> {
+    let bins = PgBins::find()?;
+    let user = server_user()?;
+    let base = base_dir();
+    prepare_owned_dir(&base, user)?;
+    let data_dir = base.join(format!("private-{port}-{}", random_alnum(8)));
+    let log = std::env::temp_dir().join(format!("turnlog-testkit-initdb-{}.log", random_alnum(8)));
+    initdb(&bins, user, &data_dir, &log)?;
+    let _ = std::fs::remove_file(&log);
+    Ok((bins, user, data_dir))
+}
+
+impl PrivatePostgres {
+    /// `postgres://postgres@127.0.0.1:<port>/postgres` — the admin database, to pass to
+    /// [`test_env_on`](crate::test_env_on).
+    pub fn url(&self) -> String {
+        local_url(self.port, "postgres")
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    pub fn log_path(&self) -> &Path {
+        self.process.log_path()
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.process.is_running()
+    }
+
+    /// Starts the server if it is not running and waits (up to 30 s) until it answers a
+    /// query; after [`kill`](Self::kill) this runs crash recovery first.
+    pub async fn start(&mut self) {
+        if !self.process.is_running() {
+            if let Err(e) = self.process.start() {
+                panic!("turnlog-testkit: {e:#}");
+            }
+        }
+        let url = self.url();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            if !self.process.is_running() {
+                panic!(
+                    "turnlog-testkit: private Postgres on port {} exited while starting; log {}:\n{}",
+                    self.port,
+                    self.log_path().display(),
+                    self.process.log_tail(30)
+                );
+            }
+            // Postgres accepts TCP before it can serve ("the database system is starting
+            // up"), so readiness is a completed login.
+            let attempt =
+                tokio::time::timeout(Duration::from_secs(2), sqlx::PgConnection::connect(&url)).await;
+            if let Ok(Ok(conn)) = attempt {
+                let _ = conn.close().await;
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                panic!(
+                    "turnlog-testkit: private Postgres on port {} not ready after 30 s; log {}:\n{}",
+                    self.port,
+                    self.log_path().display(),
+                    self.process.log_tail(30)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Fast shutdown (SIGINT: sessions are disconnected, a checkpoint is written), then a
+    /// start on the same port with the same data.
+    pub async fn restart(&mut self) {
+        if self.process.is_running() {
+            self.process.cont();
+            self.process.signal("INT");
+            if self.process.wait_exit(Duration::from_secs(30)).await.is_none() {
+                self.process.kill();
+            }
+        }
+        self.start().await;
+    }
+
+    /// A crash as clients see it: immediate shutdown (SIGQUIT: every connection drops, no
+    /// checkpoint; the next start runs crash recovery). Not SIGKILL of the postmaster, whose
+    /// orphaned backends could keep a restart from starting. Waits until it has exited.
+    pub fn kill(&mut self) {
+        immediate_shutdown(&mut self.process);
+    }
+}
+
+fn immediate_shutdown(process: &mut ExternalProcess) {
+    if !process.is_running() {
+        return;
+    }
+    process.cont();
+    process.signal("QUIT");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while process.is_running() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    process.kill();
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        immediate_shutdown(&mut self.process);
+        // Only our own random directory is removed; a panic here would hide the test's.
+        let _ = std::fs::remove_dir_all(&self.data_dir);
+    }
+}
