@@ -347,7 +347,20 @@ impl Bus {
 
     async fn ensure_stream(&self, config: stream::Config) -> Result<(), BusError> {
         let (name, expected) = (config.name.clone(), config.subjects.clone());
-        let mut s = self.js.get_or_create_stream(config).await.map_err(js_err)?;
+        // Services starting together race to create the streams; the loser's create fails
+        // ("subjects overlap"), and a second look finds the winner's stream.
+        let mut attempt = 0;
+        let mut s = loop {
+            match self.js.get_or_create_stream(config.clone()).await {
+                Ok(s) => break s,
+                Err(e) if attempt < 5 => {
+                    tracing::debug!(stream = %name, error = %e, "stream create raced; retrying");
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
+                }
+                Err(e) => return Err(js_err(e)),
+            }
+        };
         let found = s.info().await.map_err(js_err)?.config.subjects.clone();
         if found != expected {
             return Err(BusError::Mismatch { name, found, expected });

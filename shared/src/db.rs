@@ -6,6 +6,12 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
+/// Per-connection settings. JIT compiling costs milliseconds per statement, and turnlog's
+/// array statements look expensive to the planner while running in well under that. A
+/// cached generic plan is chosen while tables are small (a sequential scan) and then kept
+/// as they grow, so every statement is planned for its actual parameters.
+const SESSION_SETTINGS: [(&str, &str); 2] = [("jit", "off"), ("plan_cache_mode", "force_custom_plan")];
+
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
 /// A pool for `url` with bounded waits, so a dead database surfaces as an error instead
@@ -15,7 +21,7 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Er
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(5))
-        .connect_with(options.application_name("turnlog"))
+        .connect_with(options.application_name("turnlog").options(SESSION_SETTINGS))
         .await
 }
 

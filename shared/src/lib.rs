@@ -5,6 +5,7 @@
 pub mod budget;
 pub mod bus;
 pub mod compaction;
+pub mod config;
 pub mod db;
 pub mod events;
 pub mod ids;
@@ -17,6 +18,7 @@ pub mod request;
 pub mod tokens;
 pub mod ui_transcript;
 pub mod upstream;
+pub mod worker;
 
 pub use events::{Event, EventBody, EventKind};
 pub use ids::{EventId, Owner, SessionId};

@@ -208,3 +208,35 @@ pub async fn list_sessions(
         .flatten();
     Ok((rows, next))
 }
+
+/// A long-term memory as recall returns it.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct Memory {
+    pub id: Uuid,
+    pub session_id: Uuid,
+    pub turn_seq: i64,
+    pub text: String,
+    pub created_at: DateTime<Utc>,
+}
+
+/// The owner's memories matching `q` (Postgres full text, `simple` configuration, as the
+/// `memories_fts` index is built), newest first; without `q`, the newest.
+pub async fn recall_memories(
+    pool: &PgPool,
+    owner: &str,
+    q: Option<&str>,
+    limit: i64,
+) -> Result<Vec<Memory>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, session_id, turn_seq, text, created_at FROM memories
+          WHERE owner = $1
+            AND ($2::text IS NULL OR to_tsvector('simple', text) @@ plainto_tsquery('simple', $2))
+          ORDER BY created_at DESC, id DESC
+          LIMIT $3",
+    )
+    .bind(owner)
+    .bind(q)
+    .bind(limit.max(1))
+    .fetch_all(pool)
+    .await
+}

@@ -70,7 +70,7 @@ pub struct BatchEffects {
     /// Outcomes to record (new requests only; duplicates are answered, not recorded).
     pub outcomes: Vec<(Outcome, Option<SessionId>)>,
     pub memories: Vec<MemoryRow>,
-    /// A session deleted by this batch (a delete ends its batch).
+    /// The session a delete batch removes (a delete is always alone in its batch).
     pub deleted: Option<SessionId>,
     pub dead: Vec<(Option<SessionId>, DeadLetter)>,
     /// Outcomes to send after the commit.
@@ -98,17 +98,24 @@ pub struct LoadedState {
     pub outcomes: HashMap<Uuid, Outcome>,
 }
 
-/// Applies `batch` in order. Stops after a delete (so a batch deletes at most one session
-/// and nothing after it sees a half-deleted state); `consumed` says how far it got.
+/// Applies `batch` in order. A delete is applied alone: the batch stops before a delete
+/// that is not its first request, and right after one that is; `consumed` says how far it
+/// got.
 pub fn apply_batch(batch: &[Incoming], mut state: LoadedState) -> BatchEffects {
     let mut fx = BatchEffects::default();
     let mut created: Vec<SessionId> = Vec::new();
     let mut touched: Vec<SessionId> = Vec::new();
 
     for msg in batch {
+        let parsed = serde_json::from_slice::<AppendRequest>(&msg.body);
+        // A delete gets a batch of its own: it is written by a separate, rarer path.
+        let is_delete = parsed.as_ref().is_ok_and(|r| r.op == Op::Delete);
+        if is_delete && fx.consumed > 0 {
+            break;
+        }
         fx.consumed += 1;
         fx.last_stream_seq = msg.stream_seq;
-        let req = match serde_json::from_slice::<AppendRequest>(&msg.body) {
+        let req = match parsed {
             Ok(r) => r,
             Err(e) => {
                 dead_letter(
@@ -269,7 +276,12 @@ fn apply_one(
             }
             let body =
                 EventBody::decode(kind, payload, 0).map_err(|e| refuse("bad_payload", e.to_string()))?;
-            let size = serde_json::to_vec(payload).map_or(usize::MAX, |v| v.len());
+            // The payload is part of the request body, so only a large body needs measuring.
+            let size = if msg.body.len() <= MAX_EVENT_BYTES {
+                msg.body.len()
+            } else {
+                serde_json::to_vec(payload).map_or(usize::MAX, |v| v.len())
+            };
             if size > MAX_EVENT_BYTES {
                 return Err(refuse(
                     "too_large",

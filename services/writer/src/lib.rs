@@ -7,7 +7,8 @@
 mod apply;
 mod store;
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
@@ -15,14 +16,20 @@ use async_nats::jetstream::message::PublishMessage;
 use futures::{FutureExt as _, StreamExt as _};
 use sqlx::{Connection as _, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
-use turnlog_core::bus::{partition_of, Bus, CommittedEvent, REPLY_HEADER};
+use turnlog_core::bus::{partition_of, Bus, CommittedEvent, Outcome, REPLY_HEADER};
 use turnlog_core::ids::SessionId;
 use uuid::Uuid;
 
 pub use apply::{apply_batch, Incoming};
+use apply::{LoadedState, SessionRow};
 
 /// Most requests applied in one transaction.
 pub const MAX_BATCH: usize = 500;
+/// Sessions the writer keeps in memory (it is the only one changing them); the cache is
+/// dropped whole past this size.
+const SESSION_CACHE: usize = 100_000;
+/// How often the advisory lock's connection is checked.
+const LOCK_PING: Duration = Duration::from_secs(5);
 /// Base of the advisory-lock keys, one per partition ("TLWR").
 const LOCK_BASE: i64 = 0x544C_5752_0000;
 
@@ -104,7 +111,7 @@ async fn serve_partition(
         }
     }
 
-    let (mut applied, published) = store::positions(pool, p).await?;
+    let (applied, published) = store::positions(pool, p).await?;
     tracing::info!(partition, applied, published, "writer active");
     if published < applied {
         let events = store::committed_between(pool, published, applied).await?;
@@ -128,7 +135,32 @@ async fn serve_partition(
         .context("creating the ordered consumer")?;
     let mut messages = consumer.messages().await.context("reading the APPEND stream")?;
 
+    // Publishing runs behind the next commit: the feed, `published_seq` and the replies of
+    // batch N go out while batch N+1 is applied.
+    let (to_publisher, from_writer) = tokio::sync::mpsc::channel(8);
+    let publisher = tokio::spawn(publisher(pool.clone(), bus.clone(), p, from_writer));
+    let result =
+        apply_loop(p, pool, bus, shutdown, &mut lock_conn, &mut messages, applied, to_publisher).await;
+    // Let the publisher finish what was committed (on error too: anything it misses is
+    // republished by the next writer from `published_seq`).
+    let published = publisher.await.context("publisher panicked")?;
+    result.and(published)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn apply_loop(
+    p: i32,
+    pool: &PgPool,
+    bus: &Bus,
+    shutdown: &CancellationToken,
+    lock_conn: &mut PgConnection,
+    messages: &mut async_nats::jetstream::consumer::pull::Ordered,
+    mut applied: i64,
+    to_publisher: tokio::sync::mpsc::Sender<Committed>,
+) -> anyhow::Result<()> {
+    let mut cache: HashMap<SessionId, SessionRow> = HashMap::new();
     let mut carry: Vec<Incoming> = Vec::new();
+    let mut last_ping = Instant::now();
     loop {
         if carry.is_empty() {
             let first = tokio::select! {
@@ -148,36 +180,99 @@ async fn serve_partition(
             }
         }
 
-        let consumed = apply_and_commit(pool, bus, p, applied, &carry).await?;
-        applied = i64::try_from(carry[consumed - 1].stream_seq)?;
+        let (consumed, committed) = apply_and_commit(pool, bus, p, applied, &carry, &mut cache).await?;
+        applied = committed.last_stream_seq;
         carry.drain(..consumed);
-        // Keep the lock connection alive (and notice when it is not).
-        lock_conn.ping().await.context("lock connection lost")?;
+        to_publisher.send(committed).await.context("publisher stopped")?;
+        // The lock lives as long as its connection: notice when that is gone.
+        if last_ping.elapsed() > LOCK_PING {
+            lock_conn.ping().await.context("lock connection lost")?;
+            last_ping = Instant::now();
+        }
     }
 }
 
-/// Applies a batch (up to its first delete) and does everything that follows a commit.
-/// Returns how many messages it consumed.
+/// What a commit leaves to do: feed, position, replies, purge.
+struct Committed {
+    events: Vec<CommittedEvent>,
+    replies: Vec<(String, Outcome)>,
+    last_stream_seq: i64,
+    deleted: Option<SessionId>,
+}
+
+async fn publisher(
+    pool: PgPool,
+    bus: Bus,
+    partition: i32,
+    mut from_writer: tokio::sync::mpsc::Receiver<Committed>,
+) -> anyhow::Result<()> {
+    let mut unmarked: Option<i64> = None;
+    let mut batches_unmarked = 0;
+    while let Some(c) = from_writer.recv().await {
+        let started = Instant::now();
+        publish_events(&bus, &c.events).await?;
+        tracing::debug!(
+            partition,
+            events = c.events.len(),
+            elapsed_us = started.elapsed().as_micros() as u64,
+            "events published"
+        );
+        for (reply_to, outcome) in &c.replies {
+            // Best effort: a producer that misses it looks the outcome up.
+            let _ = bus.client.publish(reply_to.clone(), serde_json::to_vec(outcome)?.into()).await;
+        }
+        if let Some(session) = c.deleted {
+            store::mark_published(&pool, partition, c.last_stream_seq).await?;
+            purge_session(&pool, &bus, session).await?;
+        }
+        // Move `published_seq` when caught up (or every few batches under load).
+        unmarked = Some(c.last_stream_seq);
+        batches_unmarked += 1;
+        if from_writer.is_empty() || batches_unmarked >= 16 {
+            store::mark_published(&pool, partition, c.last_stream_seq).await?;
+            (unmarked, batches_unmarked) = (None, 0);
+        }
+    }
+    if let Some(seq) = unmarked {
+        store::mark_published(&pool, partition, seq).await?;
+    }
+    Ok(())
+}
+
+/// Applies a batch (a delete alone) and commits it with the new position.
 async fn apply_and_commit(
     pool: &PgPool,
     bus: &Bus,
     partition: i32,
     applied: i64,
     batch: &[Incoming],
-) -> anyhow::Result<usize> {
-    let mut sessions: Vec<Uuid> = Vec::new();
+    cache: &mut HashMap<SessionId, SessionRow>,
+) -> anyhow::Result<(usize, Committed)> {
+    let mut to_load: Vec<Uuid> = Vec::new();
     let mut requests: Vec<Uuid> = Vec::new();
+    let mut state = LoadedState::default();
     for m in batch {
         if let Some(s) = m.subject_session {
-            sessions.push(s.0);
+            match cache.get(&s) {
+                Some(row) => {
+                    state.sessions.insert(s, row.clone());
+                }
+                None => to_load.push(s.0),
+            }
         }
         if let Ok(r) = serde_json::from_slice::<RequestIds>(&m.body) {
             requests.push(r.request_id);
         }
     }
-    let mut tx = pool.begin().await?;
-    let state = store::load_state(&mut tx, &sessions, &requests).await?;
+    to_load.sort_unstable();
+    to_load.dedup();
+    let t0 = Instant::now();
+    let loaded = store::load_state(pool, &to_load, &requests).await?;
+    let t_load = t0.elapsed();
+    state.sessions.extend(loaded.sessions);
+    state.outcomes = loaded.outcomes;
     let fx = apply_batch(batch, state);
+    let t_apply = t0.elapsed();
 
     // Dead letters go out before the commit (deduplicated by stream sequence), so a crash
     // in between cannot lose one.
@@ -187,20 +282,35 @@ async fn apply_and_commit(
         let msg = PublishMessage::build().payload(serde_json::to_vec(letter)?.into()).message_id(msg_id);
         bus.js.send_publish(subject, msg).await?.await.context("publishing a dead letter")?;
     }
-    store::write_effects(&mut tx, partition, applied, &fx).await?;
-    tx.commit().await?;
+    match fx.deleted {
+        Some(session) => store::write_delete(pool, partition, applied, &fx, session).await?,
+        None => store::write_effects(pool, partition, applied, &fx).await?,
+    }
 
-    let events: Vec<CommittedEvent> = fx.events.iter().map(|e| e.event.clone()).collect();
-    publish_events(bus, &events).await?;
-    store::mark_published(pool, partition, i64::try_from(fx.last_stream_seq)?).await?;
-    for (reply_to, outcome) in &fx.replies {
-        // Best effort: a producer that misses it looks the outcome up.
-        let _ = bus.client.publish(reply_to.clone(), serde_json::to_vec(outcome)?.into()).await;
+    tracing::debug!(
+        partition,
+        requests = fx.consumed,
+        load_us = t_load.as_micros() as u64,
+        apply_us = (t_apply - t_load).as_micros() as u64,
+        write_us = (t0.elapsed() - t_apply).as_micros() as u64,
+        "batch committed"
+    );
+    if cache.len() > SESSION_CACHE {
+        cache.clear();
     }
-    if let Some(session) = fx.deleted {
-        purge_session(pool, bus, session).await?;
+    for row in fx.created.iter().chain(&fx.updated) {
+        cache.insert(row.id, row.clone());
     }
-    Ok(fx.consumed)
+    if let Some(s) = fx.deleted {
+        cache.remove(&s);
+    }
+    let committed = Committed {
+        events: fx.events.into_iter().map(|e| e.event).collect(),
+        replies: fx.replies,
+        last_stream_seq: i64::try_from(fx.last_stream_seq)?,
+        deleted: fx.deleted,
+    };
+    Ok((fx.consumed, committed))
 }
 
 #[derive(serde::Deserialize)]

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use sqlx::PgPool;
 use turnlog_core::bus::{CommittedEvent, Outcome, OutcomeStatus};
 use turnlog_core::ids::SessionId;
 use uuid::Uuid;
@@ -46,25 +46,30 @@ struct SessionDb {
     updated_at: chrono::DateTime<chrono::Utc>,
 }
 
-/// The sessions and prior outcomes a batch refers to.
+/// The sessions (those not cached) and prior outcomes a batch refers to. Usually one round
+/// trip: the writer caches the sessions it has seen.
 pub async fn load_state(
-    tx: &mut PgConnection,
+    pool: &PgPool,
     sessions: &[Uuid],
     requests: &[Uuid],
 ) -> Result<LoadedState, sqlx::Error> {
-    let rows: Vec<SessionDb> = sqlx::query_as(
-        "SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq,
-                created_at, updated_at
-           FROM sessions WHERE id = ANY($1)",
-    )
-    .bind(sessions)
-    .fetch_all(&mut *tx)
-    .await?;
+    let rows: Vec<SessionDb> = if sessions.is_empty() {
+        Vec::new()
+    } else {
+        sqlx::query_as(
+            "SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq,
+                    created_at, updated_at
+               FROM sessions WHERE id = ANY($1)",
+        )
+        .bind(sessions)
+        .fetch_all(pool)
+        .await?
+    };
     let outcomes: Vec<(Uuid, String, Option<i64>, Option<String>)> = sqlx::query_as(
         "SELECT request_id, status, seq, reason FROM request_outcomes WHERE request_id = ANY($1)",
     )
     .bind(requests)
-    .fetch_all(&mut *tx)
+    .fetch_all(pool)
     .await?;
     Ok(LoadedState {
         sessions: rows
@@ -98,115 +103,131 @@ pub async fn load_state(
 }
 
 /// Writes a batch's effects and moves the partition's position from `expected` to the
-/// batch's last stream sequence, all in `tx`.
+/// batch's last stream sequence: one statement, so one round trip and one commit. Every
+/// insert is conditional on the position's compare-and-set, so a fenced writer changes
+/// nothing. (A delete goes through [`write_delete`] instead.)
 pub async fn write_effects(
-    tx: &mut Transaction<'_, Postgres>,
+    pool: &PgPool,
     partition: i32,
     expected: i64,
     fx: &BatchEffects,
 ) -> Result<(), StoreError> {
+    let sessions: Vec<&SessionRow> = fx.created.iter().chain(&fx.updated).collect();
+    let ev = &fx.events;
+    let outcomes = &fx.outcomes;
+    let m = &fx.memories;
+    let moved: i64 = sqlx::query_scalar(
+        "WITH pos AS (
+             UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1
+         ), s AS (
+             INSERT INTO sessions (id, owner, title, archived, last_category, last_seq, compacted_through,
+                                   compaction_seq, created_at, updated_at)
+             SELECT * FROM UNNEST($4::uuid[], $5::text[], $6::text[], $7::bool[], $8::text[], $9::int8[],
+                                  $10::int8[], $11::int8[], $12::timestamptz[], $13::timestamptz[])
+              WHERE EXISTS (SELECT 1 FROM pos)
+             ON CONFLICT (id) DO UPDATE SET
+                title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
+                last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
+                compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at
+         ), e AS (
+             INSERT INTO session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
+             SELECT * FROM UNNEST($14::uuid[], $15::int8[], $16::uuid[], $17::text[], $18::jsonb[], $19::int4[],
+                                  $20::int8[], $21::timestamptz[])
+              WHERE EXISTS (SELECT 1 FROM pos)
+         ), o AS (
+             INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
+             SELECT * FROM UNNEST($22::uuid[], $23::uuid[], $24::text[], $25::int8[], $26::text[])
+              WHERE EXISTS (SELECT 1 FROM pos)
+         ), m AS (
+             INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
+             SELECT * FROM UNNEST($27::uuid[], $28::text[], $29::uuid[], $30::int8[], $31::text[],
+                                  $32::timestamptz[])
+              WHERE EXISTS (SELECT 1 FROM pos)
+             ON CONFLICT (id) DO NOTHING
+         )
+         SELECT count(*) FROM pos",
+    )
+    .bind(partition)
+    .bind(expected)
+    .bind(i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX))
+    .bind(sessions.iter().map(|s| s.id.0).collect::<Vec<_>>())
+    .bind(sessions.iter().map(|s| s.owner.as_str()).collect::<Vec<_>>())
+    .bind(sessions.iter().map(|s| s.title.as_deref()).collect::<Vec<_>>())
+    .bind(sessions.iter().map(|s| s.archived).collect::<Vec<_>>())
+    .bind(sessions.iter().map(|s| s.last_category.as_deref()).collect::<Vec<_>>())
+    .bind(sessions.iter().map(|s| s.last_seq).collect::<Vec<_>>())
+    .bind(sessions.iter().map(|s| s.compacted_through).collect::<Vec<_>>())
+    .bind(sessions.iter().map(|s| s.compaction_seq).collect::<Vec<_>>())
+    .bind(sessions.iter().map(|s| s.created_at).collect::<Vec<_>>())
+    .bind(sessions.iter().map(|s| s.updated_at).collect::<Vec<_>>())
+    .bind(ev.iter().map(|e| e.event.session_id.0).collect::<Vec<_>>())
+    .bind(ev.iter().map(|e| e.event.seq).collect::<Vec<_>>())
+    .bind(ev.iter().map(|e| e.event.event_id).collect::<Vec<_>>())
+    .bind(ev.iter().map(|e| e.event.kind.as_str()).collect::<Vec<_>>())
+    .bind(ev.iter().map(|e| &e.event.payload).collect::<Vec<_>>())
+    .bind(ev.iter().map(|e| e.tokens).collect::<Vec<_>>())
+    .bind(ev.iter().map(|e| e.stream_seq).collect::<Vec<_>>())
+    .bind(ev.iter().map(|e| e.event.created_at).collect::<Vec<_>>())
+    .bind(outcomes.iter().map(|(o, _)| o.request_id).collect::<Vec<_>>())
+    .bind(outcomes.iter().map(|(_, s)| s.map(|s| s.0)).collect::<Vec<_>>())
+    .bind(outcomes.iter().map(|(o, _)| o.status.as_str()).collect::<Vec<_>>())
+    .bind(outcomes.iter().map(|(o, _)| o.seq).collect::<Vec<_>>())
+    .bind(outcomes.iter().map(|(o, _)| o.reason.as_deref()).collect::<Vec<_>>())
+    .bind(m.iter().map(|r| r.id).collect::<Vec<_>>())
+    .bind(m.iter().map(|r| r.owner.as_str()).collect::<Vec<_>>())
+    .bind(m.iter().map(|r| r.session_id.0).collect::<Vec<_>>())
+    .bind(m.iter().map(|r| r.turn_seq).collect::<Vec<_>>())
+    .bind(m.iter().map(|r| r.text.as_str()).collect::<Vec<_>>())
+    .bind(m.iter().map(|r| r.created_at).collect::<Vec<_>>())
+    .fetch_one(pool)
+    .await?;
+    if moved != 1 {
+        return Err(StoreError::Fenced { partition, expected });
+    }
+    Ok(())
+}
+
+/// A delete batch: the session's rows go (events and memories by cascade, with its
+/// outcomes), a pending purge is recorded, and the delete's own outcome is kept so a
+/// resent delete is answered.
+pub async fn write_delete(
+    pool: &PgPool,
+    partition: i32,
+    expected: i64,
+    fx: &BatchEffects,
+    session: SessionId,
+) -> Result<(), StoreError> {
+    let mut tx = pool.begin().await?;
     let moved =
         sqlx::query("UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2")
             .bind(partition)
             .bind(expected)
             .bind(i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX))
-            .execute(&mut **tx)
+            .execute(&mut *tx)
             .await?;
     if moved.rows_affected() != 1 {
         return Err(StoreError::Fenced { partition, expected });
     }
-
-    if let Some(id) = fx.deleted {
-        // Cascades to events and memories; the stream purge is recorded to finish later.
-        sqlx::query("DELETE FROM sessions WHERE id = $1").bind(id.0).execute(&mut **tx).await?;
-        sqlx::query("DELETE FROM request_outcomes WHERE session_id = $1")
-            .bind(id.0)
-            .execute(&mut **tx)
+    sqlx::query("DELETE FROM sessions WHERE id = $1").bind(session.0).execute(&mut *tx).await?;
+    sqlx::query("DELETE FROM request_outcomes WHERE session_id = $1")
+        .bind(session.0)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query("INSERT INTO pending_purges (session_id) VALUES ($1) ON CONFLICT DO NOTHING")
+        .bind(session.0)
+        .execute(&mut *tx)
+        .await?;
+    for (o, s) in &fx.outcomes {
+        sqlx::query("INSERT INTO request_outcomes (request_id, session_id, status, seq, reason) VALUES ($1, $2, $3, $4, $5)")
+            .bind(o.request_id)
+            .bind(s.map(|s| s.0))
+            .bind(o.status.as_str())
+            .bind(o.seq)
+            .bind(o.reason.as_deref())
+            .execute(&mut *tx)
             .await?;
-        sqlx::query("INSERT INTO pending_purges (session_id) VALUES ($1) ON CONFLICT DO NOTHING")
-            .bind(id.0)
-            .execute(&mut **tx)
-            .await?;
     }
-
-    let sessions: Vec<&SessionRow> = fx.created.iter().chain(&fx.updated).collect();
-    if !sessions.is_empty() {
-        let col = |f: fn(&SessionRow) -> Option<i64>| sessions.iter().map(|s| f(s)).collect::<Vec<_>>();
-        sqlx::query(
-            "INSERT INTO sessions (id, owner, title, archived, last_category, last_seq, compacted_through,
-                                   compaction_seq, created_at, updated_at)
-             SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bool[], $5::text[], $6::int8[],
-                                  $7::int8[], $8::int8[], $9::timestamptz[], $10::timestamptz[])
-             ON CONFLICT (id) DO UPDATE SET
-                title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
-                last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
-                compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at",
-        )
-        .bind(sessions.iter().map(|s| s.id.0).collect::<Vec<_>>())
-        .bind(sessions.iter().map(|s| s.owner.clone()).collect::<Vec<_>>())
-        .bind(sessions.iter().map(|s| s.title.clone()).collect::<Vec<_>>())
-        .bind(sessions.iter().map(|s| s.archived).collect::<Vec<_>>())
-        .bind(sessions.iter().map(|s| s.last_category.clone()).collect::<Vec<_>>())
-        .bind(sessions.iter().map(|s| s.last_seq).collect::<Vec<_>>())
-        .bind(col(|s| s.compacted_through))
-        .bind(col(|s| s.compaction_seq))
-        .bind(sessions.iter().map(|s| s.created_at).collect::<Vec<_>>())
-        .bind(sessions.iter().map(|s| s.updated_at).collect::<Vec<_>>())
-        .execute(&mut **tx)
-        .await?;
-    }
-
-    if !fx.events.is_empty() {
-        let ev = &fx.events;
-        sqlx::query(
-            "INSERT INTO session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
-             SELECT * FROM UNNEST($1::uuid[], $2::int8[], $3::uuid[], $4::text[], $5::jsonb[], $6::int4[],
-                                  $7::int8[], $8::timestamptz[])",
-        )
-        .bind(ev.iter().map(|e| e.event.session_id.0).collect::<Vec<_>>())
-        .bind(ev.iter().map(|e| e.event.seq).collect::<Vec<_>>())
-        .bind(ev.iter().map(|e| e.event.event_id).collect::<Vec<_>>())
-        .bind(ev.iter().map(|e| e.event.kind.clone()).collect::<Vec<_>>())
-        .bind(ev.iter().map(|e| e.event.payload.clone()).collect::<Vec<_>>())
-        .bind(ev.iter().map(|e| e.tokens).collect::<Vec<_>>())
-        .bind(ev.iter().map(|e| e.stream_seq).collect::<Vec<_>>())
-        .bind(ev.iter().map(|e| e.event.created_at).collect::<Vec<_>>())
-        .execute(&mut **tx)
-        .await?;
-    }
-
-    // Recorded after a delete's cleanup, so the delete's own outcome stays answerable.
-    let outcomes = &fx.outcomes;
-    if !outcomes.is_empty() {
-        sqlx::query(
-            "INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
-             SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::int8[], $5::text[])",
-        )
-        .bind(outcomes.iter().map(|(o, _)| o.request_id).collect::<Vec<_>>())
-        .bind(outcomes.iter().map(|(_, s)| s.map(|s| s.0)).collect::<Vec<_>>())
-        .bind(outcomes.iter().map(|(o, _)| o.status.as_str()).collect::<Vec<_>>())
-        .bind(outcomes.iter().map(|(o, _)| o.seq).collect::<Vec<_>>())
-        .bind(outcomes.iter().map(|(o, _)| o.reason.clone()).collect::<Vec<_>>())
-        .execute(&mut **tx)
-        .await?;
-    }
-
-    if !fx.memories.is_empty() {
-        let m = &fx.memories;
-        sqlx::query(
-            "INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
-             SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::uuid[], $4::int8[], $5::text[], $6::timestamptz[])
-             ON CONFLICT (id) DO NOTHING",
-        )
-        .bind(m.iter().map(|r| r.id).collect::<Vec<_>>())
-        .bind(m.iter().map(|r| r.owner.clone()).collect::<Vec<_>>())
-        .bind(m.iter().map(|r| r.session_id.0).collect::<Vec<_>>())
-        .bind(m.iter().map(|r| r.turn_seq).collect::<Vec<_>>())
-        .bind(m.iter().map(|r| r.text.clone()).collect::<Vec<_>>())
-        .bind(m.iter().map(|r| r.created_at).collect::<Vec<_>>())
-        .execute(&mut **tx)
-        .await?;
-    }
+    tx.commit().await?;
     Ok(())
 }
 

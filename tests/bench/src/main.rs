@@ -2,14 +2,23 @@
 //! `RESULT <name> key=value ...` line: `cargo run --release -p turnlog-bench -- <name>`.
 
 mod context;
+mod writer;
 
 fn main() -> anyhow::Result<()> {
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
+    }
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("context") => context::run(),
+        Some("writer") => runtime()?.block_on(writer::run()),
         other => {
-            eprintln!("usage: turnlog-bench <context>  (got {other:?})");
+            eprintln!("usage: turnlog-bench <context|writer>  (got {other:?})");
             std::process::exit(2);
         }
     }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
 }

@@ -31,6 +31,7 @@
 //! hour are swept by later tests. Process logs are under `$TMPDIR/turnlog-testkit-logs-<uid>/`
 //! and a failing test prints the tail of each of its processes' logs.
 
+pub mod checker;
 mod env;
 mod nats;
 mod postgres;

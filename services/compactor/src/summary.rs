@@ -1,0 +1,126 @@
+//! The summary call: what the summarizer is told and shown, and which answers are refused
+//! (empty or truncated ones are never stored).
+
+use turnlog_core::compaction::CompactionPlan;
+use turnlog_core::llm_context::{Source, SUMMARY_MARKER};
+use turnlog_core::message::{ChatMessage, Role};
+use turnlog_core::upstream::{ChatRequest, Completion};
+
+/// Selects the summary task (the mock model keys on it; a real model ignores it).
+pub const SUMMARY_MARKER_TASK: &str = "[turnlog:summarize]";
+
+const SUMMARY_PROMPT: &str = "[turnlog:summarize] You write the summary that replaces the earlier part of \
+a conversation between a user and an assistant; the assistant will see only your summary of it from now on. \
+Keep every name, date, number, commitment, decision and open question, exactly as stated. Fold any earlier \
+summary in, losing none of its facts. Write compact plain prose in the conversation's language, with no \
+preamble and no commentary.";
+
+/// The most output a summary may take: 3,000 tokens, or a quarter of the budget when that
+/// is less, so the summary leaves room for the conversation that follows it.
+pub fn max_summary_tokens(budget: u32) -> u32 {
+    (budget / 4).clamp(1, 3_000)
+}
+
+pub fn request(model: &str, plan: &CompactionPlan, budget: u32) -> ChatRequest {
+    ChatRequest {
+        model: model.to_owned(),
+        messages: vec![
+            ChatMessage::text(Role::System, SUMMARY_PROMPT),
+            ChatMessage::text(Role::User, transcript(plan)),
+        ],
+        max_tokens: Some(max_summary_tokens(budget)),
+        // Reasoning models otherwise spend the whole output cap thinking and answer empty.
+        reasoning_effort: Some("low".to_owned()),
+        ..ChatRequest::default()
+    }
+}
+
+/// The span as one document: a real model asked to summarize a transcript summarizes it,
+/// where the same messages sent as a conversation would be continued.
+fn transcript(plan: &CompactionPlan) -> String {
+    let mut out = String::from("the conversation so far, to summarize:\n");
+    for m in &plan.span {
+        let text = m.message.texts().collect::<Vec<_>>().join("\n");
+        let (label, text) = match m.source {
+            Source::Summary => {
+                ("earlier summary", text.strip_prefix(SUMMARY_MARKER).unwrap_or(&text).trim().to_owned())
+            }
+            Source::User => ("user", text),
+            Source::Assistant => ("assistant", text),
+            Source::LivePending => ("assistant (cut off)", text),
+            Source::TurnMemory | Source::TurnFailed => ("note", text),
+        };
+        out.push_str(&format!("\n[{label}]\n{}\n", text.trim()));
+    }
+    out
+}
+
+/// Why a summary cannot be stored, or None when it can.
+pub fn refusal(completion: &Completion) -> Option<&'static str> {
+    if completion.finish_reason.as_deref() == Some("length") {
+        Some("truncated at the output cap")
+    } else if completion.text.trim().is_empty() {
+        Some("empty")
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use turnlog_core::llm_context::ProjectedMessage;
+
+    #[test]
+    fn output_cap_is_a_quarter_of_the_budget_up_to_3000() {
+        assert_eq!(max_summary_tokens(4_000), 1_000);
+        assert_eq!(max_summary_tokens(76_800), 3_000);
+        assert_eq!(max_summary_tokens(2), 1);
+    }
+
+    #[test]
+    fn empty_and_truncated_summaries_are_refused() {
+        let ok = Completion {
+            text: "Alice owes Bob 5 euros.".into(),
+            finish_reason: Some("stop".into()),
+            ..Default::default()
+        };
+        assert_eq!(refusal(&ok), None);
+        assert!(refusal(&Completion { text: "  \n".into(), ..ok.clone() }).is_some());
+        assert!(refusal(&Completion { finish_reason: Some("length".into()), ..ok }).is_some());
+    }
+
+    #[test]
+    fn transcript_labels_each_message_and_unwraps_the_old_summary() {
+        let plan = CompactionPlan {
+            through_seq: 5,
+            span: vec![
+                ProjectedMessage {
+                    seq: 2,
+                    source: Source::Summary,
+                    message: ChatMessage::text(Role::User, format!("{SUMMARY_MARKER}\nAlice is 30.")),
+                },
+                ProjectedMessage {
+                    seq: 4,
+                    source: Source::User,
+                    message: ChatMessage::text(Role::User, "hi"),
+                },
+                ProjectedMessage {
+                    seq: 5,
+                    source: Source::Assistant,
+                    message: ChatMessage::text(Role::Assistant, "hello"),
+                },
+            ],
+            turn_seqs: vec![5],
+            expect_compacted_through: Some(2),
+        };
+        let text = transcript(&plan);
+        assert!(text.contains("[earlier summary]\nAlice is 30.\n"), "{text}");
+        assert!(!text.contains(SUMMARY_MARKER));
+        assert!(text.contains("[user]\nhi\n") && text.contains("[assistant]\nhello\n"));
+        let req = request("m", &plan, 4_000);
+        assert_eq!(req.max_tokens, Some(1_000));
+        assert_eq!(req.reasoning_effort.as_deref(), Some("low"));
+        assert!(req.messages[0].texts().any(|t| t.contains(SUMMARY_MARKER_TASK)));
+    }
+}

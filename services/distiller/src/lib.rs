@@ -1,0 +1,332 @@
+//! turnlog's distiller: for each committed `assistant_turn`, one mini-model call turns the
+//! turn's raw material (question, answer, tool executions) into the small `turn_memory`
+//! residue later turns see instead of raw traces; after a session's first turn it also
+//! names the session. Appends go through the writer with deterministic ids.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use serde::Deserialize;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use turnlog_core::bus::{append_and_wait, recorded_outcome, AppendRequest, Bus, CommittedEvent, Outcome};
+use turnlog_core::events::{EventBody, EventKind, Failure, TurnMemory};
+use turnlog_core::ids::{EventId, SessionId};
+use turnlog_core::message::{ChatMessage, Role};
+use turnlog_core::upstream::{ChatRequest, UpstreamClient, UpstreamConfig};
+use turnlog_core::worker::{
+    ask_for_json, turn_events, ConsumerSettings, Delivery, HandleError, Handler, TurnMaterial, Worker,
+    WorkerStats,
+};
+
+/// Selects the distillation task (the mock model keys on it; a real model ignores it).
+pub const DISTILL_MARKER: &str = "[turnlog:distill]";
+/// Selects the title task.
+pub const TITLE_MARKER: &str = "[turnlog:title]";
+
+const DISTILL_PROMPT: &str = "[turnlog:distill] You distill one finished turn of a conversation between a user \
+and an assistant into the residue the assistant needs in later turns, instead of the raw tool traffic. Answer \
+with only a JSON object: {\"files_changed\": [paths of files the turn created or changed], \"failures\": \
+[{\"what\": what failed, \"why\": why it failed}], \"key_findings\": [short statements of facts established \
+in the turn, keeping every name, date and number]}. Use empty arrays when nothing qualifies; invent nothing.";
+
+const TITLE_PROMPT: &str = "[turnlog:title] You name a conversation from its first exchange. Answer with \
+only the title: at most six words, no quotes, no trailing punctuation.";
+
+/// The most of each list a residue keeps, and the longest entry: the residue rides in every
+/// later request until a compaction, so it stays small.
+const MAX_FILES: usize = 30;
+const MAX_FAILURES: usize = 10;
+const MAX_FINDINGS: usize = 12;
+const MAX_ENTRY_CHARS: usize = 400;
+const MAX_TITLE_CHARS: usize = 80;
+/// Most events of one turn read for its material (tool-heavy turns have many).
+const MAX_TURN_EVENTS: i64 = 2_000;
+
+#[derive(Debug, Clone)]
+pub struct DistillerConfig {
+    pub database_url: String,
+    pub nats_url: String,
+    pub bus_prefix: String,
+    pub partitions: u32,
+    pub upstream: UpstreamConfig,
+    /// `TURNLOG_MINI_MODEL`: distillation and titles.
+    pub mini_model: String,
+    pub consumer: ConsumerSettings,
+    /// Deadline of one distillation (its retry included) and of one title.
+    pub call_deadline: Duration,
+    /// How long an append waits for the writer's outcome.
+    pub append_timeout: Duration,
+}
+
+/// Distills committed turns until `shutdown`; every copy shares one durable consumer.
+pub async fn run(config: DistillerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let connections = u32::try_from(config.consumer.concurrency).unwrap_or(u32::MAX).saturating_add(2);
+    let pool = turnlog_core::db::connect(&config.database_url, connections)
+        .await
+        .context("connecting to Postgres")?;
+    let bus = Bus::connect(&config.nats_url, &config.bus_prefix, config.partitions).await?;
+    let upstream = UpstreamClient::new(config.upstream.clone()).context("building the model client")?;
+    let distiller = Arc::new(Distiller {
+        pool,
+        bus: bus.clone(),
+        upstream,
+        model: config.mini_model.clone(),
+        call_deadline: config.call_deadline,
+        append_timeout: config.append_timeout,
+    });
+    let worker = Worker::new("distiller", &[EventKind::AssistantTurn], config.consumer.clone());
+    tracing::info!(consumer = %worker.consumer_name(&bus), model = %config.mini_model, "distiller running");
+    worker.run(bus, distiller, Arc::new(WorkerStats::default()), shutdown.cancelled_owned()).await;
+    Ok(())
+}
+
+struct Distiller {
+    pool: PgPool,
+    bus: Bus,
+    upstream: UpstreamClient,
+    model: String,
+    call_deadline: Duration,
+    append_timeout: Duration,
+}
+
+impl Handler for Distiller {
+    async fn handle(&self, event: CommittedEvent, _delivery: Delivery) -> Result<(), HandleError> {
+        self.distill_turn(&event).await?;
+        self.title_session(&event).await
+    }
+}
+
+impl Distiller {
+    #[tracing::instrument(skip_all, fields(session_id = %turn.session_id, turn_seq = turn.seq), err)]
+    async fn distill_turn(&self, turn: &CommittedEvent) -> Result<(), HandleError> {
+        let event_id = EventId::derived(turn.session_id, turn.seq, "turn_memory");
+        // A redelivered turn that was distilled before costs no model call.
+        if self.already_applied(event_id.0).await? {
+            return Ok(());
+        }
+        let events = turn_events(&self.pool, turn.session_id, turn.seq, MAX_TURN_EVENTS)
+            .await
+            .map_err(|e| HandleError::retry("read_failed", e))?;
+        let Some(material) = TurnMaterial::from_events(&events, turn.seq) else {
+            tracing::info!("turn no longer stored (session deleted); nothing to distill");
+            return Ok(());
+        };
+        let request = ChatRequest {
+            model: self.model.clone(),
+            messages: vec![
+                ChatMessage::text(Role::System, DISTILL_PROMPT),
+                ChatMessage::text(Role::User, material.render()),
+            ],
+            max_tokens: Some(1_500),
+            temperature: Some(0.0),
+            response_format_json: true,
+            ..ChatRequest::default()
+        };
+        let residue: Residue = ask_for_json(&self.upstream, request, self.call_deadline, Residue::validated)
+            .await
+            .map_err(|e| HandleError::retry("distill_failed", e))?;
+        let memory = residue.into_turn_memory(turn.seq);
+        if memory.is_empty() {
+            tracing::debug!("empty residue; nothing appended");
+            return Ok(());
+        }
+        let body = EventBody::TurnMemory(memory);
+        let request = AppendRequest::append(turn.session_id, &turn.owner, event_id.0, &body);
+        let outcome = self.append(&request).await?;
+        log_unapplied(&outcome, "turn_memory");
+        Ok(())
+    }
+
+    /// After the session's first answered turn, a title unless the session has one. The
+    /// `update` carries `title_if_empty`, so a title the user set meanwhile wins.
+    #[tracing::instrument(skip_all, fields(session_id = %turn.session_id, turn_seq = turn.seq), err)]
+    async fn title_session(&self, turn: &CommittedEvent) -> Result<(), HandleError> {
+        let request_id = EventId::derived(turn.session_id, turn.seq, "title").0;
+        let state = turnlog_core::read::session_state(&self.pool, &turn.owner, turn.session_id)
+            .await
+            .map_err(|e| HandleError::retry("read_failed", e))?;
+        let Some(state) = state else { return Ok(()) };
+        let untitled = state.session.title.as_deref().is_none_or(|t| t.trim().is_empty());
+        if !untitled || !self.is_first_turn(turn.session_id, turn.seq).await? {
+            return Ok(());
+        }
+        if self.already_applied(request_id).await? {
+            return Ok(());
+        }
+        let events = turn_events(&self.pool, turn.session_id, turn.seq, MAX_TURN_EVENTS)
+            .await
+            .map_err(|e| HandleError::retry("read_failed", e))?;
+        let Some(material) = TurnMaterial::from_events(&events, turn.seq) else { return Ok(()) };
+        let request = ChatRequest {
+            model: self.model.clone(),
+            messages: vec![
+                ChatMessage::text(Role::System, TITLE_PROMPT),
+                ChatMessage::text(Role::User, material.question.clone()),
+                ChatMessage::text(Role::Assistant, material.answer.clone()),
+                ChatMessage::text(Role::User, "title this conversation."),
+            ],
+            max_tokens: Some(40),
+            temperature: Some(0.0),
+            ..ChatRequest::default()
+        };
+        let completion = self
+            .upstream
+            .complete(&request, self.call_deadline)
+            .await
+            .map_err(|e| HandleError::retry("title_failed", e))?;
+        let Some(title) = clean_title(&completion.text) else {
+            tracing::info!("the model proposed no usable title; the session stays untitled");
+            return Ok(());
+        };
+        let mut update = AppendRequest::update(turn.session_id, &turn.owner);
+        update.request_id = request_id;
+        update.title_if_empty = Some(title);
+        let outcome = self.append(&update).await?;
+        log_unapplied(&outcome, "title");
+        Ok(())
+    }
+
+    async fn is_first_turn(&self, session: SessionId, turn_seq: i64) -> Result<bool, HandleError> {
+        let (earlier,): (bool,) = sqlx::query_as(
+            "SELECT EXISTS (SELECT 1 FROM session_events
+                             WHERE session_id = $1 AND kind = 'assistant_turn' AND seq < $2)",
+        )
+        .bind(session.0)
+        .bind(turn_seq)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(|e| HandleError::retry("read_failed", e))?;
+        Ok(!earlier)
+    }
+
+    async fn already_applied(&self, request_id: uuid::Uuid) -> Result<bool, HandleError> {
+        let outcome = recorded_outcome(&self.pool, request_id)
+            .await
+            .map_err(|e| HandleError::retry("read_failed", e))?;
+        Ok(outcome.is_some())
+    }
+
+    async fn append(&self, request: &AppendRequest) -> Result<Outcome, HandleError> {
+        append_and_wait(&self.bus, &self.pool, request, self.append_timeout)
+            .await
+            .map_err(|e| HandleError::retry("append_failed", e))
+    }
+}
+
+/// The writer refused the request (it dead-lettered it, or the session is gone): retrying
+/// would be refused again, so the turn is done.
+fn log_unapplied(outcome: &Outcome, what: &str) {
+    if !outcome.is_applied() {
+        tracing::warn!(what, reason = ?outcome.reason, "the writer did not apply the worker's request");
+    }
+}
+
+/// What the model answers: TurnMemory without its `turn_seq`, which is ours to set.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct Residue {
+    #[serde(default)]
+    pub files_changed: Vec<String>,
+    #[serde(default)]
+    pub failures: Vec<Failure>,
+    #[serde(default)]
+    pub key_findings: Vec<String>,
+}
+
+impl Residue {
+    /// Trims, drops blanks and repeats, and caps lengths, so a chatty model cannot bloat
+    /// every later request.
+    pub fn validated(self) -> Result<Self, String> {
+        let failures: Vec<Failure> = self
+            .failures
+            .into_iter()
+            .map(|f| Failure { what: entry(&f.what), why: entry(&f.why) })
+            .filter(|f| !f.what.is_empty())
+            .take(MAX_FAILURES)
+            .collect();
+        Ok(Self {
+            files_changed: entries(self.files_changed, MAX_FILES),
+            failures,
+            key_findings: entries(self.key_findings, MAX_FINDINGS),
+        })
+    }
+
+    pub fn into_turn_memory(self, turn_seq: i64) -> TurnMemory {
+        TurnMemory {
+            turn_seq,
+            files_changed: self.files_changed,
+            failures: self.failures,
+            key_findings: self.key_findings,
+        }
+    }
+}
+
+fn entry(text: &str) -> String {
+    let text = text.trim();
+    match text.char_indices().nth(MAX_ENTRY_CHARS) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_owned(),
+    }
+}
+
+fn entries(items: Vec<String>, max: usize) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for item in items.iter().map(|i| entry(i)) {
+        if !item.is_empty() && !out.contains(&item) && out.len() < max {
+            out.push(item);
+        }
+    }
+    out
+}
+
+/// The first line of the model's answer without quotes or trailing punctuation, at most
+/// [`MAX_TITLE_CHARS`]; None when nothing is left.
+pub fn clean_title(text: &str) -> Option<String> {
+    let line = text.lines().map(str::trim).find(|l| !l.is_empty())?;
+    let line = line.strip_prefix("Title:").unwrap_or(line).trim();
+    let line = line.trim_matches(|c: char| matches!(c, '"' | '\'' | '`' | '*' | '#')).trim();
+    let line = line.trim_end_matches(['.', '!', '?', ':', ';', ',']).trim();
+    let title: String = line.chars().take(MAX_TITLE_CHARS).collect();
+    (!title.is_empty()).then_some(title)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn residue_is_trimmed_deduplicated_and_capped() {
+        let residue = Residue {
+            files_changed: vec![" src/a.rs ".into(), "src/a.rs".into(), "".into()],
+            failures: vec![
+                Failure { what: "  ".into(), why: "nothing".into() },
+                Failure { what: "build".into(), why: "x".repeat(1_000) },
+            ],
+            key_findings: (0..40).map(|i| format!("finding {i}")).collect(),
+        }
+        .validated()
+        .unwrap();
+        assert_eq!(residue.files_changed, ["src/a.rs"]);
+        assert_eq!(residue.failures.len(), 1);
+        assert!(residue.failures[0].why.chars().count() <= MAX_ENTRY_CHARS + 1);
+        assert_eq!(residue.key_findings.len(), MAX_FINDINGS);
+        assert!(Residue::default().validated().unwrap().into_turn_memory(3).is_empty());
+    }
+
+    #[test]
+    fn model_json_with_unknown_fields_still_decodes() {
+        let r: Residue =
+            serde_json::from_str(r#"{"key_findings": ["Alice is 30."], "mood": "fine"}"#).unwrap();
+        assert_eq!(r.key_findings, ["Alice is 30."]);
+        assert!(serde_json::from_str::<Residue>(r#"{"key_findings": "not a list"}"#).is_err());
+    }
+
+    #[test]
+    fn titles_are_cleaned() {
+        assert_eq!(clean_title("\"Plan a trip to Rome.\"\n").as_deref(), Some("Plan a trip to Rome"));
+        assert_eq!(clean_title("\n  Title: Budget review  ").as_deref(), Some("Budget review"));
+        assert_eq!(clean_title("  \n "), None);
+        assert_eq!(clean_title(&"w".repeat(200)).map(|t| t.len()), Some(MAX_TITLE_CHARS));
+    }
+}

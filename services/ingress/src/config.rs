@@ -1,0 +1,237 @@
+//! The ingress's settings: the clap flags (each also an environment variable) that the
+//! `turnlog ingress` subcommand flattens, and the typed, validated [`IngressConfig`] they
+//! become. API tokens are secrets: they never reach a log or a `{:?}`.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use subtle::ConstantTimeEq as _;
+use turnlog_core::budget::DEFAULT_BUDGET;
+use turnlog_core::ids::Owner;
+use turnlog_core::upstream::{parse_model_windows, UpstreamConfig};
+
+/// How long a write may take through the bus and the writer before the client gets 503.
+pub const DEFAULT_APPEND_TIMEOUT: Duration = Duration::from_secs(5);
+/// After shutdown is asked for, how long open connections get to finish.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// The owner every request runs as when no tokens are configured (loopback only).
+pub const LOCAL_OWNER: &str = "local";
+
+/// Flags of `turnlog ingress` beyond the backbone (database, NATS, bus prefix, partitions).
+#[derive(clap::Args, Clone)]
+pub struct IngressArgs {
+    /// Address to serve HTTP on. Without API tokens only a loopback address is accepted.
+    #[arg(long, env = "TURNLOG_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// `owner:token,...`; unset means no authentication (loopback only, owner `local`).
+    #[arg(long, env = "TURNLOG_API_TOKENS", hide_env_values = true)]
+    pub api_tokens: Option<String>,
+    /// OpenAI-compatible base URL ending in `/v1`.
+    #[arg(long, env = "TURNLOG_LLM_URL")]
+    pub llm_url: Option<String>,
+    #[arg(long, env = "TURNLOG_LLM_API_KEY", hide_env_values = true)]
+    pub llm_api_key: Option<String>,
+    /// The default model turns are sent to.
+    #[arg(long, env = "TURNLOG_MODEL", default_value = "mock")]
+    pub model: String,
+    /// `model=tokens,...`: context windows that win over what the gateway lists.
+    #[arg(long, env = "TURNLOG_MODEL_WINDOWS", default_value = "")]
+    pub model_windows: String,
+    /// Token budget of a request when the model's window is unknown.
+    #[arg(long, env = "TURNLOG_CONTEXT_BUDGET", default_value_t = DEFAULT_BUDGET)]
+    pub context_budget: u32,
+    #[arg(long, env = "TURNLOG_SYSTEM_PROMPT", default_value = "")]
+    pub system_prompt: String,
+    /// Longest wait for the model's first byte and between two streamed chunks (e.g. 90s).
+    #[arg(long, env = "TURNLOG_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = turnlog_core::config::parse_duration)]
+    pub upstream_timeout: Duration,
+}
+
+/// Where the log and the bus are (the binary's shared backbone flags).
+#[derive(Debug, Clone)]
+pub struct Backbone {
+    pub database_url: String,
+    pub nats_url: String,
+    pub bus_prefix: String,
+    pub partitions: u32,
+    pub append_max_age: Option<Duration>,
+}
+
+/// Everything the ingress runs with, validated.
+#[derive(Debug, Clone)]
+pub struct IngressConfig {
+    pub backbone: Backbone,
+    pub listen: SocketAddr,
+    pub tokens: ApiTokens,
+    /// None when no model gateway is configured (no windows from `/models`).
+    pub upstream: Option<UpstreamConfig>,
+    /// `TURNLOG_MODEL_WINDOWS`, also honoured without a gateway.
+    pub model_windows: HashMap<String, u32>,
+    pub model: String,
+    pub context_budget: u32,
+    pub system_prompt: String,
+    /// Deadline of one write through `append_and_wait`.
+    pub append_timeout: Duration,
+    pub shutdown_grace: Duration,
+}
+
+impl IngressConfig {
+    /// Defaults for everything but where the log and the bus are: loopback, no tokens,
+    /// no model gateway. Tests start from this and change what they need.
+    pub fn new(backbone: Backbone) -> Self {
+        Self {
+            backbone,
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            tokens: ApiTokens::default(),
+            upstream: None,
+            model_windows: HashMap::new(),
+            model: "mock".into(),
+            context_budget: DEFAULT_BUDGET,
+            system_prompt: String::new(),
+            append_timeout: DEFAULT_APPEND_TIMEOUT,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+        }
+    }
+
+    pub fn from_args(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Self> {
+        let tokens = match args.api_tokens.as_deref() {
+            Some(spec) => ApiTokens::parse(spec).context("TURNLOG_API_TOKENS")?,
+            None => ApiTokens::default(),
+        };
+        let model_windows = parse_model_windows(&args.model_windows)
+            .map_err(anyhow::Error::msg)
+            .context("TURNLOG_MODEL_WINDOWS")?;
+        let upstream = args.llm_url.filter(|u| !u.trim().is_empty()).map(|base_url| UpstreamConfig {
+            base_url,
+            api_key: args.llm_api_key.filter(|k| !k.is_empty()),
+            timeout: args.upstream_timeout,
+            windows_override: model_windows.clone(),
+        });
+        if args.model.trim().is_empty() {
+            bail!("TURNLOG_MODEL must name a model");
+        }
+        let config = Self {
+            listen: args.listen,
+            tokens,
+            upstream,
+            model_windows,
+            model: args.model,
+            context_budget: args.context_budget,
+            system_prompt: args.system_prompt,
+            ..Self::new(backbone)
+        };
+        config.check_listen(args.listen)?;
+        Ok(config)
+    }
+
+    /// Without tokens anyone who can connect is the `local` owner, so only this machine may.
+    pub fn check_listen(&self, addr: SocketAddr) -> anyhow::Result<()> {
+        if self.tokens.is_empty() && !addr.ip().is_loopback() {
+            bail!(
+                "refusing to serve {addr} without TURNLOG_API_TOKENS: set tokens, or listen on a \
+                 loopback address such as 127.0.0.1"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A bearer token: compared in constant time, never printed.
+#[derive(Clone)]
+struct Secret(String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// `TURNLOG_API_TOKENS`: which owner each token stands for. Empty means local mode.
+#[derive(Debug, Clone, Default)]
+pub struct ApiTokens {
+    entries: Vec<(Owner, Secret)>,
+}
+
+impl ApiTokens {
+    /// Parses `owner:token,...`. Blank entries are ignored; an owner may have several
+    /// tokens, but a token may stand for one owner only.
+    pub fn parse(spec: &str) -> anyhow::Result<Self> {
+        let mut entries: Vec<(Owner, Secret)> = Vec::new();
+        for (i, entry) in spec.split(',').map(str::trim).enumerate().filter(|(_, e)| !e.is_empty()) {
+            // The error names the entry's position, never its text: it holds a secret.
+            let Some((owner, token)) = entry.split_once(':') else {
+                bail!("entry {} is not owner:token", i + 1);
+            };
+            let owner = Owner::parse(owner.trim()).with_context(|| format!("entry {}", i + 1))?;
+            let token = token.trim();
+            if token.len() < 8 || !token.bytes().all(|b| b.is_ascii_graphic()) {
+                bail!("entry {}: a token needs at least 8 printable characters without spaces", i + 1);
+            }
+            if entries.iter().any(|(_, s)| s.0 == token) {
+                bail!("entry {}: the same token is given twice", i + 1);
+            }
+            entries.push((owner, Secret(token.to_owned())));
+        }
+        Ok(Self { entries })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The owner a presented token stands for. Every configured token is compared, each in
+    /// constant time, so the time taken does not tell how much of a token was right.
+    pub fn owner_of(&self, presented: &str) -> Option<&Owner> {
+        let mut found = None;
+        for (owner, secret) in &self.entries {
+            if bool::from(secret.0.as_bytes().ct_eq(presented.as_bytes())) {
+                found = Some(owner);
+            }
+        }
+        found
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_map_to_owners_and_never_print() {
+        let t = ApiTokens::parse(" alice:secret-aaaa , bob:secret-bbbb,,").unwrap();
+        assert_eq!(t.owner_of("secret-aaaa").map(Owner::as_str), Some("alice"));
+        assert_eq!(t.owner_of("secret-bbbb").map(Owner::as_str), Some("bob"));
+        assert!(t.owner_of("secret-aaa").is_none());
+        assert!(t.owner_of("").is_none());
+        assert!(!format!("{t:?}").contains("secret"));
+    }
+
+    #[test]
+    fn bad_token_specs_are_refused_without_echoing_them() {
+        for spec in ["alice", "alice:short", "bad owner:longenough", "a:same-token,b:same-token"] {
+            let err = format!("{:#}", ApiTokens::parse(spec).unwrap_err());
+            assert!(!err.contains("longenough") && !err.contains("same-token"), "{err}");
+        }
+        assert!(ApiTokens::parse("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn no_tokens_means_loopback_only() {
+        let backbone = Backbone {
+            database_url: String::new(),
+            nats_url: String::new(),
+            bus_prefix: "turnlog".into(),
+            partitions: 1,
+            append_max_age: None,
+        };
+        let mut c = IngressConfig::new(backbone);
+        assert!(c.check_listen("127.0.0.1:1".parse().unwrap()).is_ok());
+        assert!(c.check_listen("[::1]:1".parse().unwrap()).is_ok());
+        assert!(c.check_listen("0.0.0.0:1".parse().unwrap()).is_err());
+        c.tokens = ApiTokens::parse("alice:secret-aaaa").unwrap();
+        assert!(c.check_listen("0.0.0.0:1".parse().unwrap()).is_ok());
+    }
+}

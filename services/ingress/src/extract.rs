@@ -1,0 +1,101 @@
+//! Request extractors that turn axum's own rejections (bad JSON, bad UTF-8, lone
+//! surrogates, oversized bodies, unparseable paths and queries) into the API's error
+//! shape, so a client's mistake is always a 4xx with `{"error": …}`.
+
+use std::time::Duration;
+
+use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
+use axum::http::header;
+use axum::http::request::Parts;
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt as _;
+use serde::de::DeserializeOwned;
+
+use crate::error::ApiError;
+use crate::validate::MAX_BODY_BYTES;
+
+/// A JSON body of at most [`MAX_BODY_BYTES`]. An empty body reads as `{}` (so
+/// `POST /v1/sessions` needs none); the content type is not checked, so `curl -d` works.
+pub struct ApiJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, _: &S) -> Result<Self, ApiError> {
+        let bytes = read_body(req).await?;
+        let json: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) { b"{}" } else { &bytes };
+        // serde_json refuses invalid UTF-8 and escaped lone surrogates ("\ud800") itself.
+        serde_json::from_slice(json)
+            .map(ApiJson)
+            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+    }
+}
+
+/// Most of an oversized body read (and dropped) before answering 413: a server that
+/// answers while the client is still sending and then closes makes the client's kernel
+/// see a reset, and many clients then report that instead of the 413.
+const DRAIN_MAX_BYTES: usize = 8 * 1024 * 1024;
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The body, up to [`MAX_BODY_BYTES`]; a larger one is drained (within bounds) and is a
+/// 413 that closes the connection.
+async fn read_body(req: Request) -> Result<Bytes, ApiError> {
+    let too_large =
+        || ApiError::PayloadTooLarge(format!("the request body is limited to {MAX_BODY_BYTES} bytes"));
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > DRAIN_MAX_BYTES) {
+        return Err(too_large());
+    }
+    let mut chunks = req.into_body().into_data_stream();
+    let mut body = BytesMut::new();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))?;
+        if body.len() + chunk.len() > MAX_BODY_BYTES {
+            let drain = async {
+                let mut drained = body.len() + chunk.len();
+                while let Some(Ok(c)) = chunks.next().await {
+                    drained += c.len();
+                    if drained > DRAIN_MAX_BYTES {
+                        break;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(DRAIN_TIMEOUT, drain).await;
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
+}
+
+/// Path parameters; one that does not parse (e.g. a malformed session id) is a 400.
+pub struct ApiPath<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiPath<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        Path::<T>::from_request_parts(parts, state)
+            .await
+            .map(|Path(v)| ApiPath(v))
+            .map_err(|e| ApiError::bad_request(e.body_text()))
+    }
+}
+
+/// Query parameters; a wrong type (e.g. `limit=abc`) is a 400.
+pub struct ApiQuery<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|Query(v)| ApiQuery(v))
+            .map_err(|e| ApiError::bad_request(e.body_text()))
+    }
+}

@@ -1,0 +1,137 @@
+//! turnlog's ingress: the only HTTP face (DESIGN.md §7). It reads Postgres and never
+//! writes it — every change goes to the writer as an append request through
+//! `append_and_wait`. This crate serves the session API; the streamed turn routes live in
+//! their own modules beside `routes/` and share [`Ingress`] as their state.
+
+pub mod auth;
+pub mod config;
+pub mod error;
+pub mod extract;
+pub mod metrics;
+pub mod openapi;
+pub mod routes;
+pub mod validate;
+pub mod writes;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use axum::extract::DefaultBodyLimit;
+use axum::http::{HeaderName, Request};
+use axum::Router;
+use sqlx::PgPool;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
+use turnlog_core::bus::Bus;
+use turnlog_core::lease::TurnLeases;
+use turnlog_core::upstream::UpstreamClient;
+
+pub use config::{ApiTokens, Backbone, IngressArgs, IngressConfig};
+pub use error::ApiError;
+
+/// Postgres connections of one ingress: reads only, a few per concurrent request.
+const POOL_SIZE: u32 = 16;
+const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// How long a turn-lease lookup may take before the route answers 503.
+pub(crate) const BUS_READ_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What every handler shares: settings, the read pool, the bus (appends, and the turn
+/// routes' live subjects), the turn leases and the model gateway.
+pub struct Ingress {
+    pub config: IngressConfig,
+    pub pool: PgPool,
+    pub bus: Bus,
+    pub leases: TurnLeases,
+    /// None when no model gateway is configured.
+    pub upstream: Option<UpstreamClient>,
+    pub metrics: Arc<metrics::HttpMetrics>,
+}
+
+pub type AppState = Arc<Ingress>;
+
+impl Ingress {
+    /// Connects to Postgres and NATS and makes sure the bus topology exists (so the ingress
+    /// can take requests even before a writer has started).
+    pub async fn connect(config: IngressConfig) -> anyhow::Result<AppState> {
+        let b = &config.backbone;
+        let pool =
+            turnlog_core::db::connect(&b.database_url, POOL_SIZE).await.context("connecting to Postgres")?;
+        let bus = Bus::connect(&b.nats_url, &b.bus_prefix, b.partitions).await?;
+        bus.ensure_topology(b.append_max_age).await.context("creating the bus topology")?;
+        let leases = TurnLeases::open(&bus).await?;
+        let upstream = match &config.upstream {
+            Some(u) => Some(UpstreamClient::new(u.clone()).context("building the model gateway client")?),
+            None => None,
+        };
+        turnlog_core::tokens::warm_up();
+        let metrics = Arc::new(metrics::HttpMetrics::new()?);
+        Ok(Arc::new(Self { config, pool, bus, leases, upstream, metrics }))
+    }
+
+    /// The model's context window: `TURNLOG_MODEL_WINDOWS` first, then the gateway's
+    /// `/models` listing; None when neither knows it.
+    pub async fn context_window(&self, model: &str) -> Option<u32> {
+        if let Some(w) = self.config.model_windows.get(model) {
+            return Some(*w);
+        }
+        match &self.upstream {
+            Some(u) => u.context_window(model).await,
+            None => None,
+        }
+    }
+}
+
+/// The whole HTTP surface over `state`, with its error shape on unknown routes and wrong
+/// methods, the body limit, request ids, tracing, panic recovery and metrics.
+pub fn router(state: AppState) -> Router {
+    let (api, _) = routes::api().split_for_parts();
+    let metrics = Arc::clone(&state.metrics);
+    api.fallback(error::not_found)
+        .method_not_allowed_fallback(error::method_not_allowed)
+        .layer(DefaultBodyLimit::max(validate::MAX_BODY_BYTES))
+        // Inside the metrics layer, so a panic is counted as the 500 it becomes.
+        .layer(CatchPanicLayer::custom(error::panic_response))
+        .layer(axum::middleware::from_fn_with_state(metrics, metrics::track))
+        .layer(PropagateRequestIdLayer::new(REQUEST_ID))
+        .layer(TraceLayer::new_for_http().make_span_with(|req: &Request<_>| {
+            // The path only: queries carry search text, headers carry tokens.
+            let request_id = req.headers().get(&REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or("");
+            tracing::info_span!("http", method = %req.method(), path = %req.uri().path(), request_id)
+        }))
+        .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
+        .with_state(state)
+}
+
+/// Serves the ingress on `listener` until `shutdown`, then lets open requests finish for
+/// up to the configured grace period.
+pub async fn run(
+    config: IngressConfig,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let addr = listener.local_addr().context("reading the listen address")?;
+    config.check_listen(addr)?;
+    let grace = config.shutdown_grace;
+    let state = Ingress::connect(config).await?;
+    state.metrics.spawn_upkeep(shutdown.clone());
+    let auth = if state.config.tokens.is_empty() { "none (owner local)" } else { "bearer tokens" };
+    tracing::info!(%addr, auth, "ingress listening");
+
+    let serve =
+        axum::serve(listener, router(state)).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    let deadline = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(grace).await;
+    };
+    tokio::select! {
+        res = serve => res.context("serving HTTP")?,
+        _ = deadline => {
+            tracing::warn!(grace = ?grace, "connections still open after the grace period; closing them");
+        }
+    }
+    Ok(())
+}

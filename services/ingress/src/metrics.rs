@@ -1,0 +1,102 @@
+//! Prometheus metrics of the HTTP surface: requests by route, method and status, and a
+//! latency histogram. Each ingress owns its recorder (no process-global one), so several
+//! servers in one process — tests, `turnlog dev` — keep separate counts.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::middleware::Next;
+use axum::response::Response;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
+use tokio_util::sync::CancellationToken;
+
+const REQUESTS: &str = "turnlog_http_requests_total";
+const LATENCY: &str = "turnlog_http_request_duration_seconds";
+/// Upper bounds of the latency buckets, in seconds.
+const LATENCY_BUCKETS: [f64; 12] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+/// Label of requests that matched no route, so scanners cannot mint a series per path.
+const UNMATCHED: &str = "unmatched";
+
+pub struct HttpMetrics {
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+}
+
+impl HttpMetrics {
+    pub fn new() -> anyhow::Result<Self> {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Full(LATENCY.into()), &LATENCY_BUCKETS)?
+            .build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            metrics::describe_counter!(REQUESTS, "HTTP requests answered, by route, method and status");
+            metrics::describe_histogram!(
+                LATENCY,
+                metrics::Unit::Seconds,
+                "Time to the response head, by route and method"
+            );
+        });
+        Ok(Self { recorder, handle })
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        self.handle.render()
+    }
+
+    fn record(&self, route: &str, method: &str, status: u16, elapsed: Duration) {
+        metrics::with_local_recorder(&self.recorder, || {
+            let (route, method) = (route.to_owned(), method.to_owned());
+            let labels =
+                [("route", route.clone()), ("method", method.clone()), ("status", status.to_string())];
+            metrics::counter!(REQUESTS, &labels).increment(1);
+            metrics::histogram!(LATENCY, "route" => route, "method" => method).record(elapsed.as_secs_f64());
+        });
+    }
+
+    /// Folds recorded latencies into their buckets now and then, so memory stays bounded
+    /// between scrapes.
+    pub fn spawn_upkeep(self: &Arc<Self>, shutdown: CancellationToken) {
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tick.tick() => this.handle.run_upkeep(),
+                }
+            }
+        });
+    }
+}
+
+/// Methods outside the standard set share one label, for the same reason as [`UNMATCHED`].
+fn method_label(method: &axum::http::Method) -> &str {
+    use axum::http::Method;
+    const KNOWN: [Method; 8] = [
+        Method::GET,
+        Method::HEAD,
+        Method::POST,
+        Method::PUT,
+        Method::PATCH,
+        Method::DELETE,
+        Method::OPTIONS,
+        Method::TRACE,
+    ];
+    if KNOWN.contains(method) {
+        method.as_str()
+    } else {
+        "other"
+    }
+}
+
+/// Middleware: counts and times every request under its route template.
+pub async fn track(State(metrics): State<Arc<HttpMetrics>>, req: Request, next: Next) -> Response {
+    let route = req.extensions().get::<MatchedPath>().map_or(UNMATCHED, MatchedPath::as_str).to_owned();
+    let method = method_label(req.method()).to_owned();
+    let started = Instant::now();
+    let response = next.run(req).await;
+    metrics.record(&route, &method, response.status().as_u16(), started.elapsed());
+    response
+}

@@ -1,0 +1,31 @@
+//! The HTTP routes, one module per area; this file is the one place they are mounted, so
+//! the served router and the OpenAPI document are the same list. The turn routes (send,
+//! chat, stop, retry, re-attach) join here from their own modules.
+
+pub mod context;
+pub mod memories;
+pub mod ops;
+pub mod permissions;
+pub mod sessions;
+
+use utoipa::OpenApi as _;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::openapi::ApiDoc;
+use crate::AppState;
+
+/// Every route with its OpenAPI description. `routes!` takes the handlers of one path.
+pub fn api() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(sessions::create, sessions::list))
+        .routes(routes!(sessions::get, sessions::patch, sessions::delete))
+        .routes(routes!(sessions::events))
+        .routes(routes!(context::context))
+        .routes(routes!(permissions::resolve))
+        .routes(routes!(memories::recall))
+        .routes(routes!(ops::healthz))
+        .routes(routes!(ops::readyz))
+        .routes(routes!(ops::metrics))
+        .routes(routes!(ops::openapi_json))
+}

@@ -1,0 +1,349 @@
+//! Sessions: create, list (newest first, composite cursor), read with the transcript,
+//! rename or archive, delete, and the raw log page. Reads are owner-scoped queries; writes
+//! go to the writer and are answered after it committed.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::Json;
+use chrono::{DateTime, Timelike as _, Utc};
+use serde::{Deserialize, Serialize};
+use turnlog_core::bus::AppendRequest;
+use turnlog_core::ids::SessionId;
+use turnlog_core::read::{self, Cursor, ListQuery, Session, StoredEvent};
+use turnlog_core::ui_transcript::{ui_transcript, TranscriptItem};
+use utoipa::{IntoParams, ToSchema};
+use uuid::Uuid;
+
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::writes::submit;
+use crate::{validate, AppState, Ingress, BUS_READ_TIMEOUT};
+
+const LIST_DEFAULT: i64 = 50;
+const LIST_MAX: i64 = 200;
+const EVENTS_DEFAULT: i64 = 100;
+const EVENTS_MAX: i64 = 1000;
+
+/// A session as clients see it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SessionView {
+    pub id: Uuid,
+    pub title: Option<String>,
+    pub archived: bool,
+    /// Category of the newest user message that named one.
+    pub last_category: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+impl From<Session> for SessionView {
+    fn from(s: Session) -> Self {
+        Self {
+            id: s.id,
+            title: s.title,
+            archived: s.archived,
+            last_category: s.last_category,
+            created_at: s.created_at,
+            updated_at: s.updated_at,
+        }
+    }
+}
+
+/// The caller's session, or 404 (also when it is another owner's).
+pub async fn owned_session(app: &Ingress, caller: &Caller, id: SessionId) -> Result<Session, ApiError> {
+    read::get_session(&app.pool, caller.as_str(), id).await?.ok_or_else(ApiError::session_not_found)
+}
+
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSession {
+    /// 1–512 characters; may be set later.
+    #[serde(default)]
+    pub title: Option<String>,
+}
+
+/// Create a session (an empty body is fine).
+#[utoipa::path(
+    post, path = "/v1/sessions", tag = "sessions", security(("bearer" = [])),
+    request_body(content = CreateSession, description = "`{}` or `{\"title\": …}`; may be empty"),
+    responses(
+        (status = 201, description = "Created, after the writer committed it", body = SessionView),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 413, body = ErrorBody), (status = 503, body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(owner = %caller.owner(), session_id), err(Display, level = "debug"))]
+pub async fn create(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiJson(body): ApiJson<CreateSession>,
+) -> Result<(StatusCode, Json<SessionView>), ApiError> {
+    let title = body.title.map(validate::title).transpose()?;
+    let id = SessionId::new();
+    tracing::Span::current().record("session_id", tracing::field::display(id));
+    submit(&app, &AppendRequest::create(id, caller.as_str(), title)).await?;
+    let session = read::get_session(&app.pool, caller.as_str(), id)
+        .await?
+        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("session {id} committed but not readable")))?;
+    Ok((StatusCode::CREATED, Json(session.into())))
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ListParams {
+    /// 1–200, default 50.
+    pub limit: Option<i64>,
+    /// Full-text search over titles and user messages; includes archived sessions.
+    pub q: Option<String>,
+    /// `true` lists archived sessions instead of active ones.
+    pub archived: Option<bool>,
+    /// `next.before` of the previous page, exactly as received (RFC 3339). Needs `before_id`.
+    pub before: Option<String>,
+    /// `next.before_id` of the previous page. Needs `before`.
+    pub before_id: Option<Uuid>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SessionPage {
+    pub sessions: Vec<SessionView>,
+    /// The cursor of the next page; null on the last one.
+    pub next: Option<NextCursor>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct NextCursor {
+    /// RFC 3339 with microseconds; send it back as `before`.
+    pub before: String,
+    pub before_id: Uuid,
+}
+
+/// List sessions, newest first by `(updated_at, id)`.
+#[utoipa::path(
+    get, path = "/v1/sessions", tag = "sessions", security(("bearer" = [])), params(ListParams),
+    responses(
+        (status = 200, body = SessionPage),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(owner = %caller.owner()), err(Display, level = "debug"))]
+pub async fn list(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiQuery(params): ApiQuery<ListParams>,
+) -> Result<Json<SessionPage>, ApiError> {
+    let query = ListQuery {
+        limit: validate::limit(params.limit, LIST_DEFAULT, LIST_MAX)?,
+        q: validate::search_query(params.q)?,
+        archived: params.archived.unwrap_or(false),
+        before: cursor(params.before.as_deref(), params.before_id)?,
+    };
+    let (sessions, next) = read::list_sessions(&app.pool, caller.as_str(), &query).await?;
+    Ok(Json(SessionPage {
+        sessions: sessions.into_iter().map(SessionView::from).collect(),
+        next: next.map(|c| NextCursor { before: c.before_text(), before_id: c.before_id }),
+    }))
+}
+
+/// The paging cursor: both halves or neither.
+fn cursor(before: Option<&str>, before_id: Option<Uuid>) -> Result<Option<Cursor>, ApiError> {
+    match (before, before_id) {
+        (None, None) => Ok(None),
+        (Some(before), Some(before_id)) => Ok(Some(Cursor { before: parse_before(before)?, before_id })),
+        _ => Err(ApiError::bad_request("before and before_id go together: give both or neither")),
+    }
+}
+
+/// `before` as RFC 3339. Postgres keeps microseconds, so finer digits are cut off here
+/// rather than rounded by the database (which could step past the cursor's row).
+fn parse_before(before: &str) -> Result<DateTime<Utc>, ApiError> {
+    let t = DateTime::parse_from_rfc3339(before.trim())
+        .map_err(|e| ApiError::bad_request(format!("before is not an RFC 3339 timestamp: {e}")))?
+        .with_timezone(&Utc);
+    let micros = t.nanosecond() / 1_000 * 1_000;
+    t.with_nanosecond(micros).ok_or_else(|| ApiError::bad_request("before is out of range"))
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SessionDetail {
+    pub session: SessionView,
+    /// The transcript: one item per visible event, in seq order (DESIGN.md §3).
+    #[schema(value_type = Vec<Object>)]
+    pub items: Vec<TranscriptItem>,
+    /// Whether a turn is running on the session right now.
+    pub turn_active: bool,
+}
+
+/// A session with its whole transcript.
+#[utoipa::path(
+    get, path = "/v1/sessions/{id}", tag = "sessions", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "Session id")),
+    responses(
+        (status = 200, body = SessionDetail),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(session_id = %id), err(Display, level = "debug"))]
+pub async fn get(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<SessionId>,
+) -> Result<Json<SessionDetail>, ApiError> {
+    let session = owned_session(&app, &caller, id).await?;
+    let events =
+        read::all_events(&app.pool, caller.as_str(), id).await?.ok_or_else(ApiError::session_not_found)?;
+    let turn_active = tokio::time::timeout(BUS_READ_TIMEOUT, app.leases.is_held(id))
+        .await
+        .map_err(|_| ApiError::Unavailable("turn lease lookup timed out".into()))??;
+    Ok(Json(SessionDetail { session: session.into(), items: ui_transcript(&events), turn_active }))
+}
+
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PatchSession {
+    /// 1–512 characters.
+    #[serde(default)]
+    pub title: Option<String>,
+    #[serde(default)]
+    pub archived: Option<bool>,
+}
+
+/// Rename and/or archive a session.
+#[utoipa::path(
+    patch, path = "/v1/sessions/{id}", tag = "sessions", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "Session id")),
+    request_body = PatchSession,
+    responses(
+        (status = 200, description = "The session after the writer committed the change", body = SessionView),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 413, body = ErrorBody), (status = 503, body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(session_id = %id), err(Display, level = "debug"))]
+pub async fn patch(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<SessionId>,
+    ApiJson(body): ApiJson<PatchSession>,
+) -> Result<Json<SessionView>, ApiError> {
+    if body.title.is_none() && body.archived.is_none() {
+        return Err(ApiError::bad_request("nothing to change: give title and/or archived"));
+    }
+    let title = body.title.map(validate::title).transpose()?;
+    owned_session(&app, &caller, id).await?;
+    let mut req = AppendRequest::update(id, caller.as_str());
+    req.title = title;
+    req.archived = body.archived;
+    submit(&app, &req).await?;
+    Ok(Json(owned_session(&app, &caller, id).await?.into()))
+}
+
+/// Delete a session: its log, its memories and its bus messages (DESIGN.md §2).
+#[utoipa::path(
+    delete, path = "/v1/sessions/{id}", tag = "sessions", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "Session id")),
+    responses(
+        (status = 204, description = "Deleted, after the writer committed it"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(session_id = %id), err(Display, level = "debug"))]
+pub async fn delete(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<SessionId>,
+) -> Result<StatusCode, ApiError> {
+    owned_session(&app, &caller, id).await?;
+    submit(&app, &AppendRequest::delete(id, caller.as_str())).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct EventsParams {
+    /// Events with a seq above this (default 0: from the start).
+    pub after: Option<i64>,
+    /// 1–1000, default 100.
+    pub limit: Option<i64>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EventView {
+    pub seq: i64,
+    pub kind: String,
+    /// The payload as stored (DESIGN.md §2).
+    #[schema(value_type = Object)]
+    pub payload: serde_json::Value,
+    pub created_at: DateTime<Utc>,
+}
+
+impl From<StoredEvent> for EventView {
+    fn from(e: StoredEvent) -> Self {
+        Self { seq: e.seq, kind: e.kind, payload: e.payload, created_at: e.created_at }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EventPage {
+    pub events: Vec<EventView>,
+    /// `after` of the next page; null when this page reaches the end of the log.
+    pub next_after: Option<i64>,
+}
+
+/// A page of the raw log.
+#[utoipa::path(
+    get, path = "/v1/sessions/{id}/events", tag = "sessions", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "Session id"), EventsParams),
+    responses(
+        (status = 200, body = EventPage),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(session_id = %id), err(Display, level = "debug"))]
+pub async fn events(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<SessionId>,
+    ApiQuery(params): ApiQuery<EventsParams>,
+) -> Result<Json<EventPage>, ApiError> {
+    let limit = validate::limit(params.limit, EVENTS_DEFAULT, EVENTS_MAX)?;
+    let after = params.after.unwrap_or(0);
+    if after < 0 {
+        return Err(ApiError::bad_request("after must be 0 or more"));
+    }
+    // One row more than asked tells whether this page is the last.
+    let mut rows = read::events_page(&app.pool, caller.as_str(), id, after, limit + 1)
+        .await?
+        .ok_or_else(ApiError::session_not_found)?;
+    let more = rows.len() as i64 > limit;
+    rows.truncate(limit as usize);
+    let next_after = if more { rows.last().map(|e| e.seq) } else { None };
+    Ok(Json(EventPage { events: rows.into_iter().map(EventView::from).collect(), next_after }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn format_before(t: DateTime<Utc>) -> String {
+        Cursor { before: t, before_id: Uuid::nil() }.before_text()
+    }
+
+    #[test]
+    fn cursor_needs_both_halves() {
+        let id = Uuid::now_v7();
+        assert!(cursor(None, None).unwrap().is_none());
+        assert!(matches!(cursor(Some("2024-05-01T10:00:00.123456Z"), None), Err(ApiError::BadRequest(_))));
+        assert!(matches!(cursor(None, Some(id)), Err(ApiError::BadRequest(_))));
+        assert!(matches!(cursor(Some("yesterday"), Some(id)), Err(ApiError::BadRequest(_))));
+    }
+
+    #[test]
+    fn before_round_trips_and_drops_sub_microseconds() {
+        let t = parse_before("2024-05-01T10:00:00.123456Z").unwrap();
+        assert_eq!(format_before(t), "2024-05-01T10:00:00.123456Z");
+        let t = parse_before("2024-05-01T12:00:00.123456789+02:00").unwrap();
+        assert_eq!(format_before(t), "2024-05-01T10:00:00.123456Z");
+    }
+}

@@ -1,0 +1,132 @@
+//! Input rules every route shares, in one place: size limits (every event must stay under
+//! the writer's 768 KiB), text Postgres can store (no NUL), and paging limits. A value
+//! that breaks one is the client's mistake: 400 (or 413 for the body), never a 5xx.
+
+use crate::error::ApiError;
+
+/// Largest request body.
+pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+/// Longest session title, in characters.
+pub const MAX_TITLE_CHARS: usize = 512;
+/// Longest message text, in bytes (UTF-8).
+pub const MAX_TEXT_BYTES: usize = 256 * 1024;
+/// Most markdown a message's documents may carry together, in bytes.
+pub const MAX_DOCUMENTS_BYTES: usize = 512 * 1024;
+/// Longest search query, in characters.
+pub const MAX_QUERY_CHARS: usize = 512;
+
+/// Postgres cannot store U+0000 in `text` or `jsonb`; the writer would dead-letter it.
+pub fn storable(field: &str, value: &str) -> Result<(), ApiError> {
+    if value.contains('\0') {
+        return Err(ApiError::bad_request(format!("{field} must not contain NUL characters")));
+    }
+    Ok(())
+}
+
+/// A session title: not blank, at most [`MAX_TITLE_CHARS`], storable. Kept as given.
+pub fn title(value: String) -> Result<String, ApiError> {
+    storable("title", &value)?;
+    if value.trim().is_empty() {
+        return Err(ApiError::bad_request("title must not be empty; leave it out instead"));
+    }
+    let chars = value.chars().count();
+    if chars > MAX_TITLE_CHARS {
+        return Err(ApiError::bad_request(format!(
+            "title is {chars} characters; the limit is {MAX_TITLE_CHARS}"
+        )));
+    }
+    Ok(value)
+}
+
+/// A message's text: not blank, at most [`MAX_TEXT_BYTES`], storable.
+pub fn text(value: &str) -> Result<(), ApiError> {
+    storable("text", value)?;
+    if value.trim().is_empty() {
+        return Err(ApiError::bad_request("text must not be empty"));
+    }
+    if value.len() > MAX_TEXT_BYTES {
+        return Err(ApiError::bad_request(format!(
+            "text is {} bytes; the limit is {MAX_TEXT_BYTES}",
+            value.len()
+        )));
+    }
+    Ok(())
+}
+
+/// A message's documents: their markdown together at most [`MAX_DOCUMENTS_BYTES`].
+pub fn documents<'a>(markdowns: impl IntoIterator<Item = &'a str>) -> Result<(), ApiError> {
+    let mut total = 0usize;
+    for md in markdowns {
+        storable("document markdown", md)?;
+        total = total.saturating_add(md.len());
+    }
+    if total > MAX_DOCUMENTS_BYTES {
+        return Err(ApiError::bad_request(format!(
+            "documents carry {total} bytes of markdown; the limit is {MAX_DOCUMENTS_BYTES}"
+        )));
+    }
+    Ok(())
+}
+
+/// A search query: blank means none.
+pub fn search_query(q: Option<String>) -> Result<Option<String>, ApiError> {
+    let Some(q) = q.filter(|q| !q.trim().is_empty()) else { return Ok(None) };
+    storable("q", &q)?;
+    if q.chars().count() > MAX_QUERY_CHARS {
+        return Err(ApiError::bad_request(format!("q is limited to {MAX_QUERY_CHARS} characters")));
+    }
+    Ok(Some(q))
+}
+
+/// A page size: `default` when absent, else within `1..=max`.
+pub fn limit(value: Option<i64>, default: i64, max: i64) -> Result<i64, ApiError> {
+    match value {
+        None => Ok(default),
+        Some(n) if (1..=max).contains(&n) => Ok(n),
+        Some(n) => Err(ApiError::bad_request(format!("limit must be between 1 and {max}, not {n}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn is_bad_request(r: Result<impl Sized, ApiError>) -> bool {
+        matches!(r, Err(ApiError::BadRequest(_)))
+    }
+
+    #[test]
+    fn titles() {
+        assert_eq!(title("Trip plans".into()).ok().as_deref(), Some("Trip plans"));
+        assert!(is_bad_request(title("".into())));
+        assert!(is_bad_request(title("  \n".into())));
+        assert!(is_bad_request(title("a\0b".into())));
+        assert!(title("é".repeat(MAX_TITLE_CHARS)).is_ok());
+        assert!(is_bad_request(title("é".repeat(MAX_TITLE_CHARS + 1))));
+    }
+
+    #[test]
+    fn texts_and_documents() {
+        assert!(text("hello").is_ok());
+        assert!(is_bad_request(text("")));
+        assert!(is_bad_request(text(" ")));
+        assert!(is_bad_request(text("nul \0 here")));
+        assert!(text(&"x".repeat(MAX_TEXT_BYTES)).is_ok());
+        assert!(is_bad_request(text(&"x".repeat(MAX_TEXT_BYTES + 1))));
+        let half = "y".repeat(MAX_DOCUMENTS_BYTES / 2);
+        assert!(documents([half.as_str(), half.as_str()]).is_ok());
+        assert!(is_bad_request(documents([half.as_str(), half.as_str(), "z"])));
+    }
+
+    #[test]
+    fn limits_and_queries() {
+        assert_eq!(limit(None, 50, 200).ok(), Some(50));
+        assert_eq!(limit(Some(200), 50, 200).ok(), Some(200));
+        for bad in [0, -1, 201, 1000] {
+            assert!(is_bad_request(limit(Some(bad), 50, 200)), "{bad}");
+        }
+        assert_eq!(search_query(Some("  ".into())).ok(), Some(None));
+        assert!(is_bad_request(search_query(Some("a\0".into()))));
+        assert!(is_bad_request(search_query(Some("q".repeat(MAX_QUERY_CHARS + 1)))));
+    }
+}

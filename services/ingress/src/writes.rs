@@ -1,0 +1,59 @@
+//! The ingress's one way to change anything: an append request to the writer through
+//! `append_and_wait`, with the configured deadline. A bus or writer that cannot answer in
+//! time is a 503 (resending is safe); a request the writer refused maps to a 4xx.
+
+use turnlog_core::bus::{append_and_wait, AppendRequest, Outcome};
+
+use crate::error::ApiError;
+use crate::Ingress;
+
+/// Sends `req` and waits for the writer's outcome; only an applied request is Ok.
+#[tracing::instrument(
+    skip_all,
+    fields(op = ?req.op, session_id = %req.session_id, request_id = %req.request_id),
+    err(Display, level = "debug")
+)]
+pub async fn submit(app: &Ingress, req: &AppendRequest) -> Result<Outcome, ApiError> {
+    let outcome = append_and_wait(&app.bus, &app.pool, req, app.config.append_timeout).await?;
+    if outcome.is_applied() {
+        return Ok(outcome);
+    }
+    let reason = outcome.reason.as_deref().unwrap_or("rejected");
+    tracing::info!(reason, "the writer refused the request");
+    Err(refusal(reason))
+}
+
+/// A refusal reason (the writer's dead-letter reasons and failed conditions) as the client
+/// sees it.
+fn refusal(reason: &str) -> ApiError {
+    match reason {
+        // The session went away (deleted) or is another owner's between the check and the write.
+        "unknown_session" | "owner_mismatch" => ApiError::session_not_found(),
+        "too_large" => ApiError::PayloadTooLarge("the event is larger than the log accepts".into()),
+        "unstorable_text" => ApiError::bad_request("text must not contain NUL characters"),
+        "bad_payload" | "bad_request" => {
+            ApiError::bad_request(format!("the log refused the request ({reason})"))
+        }
+        other => ApiError::Conflict(format!("the log refused the request ({other})")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::StatusCode;
+
+    #[test]
+    fn refusals_are_client_errors() {
+        for (reason, status) in [
+            ("unknown_session", StatusCode::NOT_FOUND),
+            ("owner_mismatch", StatusCode::NOT_FOUND),
+            ("too_large", StatusCode::PAYLOAD_TOO_LARGE),
+            ("unstorable_text", StatusCode::BAD_REQUEST),
+            ("expect_failed", StatusCode::CONFLICT),
+            ("session_exists", StatusCode::CONFLICT),
+        ] {
+            assert_eq!(refusal(reason).status(), status, "{reason}");
+        }
+    }
+}

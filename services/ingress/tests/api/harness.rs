@@ -1,0 +1,205 @@
+//! One ingress per test on 127.0.0.1:0 over the testkit's fresh database and bus prefix,
+//! with the writer in-process (or deliberately absent), and a small HTTP client.
+
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+use turnlog_core::bus::{append_and_wait, AppendRequest, Bus, OutcomeStatus};
+use turnlog_core::events::EventBody;
+use turnlog_core::ids::SessionId;
+use turnlog_ingress::{ApiTokens, Backbone, IngressConfig};
+use turnlog_testkit::{eventually, test_env, TestEnv};
+use turnlog_writer::WriterConfig;
+use uuid::Uuid;
+
+pub const ALICE: &str = "alice-token-0001";
+pub const BOB: &str = "bob-token-000002";
+pub const TOKENS: &str = "alice:alice-token-0001,bob:bob-token-000002";
+pub const WAIT: Duration = Duration::from_secs(15);
+
+pub struct Options {
+    pub tokens: Option<&'static str>,
+    pub writer: bool,
+    pub append_timeout: Duration,
+    pub llm_url: Option<String>,
+    pub system_prompt: String,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            tokens: Some(TOKENS),
+            writer: true,
+            append_timeout: Duration::from_secs(10),
+            llm_url: None,
+            system_prompt: String::new(),
+        }
+    }
+}
+
+pub struct Api {
+    pub env: TestEnv,
+    pub base: String,
+    pub bus: Bus,
+    http: reqwest::Client,
+    shutdown: CancellationToken,
+}
+
+pub enum Body {
+    None,
+    Json(Value),
+    Raw(Vec<u8>),
+}
+
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub text: String,
+    /// The body as JSON, or Null when it is not JSON.
+    pub json: Value,
+}
+
+impl Reply {
+    /// Asserts the error shape and returns the code.
+    #[track_caller]
+    pub fn error_code(&self) -> &str {
+        let code = self.json["error"]["code"].as_str();
+        let message = self.json["error"]["message"].as_str();
+        assert!(
+            code.is_some() && message.is_some_and(|m| !m.is_empty()),
+            "not the error shape (status {}): {}",
+            self.status,
+            self.text
+        );
+        code.unwrap_or_default()
+    }
+}
+
+impl Api {
+    pub async fn start() -> Self {
+        Self::with(Options::default()).await
+    }
+
+    pub async fn with(opts: Options) -> Self {
+        let env = test_env().await;
+        let shutdown = CancellationToken::new();
+        let backbone = Backbone {
+            database_url: env.database_url.clone(),
+            nats_url: env.nats_url.clone(),
+            bus_prefix: env.bus_prefix.clone(),
+            partitions: 1,
+            append_max_age: None,
+        };
+        let mut config = IngressConfig::new(backbone);
+        if let Some(spec) = opts.tokens {
+            config.tokens = ApiTokens::parse(spec).unwrap();
+        }
+        config.append_timeout = opts.append_timeout;
+        config.system_prompt = opts.system_prompt;
+        config.upstream = opts.llm_url.map(|base_url| turnlog_core::upstream::UpstreamConfig {
+            base_url,
+            api_key: None,
+            timeout: Duration::from_secs(5),
+            windows_override: Default::default(),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let token = shutdown.clone();
+        tokio::spawn(async move {
+            if let Err(e) = turnlog_ingress::run(config, listener, token).await {
+                eprintln!("ingress failed: {e:#}");
+            }
+        });
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+        let probe = http.clone();
+        eventually(WAIT, || async {
+            let r = probe.get(format!("{base}/healthz")).send().await.ok()?;
+            r.status().is_success().then_some(())
+        })
+        .await;
+        // The ingress has created the streams; the writer and this client start after it so
+        // that none of them races another to create them.
+        let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
+        bus.ensure_topology(None).await.unwrap();
+        if opts.writer {
+            let config = WriterConfig {
+                database_url: env.database_url.clone(),
+                nats_url: env.nats_url.clone(),
+                bus_prefix: env.bus_prefix.clone(),
+                partitions: 1,
+                append_max_age: None,
+            };
+            let token = shutdown.clone();
+            tokio::spawn(async move {
+                if let Err(e) = turnlog_writer::run(config, token).await {
+                    eprintln!("writer failed: {e:#}");
+                }
+            });
+        }
+        Self { env, base, bus, http, shutdown }
+    }
+
+    pub async fn call(&self, method: Method, path: &str, token: Option<&str>, body: Body) -> Reply {
+        let mut req = self.http.request(method, format!("{}{path}", self.base));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        req = match body {
+            Body::None => req,
+            Body::Json(v) => req.json(&v),
+            Body::Raw(bytes) => req.header("content-type", "application/json").body(bytes),
+        };
+        let resp = req.send().await.unwrap_or_else(|e| panic!("{path}: {e:#}"));
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let text = resp.text().await.unwrap();
+        let json = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Reply { status, headers, text, json }
+    }
+
+    pub async fn get(&self, path: &str, token: &str) -> Reply {
+        self.call(Method::GET, path, Some(token), Body::None).await
+    }
+
+    /// Creates a session through the API and returns its id.
+    pub async fn create(&self, token: &str, title: Option<&str>) -> SessionId {
+        let body = match title {
+            Some(t) => serde_json::json!({ "title": t }),
+            None => serde_json::json!({}),
+        };
+        let r = self.call(Method::POST, "/v1/sessions", Some(token), Body::Json(body)).await;
+        assert_eq!(r.status, 201, "{}", r.text);
+        r.json["id"].as_str().unwrap().parse().unwrap()
+    }
+
+    /// Appends an event as a producer would (the tool runner, the workers).
+    pub async fn append(&self, session: SessionId, owner: &str, body: &EventBody) -> i64 {
+        let req = AppendRequest::append(session, owner, Uuid::now_v7(), body);
+        let outcome = append_and_wait(&self.bus, &self.env.pool, &req, WAIT).await.unwrap();
+        assert_eq!(outcome.status, OutcomeStatus::Committed, "{outcome:?}");
+        outcome.seq.unwrap()
+    }
+
+    /// Rows in the tables only the writer writes, and messages sent to it.
+    pub async fn written(&self) -> (i64, i64, i64, u64) {
+        let count = |table: &'static str| async move {
+            let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+                .fetch_one(&self.env.pool)
+                .await
+                .unwrap();
+            n
+        };
+        let stream = self.bus.js.get_stream(self.bus.names.append_stream()).await.unwrap();
+        let sent = stream.get_info().await.unwrap().state.messages;
+        (count("sessions").await, count("session_events").await, count("request_outcomes").await, sent)
+    }
+}
+
+impl Drop for Api {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}

@@ -1,0 +1,217 @@
+//! turnlog's memory extraction: for each committed `assistant_turn`, the durable facts of
+//! the turn (names, dates, numbers, commitments, preferences) become exactly one
+//! `memory_extracted` event — empty with `error` when the model keeps failing — whose
+//! memories the writer stores for recall across the owner's sessions.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use serde::Deserialize;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use turnlog_core::bus::{append_and_wait, recorded_outcome, AppendRequest, Bus, CommittedEvent};
+use turnlog_core::events::{EventBody, EventKind, ExtractedMemory, MemoryExtracted};
+use turnlog_core::ids::EventId;
+use turnlog_core::message::{ChatMessage, Role};
+use turnlog_core::upstream::{ChatRequest, UpstreamClient, UpstreamConfig};
+use turnlog_core::worker::{
+    ask_for_json, turn_events, ConsumerSettings, Delivery, HandleError, Handler, TurnMaterial, Worker,
+    WorkerStats,
+};
+use uuid::Uuid;
+
+/// Selects the memory task (the mock model keys on it; a real model ignores it).
+pub const MEMORY_MARKER: &str = "[turnlog:memory]";
+
+const MEMORY_PROMPT: &str = "[turnlog:memory] You keep the long-term memory of an assistant. From one \
+finished turn of a conversation, extract the durable facts worth remembering in later conversations: \
+names, dates, numbers, commitments and preferences the user stated or the assistant promised. Each \
+memory is one self-contained sentence. Answer with only a JSON object: {\"memories\": [{\"text\": \
+\"...\"}]}; an empty list when there is nothing durable. Invent nothing.";
+
+/// Most memories one turn yields, and the longest one.
+const MAX_MEMORIES: usize = 20;
+const MAX_MEMORY_CHARS: usize = 500;
+/// The longest `error` recorded when extraction gives up.
+const MAX_ERROR_CHARS: usize = 500;
+const MAX_TURN_EVENTS: i64 = 2_000;
+
+#[derive(Debug, Clone)]
+pub struct MemoryConfig {
+    pub database_url: String,
+    pub nats_url: String,
+    pub bus_prefix: String,
+    pub partitions: u32,
+    pub upstream: UpstreamConfig,
+    /// `TURNLOG_MINI_MODEL`.
+    pub mini_model: String,
+    pub consumer: ConsumerSettings,
+    /// Deadline of one extraction (its retry included).
+    pub call_deadline: Duration,
+    /// How long an append waits for the writer's outcome.
+    pub append_timeout: Duration,
+}
+
+/// Extracts memories from committed turns until `shutdown`.
+pub async fn run(config: MemoryConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let connections = u32::try_from(config.consumer.concurrency).unwrap_or(u32::MAX).saturating_add(2);
+    let pool = turnlog_core::db::connect(&config.database_url, connections)
+        .await
+        .context("connecting to Postgres")?;
+    let bus = Bus::connect(&config.nats_url, &config.bus_prefix, config.partitions).await?;
+    let upstream = UpstreamClient::new(config.upstream.clone()).context("building the model client")?;
+    let extractor = Arc::new(Extractor {
+        pool,
+        bus: bus.clone(),
+        upstream,
+        model: config.mini_model.clone(),
+        call_deadline: config.call_deadline,
+        append_timeout: config.append_timeout,
+    });
+    let worker = Worker::new("memory", &[EventKind::AssistantTurn], config.consumer.clone());
+    tracing::info!(consumer = %worker.consumer_name(&bus), model = %config.mini_model, "memory extraction running");
+    worker.run(bus, extractor, Arc::new(WorkerStats::default()), shutdown.cancelled_owned()).await;
+    Ok(())
+}
+
+/// The id of the `i`-th memory of a `memory_extracted` event: the same on every replay, so
+/// a redelivered turn can never add a memory twice.
+pub fn memory_id(event_id: EventId, index: usize) -> Uuid {
+    Uuid::new_v5(&event_id.0, index.to_string().as_bytes())
+}
+
+struct Extractor {
+    pool: PgPool,
+    bus: Bus,
+    upstream: UpstreamClient,
+    model: String,
+    call_deadline: Duration,
+    append_timeout: Duration,
+}
+
+impl Handler for Extractor {
+    #[tracing::instrument(skip_all, fields(session_id = %turn.session_id, turn_seq = turn.seq, attempt = delivery.attempt), err)]
+    async fn handle(&self, turn: CommittedEvent, delivery: Delivery) -> Result<(), HandleError> {
+        let event_id = EventId::derived(turn.session_id, turn.seq, "memory_extracted");
+        let recorded = recorded_outcome(&self.pool, event_id.0)
+            .await
+            .map_err(|e| HandleError::retry("read_failed", e))?;
+        if recorded.is_some() {
+            return Ok(());
+        }
+        let events = turn_events(&self.pool, turn.session_id, turn.seq, MAX_TURN_EVENTS)
+            .await
+            .map_err(|e| HandleError::retry("read_failed", e))?;
+        let Some(material) = TurnMaterial::from_events(&events, turn.seq) else {
+            tracing::info!("turn no longer stored (session deleted); nothing to extract");
+            return Ok(());
+        };
+        let extracted = match self.extract(&material).await {
+            Ok(texts) => MemoryExtracted {
+                turn_seq: turn.seq,
+                memories: texts
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, text)| ExtractedMemory { id: memory_id(event_id, i), text })
+                    .collect(),
+                error: None,
+            },
+            Err(e) if !delivery.is_last() => return Err(HandleError::retry("memory_failed", e)),
+            // Out of retries: the turn still gets its one event, so whoever waits for it
+            // (the compactor) knows extraction is over.
+            Err(e) => {
+                tracing::warn!(error = %e, "memory extraction gave up");
+                MemoryExtracted {
+                    turn_seq: turn.seq,
+                    memories: vec![],
+                    error: Some(e.chars().take(MAX_ERROR_CHARS).collect()),
+                }
+            }
+        };
+        let body = EventBody::MemoryExtracted(extracted);
+        let request = AppendRequest::append(turn.session_id, &turn.owner, event_id.0, &body);
+        let outcome = append_and_wait(&self.bus, &self.pool, &request, self.append_timeout)
+            .await
+            .map_err(|e| HandleError::retry("append_failed", e))?;
+        if !outcome.is_applied() {
+            tracing::warn!(reason = ?outcome.reason, "the writer did not apply memory_extracted");
+        }
+        Ok(())
+    }
+}
+
+impl Extractor {
+    /// The turn's facts, or why the model gave none.
+    async fn extract(&self, material: &TurnMaterial) -> Result<Vec<String>, String> {
+        let request = ChatRequest {
+            model: self.model.clone(),
+            messages: vec![
+                ChatMessage::text(Role::System, MEMORY_PROMPT),
+                ChatMessage::text(Role::User, material.render()),
+            ],
+            max_tokens: Some(1_500),
+            temperature: Some(0.0),
+            response_format_json: true,
+            ..ChatRequest::default()
+        };
+        let answer: Memories = ask_for_json(&self.upstream, request, self.call_deadline, Memories::validated)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(answer.memories.into_iter().map(|m| m.text).collect())
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct Memories {
+    pub memories: Vec<MemoryText>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct MemoryText {
+    pub text: String,
+}
+
+impl Memories {
+    /// Trimmed, without blanks or repeats, capped in number and length.
+    pub fn validated(self) -> Result<Self, String> {
+        let mut kept: Vec<MemoryText> = Vec::new();
+        for m in self.memories {
+            let text = m.text.trim();
+            let text: String = match text.char_indices().nth(MAX_MEMORY_CHARS) {
+                Some((cut, _)) => format!("{}…", &text[..cut]),
+                None => text.to_owned(),
+            };
+            if !text.is_empty() && !kept.iter().any(|k| k.text == text) && kept.len() < MAX_MEMORIES {
+                kept.push(MemoryText { text });
+            }
+        }
+        Ok(Self { memories: kept })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use turnlog_core::ids::SessionId;
+
+    #[test]
+    fn memory_ids_are_deterministic_and_distinct() {
+        let e = EventId::derived(SessionId::new(), 4, "memory_extracted");
+        assert_eq!(memory_id(e, 0), memory_id(e, 0));
+        assert_ne!(memory_id(e, 0), memory_id(e, 1));
+        let other = EventId::derived(SessionId::new(), 4, "memory_extracted");
+        assert_ne!(memory_id(e, 0), memory_id(other, 0));
+    }
+
+    #[test]
+    fn memories_are_validated() {
+        let m: Memories = serde_json::from_str(
+            r#"{"memories": [{"text": " Alice lives in Lyon. "}, {"text": "Alice lives in Lyon."}, {"text": ""}]}"#,
+        )
+        .unwrap();
+        let m = m.validated().unwrap();
+        assert_eq!(m.memories, [MemoryText { text: "Alice lives in Lyon.".into() }]);
+        assert!(serde_json::from_str::<Memories>(r#"{"facts": []}"#).is_err());
+    }
+}

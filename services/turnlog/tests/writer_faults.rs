@@ -1,0 +1,131 @@
+//! The writer as a real process under load while things fail: SIGKILL (with a standby, and
+//! restarted alone), nats-server restarted, Postgres restarted, nats-server frozen. After
+//! each, a checker proves every acknowledged append is stored once, with gapless seqs, and
+//! reached the committed-event feed. Fault servers are private instances on fixed ports.
+
+use std::time::Duration;
+
+use turnlog_core::bus::{append_and_wait, AppendRequest, Bus};
+use turnlog_core::ids::SessionId;
+use turnlog_testkit::checker::{check_log, produce, Acked};
+use turnlog_testkit::{
+    eventually, free_port, private_nats, private_postgres, test_env, test_env_on, TestEnv, TurnlogProcess,
+};
+
+const BIN: &str = env!("CARGO_BIN_EXE_turnlog");
+const SESSIONS: usize = 6;
+const PER_SESSION: usize = 150;
+
+type Producers = Vec<(SessionId, tokio::task::JoinHandle<(usize, Vec<(uuid::Uuid, i64)>)>)>;
+
+/// Creates the sessions (waiting for a writer) and starts one producer per session.
+async fn start_load(env: &TestEnv) -> (Bus, Producers) {
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
+    bus.ensure_topology(None).await.unwrap();
+    let mut producers = Vec::new();
+    for _ in 0..SESSIONS {
+        let s = SessionId::new();
+        let o = append_and_wait(
+            &bus,
+            &env.pool,
+            &AppendRequest::create(s, "alice", None),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+        assert!(o.is_applied());
+        let task = tokio::spawn(produce(bus.clone(), env.pool.clone(), "alice".into(), s, PER_SESSION));
+        producers.push((s, task));
+    }
+    // Let load flow before the fault.
+    eventually(Duration::from_secs(30), || async {
+        let n: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM session_events").fetch_one(&env.pool).await.ok()?;
+        (n > 150).then_some(())
+    })
+    .await;
+    (bus, producers)
+}
+
+/// Waits for the producers (bounded) and runs the checker. Returns how many attempts
+/// producers saw fail (and resent).
+async fn finish_and_check(env: &TestEnv, bus: &Bus, producers: Producers) -> usize {
+    let mut acked = Acked::new();
+    let mut failures = 0;
+    for (s, task) in producers {
+        let (f, pairs) = tokio::time::timeout(Duration::from_secs(120), task)
+            .await
+            .expect("producers did not finish: the writer did not recover")
+            .unwrap();
+        failures += f;
+        assert_eq!(pairs.len(), PER_SESSION);
+        acked.extend(pairs.into_iter().map(|(id, seq)| (id, (s, seq))));
+    }
+    check_log(env, bus, &acked).await;
+    failures
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_takes_over_after_sigkill() {
+    let env = test_env().await;
+    let mut active = TurnlogProcess::start(BIN, &env, &["writer"], &[]);
+    let (bus, producers) = start_load(&env).await;
+    let mut standby = TurnlogProcess::start(BIN, &env, &["writer"], &[]);
+    active.kill();
+    finish_and_check(&env, &bus, producers).await;
+    assert!(standby.is_running(), "the standby serves on");
+    standby.terminate();
+    assert!(standby.wait_exit(Duration::from_secs(10)).await.is_some(), "SIGTERM stops the writer");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writer_killed_and_restarted_under_load() {
+    let env = test_env().await;
+    let mut writer = TurnlogProcess::start(BIN, &env, &["writer"], &[]);
+    let (bus, producers) = start_load(&env).await;
+    writer.kill();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    writer.restart().await;
+    finish_and_check(&env, &bus, producers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_restart_under_load() {
+    let mut nats = private_nats(free_port()).await;
+    let env = test_env_on(None, Some(&nats.url())).await;
+    let _writer = TurnlogProcess::start(BIN, &env, &["writer"], &[]);
+    let (bus, producers) = start_load(&env).await;
+    nats.kill();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    nats.restart().await;
+    let failures = finish_and_check(&env, &bus, producers).await;
+    assert!(failures > 0, "producers should have seen the outage");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restart_under_load() {
+    let mut pg = private_postgres(free_port()).await;
+    let env = test_env_on(Some(&pg.url()), None).await;
+    let _writer = TurnlogProcess::start(BIN, &env, &["writer"], &[]);
+    let (bus, producers) = start_load(&env).await;
+    let before: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM session_events").fetch_one(&env.pool).await.unwrap();
+    assert!(before < (SESSIONS * (PER_SESSION + 1)) as i64, "the fault must hit while load is flowing");
+    pg.kill();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    pg.restart().await;
+    finish_and_check(&env, &bus, producers).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_frozen_for_five_seconds_under_load() {
+    let mut nats = private_nats(free_port()).await;
+    let env = test_env_on(None, Some(&nats.url())).await;
+    let _writer = TurnlogProcess::start(BIN, &env, &["writer"], &[]);
+    let (bus, producers) = start_load(&env).await;
+    nats.stop();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    nats.cont();
+    let failures = finish_and_check(&env, &bus, producers).await;
+    assert!(failures > 0, "producers should have seen the outage");
+}

@@ -1,0 +1,725 @@
+//! The one consumer loop every worker on the committed-event feed runs — a durable pull
+//! consumer shared by the worker's copies: bounded concurrency, ack after the append is
+//! committed, nak with backoff, dead letters, graceful stop, counters — and what those
+//! workers share besides: a finished turn's material, and asking the mini model for JSON.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::message::{AckKind, PublishMessage};
+use async_nats::jetstream::Message;
+use futures::StreamExt;
+use sqlx::PgPool;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+
+use crate::bus::{Bus, CommittedEvent, DeadLetter};
+use crate::events::{BlockType, Event, EventBody, EventKind};
+use crate::ids::SessionId;
+use crate::message::{ChatMessage, Role};
+use crate::read::StoredEvent;
+use crate::upstream::{ChatRequest, UpstreamClient, UpstreamError};
+
+/// How long one pull request waits for messages. Short, because permits freed while a
+/// request is open are used only by the next one, and a stop drains the open request.
+const PULL_EXPIRES: Duration = Duration::from_secs(1);
+/// How often the consumer's backlog is read for the lag counter.
+const LAG_INTERVAL: Duration = Duration::from_secs(5);
+/// The counters are logged every this many lag readings (once a minute), when they moved.
+const STATS_LOG_EVERY: u32 = 12;
+/// A consumer that failed after running this long starts its backoff from the shortest.
+const HEALTHY_RUN: Duration = Duration::from_secs(30);
+/// Longest pause between two attempts to reach a lost bus or a missing stream.
+const MAX_RECONNECT_BACKOFF: Duration = Duration::from_secs(5);
+
+/// How a worker consumes: the same for every worker, tuned by settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumerSettings {
+    /// Events handled at once by one copy of the worker.
+    pub concurrency: usize,
+    /// Deliveries of one event before it goes to the dead letters.
+    pub max_deliver: u32,
+    /// How long a delivered event may go unacknowledged before JetStream redelivers it;
+    /// a handler still working reports progress well within it.
+    pub ack_wait: Duration,
+    /// Delay before the n-th redelivery after a failure (the last repeats).
+    pub retry_backoff: Vec<Duration>,
+}
+
+impl Default for ConsumerSettings {
+    fn default() -> Self {
+        Self {
+            concurrency: 4,
+            max_deliver: 5,
+            ack_wait: Duration::from_secs(60),
+            retry_backoff: vec![
+                Duration::from_secs(2),
+                Duration::from_secs(10),
+                Duration::from_secs(30),
+                Duration::from_secs(60),
+            ],
+        }
+    }
+}
+
+impl ConsumerSettings {
+    /// The delay before redelivering an event whose `attempt`-th delivery failed.
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        let i = usize::try_from(attempt.saturating_sub(1)).unwrap_or(usize::MAX);
+        self.retry_backoff.get(i).or(self.retry_backoff.last()).copied().unwrap_or(Duration::ZERO)
+    }
+}
+
+/// Which delivery of an event a handler is working on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Delivery {
+    /// 1 for the first delivery.
+    pub attempt: u32,
+    pub max_deliver: u32,
+    /// The event's sequence in TURNLOG_EVENTS.
+    pub stream_seq: u64,
+}
+
+impl Delivery {
+    /// After a failure of this delivery the event is dead-lettered, so a handler that can
+    /// give up gracefully (append an error event) should do it now.
+    pub fn is_last(&self) -> bool {
+        self.attempt >= self.max_deliver
+    }
+}
+
+/// Why a handler did not finish an event.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandleError {
+    /// Might work later (the model failed, the writer did not answer in time): redelivered
+    /// after a backoff, dead-lettered with `reason` after the last delivery.
+    #[error("{reason}: {detail}")]
+    Retry { reason: &'static str, detail: String },
+    /// Can never work (the event does not decode): dead-lettered at once.
+    #[error("{reason}: {detail}")]
+    Poison { reason: &'static str, detail: String },
+}
+
+impl HandleError {
+    pub fn retry(reason: &'static str, detail: impl std::fmt::Display) -> Self {
+        Self::Retry { reason, detail: detail.to_string() }
+    }
+    pub fn poison(reason: &'static str, detail: impl std::fmt::Display) -> Self {
+        Self::Poison { reason, detail: detail.to_string() }
+    }
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Retry { reason, .. } | Self::Poison { reason, .. } => reason,
+        }
+    }
+}
+
+/// What a worker does with one committed event. Returning `Ok` acknowledges the event, so
+/// a handler returns only once its append is committed (or it decided to append nothing).
+/// Deliveries are at least once: a handler must be idempotent (deterministic event ids).
+pub trait Handler: Send + Sync + 'static {
+    fn handle(
+        &self,
+        event: CommittedEvent,
+        delivery: Delivery,
+    ) -> impl Future<Output = Result<(), HandleError>> + Send;
+}
+
+/// Counters a metrics exporter reads; shared by every task of one worker.
+#[derive(Debug, Default)]
+pub struct WorkerStats {
+    /// Events handled and acknowledged.
+    pub processed: AtomicU64,
+    /// Failed deliveries (each nak and each dead letter).
+    pub failed: AtomicU64,
+    /// Events given up on and sent to the dead letters.
+    pub dead_lettered: AtomicU64,
+    /// Events on the feed not yet delivered to the consumer (from the consumer's info).
+    pub lag: AtomicU64,
+    /// Events delivered but not yet acknowledged (from the consumer's info).
+    pub in_flight: AtomicU64,
+}
+
+/// A point-in-time copy of [`WorkerStats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    pub processed: u64,
+    pub failed: u64,
+    pub dead_lettered: u64,
+    pub lag: u64,
+    pub in_flight: u64,
+}
+
+impl WorkerStats {
+    pub fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            processed: self.processed.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
+            lag: self.lag.load(Ordering::Relaxed),
+            in_flight: self.in_flight.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// One worker's consumer: its name (the durable consumer is `<prefix>-<name>`), the event
+/// kinds it handles, and how it consumes.
+#[derive(Debug, Clone)]
+pub struct Worker {
+    pub name: String,
+    pub kinds: Vec<EventKind>,
+    pub settings: ConsumerSettings,
+}
+
+impl Worker {
+    pub fn new(name: &str, kinds: &[EventKind], settings: ConsumerSettings) -> Self {
+        Self { name: name.to_owned(), kinds: kinds.to_vec(), settings }
+    }
+
+    /// One kind is filtered by subject. Several need the whole feed (nats-server 2.9 has
+    /// one filter per consumer); events of other kinds are then acknowledged unhandled.
+    fn filter_subject(&self, bus: &Bus) -> String {
+        match self.kinds.as_slice() {
+            [kind] => bus.names.events_kind_filter(kind.as_str()),
+            _ => bus.names.events_kind_filter("*"),
+        }
+    }
+
+    fn handles(&self, kind: &str) -> bool {
+        self.kinds.len() == 1 || self.kinds.iter().any(|k| k.as_str() == kind)
+    }
+
+    /// The durable consumer every copy of this worker shares.
+    pub fn consumer_name(&self, bus: &Bus) -> String {
+        format!("{}-{}", bus.names.prefix(), self.name)
+    }
+
+    /// Consumes until `shutdown` completes, then stops pulling, hands back events not yet
+    /// started (nak, so another copy takes them at once) and waits for those in hand.
+    /// Reconnects by itself: a lost bus or a missing stream is retried with backoff.
+    pub async fn run<H: Handler>(
+        &self,
+        bus: Bus,
+        handler: Arc<H>,
+        stats: Arc<WorkerStats>,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) {
+        let stop = stop_signal(shutdown);
+        let permits = Arc::new(Semaphore::new(self.settings.concurrency.max(1)));
+        let mut in_hand = JoinSet::new();
+        let mut backoff = Duration::from_millis(100);
+        while !*stop.borrow() {
+            let started = tokio::time::Instant::now();
+            let result = self.consume(&bus, &handler, &stats, &permits, &mut in_hand, stop.clone()).await;
+            // A consumer that ran a while before failing was healthy: start backing off anew.
+            if started.elapsed() > HEALTHY_RUN {
+                backoff = Duration::from_millis(100);
+            }
+            // Reap finished handlers so the set does not grow over a long run.
+            while in_hand.try_join_next().is_some() {}
+            match result {
+                Ok(()) => break,
+                Err(e) => {
+                    tracing::warn!(worker = %self.name, error = %e, "consumer interrupted; reconnecting");
+                    let mut stop = stop.clone();
+                    tokio::select! {
+                        _ = stop.wait_for(|s| *s) => {}
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(MAX_RECONNECT_BACKOFF);
+                }
+            }
+        }
+        while let Some(done) = in_hand.join_next().await {
+            if let Err(e) = done {
+                tracing::error!(worker = %self.name, error = %e, "event handler panicked");
+            }
+        }
+        tracing::info!(worker = %self.name, stats = ?stats.snapshot(), "worker stopped");
+    }
+
+    async fn consumer(&self, bus: &Bus) -> Result<PullConsumer, String> {
+        let stream = bus.js.get_stream(bus.names.events_stream()).await.map_err(|e| {
+            format!("cannot open {} (is the writer running?): {e}", bus.names.events_stream())
+        })?;
+        let name = self.consumer_name(bus);
+        let config = pull::Config {
+            durable_name: Some(name.clone()),
+            description: Some(format!("turnlog {} on the committed-event feed", self.name)),
+            deliver_policy: DeliverPolicy::All,
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: self.settings.ack_wait,
+            // One more than the worker's own limit: the worker dead-letters on the last
+            // delivery it is told about, so a crash during that one still gets a successor.
+            max_deliver: i64::from(self.settings.max_deliver.max(1)) + 1,
+            filter_subject: self.filter_subject(bus),
+            ..Default::default()
+        };
+        stream.get_or_create_consumer(&name, config).await.map_err(|e| format!("consumer {name}: {e}"))
+    }
+
+    /// Pulls and dispatches until stopped (Ok) or the bus fails (Err).
+    async fn consume<H: Handler>(
+        &self,
+        bus: &Bus,
+        handler: &Arc<H>,
+        stats: &Arc<WorkerStats>,
+        permits: &Arc<Semaphore>,
+        in_hand: &mut JoinSet<()>,
+        mut stop: watch::Receiver<bool>,
+    ) -> Result<(), String> {
+        let consumer = self.consumer(bus).await?;
+        let lag = tokio::spawn(watch_lag(self.name.clone(), consumer.clone(), stats.clone(), stop.clone()));
+        let _lag = AbortOnDrop(lag);
+        loop {
+            let first = tokio::select! {
+                _ = stop.wait_for(|s| *s) => return Ok(()),
+                p = permits.clone().acquire_owned() => p.map_err(|e| e.to_string())?,
+            };
+            let mut free = vec![first];
+            while free.len() < self.settings.concurrency {
+                match permits.clone().try_acquire_owned() {
+                    Ok(p) => free.push(p),
+                    Err(_) => break,
+                }
+            }
+            let mut batch = consumer
+                .batch()
+                .max_messages(free.len())
+                .expires(PULL_EXPIRES)
+                .messages()
+                .await
+                .map_err(|e| format!("pull request failed: {e}"))?;
+            let mut stopping = false;
+            loop {
+                let next = tokio::select! {
+                    _ = stop.wait_for(|s| *s), if !stopping => {
+                        // Keep draining the open request (it ends within PULL_EXPIRES) so
+                        // nothing it delivers sits unhandled until its ack wait runs out.
+                        stopping = true;
+                        continue;
+                    }
+                    m = batch.next() => m,
+                };
+                let message = match next {
+                    None => break,
+                    Some(Err(e)) => return Err(format!("pulling events failed: {e}")),
+                    Some(Ok(m)) => m,
+                };
+                match (stopping, free.pop()) {
+                    (false, Some(permit)) => {
+                        let job = Job {
+                            worker: self.clone(),
+                            bus: bus.clone(),
+                            handler: handler.clone(),
+                            stats: stats.clone(),
+                        };
+                        in_hand.spawn(job.process(message, permit));
+                    }
+                    _ => hand_back(&message).await,
+                }
+            }
+            drop(free);
+            if stopping {
+                return Ok(());
+            }
+            while in_hand.try_join_next().is_some() {}
+        }
+    }
+}
+
+/// Turns the caller's shutdown future into a flag every task can watch.
+fn stop_signal(shutdown: impl Future<Output = ()> + Send + 'static) -> watch::Receiver<bool> {
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = shutdown => { let _ = tx.send(true); }
+            // Every receiver gone: the worker ended on its own.
+            _ = tx.closed() => {}
+        }
+    });
+    rx
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// An event this copy will not start: back to the consumer at once, for another copy.
+async fn hand_back(message: &Message) {
+    if let Err(e) = message.ack_with(AckKind::Nak(None)).await {
+        tracing::debug!(error = %e, "could not hand an event back; it is redelivered after its ack wait");
+    }
+}
+
+/// Keeps the lag counters current and, now and then, logs the counters when they moved.
+async fn watch_lag(
+    worker: String,
+    mut consumer: PullConsumer,
+    stats: Arc<WorkerStats>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut logged = StatsSnapshot::default();
+    let mut ticks: u32 = 0;
+    loop {
+        if let Ok(info) = consumer.info().await {
+            stats.lag.store(info.num_pending, Ordering::Relaxed);
+            stats.in_flight.store(info.num_ack_pending as u64, Ordering::Relaxed);
+        }
+        ticks = ticks.wrapping_add(1);
+        let now = stats.snapshot();
+        if ticks % STATS_LOG_EVERY == 0 && now != logged {
+            tracing::info!(%worker, processed = now.processed, failed = now.failed,
+                dead_lettered = now.dead_lettered, lag = now.lag, in_flight = now.in_flight, "worker progress");
+            logged = now;
+        }
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            _ = tokio::time::sleep(LAG_INTERVAL) => {}
+        }
+    }
+}
+
+/// Everything one event's processing needs, moved onto its task.
+struct Job<H> {
+    worker: Worker,
+    bus: Bus,
+    handler: Arc<H>,
+    stats: Arc<WorkerStats>,
+}
+
+impl<H: Handler> Job<H> {
+    async fn process(self, message: Message, _permit: OwnedSemaphorePermit) {
+        let (attempt, stream_seq) = match message.info() {
+            Ok(info) => (u32::try_from(info.delivered).unwrap_or(u32::MAX), info.stream_sequence),
+            Err(e) => {
+                tracing::warn!(worker = %self.worker.name, error = %e, "event without JetStream info; skipped");
+                return;
+            }
+        };
+        let delivery = Delivery { attempt, max_deliver: self.worker.settings.max_deliver, stream_seq };
+        let decoded = serde_json::from_slice::<CommittedEvent>(&message.payload);
+        let session = decoded.as_ref().ok().map(|e| e.session_id);
+        let result = match decoded {
+            Ok(event) if !self.worker.handles(&event.kind) => Ok(()),
+            Ok(event) => self.handle_with_progress(&message, event, delivery).await,
+            Err(e) => Err(HandleError::poison("bad_event", format!("committed event does not decode: {e}"))),
+        };
+        let settle = match result {
+            Ok(()) => {
+                self.stats.processed.fetch_add(1, Ordering::Relaxed);
+                message.ack_with(AckKind::Ack).await
+            }
+            Err(HandleError::Retry { reason, detail }) if !delivery.is_last() => {
+                self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                let delay = self.worker.settings.backoff(attempt);
+                tracing::warn!(
+                    worker = %self.worker.name, session_id = ?session, attempt, reason, %detail, ?delay,
+                    "event failed; retrying later"
+                );
+                message.ack_with(AckKind::Nak(Some(delay))).await
+            }
+            Err(e) => {
+                self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                self.dead_letter(&message, session, delivery, &e).await
+            }
+        };
+        if let Err(e) = settle {
+            // The event comes back after its ack wait; handlers are idempotent.
+            tracing::warn!(worker = %self.worker.name, error = %e, "could not settle an event with JetStream");
+        }
+    }
+
+    /// Runs the handler, telling JetStream it is still at work so a long model call does
+    /// not get the event redelivered to another copy.
+    async fn handle_with_progress(
+        &self,
+        message: &Message,
+        event: CommittedEvent,
+        delivery: Delivery,
+    ) -> Result<(), HandleError> {
+        let every = (self.worker.settings.ack_wait / 3).max(Duration::from_millis(100));
+        let work = self.handler.handle(event, delivery);
+        tokio::pin!(work);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        loop {
+            tokio::select! {
+                result = &mut work => return result,
+                _ = tick.tick() => {
+                    let _ = message.ack_with(AckKind::Progress).await;
+                }
+            }
+        }
+    }
+
+    /// Publishes the event to the dead letters and ends its deliveries; when the dead
+    /// letter cannot be published the event is retried instead, so it is never lost.
+    async fn dead_letter(
+        &self,
+        message: &Message,
+        session: Option<SessionId>,
+        delivery: Delivery,
+        error: &HandleError,
+    ) -> Result<(), async_nats::Error> {
+        let reason = error.reason();
+        tracing::error!(
+            worker = %self.worker.name, session_id = ?session, attempt = delivery.attempt, %error,
+            "giving up on an event; dead-lettered"
+        );
+        let letter = DeadLetter {
+            reason: reason.to_owned(),
+            detail: format!("{}: {error} (after {} deliveries)", self.worker.name, delivery.attempt),
+            stream_seq: Some(delivery.stream_seq),
+            request: String::from_utf8_lossy(&message.payload).into_owned(),
+        };
+        let subject = self.bus.names.dead_subject(reason, session);
+        // One dead letter per worker and event, however often this runs.
+        let msg_id = format!("dead:{}:{}", self.worker.name, delivery.stream_seq);
+        let published = async {
+            let body = serde_json::to_vec(&letter).map_err(|e| e.to_string())?;
+            let msg = PublishMessage::build().payload(body.into()).message_id(msg_id);
+            let ack = self.bus.js.send_publish(subject, msg).await.map_err(|e| e.to_string())?;
+            ack.await.map_err(|e| e.to_string())
+        };
+        match published.await {
+            Ok(_) => {
+                self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                message.ack_with(AckKind::Term).await
+            }
+            Err(e) => {
+                tracing::warn!(worker = %self.worker.name, error = %e, "cannot publish a dead letter; retrying the event");
+                message.ack_with(AckKind::Nak(Some(self.worker.settings.backoff(delivery.attempt)))).await
+            }
+        }
+    }
+}
+
+/// The events of the turn a committed `assistant_turn` at `turn_seq` closes: from the
+/// user message it answers (the newest one before it) through the answer, with any tool
+/// executions, checkpoints and failed attempts in between. What distillation and memory
+/// extraction read; at most `limit` events.
+pub async fn turn_events(
+    pool: &PgPool,
+    session: SessionId,
+    turn_seq: i64,
+    limit: i64,
+) -> Result<Vec<Event>, crate::read::ReadError> {
+    let rows: Vec<StoredEvent> = sqlx::query_as(
+        "SELECT seq, event_id, kind, payload, tokens, created_at FROM session_events
+          WHERE session_id = $1 AND seq <= $2
+            AND seq >= coalesce((SELECT max(seq) FROM session_events
+                                  WHERE session_id = $1 AND kind = 'user_message' AND seq < $2), $2)
+          ORDER BY seq LIMIT $3",
+    )
+    .bind(session.0)
+    .bind(turn_seq)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?)
+}
+
+/// Longest piece of one part of a turn (question, answer, tool log) a worker sends the
+/// mini model; longer ones keep their head and tail, where the substance usually is.
+const MAX_PART_CHARS: usize = 16_000;
+
+/// A finished turn as the workers read it: the question, the answer the user saw, and the
+/// tools run on the way.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TurnMaterial {
+    pub question: String,
+    pub answer: String,
+    /// One line per tool execution: name, status, arguments, result digest.
+    pub tools: Vec<String>,
+}
+
+impl TurnMaterial {
+    /// From [`turn_events`]; None when the turn at `turn_seq` is not among them (its
+    /// session was deleted).
+    pub fn from_events(events: &[Event], turn_seq: i64) -> Option<Self> {
+        let turn = events.iter().find_map(|e| match &e.body {
+            EventBody::AssistantTurn(t) if e.seq == turn_seq => Some(t),
+            _ => None,
+        })?;
+        let mut material = TurnMaterial::default();
+        for e in events {
+            match &e.body {
+                EventBody::UserMessage(m) => {
+                    let mut q = m.text.clone();
+                    for d in &m.documents {
+                        q.push_str(&format!("\n[attached document {} ({})]", d.id, d.mime));
+                    }
+                    for i in &m.images {
+                        q.push_str(&format!("\n[attached image {} ({})]", i.id, i.mime));
+                    }
+                    material.question = clip(&q);
+                }
+                EventBody::ToolExecution(t) => {
+                    let mut line = format!("{} ({})", t.name, t.status);
+                    if let Some(args) = &t.args {
+                        line.push_str(&format!(" args: {}", clip_to(&args.to_string(), 400)));
+                    }
+                    if let Some(digest) = &t.result_digest {
+                        line.push_str(&format!(" result: {}", clip_to(digest, 800)));
+                    }
+                    material.tools.push(line);
+                }
+                _ => {}
+            }
+        }
+        let mut answer = String::new();
+        for block in &turn.ui.blocks {
+            let text = block.text.clone().or_else(|| block.meta.as_ref().map(|m| m.to_string()));
+            match (block.kind, text) {
+                (BlockType::Text, Some(t)) => answer.push_str(&t),
+                (BlockType::ToolCall, Some(t)) => answer.push_str(&format!("\n[tool call] {t}\n")),
+                _ => {}
+            }
+        }
+        if answer.trim().is_empty() {
+            answer = turn.llm.message.content.as_ref().map(|c| c.text()).unwrap_or_default();
+        }
+        material.answer = clip(&answer);
+        Some(material)
+    }
+
+    /// The turn as one plain-text document for the mini model.
+    pub fn render(&self) -> String {
+        let mut out = format!("the user asked:\n{}\n", self.question.trim());
+        if !self.tools.is_empty() {
+            out.push_str("\ntools run during the turn:\n");
+            for t in &self.tools {
+                out.push_str(&format!("- {t}\n"));
+            }
+        }
+        out.push_str(&format!("\nthe assistant answered:\n{}\n", self.answer.trim()));
+        out
+    }
+}
+
+fn clip(text: &str) -> String {
+    clip_to(text, MAX_PART_CHARS)
+}
+
+/// `text` cut to about `limit` characters, keeping its head and tail.
+fn clip_to(text: &str, limit: usize) -> String {
+    let count = text.chars().count();
+    if count <= limit {
+        return text.to_owned();
+    }
+    let half = limit / 2;
+    let head: String = text.chars().take(half).collect();
+    let tail: String = text.chars().skip(count - half).collect();
+    format!("{head}\n[… {} characters left out …]\n{tail}", count - 2 * half)
+}
+
+/// Why a worker got no usable JSON from the model.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum JsonAnswerError {
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+    /// Two answers in a row did not have the asked-for shape.
+    #[error("the model's answer is not the JSON asked for: {0}")]
+    Invalid(String),
+    #[error("no valid answer within {0:?}")]
+    Deadline(Duration),
+}
+
+/// Asks the model for a JSON object of shape `T` and checks it with `validate`; when the
+/// answer does not parse or validate, asks once more, showing the model its answer and
+/// why it was refused. `deadline` bounds both calls together.
+pub async fn ask_for_json<T, F>(
+    upstream: &UpstreamClient,
+    request: ChatRequest,
+    deadline: Duration,
+    validate: F,
+) -> Result<T, JsonAnswerError>
+where
+    T: serde::de::DeserializeOwned,
+    F: Fn(T) -> Result<T, String>,
+{
+    let ends = tokio::time::Instant::now() + deadline;
+    let parse = |text: &str| -> Result<T, String> {
+        let object = json_object(text).ok_or("no JSON object in the answer")?;
+        validate(serde_json::from_str::<T>(object).map_err(|e| e.to_string())?)
+    };
+    let call = |request: ChatRequest| async move {
+        let left = ends.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            return Err(JsonAnswerError::Deadline(deadline));
+        }
+        Ok(upstream.complete(&request, left).await?)
+    };
+    let first = call(request.clone()).await?;
+    let why = match parse(&first.text) {
+        Ok(value) => return Ok(value),
+        Err(why) => why,
+    };
+    tracing::debug!(%why, "refused the model's JSON; asking once more");
+    let mut again = request;
+    again.messages.push(ChatMessage::text(Role::Assistant, first.text));
+    again.messages.push(ChatMessage::text(
+        Role::User,
+        format!("that answer was refused ({why}); answer again with only the json object, nothing else."),
+    ));
+    let second = call(again).await?;
+    parse(&second.text).map_err(JsonAnswerError::Invalid)
+}
+
+/// The JSON object in a model's answer: the whole answer, or the part between its first
+/// `{` and last `}` (models like to wrap JSON in a code fence or a sentence).
+pub fn json_object(text: &str) -> Option<&str> {
+    let start = text.find('{')?;
+    let end = text.rfind('}')?;
+    (start < end).then(|| &text[start..=end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_follows_the_list_then_repeats_its_last() {
+        let s = ConsumerSettings {
+            retry_backoff: vec![Duration::from_secs(1), Duration::from_secs(5)],
+            ..Default::default()
+        };
+        assert_eq!(s.backoff(1), Duration::from_secs(1));
+        assert_eq!(s.backoff(2), Duration::from_secs(5));
+        assert_eq!(s.backoff(9), Duration::from_secs(5));
+        let none = ConsumerSettings { retry_backoff: vec![], ..Default::default() };
+        assert_eq!(none.backoff(3), Duration::ZERO);
+    }
+
+    #[test]
+    fn json_is_found_inside_fences_and_prose() {
+        assert_eq!(json_object("```json\n{\"a\": 1}\n```"), Some("{\"a\": 1}"));
+        assert_eq!(json_object("Here: {\"a\": {\"b\": 2}} done"), Some("{\"a\": {\"b\": 2}}"));
+        assert_eq!(json_object("no json"), None);
+        assert_eq!(json_object("} {"), None);
+    }
+
+    #[test]
+    fn long_parts_keep_head_and_tail() {
+        let text = format!("{}{}", "a".repeat(50), "b".repeat(50));
+        let clipped = clip_to(&text, 20);
+        assert!(clipped.starts_with("aaaaaaaaaa\n") && clipped.ends_with("\nbbbbbbbbbb"), "{clipped}");
+        assert!(clipped.contains("80 characters left out"));
+        assert_eq!(clip_to("short", 20), "short");
+    }
+
+    #[test]
+    fn the_last_delivery_is_known() {
+        let d = Delivery { attempt: 4, max_deliver: 5, stream_seq: 1 };
+        assert!(!d.is_last());
+        assert!(Delivery { attempt: 5, ..d }.is_last());
+        assert!(Delivery { attempt: 6, ..d }.is_last());
+    }
+}

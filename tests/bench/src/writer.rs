@@ -1,0 +1,309 @@
+//! The writer's throughput and latency, side by side with the seeds' one-transaction-per-
+//! event pattern and the raw ceiling of array inserts. Needs a durable Postgres (set
+//! DATABASE_URL to one with fsync and synchronous_commit on) and a nats-server.
+
+use std::future::IntoFuture as _;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use turnlog_core::bus::{append_and_wait, AppendRequest, Bus, REPLY_HEADER};
+use turnlog_core::events::{EventBody, UserMessage};
+use turnlog_core::ids::SessionId;
+use turnlog_testkit::{test_env, TestEnv};
+use turnlog_writer::WriterConfig;
+use uuid::Uuid;
+
+const OWNER: &str = "bench";
+
+fn message(i: usize) -> EventBody {
+    EventBody::UserMessage(UserMessage {
+        text: format!("message {i}: please summarize the quarterly numbers for the Lisbon office"),
+        ..Default::default()
+    })
+}
+
+struct Rig {
+    env: TestEnv,
+    bus: Bus,
+    writer: Option<(CancellationToken, tokio::task::JoinHandle<anyhow::Result<()>>)>,
+}
+
+impl Rig {
+    async fn new() -> anyhow::Result<Self> {
+        let env = test_env().await;
+        let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await?;
+        bus.ensure_topology(None).await?;
+        Ok(Self { env, bus, writer: None })
+    }
+
+    fn start_writer(&mut self) {
+        let config = WriterConfig {
+            database_url: self.env.database_url.clone(),
+            nats_url: self.env.nats_url.clone(),
+            bus_prefix: self.env.bus_prefix.clone(),
+            partitions: 1,
+            append_max_age: None,
+        };
+        let token = CancellationToken::new();
+        self.writer = Some((token.clone(), tokio::spawn(turnlog_writer::run(config, token))));
+    }
+
+    async fn stop_writer(&mut self) -> anyhow::Result<()> {
+        if let Some((token, handle)) = self.writer.take() {
+            token.cancel();
+            handle.await??;
+        }
+        Ok(())
+    }
+
+    async fn sessions(&self, n: usize) -> anyhow::Result<Vec<SessionId>> {
+        let ids: Vec<SessionId> = (0..n).map(|_| SessionId::new()).collect();
+        let reqs: Vec<AppendRequest> = ids.iter().map(|id| AppendRequest::create(*id, OWNER, None)).collect();
+        let futs =
+            reqs.iter().map(|r| append_and_wait(&self.bus, &self.env.pool, r, Duration::from_secs(30)));
+        for o in futures::future::join_all(futs).await {
+            anyhow::ensure!(o?.is_applied(), "session create failed");
+        }
+        Ok(ids)
+    }
+}
+
+/// End to end: producers publish with a reply subject (at most `window` in flight each),
+/// the writer commits and publishes, and the producers count the replies.
+async fn end_to_end(rig: &Rig, sessions: &[SessionId], total: usize) -> anyhow::Result<f64> {
+    let producers = sessions.len().clamp(1, 16);
+    let per_producer = total / producers;
+    let window = 256;
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for p in 0..producers {
+        let bus = rig.bus.clone();
+        let mine: Vec<SessionId> = sessions.iter().skip(p).step_by(producers).copied().collect();
+        tasks.push(tokio::spawn(async move {
+            let inbox = bus.client.new_inbox();
+            let mut replies = bus.client.subscribe(inbox.clone()).await?;
+            let (mut sent, mut answered) = (0usize, 0usize);
+            let mut acks = futures::stream::FuturesUnordered::new();
+            while answered < per_producer {
+                while sent < per_producer && sent - answered < window {
+                    let session = mine[sent % mine.len()];
+                    let req = AppendRequest::append(session, OWNER, Uuid::now_v7(), &message(sent));
+                    let subject = bus.names.append_subject(bus.partition_of(session), session);
+                    let msg = async_nats::jetstream::message::PublishMessage::build()
+                        .payload(Bytes::from(serde_json::to_vec(&req)?))
+                        .message_id(req.request_id.to_string())
+                        .header(REPLY_HEADER, inbox.as_str());
+                    let ack = bus.js.send_publish(subject, msg).await?.into_future();
+                    acks.push(ack);
+                    sent += 1;
+                }
+                let pending_acks = !acks.is_empty();
+                tokio::select! {
+                    Some(ack) = acks.next(), if pending_acks => { ack?; }
+                    r = replies.next() => { r.context("reply subscription ended")?; answered += 1; }
+                }
+            }
+            anyhow::Ok(answered)
+        }));
+    }
+    let mut done = 0;
+    for t in tasks {
+        done += t.await??;
+    }
+    Ok(done as f64 / start.elapsed().as_secs_f64())
+}
+
+/// `append_and_wait` latency at a steady offered rate (open loop).
+async fn latency_at(
+    rig: &Rig,
+    sessions: &[SessionId],
+    per_s: u64,
+    seconds: u64,
+) -> anyhow::Result<(f64, f64)> {
+    let hist = Arc::new(std::sync::Mutex::new(hdrhistogram::Histogram::<u64>::new(3)?));
+    let mut ticker = tokio::time::interval(Duration::from_micros(1_000_000 / per_s));
+    let mut tasks = Vec::new();
+    for i in 0..(per_s * seconds) as usize {
+        ticker.tick().await;
+        let (bus, pool, hist) = (rig.bus.clone(), rig.env.pool.clone(), hist.clone());
+        let session = sessions[i % sessions.len()];
+        tasks.push(tokio::spawn(async move {
+            let req = AppendRequest::append(session, OWNER, Uuid::now_v7(), &message(i));
+            let t = Instant::now();
+            let o = append_and_wait(&bus, &pool, &req, Duration::from_secs(10)).await?;
+            anyhow::ensure!(o.is_applied(), "append rejected");
+            let us = t.elapsed().as_micros() as u64;
+            hist.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.record(us.max(1))?;
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let h = hist.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
+    Ok((h.value_at_quantile(0.5) as f64 / 1000.0, h.value_at_quantile(0.99) as f64 / 1000.0))
+}
+
+/// The writer alone: the stream pre-filled while it is stopped, then drained.
+async fn drain(rig: &mut Rig, sessions: &[SessionId], total: usize) -> anyhow::Result<f64> {
+    rig.stop_writer().await?;
+    let mut acks = futures::stream::FuturesUnordered::new();
+    let mut last = 0u64;
+    for i in 0..total {
+        let session = sessions[i % sessions.len()];
+        let req = AppendRequest::append(session, OWNER, Uuid::now_v7(), &message(i));
+        let subject = rig.bus.names.append_subject(0, session);
+        let msg = async_nats::jetstream::message::PublishMessage::build()
+            .payload(Bytes::from(serde_json::to_vec(&req)?))
+            .message_id(req.request_id.to_string());
+        let ack = rig.bus.js.send_publish(subject, msg).await?.into_future();
+        acks.push(ack);
+        if acks.len() >= 1024 {
+            last = last.max(acks.next().await.context("ack")??.sequence);
+        }
+    }
+    while let Some(a) = acks.next().await {
+        last = last.max(a?.sequence);
+    }
+    let start = Instant::now();
+    rig.start_writer();
+    loop {
+        let (applied,): (i64,) = sqlx::query_as("SELECT coalesce(max(stream_seq), 0) FROM writer_positions")
+            .fetch_one(&rig.env.pool)
+            .await?;
+        if applied as u64 >= last {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok(total as f64 / start.elapsed().as_secs_f64())
+}
+
+/// The seeds' pattern: per append, its own transaction locking the session row; 16
+/// connections.
+async fn baseline(env: &TestEnv, sessions: &[SessionId], total: usize) -> anyhow::Result<f64> {
+    let pool = turnlog_core::db::connect(&env.database_url, 16).await?;
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let (pool, next, sessions) = (pool.clone(), next.clone(), sessions.to_vec());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= total {
+                    return anyhow::Ok(());
+                }
+                let session = sessions[i % sessions.len()];
+                let body = message(i);
+                let mut tx = pool.begin().await?;
+                let (last,): (i64,) = sqlx::query_as("SELECT last_seq FROM sessions WHERE id = $1 FOR UPDATE")
+                    .bind(session.0)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                sqlx::query(
+                    "INSERT INTO session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
+                     VALUES ($1, $2, $3, 'user_message', $4, $5, 0, now())",
+                )
+                .bind(session.0)
+                .bind(last + 1)
+                .bind(Uuid::now_v7())
+                .bind(body.to_payload())
+                .bind(turnlog_core::tokens::event_tokens(&body) as i32)
+                .execute(&mut *tx)
+                .await?;
+                sqlx::query("UPDATE sessions SET last_seq = $2, updated_at = now() WHERE id = $1")
+                    .bind(session.0)
+                    .bind(last + 1)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok(total as f64 / start.elapsed().as_secs_f64())
+}
+
+/// The ceiling: the same rows as array inserts of 500, one connection, no bus.
+async fn raw_ceiling(env: &TestEnv, sessions: &[SessionId], total: usize) -> anyhow::Result<f64> {
+    let pool = turnlog_core::db::connect(&env.database_url, 1).await?;
+    let start = Instant::now();
+    let mut seq = vec![1_000_000i64; sessions.len()];
+    for chunk in (0..total).collect::<Vec<_>>().chunks(500) {
+        let mut ids = Vec::new();
+        let mut seqs = Vec::new();
+        let mut payloads = Vec::new();
+        let mut tokens = Vec::new();
+        for &i in chunk {
+            let s = i % sessions.len();
+            seq[s] += 1;
+            let body = message(i);
+            ids.push(sessions[s].0);
+            seqs.push(seq[s]);
+            tokens.push(turnlog_core::tokens::event_tokens(&body) as i32);
+            payloads.push(body.to_payload());
+        }
+        let n = ids.len();
+        sqlx::query(
+            "INSERT INTO session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
+             SELECT s, q, gen_random_uuid(), 'user_message', p, t, 0, now()
+               FROM UNNEST($1::uuid[], $2::int8[], $3::jsonb[], $4::int4[]) AS u(s, q, p, t)",
+        )
+        .bind(&ids)
+        .bind(&seqs)
+        .bind(&payloads)
+        .bind(&tokens)
+        .execute(&pool)
+        .await?;
+        anyhow::ensure!(n == chunk.len());
+    }
+    Ok(total as f64 / start.elapsed().as_secs_f64())
+}
+
+pub async fn run() -> anyhow::Result<()> {
+    turnlog_core::tokens::warm_up();
+    let mut rig = Rig::new().await?;
+    let settings: Vec<(String, String)> = sqlx::query_as(
+        "SELECT name, setting FROM pg_settings WHERE name IN ('fsync', 'synchronous_commit', 'wal_sync_method')",
+    )
+    .fetch_all(&rig.env.pool)
+    .await?;
+    println!("postgres: {settings:?}  nats: {}", rig.env.nats_url);
+    if settings.iter().any(|(k, v)| (k == "fsync" || k == "synchronous_commit") && v == "off") {
+        println!("WARNING: commits are not durable on this server; set DATABASE_URL to a durable one");
+    }
+    rig.start_writer();
+
+    let s1 = rig.sessions(1).await?;
+    let s16 = rig.sessions(16).await?;
+    let s256 = rig.sessions(256).await?;
+    let total = 40_000;
+    let e1 = end_to_end(&rig, &s1, total / 2).await?;
+    let e16 = end_to_end(&rig, &s16, total).await?;
+    let e256 = end_to_end(&rig, &s256, total).await?;
+    println!("end to end, appends/s: 1 session {e1:.0}, 16 sessions {e16:.0}, 256 sessions {e256:.0}");
+    let (p50, p99) = latency_at(&rig, &s16, 1000, 5).await?;
+    println!("append_and_wait at 1,000/s: p50 {p50:.2} ms, p99 {p99:.2} ms");
+    let drained = drain(&mut rig, &s256, total).await?;
+    println!("writer alone draining {total} pre-filled requests: {drained:.0}/s");
+    rig.stop_writer().await?;
+    let base = baseline(&rig.env, &s16, 10_000).await?;
+    println!("baseline (transaction per event, 16 connections): {base:.0}/s");
+    let raw = raw_ceiling(&rig.env, &s16, total).await?;
+    println!("raw ceiling (array inserts of 500, one connection): {raw:.0}/s");
+    println!("end to end vs baseline: {:.1}x", e16 / base);
+    println!(
+        "RESULT writer events_per_s={:.0} events_per_s_1={:.0} events_per_s_256={:.0} drain_per_s={:.0} baseline_per_s={:.0} raw_ceiling_per_s={:.0} p50_ms={:.2} p99_ms={:.2}",
+        e16, e1, e256, drained, base, raw, p50, p99
+    );
+    rig.env.cleanup().await;
+    Ok(())
+}

@@ -1,0 +1,112 @@
+//! A Jepsen-style check for the log: producers record every append they saw acknowledged,
+//! then the database and the committed-event feed are compared with that record — nothing
+//! acknowledged lost, nothing stored twice, seqs gapless, every committed event on the feed.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use futures::StreamExt;
+use turnlog_core::bus::{append_and_wait, AppendRequest, Bus, CommittedEvent};
+use turnlog_core::events::{EventBody, UserMessage};
+use turnlog_core::ids::SessionId;
+use uuid::Uuid;
+
+use crate::env::TestEnv;
+
+/// What producers saw acknowledged: request (= event) id → (session, seq).
+pub type Acked = HashMap<Uuid, (SessionId, i64)>;
+
+/// Appends `n` user messages to `session` as a well-behaved producer: after any failure it
+/// resends the same request id until it gets an outcome. Returns how many attempts failed
+/// and the acknowledged (request id, seq) pairs, in order.
+pub async fn produce(
+    bus: Bus,
+    pool: sqlx::PgPool,
+    owner: String,
+    session: SessionId,
+    n: usize,
+) -> (usize, Vec<(Uuid, i64)>) {
+    let (mut failures, mut acked) = (0, Vec::with_capacity(n));
+    for i in 0..n {
+        let body =
+            EventBody::UserMessage(UserMessage { text: format!("{session} #{i}"), ..Default::default() });
+        let req = AppendRequest::append(session, &owner, Uuid::now_v7(), &body);
+        loop {
+            match append_and_wait(&bus, &pool, &req, Duration::from_secs(3)).await {
+                Ok(o) if o.is_applied() => {
+                    acked.push((req.request_id, o.seq.unwrap_or_default()));
+                    break;
+                }
+                Ok(o) => panic!("checker: request rejected: {o:?}"),
+                Err(_) => {
+                    failures += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+    (failures, acked)
+}
+
+/// Compares what was acknowledged with the database and the feed; panics naming the first
+/// violation. Sessions must hold only `session_started` plus the checked appends.
+pub async fn check_log(env: &TestEnv, bus: &Bus, acked: &Acked) {
+    let rows: Vec<(Uuid, Uuid, i64)> = sqlx::query_as("SELECT event_id, session_id, seq FROM session_events")
+        .fetch_all(&env.pool)
+        .await
+        .expect("checker: reading events");
+    let mut stored: HashMap<Uuid, (Uuid, i64)> = HashMap::new();
+    let mut per_session: HashMap<Uuid, Vec<i64>> = HashMap::new();
+    for (event, session, seq) in &rows {
+        assert!(stored.insert(*event, (*session, *seq)).is_none(), "checker: event {event} stored twice");
+        per_session.entry(*session).or_default().push(*seq);
+    }
+    for (id, (session, seq)) in acked {
+        assert_eq!(
+            stored.get(id),
+            Some(&(session.0, *seq)),
+            "checker: acknowledged append {id} lost or moved"
+        );
+    }
+    for (session, seqs) in &mut per_session {
+        seqs.sort_unstable();
+        assert!(
+            seqs.iter().enumerate().all(|(i, s)| *s == i as i64 + 1),
+            "checker: seqs of {session} are not gapless from 1"
+        );
+    }
+    // Every committed event reached the feed, exactly once (wait for the publisher).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let feed = feed(env, bus).await;
+        if feed.len() >= rows.len() || tokio::time::Instant::now() > deadline {
+            for (event, session, seq) in &rows {
+                let e = feed.get(&format!("{session}:{seq}"));
+                assert_eq!(
+                    e.map(|e| e.event_id),
+                    Some(*event),
+                    "checker: event {session}:{seq} missing from the feed"
+                );
+            }
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Every committed event on the feed, by its dedup id; panics on a duplicate.
+pub async fn feed(env: &TestEnv, bus: &Bus) -> HashMap<String, CommittedEvent> {
+    let mut out = HashMap::new();
+    let Ok(stream) = bus.js.get_stream(bus.names.events_stream()).await else { return out };
+    let config = async_nats::jetstream::consumer::pull::OrderedConfig {
+        filter_subject: format!("{}.events.>", env.bus_prefix),
+        ..Default::default()
+    };
+    let Ok(consumer) = stream.create_consumer(config).await else { return out };
+    let Ok(mut messages) = consumer.messages().await else { return out };
+    while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(700), messages.next()).await {
+        let e: CommittedEvent = serde_json::from_slice(&m.payload).expect("checker: feed event decodes");
+        assert!(out.insert(e.msg_id(), e).is_none(), "checker: an event reached the feed twice");
+    }
+    out
+}
