@@ -402,6 +402,46 @@ impl Bus {
     }
 }
 
+/// A pre-send check, as the ingress sends it to `<prefix>.compact.<session_id>`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompactRequest {
+    pub session_id: SessionId,
+    pub owner: String,
+    /// The model about to be called; its window sets the budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// What the system prompt and this turn's extras add to the request.
+    #[serde(default)]
+    pub reserve_tokens: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CompactStatus {
+    /// This check committed a compaction; the request is within budget unless `tokens`
+    /// says otherwise.
+    Compacted,
+    /// Already within budget.
+    NotNeeded,
+    /// Still over budget (nothing left to compact, refused summaries, a failed call).
+    Failed,
+}
+
+/// The answer to a [`CompactRequest`]. `tokens` and `budget` are the next request's size
+/// and limit as the compactor measured them after its work.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompactReply {
+    pub status: CompactStatus,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub through_seq: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum AppendError {
     /// NATS (or the writer behind it) could not take the request in time; retrying with

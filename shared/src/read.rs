@@ -240,3 +240,54 @@ pub async fn recall_memories(
     .fetch_all(pool)
     .await
 }
+
+/// The owner's memories most relevant to `text` (any of its words, best matches first):
+/// what a turn recalls into its extras.
+pub async fn recall_relevant(
+    pool: &PgPool,
+    owner: &str,
+    text: &str,
+    limit: i64,
+) -> Result<Vec<Memory>, sqlx::Error> {
+    sqlx::query_as(
+        "WITH q AS (
+             SELECT to_tsquery('simple', string_agg(quote_literal(w), ' | ')) AS q
+               FROM unnest(tsvector_to_array(to_tsvector('simple', $2))) AS w
+         )
+         SELECT m.id, m.session_id, m.turn_seq, m.text, m.created_at FROM memories m, q
+          WHERE m.owner = $1 AND q.q IS NOT NULL AND to_tsvector('simple', m.text) @@ q.q
+          ORDER BY ts_rank(to_tsvector('simple', m.text), q.q) DESC, m.created_at DESC, m.id DESC
+          LIMIT $3",
+    )
+    .bind(owner)
+    .bind(text)
+    .bind(limit)
+    .fetch_all(pool)
+    .await
+}
+
+/// The session's last user message (seq and payload) and whether an answer follows it:
+/// what a retry runs again.
+pub async fn last_user_message(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+) -> Result<Option<(i64, crate::events::UserMessage, bool)>, ReadError> {
+    let row: Option<(i64, serde_json::Value, bool)> = sqlx::query_as(
+        "SELECT e.seq, e.payload,
+                EXISTS (SELECT 1 FROM session_events a
+                         WHERE a.session_id = e.session_id AND a.kind = 'assistant_turn' AND a.seq > e.seq)
+           FROM session_events e JOIN sessions s ON s.id = e.session_id
+          WHERE e.session_id = $1 AND s.owner = $2 AND e.kind = 'user_message'
+          ORDER BY e.seq DESC LIMIT 1",
+    )
+    .bind(id.0)
+    .bind(owner)
+    .fetch_optional(pool)
+    .await?;
+    let Some((seq, payload, answered)) = row else { return Ok(None) };
+    match crate::events::EventBody::decode(EventKind::UserMessage, &payload, seq)? {
+        crate::events::EventBody::UserMessage(m) => Ok(Some((seq, m, answered))),
+        _ => Ok(None),
+    }
+}

@@ -13,11 +13,11 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use futures::StreamExt as _;
-use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::bus::{Bus, CommittedEvent};
+pub use turnlog_core::bus::{CompactReply, CompactRequest, CompactStatus};
 use turnlog_core::events::EventKind;
 use turnlog_core::ids::SessionId;
 use turnlog_core::upstream::{UpstreamClient, UpstreamConfig};
@@ -48,72 +48,30 @@ pub struct CompactorConfig {
     pub append_timeout: Duration,
 }
 
-/// A pre-send check, as the ingress sends it to `<prefix>.compact.<session_id>`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CompactRequest {
-    pub session_id: SessionId,
-    pub owner: String,
-    /// The model about to be called; its window sets the budget.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
-    /// What the system prompt and this turn's extras add to the request.
-    #[serde(default)]
-    pub reserve_tokens: u32,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CompactStatus {
-    /// This check committed a compaction; the request is within budget unless `tokens`
-    /// says otherwise.
-    Compacted,
-    /// Already within budget.
-    NotNeeded,
-    /// Still over budget (nothing left to compact, refused summaries, a failed call).
-    Failed,
-}
-
-/// The answer to a [`CompactRequest`]. `tokens` and `budget` are the next request's size
-/// and limit as the compactor measured them after its work.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CompactReply {
-    pub status: CompactStatus,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub through_seq: Option<i64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tokens: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub budget: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-}
-
-impl CompactReply {
-    fn failed(error: impl std::fmt::Display) -> Self {
-        Self {
-            status: CompactStatus::Failed,
-            through_seq: None,
-            tokens: None,
-            budget: None,
-            error: Some(error.to_string()),
-        }
+fn failed_reply(error: impl std::fmt::Display) -> CompactReply {
+    CompactReply {
+        status: CompactStatus::Failed,
+        through_seq: None,
+        tokens: None,
+        budget: None,
+        error: Some(error.to_string()),
     }
+}
 
-    fn from_checked(checked: Checked) -> Self {
-        let status = match (checked.compacted_through, checked.within_budget()) {
-            (Some(_), _) => CompactStatus::Compacted,
-            (None, true) => CompactStatus::NotNeeded,
-            (None, false) => CompactStatus::Failed,
-        };
-        let error = (status == CompactStatus::Failed)
-            .then(|| "over budget and nothing could be compacted".to_owned());
-        Self {
-            status,
-            through_seq: checked.compacted_through,
-            tokens: Some(checked.tokens),
-            budget: Some(checked.budget),
-            error,
-        }
+fn reply_from_checked(checked: Checked) -> CompactReply {
+    let status = match (checked.compacted_through, checked.within_budget()) {
+        (Some(_), _) => CompactStatus::Compacted,
+        (None, true) => CompactStatus::NotNeeded,
+        (None, false) => CompactStatus::Failed,
+    };
+    let error =
+        (status == CompactStatus::Failed).then(|| "over budget and nothing could be compacted".to_owned());
+    CompactReply {
+        status,
+        through_seq: checked.compacted_through,
+        tokens: Some(checked.tokens),
+        budget: Some(checked.budget),
+        error,
     }
 }
 
@@ -236,11 +194,11 @@ async fn serve_pre_send(
 async fn answer(compactor: &Compactor, message: &async_nats::Message) -> CompactReply {
     let request: CompactRequest = match serde_json::from_slice(&message.payload) {
         Ok(r) => r,
-        Err(e) => return CompactReply::failed(format!("bad request: {e}")),
+        Err(e) => return failed_reply(format!("bad request: {e}")),
     };
     let named = message.subject.rsplit('.').next().and_then(|s| s.parse::<SessionId>().ok());
     if named != Some(request.session_id) {
-        return CompactReply::failed("bad request: session_id does not match the subject");
+        return failed_reply("bad request: session_id does not match the subject");
     }
     let checked = compactor
         .ensure_within_budget(
@@ -251,8 +209,8 @@ async fn answer(compactor: &Compactor, message: &async_nats::Message) -> Compact
         )
         .await;
     match checked {
-        Ok(checked) => CompactReply::from_checked(checked),
-        Err(e) => CompactReply::failed(e),
+        Ok(checked) => reply_from_checked(checked),
+        Err(e) => failed_reply(e),
     }
 }
 
@@ -263,11 +221,11 @@ mod tests {
     #[test]
     fn reply_status_follows_what_the_check_did() {
         let checked = |c, tokens| Checked { compacted_through: c, tokens, budget: 100 };
-        assert_eq!(CompactReply::from_checked(checked(None, 90)).status, CompactStatus::NotNeeded);
-        let r = CompactReply::from_checked(checked(Some(7), 90));
+        assert_eq!(reply_from_checked(checked(None, 90)).status, CompactStatus::NotNeeded);
+        let r = reply_from_checked(checked(Some(7), 90));
         assert_eq!((r.status, r.through_seq), (CompactStatus::Compacted, Some(7)));
-        assert_eq!(CompactReply::from_checked(checked(None, 190)).status, CompactStatus::Failed);
-        let wire = serde_json::to_value(CompactReply::from_checked(checked(None, 90))).unwrap();
+        assert_eq!(reply_from_checked(checked(None, 190)).status, CompactStatus::Failed);
+        let wire = serde_json::to_value(reply_from_checked(checked(None, 90))).unwrap();
         assert_eq!(wire, serde_json::json!({"status": "not_needed", "tokens": 90, "budget": 100}));
     }
 

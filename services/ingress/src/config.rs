@@ -17,6 +17,8 @@ use turnlog_core::upstream::{parse_model_windows, UpstreamConfig};
 pub const DEFAULT_APPEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// After shutdown is asked for, how long open connections get to finish.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// How long a turn waits for the compactor before deciding by the model's window alone.
+pub const DEFAULT_COMPACT_TIMEOUT: Duration = Duration::from_secs(30);
 /// The owner every request runs as when no tokens are configured (loopback only).
 pub const LOCAL_OWNER: &str = "local";
 
@@ -48,6 +50,9 @@ pub struct IngressArgs {
     /// Longest wait for the model's first byte and between two streamed chunks (e.g. 90s).
     #[arg(long, env = "TURNLOG_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = turnlog_core::config::parse_duration)]
     pub upstream_timeout: Duration,
+    /// How long a turn waits for the compactor's pre-send check (e.g. 30s).
+    #[arg(long, env = "TURNLOG_COMPACT_TIMEOUT", default_value = "30s", value_parser = turnlog_core::config::parse_duration)]
+    pub compact_timeout: Duration,
 }
 
 /// Where the log and the bus are (the binary's shared backbone flags).
@@ -76,6 +81,8 @@ pub struct IngressConfig {
     /// Deadline of one write through `append_and_wait`.
     pub append_timeout: Duration,
     pub shutdown_grace: Duration,
+    /// How long a turn waits for the compactor's pre-send answer.
+    pub compact_timeout: Duration,
 }
 
 impl IngressConfig {
@@ -93,6 +100,7 @@ impl IngressConfig {
             system_prompt: String::new(),
             append_timeout: DEFAULT_APPEND_TIMEOUT,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            compact_timeout: DEFAULT_COMPACT_TIMEOUT,
         }
     }
 
@@ -121,6 +129,7 @@ impl IngressConfig {
             model: args.model,
             context_budget: args.context_budget,
             system_prompt: args.system_prompt,
+            compact_timeout: args.compact_timeout,
             ..Self::new(backbone)
         };
         config.check_listen(args.listen)?;

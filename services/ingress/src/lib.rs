@@ -10,6 +10,7 @@ pub mod extract;
 pub mod metrics;
 pub mod openapi;
 pub mod routes;
+pub mod turn;
 pub mod validate;
 pub mod writes;
 
@@ -49,6 +50,10 @@ pub struct Ingress {
     /// None when no model gateway is configured.
     pub upstream: Option<UpstreamClient>,
     pub metrics: Arc<metrics::HttpMetrics>,
+    /// The turns this copy runs.
+    pub turns: turn::TurnHub,
+    /// Names this copy as a turn-lease holder.
+    pub instance_id: String,
 }
 
 pub type AppState = Arc<Ingress>;
@@ -69,7 +74,23 @@ impl Ingress {
         };
         turnlog_core::tokens::warm_up();
         let metrics = Arc::new(metrics::HttpMetrics::new()?);
-        Ok(Arc::new(Self { config, pool, bus, leases, upstream, metrics }))
+        let instance_id = format!("ingress-{}", uuid::Uuid::now_v7());
+        Ok(Arc::new(Self {
+            config,
+            pool,
+            bus,
+            leases,
+            upstream,
+            metrics,
+            turns: turn::TurnHub::default(),
+            instance_id,
+        }))
+    }
+
+    /// Who served a turn, as stored with it: the gateway's host.
+    pub fn provider_name(&self) -> String {
+        let base = self.upstream.as_ref().map(|u| u.config().base_url.as_str()).unwrap_or("none");
+        base.split("://").nth(1).unwrap_or(base).split('/').next().unwrap_or(base).to_owned()
     }
 
     /// The model's context window: `TURNLOG_MODEL_WINDOWS` first, then the gateway's
@@ -121,11 +142,18 @@ pub async fn run(
     let auth = if state.config.tokens.is_empty() { "none (owner local)" } else { "bearer tokens" };
     tracing::info!(%addr, auth, "ingress listening");
 
-    let serve =
-        axum::serve(listener, router(state)).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    // On shutdown: refuse new turns and checkpoint those in flight (their streams then end),
+    // stop accepting, and give open connections the grace period.
+    let turns = Arc::clone(&state);
+    let stopping = shutdown.clone();
+    let serve = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
+        stopping.cancelled().await;
+        tracing::info!(turns = turns.turns.active(), "ingress stopping; checkpointing turns in flight");
+        tokio::time::timeout(grace, turns.turns.close()).await.ok();
+    });
     let deadline = async {
         shutdown.cancelled().await;
-        tokio::time::sleep(grace).await;
+        tokio::time::sleep(grace * 2).await;
     };
     tokio::select! {
         res = serve => res.context("serving HTTP")?,

@@ -13,6 +13,12 @@ use tokio_util::sync::CancellationToken;
 
 const REQUESTS: &str = "turnlog_http_requests_total";
 const LATENCY: &str = "turnlog_http_request_duration_seconds";
+const TURNS: &str = "turnlog_turns_total";
+const FIRST_DELTA: &str = "turnlog_turn_first_delta_seconds";
+const UPSTREAM_ERRORS: &str = "turnlog_upstream_errors_total";
+const CHECKPOINTS: &str = "turnlog_checkpoints_total";
+const TURNS_ACTIVE: &str = "turnlog_turns_active";
+const STREAMS_ACTIVE: &str = "turnlog_turn_streams_active";
 /// Upper bounds of the latency buckets, in seconds.
 const LATENCY_BUCKETS: [f64; 12] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
 /// Label of requests that matched no route, so scanners cannot mint a series per path.
@@ -27,6 +33,7 @@ impl HttpMetrics {
     pub fn new() -> anyhow::Result<Self> {
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Full(LATENCY.into()), &LATENCY_BUCKETS)?
+            .set_buckets_for_metric(Matcher::Full(FIRST_DELTA.into()), &LATENCY_BUCKETS)?
             .build_recorder();
         let handle = recorder.handle();
         metrics::with_local_recorder(&recorder, || {
@@ -36,8 +43,49 @@ impl HttpMetrics {
                 metrics::Unit::Seconds,
                 "Time to the response head, by route and method"
             );
+            metrics::describe_counter!(TURNS, "Turns ended, by status");
+            metrics::describe_histogram!(
+                FIRST_DELTA,
+                metrics::Unit::Seconds,
+                "Time from a turn's start to its first delta"
+            );
+            metrics::describe_counter!(UPSTREAM_ERRORS, "Model calls of turns that failed");
+            metrics::describe_counter!(CHECKPOINTS, "Checkpoints of streaming answers published");
+            metrics::describe_gauge!(TURNS_ACTIVE, "Turns this copy is running");
+            metrics::describe_gauge!(STREAMS_ACTIVE, "Open turn event streams");
         });
         Ok(Self { recorder, handle })
+    }
+
+    pub fn turn_finished(&self, status: &str) {
+        let status = status.to_owned();
+        metrics::with_local_recorder(&self.recorder, || {
+            metrics::counter!(TURNS, "status" => status).increment(1)
+        });
+    }
+
+    pub fn first_delta(&self, after: Duration) {
+        metrics::with_local_recorder(&self.recorder, || {
+            metrics::histogram!(FIRST_DELTA).record(after.as_secs_f64())
+        });
+    }
+
+    pub fn upstream_error(&self) {
+        metrics::with_local_recorder(&self.recorder, || metrics::counter!(UPSTREAM_ERRORS).increment(1));
+    }
+
+    pub fn checkpoint(&self) {
+        metrics::with_local_recorder(&self.recorder, || metrics::counter!(CHECKPOINTS).increment(1));
+    }
+
+    pub fn turns_active(&self, n: usize) {
+        metrics::with_local_recorder(&self.recorder, || metrics::gauge!(TURNS_ACTIVE).set(n as f64));
+    }
+
+    /// Counts an open turn event stream until the guard drops.
+    pub fn stream_opened(self: &Arc<Self>) -> StreamGuard {
+        metrics::with_local_recorder(&self.recorder, || metrics::gauge!(STREAMS_ACTIVE).increment(1.0));
+        StreamGuard(Arc::clone(self))
     }
 
     /// The Prometheus text exposition.
@@ -99,4 +147,13 @@ pub async fn track(State(metrics): State<Arc<HttpMetrics>>, req: Request, next: 
     let response = next.run(req).await;
     metrics.record(&route, &method, response.status().as_u16(), started.elapsed());
     response
+}
+
+/// An open turn event stream, counted in the gauge while it lives.
+pub struct StreamGuard(Arc<HttpMetrics>);
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        metrics::with_local_recorder(&self.0.recorder, || metrics::gauge!(STREAMS_ACTIVE).decrement(1.0));
+    }
 }

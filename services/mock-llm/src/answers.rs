@@ -54,8 +54,16 @@ pub fn task(messages: &[WireMessage]) -> Task {
         .map_or(Task::Chat, |(_, task)| *task)
 }
 
+/// The question being answered: the last user message that is not turnlog's per-turn
+/// extras (which ride after the history).
 pub fn last_user_text(messages: &[WireMessage]) -> String {
-    messages.iter().rev().find(|m| m.role == "user").map(WireMessage::text).unwrap_or_default()
+    messages
+        .iter()
+        .rev()
+        .filter(|m| m.role == "user")
+        .map(WireMessage::text)
+        .find(|t| !t.starts_with(turnlog_core::request::EXTRAS_MARKER))
+        .unwrap_or_default()
 }
 
 /// Summaries are bounded by half of this when a request sets no `max_tokens`.

@@ -95,6 +95,24 @@ pub struct MockConfig {
     pub defaults: Knobs,
     /// Where the server records requests; keep a clone to read it.
     pub log: RequestLog,
+    /// Faults to inject into the next chat answers; keep a clone to arm them.
+    pub faults: Faults,
+}
+
+/// Chat answers still to break (dropped after three deltas), whatever the request says:
+/// how a test makes a first attempt fail and its retry (the same request) succeed.
+#[derive(Clone, Default)]
+pub struct Faults(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Faults {
+    pub fn break_next_chats(&self, n: usize) {
+        self.0.store(n, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn take(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        self.0.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
+    }
 }
 
 impl Default for MockConfig {
@@ -104,6 +122,7 @@ impl Default for MockConfig {
             models: vec![MockModel::new("mock", 128_000), MockModel::new("mock-small", 6_700)],
             defaults: Knobs::default(),
             log: RequestLog::default(),
+            faults: Faults::default(),
         }
     }
 }
@@ -153,6 +172,7 @@ struct Mock {
     models: Vec<MockModel>,
     defaults: Knobs,
     log: RequestLog,
+    faults: Faults,
     cache: Mutex<PromptCache>,
     shutdown: CancellationToken,
 }
@@ -168,6 +188,7 @@ pub async fn run(
         models: config.models,
         defaults: config.defaults,
         log: config.log,
+        faults: config.faults,
         cache: Mutex::default(),
         shutdown: shutdown.clone(),
     });
@@ -191,6 +212,7 @@ pub async fn run(
 pub struct MockHandle {
     addr: SocketAddr,
     log: RequestLog,
+    faults: Faults,
     shutdown: CancellationToken,
     task: Option<JoinHandle<anyhow::Result<()>>>,
 }
@@ -207,6 +229,10 @@ impl MockHandle {
 
     pub fn log(&self) -> &RequestLog {
         &self.log
+    }
+
+    pub fn faults(&self) -> &Faults {
+        &self.faults
     }
 
     /// Stops the server and waits for it to finish.
@@ -228,10 +254,10 @@ impl Drop for MockHandle {
 pub async fn spawn(config: MockConfig) -> anyhow::Result<MockHandle> {
     let listener = TcpListener::bind("127.0.0.1:0").await.context("binding the mock model")?;
     let addr = listener.local_addr()?;
-    let log = config.log.clone();
+    let (log, faults) = (config.log.clone(), config.faults.clone());
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(run(listener, config, shutdown.clone()));
-    Ok(MockHandle { addr, log, shutdown, task: Some(task) })
+    Ok(MockHandle { addr, log, faults, shutdown, task: Some(task) })
 }
 
 #[derive(Deserialize)]
@@ -287,6 +313,7 @@ async fn chat(State(mock): State<Arc<Mock>>, headers: HeaderMap, body: Bytes) ->
     let task = answers::task(&request.messages);
     let knobs = if task == Task::Chat {
         match mock.defaults.clone().with_directives(&answers::last_user_text(&request.messages)) {
+            Ok(knobs) if mock.faults.take() => Knobs { fail_after: Some(3), ..knobs },
             Ok(knobs) => knobs,
             Err(e) => return respond::error(400, &e),
         }

@@ -7,6 +7,7 @@ pub mod memories;
 pub mod ops;
 pub mod permissions;
 pub mod sessions;
+pub mod turns;
 
 use utoipa::OpenApi as _;
 use utoipa_axum::router::OpenApiRouter;
@@ -22,6 +23,11 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(sessions::get, sessions::patch, sessions::delete))
         .routes(routes!(sessions::events))
         .routes(routes!(context::context))
+        .routes(routes!(turns::send))
+        .routes(routes!(turns::chat))
+        .routes(routes!(turns::stop))
+        .routes(routes!(turns::retry))
+        .routes(routes!(turns::reattach))
         .routes(routes!(permissions::resolve))
         .routes(routes!(memories::recall))
         .routes(routes!(ops::healthz))

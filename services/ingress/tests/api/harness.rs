@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use eventsource_stream::Eventsource as _;
+use futures::StreamExt as _;
 use reqwest::Method;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
@@ -25,6 +27,10 @@ pub struct Options {
     pub append_timeout: Duration,
     pub llm_url: Option<String>,
     pub system_prompt: String,
+    /// How long a turn waits for a compactor (none runs in these tests).
+    pub compact_timeout: Duration,
+    /// Extra context windows (`TURNLOG_MODEL_WINDOWS`).
+    pub model_windows: Vec<(&'static str, u32)>,
 }
 
 impl Default for Options {
@@ -35,6 +41,8 @@ impl Default for Options {
             append_timeout: Duration::from_secs(10),
             llm_url: None,
             system_prompt: String::new(),
+            compact_timeout: Duration::from_millis(300),
+            model_windows: Vec::new(),
         }
     }
 }
@@ -51,6 +59,38 @@ pub enum Body {
     None,
     Json(Value),
     Raw(Vec<u8>),
+}
+
+#[derive(Debug, Clone)]
+pub struct SseEvent {
+    pub id: u64,
+    pub event: String,
+    pub data: Value,
+}
+
+#[derive(Debug)]
+pub struct TurnReply {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub events: Vec<SseEvent>,
+    /// The error body when the route answered JSON instead of a stream.
+    pub json: Value,
+}
+
+impl TurnReply {
+    /// The `end` event (asserting there is exactly one, and it is last).
+    #[track_caller]
+    pub fn end(&self) -> &Value {
+        let ends: Vec<_> = self.events.iter().filter(|e| e.event == "end").collect();
+        assert_eq!(ends.len(), 1, "exactly one end: {:?}", self.events);
+        assert_eq!(self.events.last().map(|e| e.event.as_str()), Some("end"), "end comes last");
+        &ends[0].data
+    }
+
+    /// Concatenated delta text.
+    pub fn text(&self) -> String {
+        self.events.iter().filter(|e| e.event == "delta").filter_map(|e| e.data["text"].as_str()).collect()
+    }
 }
 
 #[derive(Debug)]
@@ -99,11 +139,13 @@ impl Api {
         }
         config.append_timeout = opts.append_timeout;
         config.system_prompt = opts.system_prompt;
+        config.compact_timeout = opts.compact_timeout;
+        config.model_windows = opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
         config.upstream = opts.llm_url.map(|base_url| turnlog_core::upstream::UpstreamConfig {
             base_url,
             api_key: None,
             timeout: Duration::from_secs(5),
-            windows_override: Default::default(),
+            windows_override: opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
@@ -158,6 +200,63 @@ impl Api {
         let text = resp.text().await.unwrap();
         let json = serde_json::from_str(&text).unwrap_or(Value::Null);
         Reply { status, headers, text, json }
+    }
+
+    /// POSTs (or GETs, without a body) a turn route and reads its event stream to the end.
+    pub async fn turn(
+        &self,
+        method: Method,
+        path: &str,
+        token: &str,
+        body: Option<Value>,
+        headers: &[(&str, &str)],
+    ) -> TurnReply {
+        let resp = self.turn_request(method, path, token, body, headers).await;
+        let status = resp.status().as_u16();
+        let response_headers = resp.headers().clone();
+        if !resp
+            .headers()
+            .get("content-type")
+            .is_some_and(|c| c.to_str().unwrap_or("").starts_with("text/event-stream"))
+        {
+            let text = resp.text().await.unwrap();
+            return TurnReply {
+                status,
+                headers: response_headers,
+                events: vec![],
+                json: serde_json::from_str(&text).unwrap_or(Value::Null),
+            };
+        }
+        let mut events = Vec::new();
+        let mut stream = resp.bytes_stream().eventsource();
+        while let Some(e) = stream.next().await {
+            let e = e.unwrap();
+            events.push(SseEvent {
+                id: e.id.parse().unwrap(),
+                event: e.event,
+                data: serde_json::from_str(&e.data).unwrap(),
+            });
+        }
+        TurnReply { status, headers: response_headers, events, json: Value::Null }
+    }
+
+    /// The raw response of a turn route, for tests that read part of it.
+    pub async fn turn_request(
+        &self,
+        method: Method,
+        path: &str,
+        token: &str,
+        body: Option<Value>,
+        headers: &[(&str, &str)],
+    ) -> reqwest::Response {
+        let mut req = self.http.request(method, format!("{}{path}", self.base)).bearer_auth(token);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        req.send().await.unwrap_or_else(|e| panic!("{path}: {e:#}"))
     }
 
     pub async fn get(&self, path: &str, token: &str) -> Reply {

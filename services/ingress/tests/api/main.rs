@@ -11,4 +11,5 @@ mod openapi;
 mod owners;
 mod paging;
 mod sessions;
+mod turns;
 mod unavailable;

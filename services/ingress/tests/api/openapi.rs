@@ -9,7 +9,7 @@ use serde_json::Value;
 use crate::harness::{Api, Body, ALICE};
 
 /// Every operation the ingress serves today.
-const SERVED: [(&str, &str); 13] = [
+const SERVED: [(&str, &str); 18] = [
     ("post", "/v1/sessions"),
     ("get", "/v1/sessions"),
     ("get", "/v1/sessions/{id}"),
@@ -18,6 +18,11 @@ const SERVED: [(&str, &str); 13] = [
     ("get", "/v1/sessions/{id}/events"),
     ("get", "/v1/sessions/{id}/context"),
     ("post", "/v1/sessions/{id}/permissions/{perm_id}"),
+    ("post", "/v1/sessions/{id}/messages"),
+    ("post", "/v1/chat"),
+    ("post", "/v1/sessions/{id}/stop"),
+    ("post", "/v1/sessions/{id}/retry"),
+    ("get", "/v1/sessions/{id}/stream"),
     ("get", "/v1/memories"),
     ("get", "/healthz"),
     ("get", "/readyz"),

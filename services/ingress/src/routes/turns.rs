@@ -1,0 +1,481 @@
+//! Running a turn over HTTP (DESIGN.md §5, §7): send a message (or chat, creating the
+//! session), stop, retry, and re-attach. Everything before the user message is durable is
+//! an ordinary JSON error; after it, the turn answers as an event stream that always ends
+//! with exactly one `end`, and it goes on (and is stored) if the client leaves.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use turnlog_core::bus::{recorded_outcome, AppendRequest};
+use turnlog_core::events::{Document, EventBody, ImageRef, PendingReason, UserMessage};
+use turnlog_core::ids::SessionId;
+use turnlog_core::read;
+use utoipa::ToSchema;
+use uuid::Uuid;
+
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::extract::{ApiJson, ApiPath};
+use crate::routes::sessions::owned_session;
+use crate::turn::{remote_stop, remote_stream, start_turn, ActiveTurn, TurnEvent, TurnStart};
+use crate::writes::submit;
+use crate::{validate, AppState, Ingress};
+
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
+const IDEMPOTENCY_HEADER: &str = "idempotency-key";
+const MAX_IDEMPOTENCY_KEY: usize = 200;
+const MAX_NAME_CHARS: usize = 200;
+const MAX_ATTACHMENTS: usize = 32;
+/// Namespace of ids derived from an `Idempotency-Key`.
+const IDEMPOTENCY_NS: Uuid = Uuid::from_u128(0x2b7e_1516_28ae_d2a6_abf7_1588_09cf_4f3c);
+
+/// A message to send: the text, and optionally a category, a model and attachments.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SendMessage {
+    /// 1 byte to 256 KiB.
+    pub text: String,
+    #[serde(default)]
+    pub category: Option<String>,
+    /// The model to call (default: TURNLOG_MODEL).
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    #[schema(value_type = Vec<Object>)]
+    pub images: Vec<ImageRef>,
+    /// Documents already converted to markdown (512 KiB in total).
+    #[serde(default)]
+    #[schema(value_type = Vec<Object>)]
+    pub documents: Vec<Document>,
+}
+
+/// `POST /v1/chat`: a message to a session, or to a new one when `session_id` is absent.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ChatMessage {
+    #[serde(default)]
+    pub session_id: Option<Uuid>,
+    pub text: String,
+    #[serde(default)]
+    pub category: Option<String>,
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    #[schema(value_type = Vec<Object>)]
+    pub images: Vec<ImageRef>,
+    #[serde(default)]
+    #[schema(value_type = Vec<Object>)]
+    pub documents: Vec<Document>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Stopping {
+    pub session_id: Uuid,
+    pub stopping: bool,
+}
+
+fn validated(m: &SendMessage) -> Result<(), ApiError> {
+    validate::text(&m.text)?;
+    validate::documents(m.documents.iter().map(|d| d.markdown.as_str()))?;
+    if m.images.len() + m.documents.len() > MAX_ATTACHMENTS {
+        return Err(ApiError::bad_request(format!("at most {MAX_ATTACHMENTS} attachments")));
+    }
+    let names = [m.category.as_deref(), m.model.as_deref()].into_iter().flatten();
+    let ids = m.images.iter().flat_map(|i| [i.id.as_str(), i.mime.as_str()]);
+    let doc_ids = m.documents.iter().flat_map(|d| [d.id.as_str(), d.mime.as_str()]);
+    for value in names.chain(ids).chain(doc_ids) {
+        validate::storable("a name", value)?;
+        if value.trim().is_empty() || value.chars().count() > MAX_NAME_CHARS {
+            return Err(ApiError::bad_request(format!(
+                "category, model, ids and mime types are 1-{MAX_NAME_CHARS} characters"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(v) = headers.get(IDEMPOTENCY_HEADER) else { return Ok(None) };
+    let key = v.to_str().map_err(|_| ApiError::bad_request("Idempotency-Key must be visible ASCII"))?;
+    if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY {
+        return Err(ApiError::bad_request(format!("Idempotency-Key is 1-{MAX_IDEMPOTENCY_KEY} characters")));
+    }
+    Ok(Some(key.to_owned()))
+}
+
+fn derived(owner: &str, purpose: &str, key: &str) -> Uuid {
+    Uuid::new_v5(&IDEMPOTENCY_NS, format!("{owner}\n{purpose}\n{key}").as_bytes())
+}
+
+/// Send a message and stream the turn.
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/messages", tag = "turns", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "Session id"),
+           ("Idempotency-Key" = Option<String>, Header, description = "A resent POST with the same key answers the same turn")),
+    request_body = SendMessage,
+    responses(
+        (status = 200, description = "text/event-stream: meta, delta*, reasoning*, error?, end", content_type = "text/event-stream"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, description = "A turn is already running", body = ErrorBody),
+        (status = 413, body = ErrorBody), (status = 503, body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(session_id = %id), err(Display, level = "debug"))]
+pub async fn send(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<SessionId>,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<SendMessage>,
+) -> Result<Response, ApiError> {
+    validated(&body)?;
+    let key = idempotency_key(&headers)?;
+    owned_session(&app, &caller, id).await?;
+    send_turn(&app, &caller, id, body, key).await
+}
+
+/// Send a message to a session, or to a new one, and stream the turn.
+#[utoipa::path(
+    post, path = "/v1/chat", tag = "turns", security(("bearer" = [])),
+    params(("Idempotency-Key" = Option<String>, Header, description = "A resent POST with the same key answers the same turn")),
+    request_body = ChatMessage,
+    responses(
+        (status = 200, description = "text/event-stream; `X-Session-Id` names the session", content_type = "text/event-stream"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, body = ErrorBody), (status = 413, body = ErrorBody), (status = 503, body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(session_id), err(Display, level = "debug"))]
+pub async fn chat(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<ChatMessage>,
+) -> Result<Response, ApiError> {
+    let message = SendMessage {
+        text: body.text,
+        category: body.category,
+        model: body.model,
+        images: body.images,
+        documents: body.documents,
+    };
+    validated(&message)?;
+    let key = idempotency_key(&headers)?;
+    let id = match body.session_id {
+        Some(id) => {
+            let id = SessionId(id);
+            owned_session(&app, &caller, id).await?;
+            id
+        }
+        None => {
+            ready_for_turns(&app)?;
+            // With a key, a resent chat finds the session its first try created.
+            let id = key
+                .as_deref()
+                .map_or_else(SessionId::new, |k| SessionId(derived(caller.as_str(), "chat", k)));
+            let mut create = AppendRequest::create(id, caller.as_str(), None);
+            if let Some(k) = &key {
+                create.request_id = derived(caller.as_str(), "create", k);
+            }
+            submit(&app, &create).await?;
+            id
+        }
+    };
+    tracing::Span::current().record("session_id", tracing::field::display(id));
+    send_turn(&app, &caller, id, message, key).await
+}
+
+fn ready_for_turns(app: &Ingress) -> Result<(), ApiError> {
+    if app.turns.is_closing() {
+        return Err(ApiError::Unavailable("shutting down".into()));
+    }
+    if app.upstream.is_none() {
+        return Err(ApiError::Unavailable("no model gateway is configured (TURNLOG_LLM_URL)".into()));
+    }
+    Ok(())
+}
+
+async fn send_turn(
+    app: &AppState,
+    caller: &Caller,
+    session: SessionId,
+    body: SendMessage,
+    key: Option<String>,
+) -> Result<Response, ApiError> {
+    ready_for_turns(app)?;
+    let owner = caller.as_str();
+    let event_id =
+        key.as_deref().map_or_else(Uuid::now_v7, |k| derived(owner, &format!("message {session}"), k));
+    if key.is_some() {
+        if let Some(o) = recorded_outcome(&app.pool, event_id).await? {
+            if let Some(user_seq) = o.seq {
+                return Ok(answer_resend(app, caller, session, user_seq).await?);
+            }
+        }
+    }
+    let holder = app.instance_id.clone();
+    let lease = app.leases.acquire(session, &holder).await?.ok_or_else(turn_running)?;
+
+    let model = body.model.clone().unwrap_or_else(|| app.config.model.clone());
+    let message = UserMessage {
+        text: body.text,
+        category: body.category,
+        model_hint: body.model,
+        images: body.images,
+        documents: body.documents,
+    };
+    let user_text = message.text.clone();
+    let req = AppendRequest::append(session, owner, event_id, &EventBody::UserMessage(message));
+    let outcome = match submit(app, &req).await {
+        Ok(o) => o,
+        Err(e) => {
+            let _ = app.leases.release(lease).await;
+            return Err(e);
+        }
+    };
+    let Some(user_seq) = outcome.seq else {
+        let _ = app.leases.release(lease).await;
+        return Err(ApiError::internal(anyhow::anyhow!("the writer answered without a seq")));
+    };
+    if outcome.status == turnlog_core::bus::OutcomeStatus::Duplicate {
+        // The same key raced itself: the first request runs the turn.
+        let _ = app.leases.release(lease).await;
+        return Ok(answer_resend(app, caller, session, user_seq).await?);
+    }
+    let turn = start_turn(
+        app,
+        TurnStart { session, owner: caller.owner().clone(), user_seq, user_text, model, lease },
+    );
+    Ok(stream_response(app, session, follow_local(turn, 0)))
+}
+
+fn turn_running() -> ApiError {
+    ApiError::Conflict("a turn is already running in this session".into())
+}
+
+/// Stop the turn in flight; its partial answer is kept (`reason: stopped`).
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/stop", tag = "turns", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "Session id")),
+    responses(
+        (status = 202, body = Stopping),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, description = "No turn in flight", body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(session_id = %id), err(Display, level = "debug"))]
+pub async fn stop(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<SessionId>,
+) -> Result<(StatusCode, Json<Stopping>), ApiError> {
+    owned_session(&app, &caller, id).await?;
+    let stopping = match app.turns.get(id) {
+        Some(turn) => {
+            turn.stop(PendingReason::Stopped);
+            true
+        }
+        None => remote_stop(&app, id).await,
+    };
+    if !stopping {
+        return Err(ApiError::Conflict("no turn is running in this session".into()));
+    }
+    Ok((StatusCode::ACCEPTED, Json(Stopping { session_id: id.0, stopping })))
+}
+
+/// Run the last user message again after an interrupted or failed turn.
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/retry", tag = "turns", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "Session id")),
+    responses(
+        (status = 200, description = "text/event-stream, as for a message", content_type = "text/event-stream"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 409, description = "A turn is running, or the last turn completed", body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(session_id = %id), err(Display, level = "debug"))]
+pub async fn retry(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<SessionId>,
+) -> Result<Response, ApiError> {
+    owned_session(&app, &caller, id).await?;
+    ready_for_turns(&app)?;
+    let lease = app.leases.acquire(id, &app.instance_id).await?.ok_or_else(turn_running)?;
+    let last = match read::last_user_message(&app.pool, caller.as_str(), id).await {
+        Ok(Some((seq, message, false))) => (seq, message),
+        Ok(found) => {
+            let _ = app.leases.release(lease).await;
+            let why = if found.is_some() { "the last turn completed" } else { "there is no message" };
+            return Err(ApiError::Conflict(format!("nothing to retry: {why}")));
+        }
+        Err(e) => {
+            let _ = app.leases.release(lease).await;
+            return Err(e.into());
+        }
+    };
+    let (user_seq, message) = last;
+    let model = message.model_hint.clone().unwrap_or_else(|| app.config.model.clone());
+    let start = TurnStart {
+        session: id,
+        owner: caller.owner().clone(),
+        user_seq,
+        user_text: message.text,
+        model,
+        lease,
+    };
+    let turn = start_turn(&app, start);
+    Ok(stream_response(&app, id, follow_local(turn, 0)))
+}
+
+/// Re-attach to the turn in flight: its events after `Last-Event-ID`, then live.
+#[utoipa::path(
+    get, path = "/v1/sessions/{id}/stream", tag = "turns", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "Session id"),
+           ("Last-Event-ID" = Option<u64>, Header, description = "The last event id the client has")),
+    responses(
+        (status = 200, description = "text/event-stream", content_type = "text/event-stream"),
+        (status = 204, description = "No turn in flight"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(session_id = %id), err(Display, level = "debug"))]
+pub async fn reattach(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<SessionId>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    owned_session(&app, &caller, id).await?;
+    let after =
+        match headers.get("last-event-id") {
+            None => 0,
+            Some(v) => v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()).ok_or_else(|| {
+                ApiError::bad_request("Last-Event-ID must be a turn event id (1, 2, 3, ...)")
+            })?,
+        };
+    if let Some(turn) = app.turns.get(id) {
+        return Ok(stream_response(&app, id, follow_local(turn, after)));
+    }
+    match remote_stream(&app, id, after).await {
+        Some(events) => Ok(stream_response(&app, id, events.boxed())),
+        None => Ok(StatusCode::NO_CONTENT.into_response()),
+    }
+}
+
+/// A resent POST (same `Idempotency-Key`): follow its turn if it still runs, else answer
+/// its outcome from the log.
+async fn answer_resend(
+    app: &AppState,
+    caller: &Caller,
+    session: SessionId,
+    user_seq: i64,
+) -> Result<Response, ApiError> {
+    let is_ours = |first: Option<&TurnEvent>| {
+        first.is_some_and(|e| e.data.get("user_seq").and_then(serde_json::Value::as_i64) == Some(user_seq))
+    };
+    if let Some(turn) = app.turns.get(session) {
+        if is_ours(turn.events_after(0).first().map(|e| e.as_ref())) {
+            return Ok(stream_response(app, session, follow_local(turn, 0)));
+        }
+    }
+    if let Some(events) = remote_stream(app, session, 0).await {
+        let mut events = events.boxed().peekable();
+        if is_ours(std::pin::Pin::new(&mut events).peek().await) {
+            return Ok(stream_response(app, session, events.boxed()));
+        }
+    }
+    let end = outcome_from_log(app, caller, session, user_seq).await?;
+    let events = vec![
+        TurnEvent { id: 1, event: "meta".into(), data: json!({"session_id": session, "user_seq": user_seq}) },
+        TurnEvent { id: 2, event: "end".into(), data: end },
+    ];
+    Ok(stream_response(app, session, futures::stream::iter(events).boxed()))
+}
+
+/// How the turn after `user_seq` ended, read from the log (for a resent request).
+async fn outcome_from_log(
+    app: &Ingress,
+    caller: &Caller,
+    session: SessionId,
+    user_seq: i64,
+) -> Result<serde_json::Value, ApiError> {
+    let rows = read::events_page(&app.pool, caller.as_str(), session, user_seq, 10_000)
+        .await?
+        .ok_or_else(ApiError::session_not_found)?;
+    let mut end = json!({"session_id": session, "status": "interrupted"});
+    for row in rows.iter().take_while(|r| r.kind != "user_message") {
+        match row.kind.as_str() {
+            "assistant_turn" => {
+                return Ok(json!({"session_id": session, "status": "completed", "assistant_seq": row.seq}))
+            }
+            "pending_state" => {
+                let stopped =
+                    row.payload.get("reason").and_then(serde_json::Value::as_str) == Some("stopped");
+                let status = if stopped { "stopped" } else { "interrupted" };
+                end = json!({"session_id": session, "status": status, "pending_seq": row.seq});
+            }
+            "turn_failed" => end = json!({"session_id": session, "status": "failed", "failed_seq": row.seq}),
+            _ => {}
+        }
+    }
+    Ok(end)
+}
+
+/// Events of a local turn with an id above `after`, live until its `end`.
+fn follow_local(turn: Arc<ActiveTurn>, after: u64) -> futures::stream::BoxStream<'static, TurnEvent> {
+    let watch = turn.watch();
+    let state = (turn, after, watch, std::collections::VecDeque::<Arc<TurnEvent>>::new(), false);
+    futures::stream::unfold(state, |(turn, mut last, mut watch, mut queue, ended)| async move {
+        loop {
+            if let Some(e) = queue.pop_front() {
+                last = e.id;
+                let is_end = e.is_end();
+                return Some(((*e).clone(), (turn, last, watch, queue, is_end)));
+            }
+            if ended {
+                return None;
+            }
+            queue.extend(turn.events_after(last));
+            if queue.is_empty() && watch.changed().await.is_err() {
+                queue.extend(turn.events_after(last));
+                if queue.is_empty() {
+                    return None;
+                }
+            }
+        }
+    })
+    .boxed()
+}
+
+/// The event stream response: `X-Session-Id` before any body byte, no proxy buffering,
+/// keep-alive comments.
+fn stream_response(
+    app: &AppState,
+    session: SessionId,
+    events: futures::stream::BoxStream<'static, TurnEvent>,
+) -> Response {
+    let guard = app.metrics.stream_opened();
+    let sse = events.map(move |e| {
+        let _held = &guard;
+        Ok::<_, Infallible>(SseEvent::default().id(e.id.to_string()).event(e.event).data(e.data.to_string()))
+    });
+    let mut response = Sse::new(sse).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)).into_response();
+    let headers = response.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&session.to_string()) {
+        headers.insert("x-session-id", v);
+    }
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    headers.insert("cache-control", HeaderValue::from_static("no-cache"));
+    response
+}

@@ -1,0 +1,133 @@
+//! Turns in flight. A turn runs in its own task, detached from the HTTP request that
+//! started it (a closed client does not cancel it); every event it emits is kept in order
+//! so any number of clients can follow it from any point, on this copy directly and on
+//! other copies through core NATS (`live`, `turn` snapshots, `control` for stop).
+
+mod remote;
+mod runner;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use turnlog_core::events::PendingReason;
+use turnlog_core::ids::SessionId;
+
+pub use remote::{remote_stop, remote_stream};
+pub use runner::{start_turn, TurnStart};
+
+/// One event of a turn's stream: `id` counts from 1 within the turn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TurnEvent {
+    pub id: u64,
+    pub event: String,
+    pub data: Value,
+}
+
+impl TurnEvent {
+    pub fn is_end(&self) -> bool {
+        self.event == "end"
+    }
+}
+
+/// A turn this copy runs: its events so far and the means to stop it.
+pub struct ActiveTurn {
+    pub session: SessionId,
+    events: Mutex<Vec<Arc<TurnEvent>>>,
+    /// The number of events emitted; followers wait on it.
+    count: watch::Sender<u64>,
+    stop: CancellationToken,
+    stop_reason: Mutex<Option<PendingReason>>,
+}
+
+impl ActiveTurn {
+    fn new(session: SessionId) -> Arc<Self> {
+        Arc::new(Self {
+            session,
+            events: Mutex::new(Vec::new()),
+            count: watch::Sender::new(0),
+            stop: CancellationToken::new(),
+            stop_reason: Mutex::new(None),
+        })
+    }
+
+    /// Appends an event and wakes every follower; returns it (for the live subject).
+    fn emit(&self, event: &str, data: Value) -> Arc<TurnEvent> {
+        let mut events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
+        let e = Arc::new(TurnEvent { id: events.len() as u64 + 1, event: event.to_owned(), data });
+        events.push(Arc::clone(&e));
+        self.count.send_replace(e.id);
+        e
+    }
+
+    /// Events with an id above `after`.
+    pub fn events_after(&self, after: u64) -> Vec<Arc<TurnEvent>> {
+        let events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
+        events.iter().skip(usize::try_from(after).unwrap_or(usize::MAX)).cloned().collect()
+    }
+
+    /// A receiver that changes whenever an event is emitted.
+    pub fn watch(&self) -> watch::Receiver<u64> {
+        self.count.subscribe()
+    }
+
+    /// Asks the turn to end now, keeping what it has (`stopped` by the user, or
+    /// `interrupted` by a shutdown or a lost lease). The first reason wins.
+    pub fn stop(&self, reason: PendingReason) {
+        let mut r = self.stop_reason.lock().unwrap_or_else(PoisonError::into_inner);
+        r.get_or_insert(reason);
+        self.stop.cancel();
+    }
+
+    fn stop_reason(&self) -> PendingReason {
+        self.stop_reason.lock().unwrap_or_else(PoisonError::into_inner).unwrap_or_default()
+    }
+}
+
+/// The turns this copy runs, by session.
+#[derive(Default)]
+pub struct TurnHub {
+    turns: Mutex<HashMap<SessionId, Arc<ActiveTurn>>>,
+    tasks: TaskTracker,
+    closing: CancellationToken,
+}
+
+impl TurnHub {
+    pub fn get(&self, session: SessionId) -> Option<Arc<ActiveTurn>> {
+        self.turns.lock().unwrap_or_else(PoisonError::into_inner).get(&session).cloned()
+    }
+
+    fn insert(&self, turn: Arc<ActiveTurn>) {
+        self.turns.lock().unwrap_or_else(PoisonError::into_inner).insert(turn.session, turn);
+    }
+
+    fn remove(&self, session: SessionId) {
+        self.turns.lock().unwrap_or_else(PoisonError::into_inner).remove(&session);
+    }
+
+    pub fn active(&self) -> usize {
+        self.turns.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
+    /// Whether new turns are refused (the copy is shutting down).
+    pub fn is_closing(&self) -> bool {
+        self.closing.is_cancelled()
+    }
+
+    /// Shutdown: refuse new turns, checkpoint every turn in flight (each ends
+    /// `interrupted` with its partial stored), and wait for them to finish writing.
+    pub async fn close(&self) {
+        self.closing.cancel();
+        let turns: Vec<_> =
+            self.turns.lock().unwrap_or_else(PoisonError::into_inner).values().cloned().collect();
+        for t in &turns {
+            t.stop(PendingReason::Interrupted);
+        }
+        self.tasks.close();
+        self.tasks.wait().await;
+    }
+}

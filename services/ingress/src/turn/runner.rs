@@ -1,0 +1,432 @@
+//! Running one turn (DESIGN.md §5): with the lease held and the user message durable, ask
+//! the compactor, build the request from the log, stream the answer while checkpointing
+//! it every 2 s, and end with exactly one outcome event and exactly one `end`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use turnlog_core::budget::{budget_for, history_tokens, request_size};
+use turnlog_core::bus::{
+    append_and_wait, AppendRequest, CompactReply, CompactRequest, CompactStatus, Outcome,
+};
+use turnlog_core::events::*;
+use turnlog_core::ids::{Owner, SessionId};
+use turnlog_core::lease::Lease;
+use turnlog_core::llm_context::llm_messages;
+use turnlog_core::read;
+use turnlog_core::request::{assemble, reserve_tokens, Extras};
+use turnlog_core::tokens::request_tokens;
+use turnlog_core::upstream::{ChatRequest, StreamItem, UpstreamError};
+use uuid::Uuid;
+
+use super::{remote, ActiveTurn};
+use crate::Ingress;
+
+/// The whole partial is checkpointed this often while an answer streams.
+pub const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
+/// The lease is renewed this often (it expires after ~10 s).
+const LEASE_RENEW_EVERY: Duration = Duration::from_secs(3);
+/// Deadline of each durability write at the end of a turn (its own, not the request's).
+const PERSIST_TIMEOUT: Duration = Duration::from_secs(15);
+/// An answer's output cap: its text and reasoning must fit one event under the writer's
+/// 768 KiB limit, with room for the UI blocks that repeat them.
+const MAX_ANSWER_TOKENS: u32 = 32_000;
+const MAX_ANSWER_BYTES: usize = 300 * 1024;
+/// How many recalled memories ride along with a turn.
+const RECALLED_MEMORIES: i64 = 5;
+
+/// What a turn starts from: the lease is held and the user message is durable.
+pub struct TurnStart {
+    pub session: SessionId,
+    pub owner: Owner,
+    pub user_seq: i64,
+    pub user_text: String,
+    pub model: String,
+    pub lease: Lease,
+}
+
+/// Starts the turn's task and registers it; the returned handle is what clients follow.
+pub fn start_turn(app: &Arc<Ingress>, start: TurnStart) -> Arc<ActiveTurn> {
+    let turn = ActiveTurn::new(start.session);
+    app.turns.insert(Arc::clone(&turn));
+    app.metrics.turns_active(app.turns.active());
+    let (app, t) = (Arc::clone(app), Arc::clone(&turn));
+    app.turns.tasks.clone().spawn(async move {
+        let session = start.session;
+        let serving = remote::serve(&app, &t).await;
+        run(&app, &t, start).await;
+        if let Some(s) = serving {
+            s.abort();
+        }
+        app.turns.remove(session);
+        app.metrics.turns_active(app.turns.active());
+    });
+    turn
+}
+
+/// How the answer stream ended.
+enum Ending {
+    Done { finish_reason: Option<String> },
+    Stopped(PendingReason),
+    Failed { code: &'static str, message: String },
+}
+
+#[tracing::instrument(skip_all, fields(session_id = %start.session, attempt_id))]
+async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
+    let started = Instant::now();
+    let attempt_id = Uuid::now_v7().to_string();
+    tracing::Span::current().record("attempt_id", attempt_id.as_str());
+    let mut t = Turn {
+        app,
+        turn,
+        start: &start,
+        attempt_id,
+        text: String::new(),
+        reasoning: String::new(),
+        usage: None,
+    };
+    t.emit("meta", json!({"session_id": start.session, "user_seq": start.user_seq})).await;
+
+    // Renew the lease on its own timer for the whole turn; losing it stops the turn.
+    let renewing = {
+        let (app, turn, mut lease, holder) =
+            (Arc::clone(app), Arc::clone(turn), start.lease, app.instance_id.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(LEASE_RENEW_EVERY).await;
+                match app.leases.renew(lease, &holder).await {
+                    Ok(Some(l)) => lease = l,
+                    Ok(None) => {
+                        tracing::warn!(session_id = %turn.session, "turn lease lost; stopping the turn");
+                        turn.stop(PendingReason::Interrupted);
+                        return lease;
+                    }
+                    Err(e) => {
+                        tracing::warn!(session_id = %turn.session, error = %e, "turn lease renewal failed")
+                    }
+                }
+            }
+        })
+    };
+
+    let ending = t.stream_answer(started).await;
+    let end = t.persist(ending, started).await;
+    renewing.abort();
+    let lease = match renewing.await {
+        Ok(lease) => lease,
+        Err(_) => start.lease,
+    };
+    // Released only after the outcome is durable, so a second send sees the finished turn.
+    if let Err(e) = app.leases.release(lease).await {
+        tracing::debug!(error = %e, "turn lease not released (it expires by itself)");
+    }
+    let status = end.get("status").and_then(Value::as_str).unwrap_or("failed").to_owned();
+    app.metrics.turn_finished(&status);
+    t.emit("end", end).await;
+}
+
+struct Turn<'a> {
+    app: &'a Arc<Ingress>,
+    turn: &'a Arc<ActiveTurn>,
+    start: &'a TurnStart,
+    attempt_id: String,
+    text: String,
+    reasoning: String,
+    usage: Option<turnlog_core::upstream::Usage>,
+}
+
+impl Turn<'_> {
+    async fn emit(&self, event: &str, data: Value) {
+        let e = self.turn.emit(event, data);
+        remote::publish_live(self.app, self.start.session, &e).await;
+    }
+
+    /// Compaction check, request, and the relay of the answer with checkpoints.
+    async fn stream_answer(&mut self, started: Instant) -> Ending {
+        let Some(upstream) = self.app.upstream.clone() else {
+            return Ending::Failed {
+                code: "upstream_error",
+                message: "no model gateway is configured".into(),
+            };
+        };
+        let request = match self.build_request().await {
+            Ok(r) => r,
+            Err(ending) => return ending,
+        };
+        let mut stream = tokio::select! {
+            s = upstream.stream(&request) => match s {
+                Ok(s) => s,
+                Err(e) => return self.upstream_failed(e),
+            },
+            _ = self.turn.stop.cancelled() => return Ending::Stopped(self.turn.stop_reason()),
+        };
+        let mut checkpoint =
+            tokio::time::interval_at(tokio::time::Instant::now() + CHECKPOINT_EVERY, CHECKPOINT_EVERY);
+        let mut checkpointed_len = 0usize;
+        let mut finish_reason = None;
+        loop {
+            let item = tokio::select! {
+                biased;
+                _ = self.turn.stop.cancelled() => return Ending::Stopped(self.turn.stop_reason()),
+                _ = checkpoint.tick() => {
+                    if self.text.len() != checkpointed_len {
+                        checkpointed_len = self.text.len();
+                        self.checkpoint().await;
+                    }
+                    continue;
+                }
+                item = stream.next() => item,
+            };
+            match item {
+                Ok(None) => return Ending::Done { finish_reason },
+                Ok(Some(StreamItem::Text(delta))) => {
+                    if self.text.is_empty() && self.reasoning.is_empty() {
+                        self.app.metrics.first_delta(started.elapsed());
+                    }
+                    self.text.push_str(&delta);
+                    self.emit("delta", json!({ "text": delta })).await;
+                }
+                Ok(Some(StreamItem::Reasoning(delta))) => {
+                    if self.text.is_empty() && self.reasoning.is_empty() {
+                        self.app.metrics.first_delta(started.elapsed());
+                    }
+                    self.reasoning.push_str(&delta);
+                    self.emit("reasoning", json!({ "text": delta })).await;
+                }
+                Ok(Some(StreamItem::Usage(u))) => self.usage = Some(u),
+                Ok(Some(StreamItem::Finish(reason))) => finish_reason = Some(reason),
+                Err(e) => return self.upstream_failed(e),
+            }
+            if self.text.len() + self.reasoning.len() > MAX_ANSWER_BYTES {
+                // Stop reading; what we have is the whole stored answer.
+                return Ending::Done { finish_reason: Some("length".into()) };
+            }
+        }
+    }
+
+    /// The pre-send compaction check, then the request: stable system prompt, the
+    /// history from the log, this turn's extras last.
+    async fn build_request(&mut self) -> Result<ChatRequest, Ending> {
+        let app = self.app;
+        let (session, owner) = (self.start.session, self.start.owner.as_str());
+        let memories = read::recall_relevant(&app.pool, owner, &self.start.user_text, RECALLED_MEMORIES)
+            .await
+            .map(|ms| ms.into_iter().map(|m| m.text).collect())
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "memory recall failed; sending without");
+                Vec::new()
+            });
+        let extras = Extras { date: Some(chrono::Utc::now().format("%Y-%m-%d (%A)").to_string()), memories };
+        let system = &app.config.system_prompt;
+        let reserve = reserve_tokens(system, &extras);
+        let compacted = self.ask_compactor(reserve).await;
+
+        let tail = match read::live_tail(&app.pool, owner, session).await {
+            Ok(Some(tail)) => tail,
+            Ok(None) => {
+                return Err(Ending::Failed { code: "not_found", message: "the session is gone".into() })
+            }
+            Err(e) => {
+                return Err(Ending::Failed { code: "unavailable", message: format!("reading the log: {e}") })
+            }
+        };
+        let size = request_size(history_tokens(&tail.counted), reserve);
+        let window = app.context_window(&self.start.model).await;
+        if !compacted {
+            // Without the compactor's word, send only what the model can take at all.
+            let whole_window = window.unwrap_or_else(|| app.config.context_budget.saturating_mul(100) / 60);
+            if size > whole_window {
+                return Err(Ending::Failed {
+                    code: "context_overflow",
+                    message: format!("the request takes {size} tokens; the model's window is {whole_window}"),
+                });
+            }
+        }
+        let messages = assemble(system, llm_messages(&tail.events), &extras);
+        tracing::debug!(
+            tokens = size,
+            budget = budget_for(window, app.config.context_budget),
+            exact = request_tokens(&messages),
+            "request built"
+        );
+        Ok(ChatRequest {
+            model: self.start.model.clone(),
+            messages,
+            max_tokens: Some(MAX_ANSWER_TOKENS),
+            ..Default::default()
+        })
+    }
+
+    /// Asks the compactors (one queue group) to bring the session within budget, waiting
+    /// up to the configured deadline. True when the request is known to fit.
+    async fn ask_compactor(&self, reserve_tokens: u32) -> bool {
+        let app = self.app;
+        let req = CompactRequest {
+            session_id: self.start.session,
+            owner: self.start.owner.to_string(),
+            model: Some(self.start.model.clone()),
+            reserve_tokens,
+        };
+        let Ok(body) = serde_json::to_vec(&req) else { return false };
+        let subject = app.bus.names.compact_subject(self.start.session);
+        let asked =
+            tokio::time::timeout(app.config.compact_timeout, app.bus.client.request(subject, body.into()));
+        match asked.await {
+            Ok(Ok(msg)) => match serde_json::from_slice::<CompactReply>(&msg.payload) {
+                Ok(r) => r.status != CompactStatus::Failed,
+                Err(e) => {
+                    tracing::warn!(error = %e, "unreadable compactor reply");
+                    false
+                }
+            },
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "no compactor answered");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(timeout = ?app.config.compact_timeout, "the compactor did not answer in time");
+                false
+            }
+        }
+    }
+
+    fn upstream_failed(&self, e: UpstreamError) -> Ending {
+        self.app.metrics.upstream_error();
+        tracing::warn!(error = %e, "upstream failed");
+        let code = match e {
+            UpstreamError::Timeout { .. } => "upstream_timeout",
+            _ => "upstream_error",
+        };
+        Ending::Failed { code, message: e.to_string() }
+    }
+
+    /// A checkpoint of the whole partial: published and acknowledged by JetStream, not
+    /// waited for (the next one, or the turn's end, supersedes it).
+    async fn checkpoint(&self) {
+        let body = EventBody::PendingState(PendingState {
+            partial: self.text.clone(),
+            attempt_id: Some(self.attempt_id.clone()),
+            reason: None,
+        });
+        let req = AppendRequest::append(self.start.session, self.start.owner.as_str(), Uuid::now_v7(), &body);
+        match self.app.bus.publish_append(&req, None).await {
+            Ok(_) => self.app.metrics.checkpoint(),
+            Err(e) => tracing::warn!(error = %e, "checkpoint not published"),
+        }
+    }
+
+    /// Stores the turn's outcome (answer, final partial, or failure) and returns the
+    /// `end` event's data; emits `error` first when the turn did not complete.
+    async fn persist(&self, ending: Ending, started: Instant) -> Value {
+        let duration_ms = started.elapsed().as_millis() as u64;
+        let session = self.start.session;
+        let mut end = json!({ "session_id": session, "duration_ms": duration_ms, "model": self.start.model });
+        let usage = self.usage.map(|u| Usage {
+            input_tokens: u64::from(u.prompt_tokens),
+            output_tokens: u64::from(u.completion_tokens),
+            cached_input_tokens: u.cached_tokens.map(u64::from),
+        });
+        if let Some(u) = usage {
+            end["usage"] = json!(u);
+        }
+        let (failure, body, status, seq_field) = match ending {
+            Ending::Done { finish_reason } => {
+                let mut blocks = Vec::new();
+                if !self.reasoning.is_empty() {
+                    blocks.push(Block {
+                        kind: BlockType::Reasoning,
+                        text: Some(self.reasoning.clone()),
+                        meta: None,
+                    });
+                }
+                blocks.push(Block { kind: BlockType::Text, text: Some(self.text.clone()), meta: None });
+                let answer = AssistantTurn {
+                    ui: UiPart { blocks },
+                    llm: LlmPart {
+                        message: LlmMessage { content: Some(MessageContent::Text(self.text.clone())) },
+                    },
+                    attempt_id: Some(self.attempt_id.clone()),
+                    provider: Some(self.app.provider_name()),
+                    model: Some(self.start.model.clone()),
+                    usage,
+                    duration_ms: Some(duration_ms),
+                    finish_reason,
+                    ..Default::default()
+                };
+                (None, EventBody::AssistantTurn(answer), "completed", "assistant_seq")
+            }
+            Ending::Stopped(reason) if !self.text.is_empty() => {
+                let pending = PendingState {
+                    partial: self.text.clone(),
+                    attempt_id: Some(self.attempt_id.clone()),
+                    reason: Some(reason),
+                };
+                let status = if reason == PendingReason::Stopped { "stopped" } else { "interrupted" };
+                (None, EventBody::PendingState(pending), status, "pending_seq")
+            }
+            Ending::Failed { code, message } if !self.text.is_empty() => {
+                let pending = PendingState {
+                    partial: self.text.clone(),
+                    attempt_id: Some(self.attempt_id.clone()),
+                    reason: Some(PendingReason::Interrupted),
+                };
+                (Some((code, message)), EventBody::PendingState(pending), "interrupted", "pending_seq")
+            }
+            Ending::Stopped(reason) => {
+                let message = match reason {
+                    PendingReason::Stopped => "stopped by the user before any text arrived",
+                    PendingReason::Interrupted => "interrupted before any text arrived",
+                };
+                let failed = TurnFailed {
+                    code: "interrupted".into(),
+                    message: message.into(),
+                    attempt_id: Some(self.attempt_id.clone()),
+                };
+                let status = if reason == PendingReason::Stopped { "stopped" } else { "failed" };
+                (None, EventBody::TurnFailed(failed), status, "failed_seq")
+            }
+            Ending::Failed { code, message } => {
+                let failed = TurnFailed {
+                    code: code.into(),
+                    message: message.clone(),
+                    attempt_id: Some(self.attempt_id.clone()),
+                };
+                (Some((code, message)), EventBody::TurnFailed(failed), "failed", "failed_seq")
+            }
+        };
+        if let Some((code, message)) = failure {
+            self.emit("error", json!({ "code": code, "message": message })).await;
+        }
+        end["status"] = json!(status);
+        match self.store(&body).await {
+            Ok(seq) => end[seq_field] = json!(seq),
+            Err(e) => {
+                tracing::error!(error = %e, "the turn's outcome could not be stored");
+                self.emit(
+                    "error",
+                    json!({ "code": "unavailable", "message": "the answer could not be stored" }),
+                )
+                .await;
+            }
+        }
+        end
+    }
+
+    /// Appends the outcome, resending the same event id until the writer answers or the
+    /// deadline passes.
+    async fn store(&self, body: &EventBody) -> Result<i64, String> {
+        let app = self.app;
+        let req = AppendRequest::append(self.start.session, self.start.owner.as_str(), Uuid::now_v7(), body);
+        let deadline = Instant::now() + PERSIST_TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match append_and_wait(&app.bus, &app.pool, &req, left.max(Duration::from_millis(100))).await {
+                Ok(Outcome { seq: Some(seq), .. }) => return Ok(seq),
+                Ok(o) => return Err(format!("the writer refused it: {o:?}")),
+                Err(e) if Instant::now() >= deadline => return Err(e.to_string()),
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    }
+}
