@@ -2,10 +2,12 @@
 //! consumer shared by the worker's copies: bounded concurrency, ack after the append is
 //! committed, nak with backoff, dead letters, graceful stop, counters — and what those
 //! workers share besides: a finished turn's material, and asking the mini model for JSON.
+//! The same loop replays history: inside [`replaying`], a worker's `run` consumes a
+//! temporary consumer from a start point to the feed's end instead of its durable one.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
@@ -34,6 +36,11 @@ const STATS_LOG_EVERY: u32 = 12;
 const HEALTHY_RUN: Duration = Duration::from_secs(30);
 /// Longest pause between two attempts to reach a lost bus or a missing stream.
 const MAX_RECONNECT_BACKOFF: Duration = Duration::from_secs(5);
+/// A replay's temporary consumer is removed by the server this long after its replayer
+/// went away without deleting it (a crash, a kill).
+const REPLAY_CONSUMER_INACTIVE: Duration = Duration::from_secs(60);
+/// How often a replay reads its consumer's state to see whether it is through.
+const REPLAY_END_POLL: Duration = Duration::from_millis(250);
 
 /// How a worker consumes: the same for every worker, tuned by settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -165,6 +172,71 @@ impl WorkerStats {
     }
 }
 
+/// Where a replay starts on the committed-event feed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplayFrom {
+    /// This TURNLOG_EVENTS stream sequence.
+    Sequence(u64),
+    /// The first event the feed received at or after this time.
+    Time(chrono::DateTime<chrono::Utc>),
+}
+
+/// A replay: a worker's own handler run again over past committed events, on a temporary
+/// consumer from `from` through the feed's last event when the replay starts. Handlers are
+/// idempotent (deterministic event ids), so a replay appends only what is missing.
+#[derive(Debug, Clone)]
+pub struct Replay {
+    pub from: ReplayFrom,
+    /// Only this session's events (by subject, so nothing else is even delivered).
+    pub session: Option<SessionId>,
+    pub progress: Arc<ReplayProgress>,
+}
+
+/// How far a replay got; shared with whoever shows it.
+#[derive(Debug, Default)]
+pub struct ReplayProgress {
+    /// Events the replay is to handle, known once its consumer exists (0 before).
+    pub total: AtomicU64,
+    /// The feed's last sequence when the replay started: where it ends.
+    pub through_seq: AtomicU64,
+    /// Handled (`processed`), failed deliveries and dead letters so far.
+    pub stats: Arc<WorkerStats>,
+    finished: AtomicBool,
+    error: Mutex<Option<String>>,
+}
+
+impl ReplayProgress {
+    /// Whether the replay is over (done, stopped or failed).
+    pub fn is_finished(&self) -> bool {
+        self.finished.load(Ordering::Acquire)
+    }
+
+    /// Why the replay failed, once finished.
+    pub fn error(&self) -> Option<String> {
+        self.error.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+    }
+
+    fn finish(&self, result: Result<(), String>) {
+        if let Err(e) = result {
+            *self.error.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(e);
+        }
+        self.finished.store(true, Ordering::Release);
+    }
+}
+
+tokio::task_local! {
+    static REPLAY: Replay;
+}
+
+/// Runs `work` — a worker's `run(config, shutdown)` — so that its [`Worker::run`] replays
+/// `replay` and returns when through, instead of consuming its durable consumer. Each worker
+/// builds its handler privately; this runs exactly that handler over history without every
+/// worker exposing it. (Task-local: `Worker::run` must be awaited within `work`'s own task,
+/// as every worker's `run` does.)
+pub async fn replaying<F: Future>(replay: Replay, work: F) -> F::Output {
+    REPLAY.scope(replay, work).await
+}
+
 /// One worker's consumer: its name (the durable consumer is `<prefix>-<name>`), the event
 /// kinds it handles, and how it consumes.
 #[derive(Debug, Clone)]
@@ -200,6 +272,7 @@ impl Worker {
     /// Consumes until `shutdown` completes, then stops pulling, hands back events not yet
     /// started (nak, so another copy takes them at once) and waits for those in hand.
     /// Reconnects by itself: a lost bus or a missing stream is retried with backoff.
+    /// Within [`replaying`] it replays instead, counting in the replay's progress.
     pub async fn run<H: Handler>(
         &self,
         bus: Bus,
@@ -207,13 +280,27 @@ impl Worker {
         stats: Arc<WorkerStats>,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) {
+        if let Ok(replay) = REPLAY.try_with(Replay::clone) {
+            let result = self.replay(&bus, &handler, &replay, shutdown).await;
+            if let Err(e) = &result {
+                tracing::error!(worker = %self.name, error = %e, "replay failed");
+            }
+            replay.progress.finish(result);
+            return;
+        }
         let stop = stop_signal(shutdown);
         let permits = Arc::new(Semaphore::new(self.settings.concurrency.max(1)));
         let mut in_hand = JoinSet::new();
         let mut backoff = Duration::from_millis(100);
         while !*stop.borrow() {
             let started = tokio::time::Instant::now();
-            let result = self.consume(&bus, &handler, &stats, &permits, &mut in_hand, stop.clone()).await;
+            let result = match self.consumer(&bus).await {
+                Ok(consumer) => {
+                    self.consume(&bus, consumer, &handler, &stats, &permits, &mut in_hand, stop.clone(), None)
+                        .await
+                }
+                Err(e) => Err(e),
+            };
             // A consumer that ran a while before failing was healthy: start backing off anew.
             if started.elapsed() > HEALTHY_RUN {
                 backoff = Duration::from_millis(100);
@@ -261,17 +348,97 @@ impl Worker {
         stream.get_or_create_consumer(&name, config).await.map_err(|e| format!("consumer {name}: {e}"))
     }
 
-    /// Pulls and dispatches until stopped (Ok) or the bus fails (Err).
+    /// Replays history on a temporary consumer (see [`Replay`]) until through, stopped by
+    /// `shutdown`, or the bus fails; waits for the events in hand either way.
+    async fn replay<H: Handler>(
+        &self,
+        bus: &Bus,
+        handler: &Arc<H>,
+        replay: &Replay,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), String> {
+        let events = bus.names.events_stream();
+        let mut stream =
+            bus.js.get_stream(&events).await.map_err(|e| format!("cannot open {events}: {e}"))?;
+        let through = stream.info().await.map_err(|e| format!("{events}: {e}"))?.state.last_sequence;
+        let progress = &replay.progress;
+        progress.through_seq.store(through, Ordering::Relaxed);
+        let deliver_policy = match replay.from {
+            ReplayFrom::Sequence(seq) => DeliverPolicy::ByStartSequence { start_sequence: seq.max(1) },
+            ReplayFrom::Time(start_time) => DeliverPolicy::ByStartTime { start_time },
+        };
+        let filter_subject = match (replay.session, self.kinds.as_slice()) {
+            (Some(session), [kind]) => bus.names.events_subject(kind.as_str(), session),
+            (Some(session), _) => bus.names.events_subject("*", session),
+            (None, _) => self.filter_subject(bus),
+        };
+        let config = pull::Config {
+            description: Some(format!("turnlog {} replay", self.name)),
+            deliver_policy,
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: self.settings.ack_wait,
+            max_deliver: i64::from(self.settings.max_deliver.max(1)) + 1,
+            filter_subject,
+            inactive_threshold: REPLAY_CONSUMER_INACTIVE,
+            ..Default::default()
+        };
+        let consumer: PullConsumer =
+            stream.create_consumer(config).await.map_err(|e| format!("creating the replay consumer: {e}"))?;
+        let name = consumer.cached_info().name.clone();
+        progress.total.store(consumer.cached_info().num_pending, Ordering::Relaxed);
+        tracing::info!(worker = %self.name, consumer = %name, from = ?replay.from, session = ?replay.session,
+            through, total = consumer.cached_info().num_pending, "replaying");
+
+        // Stop on the caller's shutdown or once every event through `through` is settled.
+        let (stop_tx, stop) = watch::channel(false);
+        let mut cancelled = stop_signal(shutdown);
+        let mut watched = consumer.clone();
+        let end = tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = cancelled.wait_for(|s| *s) => break,
+                    _ = tokio::time::sleep(REPLAY_END_POLL) => {}
+                }
+                if let Ok(info) = watched.info().await {
+                    let delivered_all = info.num_pending == 0 || info.delivered.stream_sequence >= through;
+                    if delivered_all && info.num_ack_pending == 0 {
+                        break;
+                    }
+                }
+            }
+            let _ = stop_tx.send(true);
+        });
+        let _end = AbortOnDrop(end);
+        let permits = Arc::new(Semaphore::new(self.settings.concurrency.max(1)));
+        let mut in_hand = JoinSet::new();
+        let result = self
+            .consume(bus, consumer, handler, &progress.stats, &permits, &mut in_hand, stop, Some(through))
+            .await;
+        while let Some(done) = in_hand.join_next().await {
+            if let Err(e) = done {
+                tracing::error!(worker = %self.name, error = %e, "event handler panicked");
+            }
+        }
+        if let Err(e) = stream.delete_consumer(&name).await {
+            tracing::debug!(consumer = %name, error = %e, "replay consumer not deleted; it expires by itself");
+        }
+        result
+    }
+
+    /// Pulls and dispatches until stopped (Ok) or the bus fails (Err). Events past `until`
+    /// (a replay's end) are acknowledged unhandled.
+    #[allow(clippy::too_many_arguments)]
     async fn consume<H: Handler>(
         &self,
         bus: &Bus,
+        consumer: PullConsumer,
         handler: &Arc<H>,
         stats: &Arc<WorkerStats>,
         permits: &Arc<Semaphore>,
         in_hand: &mut JoinSet<()>,
         mut stop: watch::Receiver<bool>,
+        until: Option<u64>,
     ) -> Result<(), String> {
-        let consumer = self.consumer(bus).await?;
         let lag = tokio::spawn(watch_lag(self.name.clone(), consumer.clone(), stats.clone(), stop.clone()));
         let _lag = AbortOnDrop(lag);
         loop {
@@ -316,6 +483,7 @@ impl Worker {
                             bus: bus.clone(),
                             handler: handler.clone(),
                             stats: stats.clone(),
+                            until,
                         };
                         in_hand.spawn(job.process(message, permit));
                     }
@@ -393,6 +561,8 @@ struct Job<H> {
     bus: Bus,
     handler: Arc<H>,
     stats: Arc<WorkerStats>,
+    /// A replay's last sequence: later events are not its business.
+    until: Option<u64>,
 }
 
 impl<H: Handler> Job<H> {
@@ -404,6 +574,12 @@ impl<H: Handler> Job<H> {
                 return;
             }
         };
+        if self.until.is_some_and(|until| stream_seq > until) {
+            if let Err(e) = message.ack_with(AckKind::Ack).await {
+                tracing::debug!(error = %e, "could not acknowledge an event past the replay's end");
+            }
+            return;
+        }
         let delivery = Delivery { attempt, max_deliver: self.worker.settings.max_deliver, stream_seq };
         let decoded = serde_json::from_slice::<CommittedEvent>(&message.payload);
         let session = decoded.as_ref().ok().map(|e| e.session_id);

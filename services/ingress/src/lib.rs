@@ -12,6 +12,7 @@ pub mod openapi;
 pub mod routes;
 pub mod turn;
 pub mod validate;
+pub mod web;
 pub mod writes;
 
 use std::sync::Arc;
@@ -20,6 +21,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderName, Request};
+use axum::serve::ListenerExt as _;
 use axum::Router;
 use sqlx::PgPool;
 use tokio::net::TcpListener;
@@ -111,7 +113,9 @@ impl Ingress {
 pub fn router(state: AppState) -> Router {
     let (api, _) = routes::api().split_for_parts();
     let metrics = Arc::clone(&state.metrics);
-    api.fallback(error::not_found)
+    // The web client at `/` and `/assets/…`; every other path keeps the JSON 404.
+    api.merge(web::routes())
+        .fallback(error::not_found)
         .method_not_allowed_fallback(error::method_not_allowed)
         .layer(DefaultBodyLimit::max(validate::MAX_BODY_BYTES))
         // Inside the metrics layer, so a panic is counted as the 500 it becomes.
@@ -146,6 +150,11 @@ pub async fn run(
     // stop accepting, and give open connections the grace period.
     let turns = Arc::clone(&state);
     let stopping = shutdown.clone();
+    // Deltas are small writes: without TCP_NODELAY, Nagle and delayed ACKs hold each one back
+    // for up to 40 ms.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let serve = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
         stopping.cancelled().await;
         tracing::info!(turns = turns.turns.active(), "ingress stopping; checkpointing turns in flight");

@@ -21,6 +21,9 @@ pub struct Knobs {
     pub status: Option<u16>,
     /// `hang`: accept the request and never answer it.
     pub hang: bool,
+    /// `stamp`: every text delta is the moment it was sent, in microseconds since the
+    /// Unix epoch (for relay-latency benchmarks).
+    pub stamp: bool,
 }
 
 impl Default for Knobs {
@@ -34,6 +37,7 @@ impl Default for Knobs {
             no_done: false,
             status: None,
             hang: false,
+            stamp: false,
         }
     }
 }
@@ -77,6 +81,7 @@ impl Knobs {
             }
             "no_done" if value.is_none() => self.no_done = true,
             "hang" if value.is_none() => self.hang = true,
+            "stamp" if value.is_none() => self.stamp = true,
             _ => return Err(format!("unknown mock directive `{setting}`")),
         }
         Ok(())

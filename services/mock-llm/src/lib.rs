@@ -61,6 +61,7 @@ use axum::http::header::AUTHORIZATION;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt as _;
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -138,6 +139,9 @@ pub struct LoggedRequest {
     pub body: Value,
     pub prompt_tokens: u32,
     pub cached_tokens: u32,
+    /// When the request arrived, in microseconds since the Unix epoch (for latency
+    /// benchmarks on the same machine).
+    pub received_at_us: u64,
 }
 
 /// The server's request log, shared between the server and whoever holds a clone.
@@ -201,6 +205,10 @@ pub async fn run(
     if let Ok(addr) = listener.local_addr() {
         tracing::info!(%addr, "mock model listening");
     }
+    // Streamed deltas are small writes: no Nagle delay, as a real provider's edge behaves.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await
@@ -288,7 +296,8 @@ fn default_model() -> String {
 const CHAT_PATH: &str = "/v1/chat/completions";
 
 async fn chat(State(mock): State<Arc<Mock>>, headers: HeaderMap, body: Bytes) -> Response {
-    let entry = |body| logged("POST", CHAT_PATH, &headers, body);
+    let received_at_us = respond::unix_us();
+    let entry = |body| LoggedRequest { received_at_us, ..logged("POST", CHAT_PATH, &headers, body) };
     let raw: Value = match serde_json::from_slice(&body) {
         Ok(raw) => raw,
         Err(e) => {
@@ -329,7 +338,11 @@ async fn chat(State(mock): State<Arc<Mock>>, headers: HeaderMap, body: Bytes) ->
     }
 
     let max_tokens = request.max_tokens.or(request.max_completion_tokens);
-    let text = answers::answer_text(task, &request.messages, knobs.words, max_tokens);
+    let text = if knobs.stamp && task == Task::Chat {
+        respond::STAMP.repeat(knobs.words)
+    } else {
+        answers::answer_text(task, &request.messages, knobs.words, max_tokens)
+    };
     let answer = respond::Answer::new(
         format!("chatcmpl-mock-{:016x}", answers::fnv1a(&body)),
         request.model,
@@ -382,5 +395,6 @@ fn logged(method: &str, path: &str, headers: &HeaderMap, body: Value) -> LoggedR
         body,
         prompt_tokens: 0,
         cached_tokens: 0,
+        received_at_us: respond::unix_us(),
     }
 }

@@ -160,6 +160,13 @@ pub fn streamed(answer: Answer, knobs: Knobs, include_usage: bool, shutdown: Can
 
 type Sender = mpsc::Sender<Result<Bytes, io::Error>>;
 
+/// What a `stamp`ed answer's words are, replaced by the send time as each delta goes out.
+pub const STAMP: &str = "@stamp@ ";
+
+pub(crate) fn unix_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
 /// A response body fed by a task, so the task decides pacing and failures.
 fn channel_body(rx: mpsc::Receiver<Result<Bytes, io::Error>>) -> Body {
     Body::from_stream(futures::stream::unfold(
@@ -188,7 +195,14 @@ async fn send_frames(tx: Sender, frames: Vec<Frame>, knobs: Knobs, shutdown: Can
             }
             deltas += 1;
         }
-        let event = format!("data: {}\n\n", frame.data);
+        let event = if knobs.stamp && frame.is_delta {
+            format!(
+                "data: {}\n\n",
+                frame.data.to_string().replacen(STAMP.trim_end(), &unix_us().to_string(), 1)
+            )
+        } else {
+            format!("data: {}\n\n", frame.data)
+        };
         if tx.send(Ok(Bytes::from(event))).await.is_err() {
             return; // the client went away
         }

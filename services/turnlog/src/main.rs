@@ -2,113 +2,27 @@
 //! `run`, so tests, containers and `turnlog dev` all run the same code.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
+use turnlog_dev::settings::{self, Backbone, BusArgs, CompactorArgs, WorkerModels, WorkerTuning};
 
 #[derive(Parser)]
 #[command(name = "turnlog", version, about = "Append-only chat sessions over HTTP/SSE")]
 struct Cli {
+    /// Log lines as readable text (`pretty`) or one JSON object each (`json`); RUST_LOG
+    /// filters them (default `info`).
+    #[arg(long, global = true, env = "TURNLOG_LOG_FORMAT", value_enum, default_value_t = LogFormat::Pretty)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
 }
 
-/// Where the log and the bus are: shared by every subcommand that reaches them.
-#[derive(clap::Args, Clone)]
-struct Backbone {
-    #[arg(long, env = "DATABASE_URL")]
-    database_url: String,
-    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    nats_url: String,
-    /// Prefix of every stream and subject name, so deployments can share a NATS server.
-    #[arg(long, env = "TURNLOG_BUS_PREFIX", default_value = "turnlog")]
-    bus_prefix: String,
-    /// Writer partitions (a stable hash of the session id); fixed for a deployment.
-    #[arg(long, env = "TURNLOG_PARTITIONS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
-    partitions: u32,
-    /// How long TURNLOG_APPEND keeps requests (e.g. 30d); unlimited by default, so the
-    /// database can be rebuilt from it.
-    #[arg(long, env = "TURNLOG_APPEND_MAX_AGE", value_parser = turnlog_core::config::parse_duration)]
-    append_max_age: Option<Duration>,
-}
-
-/// How long a worker waits for the writer to apply its append.
-const WORKER_APPEND_TIMEOUT: Duration = Duration::from_secs(15);
-
-/// The model gateway and the models the workers call.
-#[derive(clap::Args, Clone)]
-struct WorkerModels {
-    /// Base URL of the OpenAI-compatible gateway, ending in /v1.
-    #[arg(long, env = "TURNLOG_LLM_URL")]
-    llm_url: String,
-    #[arg(long, env = "TURNLOG_LLM_API_KEY", hide_env_values = true)]
-    llm_api_key: Option<String>,
-    /// The chat model: its window sizes the compaction budget when a turn names none.
-    #[arg(long, env = "TURNLOG_MODEL")]
-    model: String,
-    /// Distillation, memory extraction and titles (default: TURNLOG_MODEL).
-    #[arg(long, env = "TURNLOG_MINI_MODEL")]
-    mini_model: Option<String>,
-    /// Compaction summaries (default: TURNLOG_MODEL).
-    #[arg(long, env = "TURNLOG_SUMMARY_MODEL")]
-    summary_model: Option<String>,
-    /// Context windows that win over the gateway's /models: `model=tokens,...`.
-    #[arg(long, env = "TURNLOG_MODEL_WINDOWS", default_value = "")]
-    model_windows: String,
-    /// The compaction budget when the model's window is unknown.
-    #[arg(long, env = "TURNLOG_CONTEXT_BUDGET", default_value_t = turnlog_core::budget::DEFAULT_BUDGET)]
-    context_budget: u32,
-    /// Deadline of one worker model call (e.g. 120s).
-    #[arg(long, env = "TURNLOG_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = turnlog_core::config::parse_duration)]
-    upstream_timeout: Duration,
-}
-
-impl WorkerModels {
-    fn upstream(&self) -> anyhow::Result<turnlog_core::upstream::UpstreamConfig> {
-        let windows_override = turnlog_core::upstream::parse_model_windows(&self.model_windows)
-            .map_err(|e| anyhow::anyhow!("TURNLOG_MODEL_WINDOWS: {e}"))?;
-        Ok(turnlog_core::upstream::UpstreamConfig {
-            base_url: self.llm_url.clone(),
-            api_key: self.llm_api_key.clone().filter(|k| !k.is_empty()),
-            timeout: self.upstream_timeout,
-            windows_override,
-        })
-    }
-
-    fn mini_model(&self) -> String {
-        self.mini_model.clone().unwrap_or_else(|| self.model.clone())
-    }
-}
-
-/// How a worker consumes the committed-event feed.
-#[derive(clap::Args, Clone)]
-struct WorkerTuning {
-    /// Events one copy of the worker handles at once.
-    #[arg(long, env = "TURNLOG_WORKER_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
-    worker_concurrency: u32,
-    /// Deliveries of an event before it goes to the dead letters.
-    #[arg(long, env = "TURNLOG_WORKER_MAX_DELIVER", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
-    worker_max_deliver: u32,
-    /// How long an event may go unacknowledged before it is redelivered (workers report
-    /// progress while they work, so this bounds only a dead copy's hold).
-    #[arg(long, env = "TURNLOG_WORKER_ACK_WAIT", default_value = "60s", value_parser = turnlog_core::config::parse_duration)]
-    worker_ack_wait: Duration,
-    /// Delays before each redelivery after a failure, the last repeating: `2s,10s,30s,60s`.
-    #[arg(long, env = "TURNLOG_WORKER_RETRY_BACKOFF", default_value = "2s,10s,30s,60s", value_delimiter = ',', value_parser = turnlog_core::config::parse_duration)]
-    worker_retry_backoff: Vec<Duration>,
-}
-
-impl WorkerTuning {
-    fn settings(&self) -> turnlog_core::worker::ConsumerSettings {
-        turnlog_core::worker::ConsumerSettings {
-            concurrency: usize::try_from(self.worker_concurrency).unwrap_or(1),
-            max_deliver: self.worker_max_deliver,
-            ack_wait: self.worker_ack_wait,
-            retry_backoff: self.worker_retry_backoff.clone(),
-        }
-    }
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Pretty,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -144,9 +58,8 @@ enum Command {
         models: WorkerModels,
         #[command(flatten)]
         tuning: WorkerTuning,
-        /// Longest wait for the extracted facts of the turns a summary replaces.
-        #[arg(long, env = "TURNLOG_FACTS_WAIT", default_value = "5s", value_parser = turnlog_core::config::parse_duration)]
-        facts_wait: Duration,
+        #[command(flatten)]
+        compactor: CompactorArgs,
     },
     /// Serve the HTTP API: sessions, transcripts, context, memories.
     Ingress {
@@ -157,20 +70,97 @@ enum Command {
     },
     /// Apply the database migrations and exit.
     Migrate {
-        #[arg(long, env = "DATABASE_URL")]
+        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
         database_url: String,
+    },
+    /// Run everything in one process for development: private Postgres and nats-server
+    /// (unless DATABASE_URL / NATS_URL are set), the mock model (unless TURNLOG_LLM_URL is).
+    Dev {
+        #[command(flatten)]
+        args: Box<turnlog_dev::DevArgs>,
     },
     /// Serve the deterministic OpenAI-compatible mock model.
     MockLlm {
         #[arg(long, env = "TURNLOG_MOCK_LISTEN", default_value = "127.0.0.1:8090")]
         listen: SocketAddr,
     },
+    /// Run a worker again over past committed events, from a feed sequence or a time through
+    /// the feed's end; idempotent, so it appends only what is missing.
+    Replay {
+        /// The worker whose handler runs again.
+        #[arg(long, value_enum)]
+        worker: ReplayWorker,
+        /// The TURNLOG_EVENTS sequence to start at.
+        #[arg(long, required_unless_present = "since", conflicts_with = "since")]
+        from_seq: Option<u64>,
+        /// Start at this time: RFC 3339 (2026-05-01T12:00:00Z) or a duration ago (90m, 2d).
+        #[arg(long, value_parser = turnlog_ops::parse_since)]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Only this session's events.
+        #[arg(long)]
+        session: Option<turnlog_core::ids::SessionId>,
+        #[command(flatten)]
+        backbone: Backbone,
+        #[command(flatten)]
+        models: WorkerModels,
+        #[command(flatten)]
+        tuning: WorkerTuning,
+        #[command(flatten)]
+        compactor: CompactorArgs,
+    },
+    /// Rebuild the database from TURNLOG_APPEND into an empty one, with the writer's code.
+    Rebuild {
+        /// The empty database to rebuild into (never DATABASE_URL: name it on purpose).
+        #[arg(long)]
+        database_url: String,
+        #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+        nats_url: String,
+        #[command(flatten)]
+        bus: BusArgs,
+    },
+    /// Compare two databases' sessions, events and memories; exit 0 only when identical
+    /// (1 when they differ, 2 when they cannot be compared).
+    Verify { url_a: String, url_b: String },
+    /// Inspect the dead letters (TURNLOG_DEAD) and redrive a writer's once its cause is fixed.
+    Dead {
+        #[command(subcommand)]
+        command: DeadCommand,
+        #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222", global = true)]
+        nats_url: String,
+        #[command(flatten)]
+        bus: BusArgs,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ReplayWorker {
+    Distiller,
+    Memory,
+    Compactor,
+}
+
+#[derive(Subcommand)]
+enum DeadCommand {
+    /// Every dead letter, oldest first: sequence, time, reason, session, detail.
+    List,
+    /// One dead letter whole, with how to redo it.
+    Show { seq: u64 },
+    /// Republish a writer's dead letter to TURNLOG_APPEND and wait for its outcome; it is
+    /// applied once, however often it is redriven.
+    Redrive {
+        seq: u64,
+        /// Asked for the outcome should the writer's reply be lost.
+        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+        database_url: Option<String>,
+        #[arg(long, default_value = "15s", value_parser = turnlog_core::config::parse_duration)]
+        timeout: std::time::Duration,
+    },
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
-    init_logging();
+    let cli: Cli = settings::parse_or_exit();
+    init_logging(cli.log_format)?;
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
     match cli.command {
@@ -178,69 +168,19 @@ async fn main() -> anyhow::Result<()> {
             let pool =
                 turnlog_core::db::connect(&b.database_url, 2).await.context("connecting to Postgres")?;
             turnlog_core::db::migrate(&pool).await.context("applying migrations")?;
-            let config = turnlog_writer::WriterConfig {
-                database_url: b.database_url,
-                nats_url: b.nats_url,
-                bus_prefix: b.bus_prefix,
-                partitions: b.partitions,
-                append_max_age: b.append_max_age,
-            };
-            turnlog_writer::run(config, shutdown).await
+            turnlog_writer::run(b.writer(), shutdown).await
         }
         Command::Distiller { backbone: b, models: m, tuning: t } => {
-            let config = turnlog_distiller::DistillerConfig {
-                upstream: m.upstream()?,
-                mini_model: m.mini_model(),
-                consumer: t.settings(),
-                call_deadline: m.upstream_timeout,
-                append_timeout: WORKER_APPEND_TIMEOUT,
-                database_url: b.database_url,
-                nats_url: b.nats_url,
-                bus_prefix: b.bus_prefix,
-                partitions: b.partitions,
-            };
-            turnlog_distiller::run(config, shutdown).await
+            turnlog_distiller::run(b.distiller(&m, &t)?, shutdown).await
         }
         Command::Memory { backbone: b, models: m, tuning: t } => {
-            let config = turnlog_memory::MemoryConfig {
-                upstream: m.upstream()?,
-                mini_model: m.mini_model(),
-                consumer: t.settings(),
-                call_deadline: m.upstream_timeout,
-                append_timeout: WORKER_APPEND_TIMEOUT,
-                database_url: b.database_url,
-                nats_url: b.nats_url,
-                bus_prefix: b.bus_prefix,
-                partitions: b.partitions,
-            };
-            turnlog_memory::run(config, shutdown).await
+            turnlog_memory::run(b.memory(&m, &t)?, shutdown).await
         }
-        Command::Compactor { backbone: b, models: m, tuning: t, facts_wait } => {
-            let config = turnlog_compactor::CompactorConfig {
-                upstream: m.upstream()?,
-                summary_model: m.summary_model.clone().unwrap_or_else(|| m.model.clone()),
-                model: m.model,
-                context_budget: m.context_budget,
-                consumer: t.settings(),
-                facts_wait,
-                summary_deadline: m.upstream_timeout,
-                append_timeout: WORKER_APPEND_TIMEOUT,
-                database_url: b.database_url,
-                nats_url: b.nats_url,
-                bus_prefix: b.bus_prefix,
-                partitions: b.partitions,
-            };
-            turnlog_compactor::run(config, shutdown).await
+        Command::Compactor { backbone: b, models: m, tuning: t, compactor: c } => {
+            turnlog_compactor::run(b.compactor(&m, &t, &c)?, shutdown).await
         }
         Command::Ingress { backbone: b, args } => {
-            let backbone = turnlog_ingress::Backbone {
-                database_url: b.database_url,
-                nats_url: b.nats_url,
-                bus_prefix: b.bus_prefix,
-                partitions: b.partitions,
-                append_max_age: b.append_max_age,
-            };
-            let config = turnlog_ingress::IngressConfig::from_args(backbone, args)?;
+            let config = b.ingress(args)?;
             let listener = tokio::net::TcpListener::bind(config.listen)
                 .await
                 .with_context(|| format!("cannot listen on {}", config.listen))?;
@@ -252,11 +192,80 @@ async fn main() -> anyhow::Result<()> {
             tracing::info!("migrations applied");
             Ok(())
         }
+        Command::Dev { args } => turnlog_dev::run(turnlog_dev::DevConfig::from_args(*args)?, shutdown).await,
         Command::MockLlm { listen } => {
             let listener = tokio::net::TcpListener::bind(listen)
                 .await
                 .with_context(|| format!("cannot listen on {listen}"))?;
             turnlog_mock_llm::run(listener, turnlog_mock_llm::MockConfig::default(), shutdown).await
+        }
+        Command::Replay {
+            worker,
+            from_seq,
+            since,
+            session,
+            backbone: b,
+            models: m,
+            tuning: t,
+            compactor: c,
+        } => {
+            let from = match (from_seq, since) {
+                (Some(seq), _) => turnlog_ops::ReplayFrom::Sequence(seq),
+                (None, Some(time)) => turnlog_ops::ReplayFrom::Time(time),
+                (None, None) => anyhow::bail!("--from-seq or --since is required"),
+            };
+            match worker {
+                ReplayWorker::Distiller => {
+                    let config = b.distiller(&m, &t)?;
+                    let run = |stop| turnlog_distiller::run(config, stop);
+                    turnlog_ops::replay("distiller", from, session, true, shutdown, run).await?;
+                }
+                ReplayWorker::Memory => {
+                    let config = b.memory(&m, &t)?;
+                    let run = |stop| turnlog_memory::run(config, stop);
+                    turnlog_ops::replay("memory", from, session, true, shutdown, run).await?;
+                }
+                ReplayWorker::Compactor => {
+                    let config = b.compactor(&m, &t, &c)?;
+                    let run = |stop| turnlog_compactor::run(config, stop);
+                    turnlog_ops::replay("compactor", from, session, true, shutdown, run).await?;
+                }
+            }
+            Ok(())
+        }
+        Command::Rebuild { database_url, nats_url, bus } => {
+            let bus = turnlog_core::bus::Bus::connect(&nats_url, &bus.bus_prefix, bus.partitions).await?;
+            turnlog_ops::rebuild(&database_url, &bus, true).await.map(drop)
+        }
+        Command::Verify { url_a, url_b } => {
+            let code = match turnlog_ops::verify(&url_a, &url_b).await {
+                Ok(verdict) if verdict.is_identical() => 0,
+                Ok(_) => 1,
+                Err(e) => {
+                    eprintln!("error: {e:#}");
+                    2
+                }
+            };
+            std::process::exit(code)
+        }
+        Command::Dead { command, nats_url, bus } => {
+            let bus = turnlog_core::bus::Bus::connect(&nats_url, &bus.bus_prefix, bus.partitions).await?;
+            match command {
+                DeadCommand::List => turnlog_ops::dead::list(&bus, |_| {}).await.map(drop),
+                DeadCommand::Show { seq } => turnlog_ops::dead::show(&bus, seq).await.map(drop),
+                DeadCommand::Redrive { seq, database_url, timeout } => {
+                    let pool = match database_url {
+                        Some(url) => {
+                            Some(turnlog_core::db::connect(&url, 1).await.context("connecting to Postgres")?)
+                        }
+                        None => None,
+                    };
+                    let redriven = turnlog_ops::dead::redrive(&bus, pool.as_ref(), seq, timeout).await?;
+                    let applied = redriven.outcome.is_some_and(|o| o.is_applied());
+                    anyhow::ensure!(applied, "dead letter {seq} was not applied");
+                    Ok(())
+                }
+            }
         }
     }
 }
@@ -286,14 +295,25 @@ async fn cancel_on_signal(shutdown: CancellationToken) {
     shutdown.cancel();
 }
 
-/// `RUST_LOG` filters (default info); `TURNLOG_LOG_FORMAT=json` for one JSON object a line.
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    if std::env::var("TURNLOG_LOG_FORMAT").is_ok_and(|f| f == "json") {
-        builder.json().init();
-    } else {
-        builder.init();
+/// Logs go to stderr (stdout stays for what a command prints for its user, such as `turnlog
+/// dev`'s banner), filtered by `RUST_LOG` (default info). Both formats print the fields of
+/// every enclosing span, so a turn's lines all carry its `session_id`.
+fn init_logging(format: LogFormat) -> anyhow::Result<()> {
+    use std::io::IsTerminal as _;
+    use tracing_subscriber::EnvFilter;
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(spec) if !spec.trim().is_empty() => EnvFilter::builder().parse(&spec).map_err(|e| {
+            anyhow::anyhow!("RUST_LOG={spec:?} is not a log filter (e.g. info,turnlog_writer=debug): {e}")
+        })?,
+        // sqlx reports Postgres notices ("relation already exists, skipping") at info.
+        _ => EnvFilter::new("info,sqlx::postgres::notice=warn"),
+    };
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Pretty => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => {
+            builder.json().flatten_event(true).with_current_span(true).with_span_list(true).init()
+        }
     }
+    Ok(())
 }

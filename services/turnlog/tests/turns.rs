@@ -226,3 +226,16 @@ async fn sigterm_checkpoints_turns_in_flight_and_exits_with_streams_open() {
     .unwrap();
     assert!(stored.starts_with(&text), "everything the client had is stored");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_turn_releases_its_renewed_lease_so_the_next_send_goes_through() {
+    let sys = System::start().await;
+    let (_a, base) = sys.ingress().await;
+    let id = sys.create(&base).await;
+    // Longer than one renewal period (3 s): the lease's revision moves during the turn.
+    let first = read_all(sys.send(&base, &id, "slow [mock words=90 delay_ms=50]").await).await;
+    assert_eq!(first.last().unwrap().1["status"], "completed");
+    let next = sys.send(&base, &id, "right away").await;
+    assert_eq!(next.status(), 200, "the lease was released at the end of the turn");
+    assert_eq!(read_all(next).await.last().unwrap().1["status"], "completed");
+}

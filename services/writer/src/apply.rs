@@ -2,7 +2,7 @@
 //! memory: what to insert and update, each request's outcome, and what goes to the dead
 //! letters. No I/O here; `store` loads the state and writes the result in one transaction.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
@@ -24,6 +24,9 @@ pub struct Incoming {
     /// The session named by the subject (`None` when the subject is malformed).
     pub subject_session: Option<SessionId>,
     pub reply_to: Option<String>,
+    /// An operator's redrive of a dead letter (`turnlog dead redrive`): a request that was
+    /// dead-lettered before is applied again instead of answered as a duplicate.
+    pub redrive: bool,
     pub body: Bytes,
 }
 
@@ -91,17 +94,42 @@ fn refuse(reason: &'static str, detail: impl Into<String>) -> Refusal {
     Refusal { reason, detail: detail.into() }
 }
 
-/// The state a batch needs from the database, loaded before applying it.
+/// The state a batch needs from the database: loaded before each batch by the live
+/// writer, the whole database kept in memory by a rebuild. Applying a batch moves it to
+/// the state after the batch (a deleted session aside: see [`LoadedState::forget_deleted`]).
 #[derive(Debug, Default)]
 pub struct LoadedState {
     pub sessions: HashMap<SessionId, SessionRow>,
-    pub outcomes: HashMap<Uuid, Outcome>,
+    /// Recorded outcomes by request id, with the session each names.
+    pub outcomes: HashMap<Uuid, (Outcome, Option<SessionId>)>,
 }
 
-/// Applies `batch` in order. A delete is applied alone: the batch stops before a delete
-/// that is not its first request, and right after one that is; `consumed` says how far it
-/// got.
-pub fn apply_batch(batch: &[Incoming], mut state: LoadedState) -> BatchEffects {
+impl LoadedState {
+    /// After a delete batch: the session and its outcomes are gone, the delete's own
+    /// outcome stays — as `store::write_delete` leaves the database.
+    pub fn forget_deleted(&mut self, fx: &BatchEffects) {
+        let Some(deleted) = fx.deleted else { return };
+        self.sessions.remove(&deleted);
+        self.outcomes.retain(|_, (_, session)| *session != Some(deleted));
+        for (outcome, session) in &fx.outcomes {
+            self.outcomes.insert(outcome.request_id, (outcome.clone(), *session));
+        }
+    }
+}
+
+/// The reason of the one rejection that is not a dead letter.
+const EXPECT_FAILED: &str = "expect_failed";
+
+/// A rejection that went to the dead letters (not a failed `expect`): one a redrive may
+/// apply again once its cause is fixed.
+fn was_dead_lettered(outcome: &Outcome) -> bool {
+    outcome.status == OutcomeStatus::Rejected && outcome.reason.as_deref() != Some(EXPECT_FAILED)
+}
+
+/// Applies `batch` in order, moving `state` along. A delete is applied alone: the batch
+/// stops before a delete that is not its first request, and right after one that is;
+/// `consumed` says how far it got.
+pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects {
     let mut fx = BatchEffects::default();
     let mut created: Vec<SessionId> = Vec::new();
     let mut touched: Vec<SessionId> = Vec::new();
@@ -127,12 +155,16 @@ pub fn apply_batch(batch: &[Incoming], mut state: LoadedState) -> BatchEffects {
                 continue;
             }
         };
-        if let Some(prev) = state.outcomes.get(&req.request_id) {
-            let dup = Outcome { status: OutcomeStatus::Duplicate, ..prev.clone() };
-            if let Some(r) = &msg.reply_to {
-                fx.replies.push((r.clone(), dup));
+        if let Some((prev, _)) = state.outcomes.get(&req.request_id) {
+            if !(msg.redrive && was_dead_lettered(prev)) {
+                let dup = Outcome { status: OutcomeStatus::Duplicate, ..prev.clone() };
+                if let Some(r) = &msg.reply_to {
+                    fx.replies.push((r.clone(), dup));
+                }
+                continue;
             }
-            continue;
+            // Redriven: its new outcome replaces the old one, in this batch's writes too.
+            fx.outcomes.retain(|(o, _)| o.request_id != req.request_id);
         }
         let known = state.sessions.contains_key(&req.session_id).then_some(req.session_id);
         let result = apply_one(&req, msg, &mut state.sessions, &mut fx);
@@ -161,7 +193,7 @@ pub fn apply_batch(batch: &[Incoming], mut state: LoadedState) -> BatchEffects {
                 Op::Append | Op::Update => touched.push(req.session_id),
             }
         }
-        state.outcomes.insert(req.request_id, outcome.clone());
+        state.outcomes.insert(req.request_id, (outcome.clone(), Some(req.session_id)));
         fx.outcomes.push((outcome.clone(), Some(req.session_id)));
         if let Some(r) = &msg.reply_to {
             fx.replies.push((r.clone(), outcome));
@@ -171,19 +203,20 @@ pub fn apply_batch(batch: &[Incoming], mut state: LoadedState) -> BatchEffects {
         }
     }
 
+    // Each session once, in first-touched order (sets: a rebuild's batches are large).
+    let mut seen: HashSet<SessionId> = HashSet::with_capacity(created.len() + touched.len());
     for id in &created {
         if let Some(row) = state.sessions.get(id) {
-            if !fx.created.iter().any(|r| r.id == *id) {
+            if seen.insert(*id) {
                 fx.created.push(row.clone());
             }
         }
     }
     for id in &touched {
-        if created.contains(id) || fx.updated.iter().any(|r| r.id == *id) {
-            continue;
-        }
         if let Some(row) = state.sessions.get(id) {
-            fx.updated.push(row.clone());
+            if seen.insert(*id) {
+                fx.updated.push(row.clone());
+            }
         }
     }
     fx
@@ -293,15 +326,13 @@ fn apply_one(
             }
             if let Some(expect) = req.expect {
                 if expect.compacted_through != session.compacted_through {
-                    return Ok(Applied { seq: None, rejected: Some("expect_failed") });
+                    return Ok(Applied { seq: None, rejected: Some(EXPECT_FAILED) });
                 }
             }
             let seq = session.last_seq + 1;
             match &body {
-                EventBody::UserMessage(m) => {
-                    if m.category.is_some() {
-                        session.last_category = m.category.clone();
-                    }
+                EventBody::UserMessage(m) if m.category.is_some() => {
+                    session.last_category = m.category.clone();
                 }
                 EventBody::CompactionApplied(c) => {
                     let after_previous = session.compacted_through.is_none_or(|b| c.replaces_through_seq > b);
@@ -375,7 +406,6 @@ fn has_nul(v: &Value) -> bool {
 }
 
 fn dead_letter(fx: &mut BatchEffects, msg: &Incoming, session: Option<SessionId>, refusal: Refusal) {
-    tracing::warn!(stream_seq = msg.stream_seq, reason = refusal.reason, detail = %refusal.detail, "request dead-lettered");
     fx.dead.push((
         session,
         DeadLetter {

@@ -3,8 +3,11 @@
 //! stream order from its recorded position, applies each batch and its new position in
 //! one transaction, then publishes the committed events, advances `published_seq` and
 //! answers the producers. A crash anywhere applies nothing twice and skips nothing.
+//! `rebuild` runs the same apply code in an apply-only mode into an empty database.
 
 mod apply;
+mod bulk;
+mod rebuild;
 mod store;
 
 use std::collections::HashMap;
@@ -13,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::stream::RawMessageErrorKind;
 use futures::{FutureExt as _, StreamExt as _};
 use sqlx::{Connection as _, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -22,6 +26,12 @@ use uuid::Uuid;
 
 pub use apply::{apply_batch, Incoming};
 use apply::{LoadedState, SessionRow};
+pub use rebuild::{rebuild, RebuildProgress, RebuildSummary};
+
+/// Header marking an APPEND message as an operator's redrive of a dead letter (its value is
+/// the dead letter's TURNLOG_DEAD sequence): the one case where a request id seen before
+/// is applied again, if its recorded outcome was a dead-letter rejection.
+pub const REDRIVE_HEADER: &str = "Turnlog-Redrive";
 
 /// Most requests applied in one transaction.
 pub const MAX_BATCH: usize = 500;
@@ -251,6 +261,7 @@ async fn apply_and_commit(
     let mut to_load: Vec<Uuid> = Vec::new();
     let mut requests: Vec<Uuid> = Vec::new();
     let mut state = LoadedState::default();
+    // Sessions come from the cache where it has them; outcomes always from the database.
     for m in batch {
         if let Some(s) = m.subject_session {
             match cache.get(&s) {
@@ -271,21 +282,22 @@ async fn apply_and_commit(
     let t_load = t0.elapsed();
     state.sessions.extend(loaded.sessions);
     state.outcomes = loaded.outcomes;
-    let fx = apply_batch(batch, state);
+    let fx = apply_batch(batch, &mut state);
     let t_apply = t0.elapsed();
 
     // Dead letters go out before the commit (deduplicated by stream sequence), so a crash
     // in between cannot lose one.
     for (session, letter) in &fx.dead {
+        tracing::warn!(stream_seq = ?letter.stream_seq, reason = %letter.reason, detail = %letter.detail,
+            "request dead-lettered");
         let subject = bus.names.dead_subject(&letter.reason, *session);
         let msg_id = format!("dead:{}", letter.stream_seq.unwrap_or_default());
         let msg = PublishMessage::build().payload(serde_json::to_vec(letter)?.into()).message_id(msg_id);
         bus.js.send_publish(subject, msg).await?.await.context("publishing a dead letter")?;
     }
-    match fx.deleted {
-        Some(session) => store::write_delete(pool, partition, applied, &fx, session).await?,
-        None => store::write_effects(pool, partition, applied, &fx).await?,
-    }
+    let mut conn = pool.acquire().await?;
+    store::commit(&mut conn, partition, applied, &fx).await?;
+    drop(conn);
 
     tracing::debug!(
         partition,
@@ -323,7 +335,8 @@ fn incoming(m: async_nats::jetstream::Message) -> anyhow::Result<Incoming> {
     let (stream_seq, published) = (info.stream_sequence, info.published);
     let subject_session = m.subject.rsplit('.').next().and_then(|s| s.parse::<SessionId>().ok());
     let reply_to = m.headers.as_ref().and_then(|h| h.get(REPLY_HEADER)).map(|v| v.to_string());
-    Ok(Incoming { stream_seq, published, subject_session, reply_to, body: m.message.payload })
+    let redrive = m.headers.as_ref().is_some_and(|h| h.get(REDRIVE_HEADER).is_some());
+    Ok(Incoming { stream_seq, published, subject_session, reply_to, redrive, body: m.message.payload })
 }
 
 /// Publishes committed events to TURNLOG_EVENTS and waits for every PubAck (sent all at
@@ -351,12 +364,29 @@ async fn finish_purges(pool: &PgPool, bus: &Bus, partition: u32) -> anyhow::Resu
 }
 
 /// Removes a deleted session's messages from all three streams, then its purge record.
+/// Message by message rather than by a purge with a subject filter: nats-server before
+/// 2.9.15 moves every consumer of the stream past its last message on such a purge
+/// (nats-server#3838), so this writer, a rebuild or a worker would skip what it had not
+/// read yet. Deleting single messages leaves every consumer where it is.
 async fn purge_session(pool: &PgPool, bus: &Bus, session: SessionId) -> anyhow::Result<()> {
+    let mut removed = 0u64;
     for (stream, filter) in bus.names.session_filters(bus.partition_of(session), session) {
         let s = bus.js.get_stream(&stream).await.with_context(|| format!("opening {stream}"))?;
-        s.purge().filter(filter).await.with_context(|| format!("purging {stream}"))?;
+        let mut next = 1;
+        loop {
+            let m = match s.get_first_raw_message_by_subject(&filter, next).await {
+                Ok(m) => m,
+                Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => break,
+                Err(e) => return Err(e).with_context(|| format!("finding {filter} in {stream}")),
+            };
+            s.delete_message(m.sequence)
+                .await
+                .with_context(|| format!("deleting {stream} {}", m.sequence))?;
+            next = m.sequence + 1;
+            removed += 1;
+        }
     }
     store::purge_done(pool, session).await?;
-    tracing::info!(%session, "deleted session purged from the streams");
+    tracing::info!(%session, removed, "deleted session purged from the streams");
     Ok(())
 }

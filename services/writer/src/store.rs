@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use sqlx::PgPool;
+use sqlx::{Connection as _, PgConnection, PgPool};
 use turnlog_core::bus::{CommittedEvent, Outcome, OutcomeStatus};
 use turnlog_core::ids::SessionId;
 use uuid::Uuid;
@@ -46,6 +46,9 @@ struct SessionDb {
     updated_at: chrono::DateTime<chrono::Utc>,
 }
 
+/// request_id, session_id, status, seq, reason.
+type OutcomeRow = (Uuid, Option<Uuid>, String, Option<i64>, Option<String>);
+
 /// The sessions (those not cached) and prior outcomes a batch refers to. Usually one round
 /// trip: the writer caches the sessions it has seen.
 pub async fn load_state(
@@ -65,8 +68,8 @@ pub async fn load_state(
         .fetch_all(pool)
         .await?
     };
-    let outcomes: Vec<(Uuid, String, Option<i64>, Option<String>)> = sqlx::query_as(
-        "SELECT request_id, status, seq, reason FROM request_outcomes WHERE request_id = ANY($1)",
+    let outcomes: Vec<OutcomeRow> = sqlx::query_as(
+        "SELECT request_id, session_id, status, seq, reason FROM request_outcomes WHERE request_id = ANY($1)",
     )
     .bind(requests)
     .fetch_all(pool)
@@ -93,21 +96,35 @@ pub async fn load_state(
             .collect(),
         outcomes: outcomes
             .into_iter()
-            .map(|(id, status, seq, reason)| {
+            .map(|(id, session, status, seq, reason)| {
                 let status =
                     if status == "committed" { OutcomeStatus::Committed } else { OutcomeStatus::Rejected };
-                (id, Outcome { request_id: id, status, seq, reason })
+                (id, (Outcome { request_id: id, status, seq, reason }, session.map(SessionId)))
             })
             .collect::<HashMap<_, _>>(),
     })
 }
 
+/// Writes a batch (a delete through [`write_delete`], anything else through
+/// [`write_effects`]) with the partition's new position.
+pub async fn commit(
+    conn: &mut PgConnection,
+    partition: i32,
+    expected: i64,
+    fx: &BatchEffects,
+) -> Result<(), StoreError> {
+    match fx.deleted {
+        Some(session) => write_delete(conn, partition, expected, fx, session).await,
+        None => write_effects(conn, partition, expected, fx).await,
+    }
+}
+
 /// Writes a batch's effects and moves the partition's position from `expected` to the
 /// batch's last stream sequence: one statement, so one round trip and one commit. Every
 /// insert is conditional on the position's compare-and-set, so a fenced writer changes
-/// nothing. (A delete goes through [`write_delete`] instead.)
-pub async fn write_effects(
-    pool: &PgPool,
+/// nothing. A redriven request's new outcome replaces its dead-lettered one.
+async fn write_effects(
+    conn: &mut PgConnection,
     partition: i32,
     expected: i64,
     fx: &BatchEffects,
@@ -138,6 +155,9 @@ pub async fn write_effects(
              INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
              SELECT * FROM UNNEST($22::uuid[], $23::uuid[], $24::text[], $25::int8[], $26::text[])
               WHERE EXISTS (SELECT 1 FROM pos)
+             ON CONFLICT (request_id) DO UPDATE SET
+                session_id = EXCLUDED.session_id, status = EXCLUDED.status, seq = EXCLUDED.seq,
+                reason = EXCLUDED.reason
          ), m AS (
              INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
              SELECT * FROM UNNEST($27::uuid[], $28::text[], $29::uuid[], $30::int8[], $31::text[],
@@ -179,7 +199,7 @@ pub async fn write_effects(
     .bind(m.iter().map(|r| r.turn_seq).collect::<Vec<_>>())
     .bind(m.iter().map(|r| r.text.as_str()).collect::<Vec<_>>())
     .bind(m.iter().map(|r| r.created_at).collect::<Vec<_>>())
-    .fetch_one(pool)
+    .fetch_one(&mut *conn)
     .await?;
     if moved != 1 {
         return Err(StoreError::Fenced { partition, expected });
@@ -190,14 +210,14 @@ pub async fn write_effects(
 /// A delete batch: the session's rows go (events and memories by cascade, with its
 /// outcomes), a pending purge is recorded, and the delete's own outcome is kept so a
 /// resent delete is answered.
-pub async fn write_delete(
-    pool: &PgPool,
+async fn write_delete(
+    conn: &mut PgConnection,
     partition: i32,
     expected: i64,
     fx: &BatchEffects,
     session: SessionId,
 ) -> Result<(), StoreError> {
-    let mut tx = pool.begin().await?;
+    let mut tx = conn.begin().await?;
     let moved =
         sqlx::query("UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2")
             .bind(partition)
@@ -218,18 +238,26 @@ pub async fn write_delete(
         .execute(&mut *tx)
         .await?;
     for (o, s) in &fx.outcomes {
-        sqlx::query("INSERT INTO request_outcomes (request_id, session_id, status, seq, reason) VALUES ($1, $2, $3, $4, $5)")
-            .bind(o.request_id)
-            .bind(s.map(|s| s.0))
-            .bind(o.status.as_str())
-            .bind(o.seq)
-            .bind(o.reason.as_deref())
-            .execute(&mut *tx)
-            .await?;
+        sqlx::query(
+            "INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
+             VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (request_id) DO UPDATE SET session_id = EXCLUDED.session_id,
+                status = EXCLUDED.status, seq = EXCLUDED.seq, reason = EXCLUDED.reason",
+        )
+        .bind(o.request_id)
+        .bind(s.map(|s| s.0))
+        .bind(o.status.as_str())
+        .bind(o.seq)
+        .bind(o.reason.as_deref())
+        .execute(&mut *tx)
+        .await?;
     }
     tx.commit().await?;
     Ok(())
 }
+
+/// session_id, owner, seq, event_id, kind, payload, created_at.
+type CommittedRow = (Uuid, String, i64, Uuid, String, serde_json::Value, chrono::DateTime<chrono::Utc>);
 
 /// Events committed from APPEND messages in `(after, through]`, in commit order.
 pub async fn committed_between(
@@ -237,17 +265,16 @@ pub async fn committed_between(
     after: i64,
     through: i64,
 ) -> Result<Vec<CommittedEvent>, sqlx::Error> {
-    let rows: Vec<(Uuid, String, i64, Uuid, String, serde_json::Value, chrono::DateTime<chrono::Utc>)> =
-        sqlx::query_as(
-            "SELECT e.session_id, s.owner, e.seq, e.event_id, e.kind, e.payload, e.created_at
+    let rows: Vec<CommittedRow> = sqlx::query_as(
+        "SELECT e.session_id, s.owner, e.seq, e.event_id, e.kind, e.payload, e.created_at
                FROM session_events e JOIN sessions s ON s.id = e.session_id
               WHERE e.stream_seq > $1 AND e.stream_seq <= $2
               ORDER BY e.stream_seq, e.seq",
-        )
-        .bind(after)
-        .bind(through)
-        .fetch_all(pool)
-        .await?;
+    )
+    .bind(after)
+    .bind(through)
+    .fetch_all(pool)
+    .await?;
     Ok(rows
         .into_iter()
         .map(|(session_id, owner, seq, event_id, kind, payload, created_at)| CommittedEvent {

@@ -360,6 +360,49 @@ async fn delete_removes_rows_memories_and_stream_messages_of_that_session_only()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_ahead_of_a_queue_of_requests_skips_none_of_them() {
+    let h = Harness::start().await;
+    let (doomed, kept) = (h.create("alice").await, h.create("alice").await);
+    h.user(doomed, "alice", "soon gone").await;
+    let Harness { env, bus, shutdown, writer } = h;
+    shutdown.cancel();
+    writer.await.unwrap().unwrap();
+    // The delete, then a queue the writer reads only after it has purged the session. (A
+    // purge by subject on nats-server before 2.9.15 moved the writer's consumer past all
+    // of them.)
+    bus.publish_append(&AppendRequest::delete(doomed, "alice"), None).await.unwrap();
+    let mut acks = Vec::new();
+    for i in 0..2_000 {
+        let body = EventBody::UserMessage(UserMessage { text: format!("q{i}"), ..Default::default() });
+        let req = AppendRequest::append(kept, "alice", Uuid::now_v7(), &body);
+        let msg = async_nats::jetstream::message::PublishMessage::build()
+            .payload(Bytes::from(serde_json::to_vec(&req).unwrap()))
+            .message_id(req.request_id.to_string());
+        let subject = bus.names.append_subject(0, kept);
+        acks.push(bus.js.send_publish(subject, msg).await.unwrap());
+    }
+    for ack in acks {
+        ack.await.unwrap();
+    }
+    let (shutdown, writer) = spawn_writer(&env);
+    let h = Harness { env, bus, shutdown, writer };
+    let n = eventually(WAIT, || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM session_events WHERE session_id = $1")
+            .bind(kept.0)
+            .fetch_one(&h.env.pool)
+            .await
+            .unwrap();
+        let purged: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pending_purges").fetch_one(&h.env.pool).await.unwrap();
+        (n == 2_001 && purged == 0).then_some(n)
+    })
+    .await;
+    assert_eq!(n, 2_001, "every queued request applied");
+    assert!(h.seqs(doomed).await.is_empty());
+    h.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_reach_the_feed_in_order_and_a_crash_before_publishing_is_repaired() {
     let h = Harness::start().await;
     let s = h.create("alice").await;

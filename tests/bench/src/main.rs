@@ -1,7 +1,12 @@
 //! turnlog's benchmarks, each printing its figures beside a baseline and ending with one
 //! `RESULT <name> key=value ...` line: `cargo run --release -p turnlog-bench -- <name>`.
 
+mod cache;
 mod context;
+mod ingress;
+mod rebuild;
+mod soak;
+mod system;
 mod writer;
 
 fn main() -> anyhow::Result<()> {
@@ -12,8 +17,12 @@ fn main() -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("context") => context::run(),
         Some("writer") => runtime()?.block_on(writer::run()),
+        Some("rebuild") => runtime()?.block_on(rebuild::run()),
+        Some("ingress") => runtime()?.block_on(ingress::run()),
+        Some("cache") => runtime()?.block_on(cache::run()),
+        Some("soak") => runtime()?.block_on(soak::run(&args[1..])),
         other => {
-            eprintln!("usage: turnlog-bench <context|writer>  (got {other:?})");
+            eprintln!("usage: turnlog-bench <context|writer|ingress|cache>  (got {other:?})");
             std::process::exit(2);
         }
     }

@@ -115,6 +115,29 @@ impl TestEnv {
         &self.database
     }
 
+    /// Another fresh, migrated, empty database on the environment's server (a rebuild's
+    /// target, say); returns its URL. Swept like an environment's own database; panics
+    /// when the server refuses.
+    pub async fn extra_database(&self) -> String {
+        let key = format!("{}x{}", self.bus_prefix, random_alnum(6));
+        let database = format!("turnlog_t_{}", &key[1..]);
+        let made = async {
+            create_database(&self.admin_url, &database).await?;
+            sweep::record(Some(&self.admin_url), None, &database, &key);
+            let url = with_database(&self.admin_url, &database);
+            let pool = turnlog_core::db::connect(&url, 1)
+                .await
+                .with_context(|| format!("cannot connect to {url}"))?;
+            turnlog_core::db::migrate(&pool).await.with_context(|| format!("migrating {database}"))?;
+            pool.close().await;
+            anyhow::Ok(url)
+        };
+        match made.await {
+            Ok(url) => url,
+            Err(e) => panic!("turnlog-testkit: cannot make an extra database: {e:#}"),
+        }
+    }
+
     /// A new NATS client on the environment's server; panics when it cannot connect.
     pub async fn nats(&self) -> async_nats::Client {
         match sweep::connect_nats(&self.nats_url).await {

@@ -37,6 +37,7 @@ mod nats;
 mod postgres;
 mod process;
 mod servers;
+pub mod soak;
 mod sweep;
 mod util;
 

@@ -88,19 +88,29 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
     };
     t.emit("meta", json!({"session_id": start.session, "user_seq": start.user_seq})).await;
 
-    // Renew the lease on its own timer for the whole turn; losing it stops the turn.
+    // Renew the lease on its own timer for the whole turn; losing it stops the turn. The
+    // latest revision is shared, because the release at the end must present it.
+    let (current, latest) = tokio::sync::watch::channel(start.lease);
+    let done = tokio_util::sync::CancellationToken::new();
     let renewing = {
-        let (app, turn, mut lease, holder) =
-            (Arc::clone(app), Arc::clone(turn), start.lease, app.instance_id.clone());
+        let (app, turn, holder, done) =
+            (Arc::clone(app), Arc::clone(turn), app.instance_id.clone(), done.clone());
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep(LEASE_RENEW_EVERY).await;
+                // Never cut a renewal short: its new revision is what the release needs.
+                tokio::select! {
+                    _ = tokio::time::sleep(LEASE_RENEW_EVERY) => {}
+                    _ = done.cancelled() => return,
+                }
+                let lease = *current.borrow();
                 match app.leases.renew(lease, &holder).await {
-                    Ok(Some(l)) => lease = l,
+                    Ok(Some(l)) => {
+                        current.send_replace(l);
+                    }
                     Ok(None) => {
                         tracing::warn!(session_id = %turn.session, "turn lease lost; stopping the turn");
                         turn.stop(PendingReason::Interrupted);
-                        return lease;
+                        return;
                     }
                     Err(e) => {
                         tracing::warn!(session_id = %turn.session, error = %e, "turn lease renewal failed")
@@ -112,11 +122,9 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
 
     let ending = t.stream_answer(started).await;
     let end = t.persist(ending, started).await;
-    renewing.abort();
-    let lease = match renewing.await {
-        Ok(lease) => lease,
-        Err(_) => start.lease,
-    };
+    done.cancel();
+    let _ = renewing.await;
+    let lease = *latest.borrow();
     // Released only after the outcome is durable, so a second send sees the finished turn.
     if let Err(e) = app.leases.release(lease).await {
         tracing::debug!(error = %e, "turn lease not released (it expires by itself)");

@@ -165,7 +165,9 @@ async fn bad_inputs_are_4xx_with_the_error_shape_and_write_nothing() {
         ),
         ("unknown route", Method::GET, "/v1/nope".into(), Body::None, 404),
         ("unknown route under a session", Method::GET, format!("{s}/nope"), Body::None, 404),
-        ("root", Method::GET, "/".into(), Body::None, 404),
+        // `/` is the web client; other paths outside /v1 are still JSON 404s.
+        ("unknown page", Method::GET, "/nope".into(), Body::None, 404),
+        ("unknown web asset", Method::GET, "/assets/nope.js".into(), Body::None, 404),
         ("wrong method (collection)", Method::PUT, "/v1/sessions".into(), Body::Json(json!({})), 405),
         ("wrong method (session)", Method::POST, s.clone(), Body::Json(json!({})), 405),
         ("wrong method (context)", Method::DELETE, format!("{s}/context"), Body::None, 405),

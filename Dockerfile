@@ -1,0 +1,25 @@
+# syntax=docker/dockerfile:1
+# One image for every turnlog service: a container runs `turnlog <service>` (compose.yaml
+# says which). The toolchain stays in the build stage; the runtime image holds the binary,
+# CA certificates (for an https model gateway) and curl (for the ingress healthcheck).
+# Container builds are not exercised by CI.
+
+FROM rust:1-bookworm AS build
+WORKDIR /src
+COPY . .
+# The cache mounts keep downloaded crates and compiled dependencies between builds.
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked -p turnlog \
+    && install -m 0755 target/release/turnlog /usr/local/bin/turnlog
+
+FROM debian:bookworm-slim
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates curl \
+    && rm -rf /var/lib/apt/lists/*
+RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin turnlog
+COPY --from=build /usr/local/bin/turnlog /usr/local/bin/turnlog
+USER turnlog
+ENV TURNLOG_LOG_FORMAT=json RUST_LOG=info
+ENTRYPOINT ["turnlog"]
+CMD ["--help"]

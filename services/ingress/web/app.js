@@ -1,0 +1,841 @@
+// turnlog's web client: the session list, a transcript of every item kind, a composer that
+// streams turns (and picks a running turn up again after a reload), and a context
+// inspector. Plain DOM, no framework; text from messages reaches the page only as text.
+
+import { api, ApiError, setupTokenDialog } from './api.js';
+import { $, ask, fmt, h, sleep, time, toast } from './dom.js';
+import { renderMarkdown } from './markdown.js';
+import { readEvents } from './sse.js';
+import { liveView, renderItem } from './transcript.js';
+
+const PAGE_SIZE = 30;
+// The turn being streamed, kept per tab so a reload continues after its last event.
+const SNAPSHOT_KEY = 'turnlog.turn';
+const SNAPSHOT_MAX_AGE_MS = 120_000;
+const SNAPSHOT_EVERY_MS = 250;
+const RECONNECTS = 3;
+const TITLE_CHARS = 60;
+// A session's turn lease outlives its turn when the holder died (it expires by itself in
+// about 10 s), so a send refused while nothing streams is tried again for this long.
+const BUSY_WAIT_MS = 15_000;
+
+// ---------------------------------------------------------------------------------------
+// State.
+
+const state = {
+  /** The open session: {id, session, items}; null for a new chat. */
+  current: null,
+  /** The turn being streamed in the open session, if any. */
+  turn: null,
+  /** The message just sent, shown until the transcript has it. */
+  pendingText: null,
+  opening: 0,
+  inspectorOpen: false,
+};
+
+const list = { sessions: [], next: null, done: false, loading: false, gen: 0, q: '', archived: false };
+
+function showPane(pane) {
+  document.body.dataset.pane = pane;
+}
+
+/** The session actions' menu (a phone folds them under ⋯). */
+function showMenu(open) {
+  $('#chat-header').classList.toggle('menu-open', open);
+  $('#more').setAttribute('aria-expanded', String(open));
+}
+
+// ---------------------------------------------------------------------------------------
+// The session list: newest first, a page at a time as the list scrolls.
+
+function reloadList() {
+  list.gen++;
+  list.sessions = [];
+  list.next = null;
+  list.done = false;
+  list.loading = false;
+  $('#session-list').replaceChildren();
+  $('#list-status').textContent = '';
+  return loadMore();
+}
+
+async function loadMore() {
+  if (list.loading || list.done) return;
+  const gen = list.gen;
+  list.loading = true;
+  $('#list-status').textContent = 'Loading…';
+  $('#load-more').hidden = true;
+  const params = new URLSearchParams({ limit: String(PAGE_SIZE) });
+  if (list.q) params.set('q', list.q);
+  else if (list.archived) params.set('archived', 'true');
+  if (list.next) {
+    params.set('before', list.next.before);
+    params.set('before_id', list.next.before_id);
+  }
+  let page;
+  try {
+    page = await api(`/v1/sessions?${params}`);
+  } catch (e) {
+    if (gen === list.gen) {
+      list.loading = false;
+      $('#list-status').textContent = `Could not load sessions: ${e.message}`;
+      $('#load-more').hidden = false;
+    }
+    return;
+  }
+  if (gen !== list.gen) return; // the view changed while this page was on its way
+  list.loading = false;
+  const known = new Set(list.sessions.map((s) => s.id));
+  const fresh = page.sessions.filter((s) => !known.has(s.id));
+  list.sessions.push(...fresh);
+  $('#session-list').append(...fresh.map(sessionRow));
+  list.next = page.next;
+  list.done = !page.next;
+  $('#load-more').hidden = list.done;
+  showListStatus();
+  $('#session-list').dataset.complete = String(list.done);
+  maybeLoadMore();
+}
+
+function showListStatus() {
+  const n = list.sessions.length;
+  let text = '';
+  if (!n && list.done) text = list.q ? 'No session matches.' : list.archived ? 'No archived sessions.' : 'No sessions yet.';
+  else if (list.done && n > PAGE_SIZE) text = `All ${fmt(n)} sessions shown.`;
+  $('#list-status').textContent = text;
+}
+
+/** Loads the next page when the end of the list is in view (also when a page did not fill it). */
+function maybeLoadMore() {
+  const scroller = $('#session-scroll');
+  if (scroller.scrollTop + scroller.clientHeight >= scroller.scrollHeight - 200) loadMore();
+}
+
+function sessionRow(s) {
+  const current = s.id === state.current?.id;
+  return h(
+    'li',
+    { class: 'session', dataset: { id: s.id } },
+    h(
+      'a',
+      { href: `#/s/${s.id}`, 'aria-current': current ? 'page' : null },
+      h('span', { class: 'title', text: s.title || 'Untitled' }),
+      h(
+        'span',
+        { class: 'sub' },
+        time(s.updated_at),
+        s.archived ? h('span', { class: 'badge', text: 'archived' }) : null,
+        s.last_category ? h('span', { class: 'badge', text: s.last_category }) : null,
+      ),
+    ),
+  );
+}
+
+/** Shows a changed session in the list: in place, at the top after a turn, or not at all
+ * when it no longer belongs to the view. */
+function updateListRow(session, { toTop = false } = {}) {
+  const ul = $('#session-list');
+  const old = ul.querySelector(`li[data-id="${session.id}"]`);
+  const belongs = list.q ? !!old : session.archived === list.archived;
+  list.sessions = list.sessions.filter((s) => s.id !== session.id);
+  if (!belongs) {
+    old?.remove();
+    return;
+  }
+  const row = sessionRow(session);
+  if (toTop || !old) {
+    old?.remove();
+    ul.prepend(row);
+    list.sessions.unshift(session);
+  } else {
+    old.replaceWith(row);
+    list.sessions.push(session);
+  }
+  showListStatus();
+}
+
+function markCurrentRow() {
+  for (const a of document.querySelectorAll('#session-list a')) {
+    const current = a.parentElement.dataset.id === state.current?.id;
+    if (current) a.setAttribute('aria-current', 'page');
+    else a.removeAttribute('aria-current');
+  }
+}
+
+function setupList() {
+  let debounce = 0;
+  $('#search').addEventListener('input', (e) => {
+    clearTimeout(debounce);
+    debounce = setTimeout(() => {
+      list.q = e.target.value.trim();
+      document.body.classList.toggle('searching', !!list.q);
+      reloadList();
+    }, 250);
+  });
+  for (const tab of document.querySelectorAll('[data-archived]')) {
+    tab.addEventListener('click', () => {
+      list.archived = tab.dataset.archived === 'true';
+      for (const t of document.querySelectorAll('[data-archived]')) {
+        t.setAttribute('aria-pressed', String(t === tab));
+      }
+      reloadList();
+    });
+  }
+  $('#session-scroll').addEventListener('scroll', maybeLoadMore, { passive: true });
+  $('#load-more').addEventListener('click', loadMore);
+  window.addEventListener('resize', maybeLoadMore);
+}
+
+// ---------------------------------------------------------------------------------------
+// Opening a session and drawing its transcript.
+
+function route() {
+  const match = /^#\/s\/([0-9a-f-]{36})$/i.exec(location.hash);
+  if (match) {
+    showPane('chat');
+    if (state.current?.id !== match[1]) openSession(match[1]);
+    return;
+  }
+  showPane(location.hash === '#/new' ? 'chat' : 'list');
+  newChat();
+}
+
+function newChat() {
+  leaveTurn();
+  state.opening++;
+  state.current = null;
+  document.title = 'turnlog';
+  renderHeader();
+  renderTranscript();
+  markCurrentRow();
+  if (state.inspectorOpen) loadContext();
+}
+
+async function openSession(id) {
+  leaveTurn();
+  const opening = ++state.opening;
+  state.current = { id, session: null, items: [] };
+  markCurrentRow();
+  renderHeader();
+  $('#transcript').replaceChildren(h('p', { class: 'hint', text: 'Loading…' }));
+  let detail;
+  try {
+    detail = await api(`/v1/sessions/${id}`);
+  } catch (e) {
+    if (opening !== state.opening) return;
+    if (e.status === 404) {
+      toast('That session does not exist (any more).');
+      location.hash = '#/';
+    } else {
+      $('#transcript').replaceChildren(h('p', { class: 'hint', text: `Could not load the session: ${e.message}` }));
+    }
+    return;
+  }
+  if (opening !== state.opening) return;
+  showDetail(detail);
+  if (detail.turn_active) attach(id, snapshotFor(id, detail.items));
+  else clearSnapshot();
+  if (state.inspectorOpen) loadContext();
+}
+
+function showDetail(detail) {
+  state.current = {
+    id: detail.session.id,
+    session: detail.session,
+    items: detail.items,
+  };
+  document.title = `${detail.session.title || 'Untitled'} · turnlog`;
+  renderHeader();
+  renderTranscript();
+}
+
+/** Reads the open session again (after a turn, a permission answer, …). */
+async function refreshCurrent({ toTop = false } = {}) {
+  const id = state.current?.id;
+  if (!id) return;
+  const opening = state.opening;
+  try {
+    const detail = await api(`/v1/sessions/${id}`);
+    if (opening !== state.opening || state.current?.id !== id) return;
+    showDetail(detail);
+    updateListRow(detail.session, { toTop });
+  } catch (e) {
+    toast(`Could not reload the session: ${e.message}`);
+  }
+  if (state.inspectorOpen) loadContext();
+}
+
+function renderHeader() {
+  const session = state.current?.session;
+  $('#chat-title').textContent = state.current ? session?.title || 'Untitled' : 'New chat';
+  for (const id of ['#rename', '#archive', '#delete', '#more']) $(id).hidden = !session;
+  showMenu(false);
+  $('#archive').textContent = session?.archived ? 'Unarchive' : 'Archive';
+  updateComposer();
+}
+
+function lastUserSeq(items) {
+  return items.findLast((i) => i.kind === 'user')?.seq ?? 0;
+}
+
+const itemActions = { answerPermission };
+
+function renderTranscript() {
+  const transcript = $('#transcript');
+  const items = state.current?.items ?? [];
+  const nodes = items.map((item) => renderItem(item, itemActions));
+  // A turn running before this page saw it has checkpoints in the log: the newest shows as
+  // an `interrupted` item at the end. The live answer stands in for it once it holds the
+  // same text (an earlier attempt's partial stays).
+  const last = items.at(-1);
+  if (state.turn?.reattached && last?.kind === 'interrupted' && last.seq > lastUserSeq(items)) {
+    state.turn.checkpoint = { node: nodes.at(-1), text: last.text ?? '' };
+  }
+  if (state.pendingText !== null) {
+    const pending = renderItem({ kind: 'user', text: state.pendingText, seq: 0, created_at: new Date().toISOString() });
+    pending.classList.add('pending');
+    nodes.push(pending);
+  }
+  if (state.turn) nodes.push(state.turn.view.node);
+  if (!nodes.length) {
+    nodes.push(
+      h(
+        'div',
+        { class: 'empty' },
+        h('h2', { text: state.current ? 'Nothing here yet' : 'Start a conversation' }),
+        h('p', { text: 'Type below. Enter sends, Shift+Enter adds a line, Esc stops an answer.' }),
+      ),
+    );
+  }
+  transcript.replaceChildren(...nodes);
+  transcript.scrollTop = transcript.scrollHeight;
+  updateComposer();
+}
+
+async function answerPermission(item, decision) {
+  const { id, tool } = item.permission;
+  try {
+    await api(`/v1/sessions/${state.current.id}/permissions/${encodeURIComponent(id)}`, {
+      method: 'POST',
+      body: { decision },
+    });
+    toast(decision === 'allow' ? `Allowed ${tool}.` : `Denied ${tool}.`, 'info');
+  } catch (e) {
+    toast(`Could not answer: ${e.message}`);
+  }
+  refreshCurrent();
+}
+
+// ---------------------------------------------------------------------------------------
+// Streaming a turn: send, retry, or re-attach to one that runs.
+
+function scheduleRender(turn) {
+  if (turn.view.frame) return;
+  turn.view.frame = requestAnimationFrame(() => {
+    turn.view.frame = 0;
+    drawLive(turn);
+  });
+}
+
+function drawLive(turn) {
+  const v = turn.view;
+  const transcript = $('#transcript');
+  const atBottom = transcript.scrollTop + transcript.clientHeight >= transcript.scrollHeight - 80;
+  v.reasoning.hidden = !turn.reasoning;
+  v.reasoningText.textContent = turn.reasoning;
+  v.md.replaceChildren(renderMarkdown(turn.text));
+  if (turn.checkpoint) turn.checkpoint.node.hidden = turn.text.startsWith(turn.checkpoint.text);
+  v.errors.replaceChildren(...turn.errors.map((e) => h('p', { class: 'error-line', text: `${e.code}: ${e.message}` })));
+  const started = turn.text || turn.reasoning;
+  v.status.textContent = turn.stopping
+    ? 'Stopping…'
+    : started
+      ? 'Answering…'
+      : turn.waiting
+        ? 'Waiting for the previous turn to end…'
+        : 'Waiting for the model…';
+  if (atBottom) transcript.scrollTop = transcript.scrollHeight;
+}
+
+/** Runs one turn's stream in the open session. `open(signal)` makes the first request;
+ * later ones re-attach after the last event received. Resolves with the error that kept
+ * the turn from starting, if any. */
+async function runTurn(sessionId, open, { resume = null, reattached = false } = {}) {
+  const turn = {
+    sessionId,
+    reattached,
+    checkpoint: null,
+    text: resume?.text ?? '',
+    reasoning: resume?.reasoning ?? '',
+    lastId: resume?.lastId ?? 0,
+    userSeq: resume?.userSeq ?? null,
+    errors: [],
+    ended: null,
+    stopping: false,
+    controller: new AbortController(),
+    view: liveView(),
+  };
+  state.turn = turn;
+  renderTranscript();
+  drawLive(turn);
+
+  let failed = null;
+  try {
+    await follow(turn, open);
+  } catch (e) {
+    if (turn.controller.signal.aborted) return null; // the user left; the turn goes on without us
+    failed = e;
+  }
+  if (state.turn !== turn) return failed;
+  state.turn = null;
+  state.pendingText = null;
+  clearSnapshot();
+  updateComposer();
+  if (failed) toast(failed instanceof ApiError ? failed.message : `The answer stream was lost: ${failed.message}`);
+  await refreshCurrent({ toTop: true });
+  return failed;
+}
+
+async function follow(turn, open) {
+  const { signal } = turn.controller;
+  const onEvent = (e) => onTurnEvent(turn, e);
+  let res = await open(signal, turn); // an error here (409, 503, …) means no turn started
+  for (let failures = 0; ; ) {
+    if (res?.status === 204) return; // no turn runs (any more)
+    if (res) {
+      try {
+        await readEvents(res.body, onEvent);
+      } catch (e) {
+        if (signal.aborted) throw e;
+      }
+    }
+    if (turn.ended) return;
+    // The connection dropped before `end`; the turn goes on at the server.
+    if (++failures > RECONNECTS) throw new Error('the server stopped answering');
+    await sleep(400 * failures);
+    try {
+      res = await api(`/v1/sessions/${turn.sessionId}/stream`, {
+        raw: true,
+        signal,
+        headers: turn.lastId ? { 'Last-Event-ID': String(turn.lastId) } : {},
+      });
+    } catch (e) {
+      if (signal.aborted) throw e;
+      res = null;
+    }
+  }
+}
+
+/** Makes a send or retry request, again while the session's lease is held by a turn that
+ * no longer streams (see BUSY_WAIT_MS). A turn that does stream belongs to someone else:
+ * its 409 stands. */
+async function whenFree(turn, request) {
+  const { signal } = turn.controller;
+  const until = Date.now() + BUSY_WAIT_MS;
+  for (;;) {
+    try {
+      return await request(signal);
+    } catch (e) {
+      if (!(e instanceof ApiError && e.status === 409) || Date.now() > until) throw e;
+      const running = await api(`/v1/sessions/${turn.sessionId}/stream`, { raw: true, signal });
+      if (running.status !== 204) {
+        running.body?.cancel();
+        throw e;
+      }
+      const { turn_active: held } = await api(`/v1/sessions/${turn.sessionId}`, { signal });
+      if (!held) throw e; // a conflict of another kind, such as nothing to retry
+      turn.waiting = true;
+      scheduleRender(turn);
+      await sleep(1000);
+    }
+  }
+}
+
+function onTurnEvent(turn, event) {
+  const id = Number(event.id);
+  if (Number.isFinite(id) && id > 0) {
+    if (id <= turn.lastId) return; // already have it
+    turn.lastId = id;
+  }
+  let data = {};
+  try {
+    data = JSON.parse(event.data);
+  } catch {
+    return;
+  }
+  switch (event.event) {
+    case 'meta':
+      turn.userSeq = data.user_seq ?? null;
+      break;
+    case 'delta':
+      turn.text += data.text ?? '';
+      break;
+    case 'reasoning':
+      turn.reasoning += data.text ?? '';
+      break;
+    case 'error':
+      turn.errors.push(data);
+      break;
+    case 'end':
+      turn.ended = data;
+      break;
+    default:
+      return;
+  }
+  saveSnapshotSoon(turn);
+  scheduleRender(turn);
+}
+
+/** Stops reading the open session's stream (the turn itself goes on at the server). */
+function leaveTurn() {
+  state.pendingText = null;
+  const turn = state.turn;
+  if (!turn) return;
+  state.turn = null;
+  turn.controller.abort();
+  clearSnapshot();
+}
+
+function attach(sessionId, snapshot) {
+  const headers = snapshot?.lastId ? { 'Last-Event-ID': String(snapshot.lastId) } : {};
+  const open = (signal) => api(`/v1/sessions/${sessionId}/stream`, { raw: true, signal, headers });
+  runTurn(sessionId, open, { resume: snapshot, reattached: true });
+}
+
+async function send() {
+  const input = $('#message');
+  const text = input.value;
+  if (!text.trim() || state.turn || state.pendingText !== null) return;
+  state.pendingText = text;
+  input.value = '';
+  autosize();
+  let id = state.current?.id;
+  if (!id) {
+    // A new chat: the session is made on its first message, titled after it.
+    const title = text.trim().split('\n')[0].slice(0, TITLE_CHARS).trim();
+    let session;
+    try {
+      session = await api('/v1/sessions', { method: 'POST', body: title ? { title } : {} });
+    } catch (e) {
+      state.pendingText = null;
+      input.value = text;
+      toast(`Could not create the session: ${e.message}`);
+      return;
+    }
+    id = session.id;
+    state.opening++;
+    state.current = { id, session, items: [] };
+    location.hash = `#/s/${id}`;
+    updateListRow(session, { toTop: true });
+    markCurrentRow();
+    document.title = `${session.title || 'Untitled'} · turnlog`;
+    renderHeader();
+  }
+  const failed = await runTurn(id, (signal, turn) =>
+    whenFree(turn, () => api(`/v1/sessions/${id}/messages`, { method: 'POST', body: { text }, raw: true, signal })),
+  );
+  // Nothing was sent: give the text back to edit.
+  if (failed instanceof ApiError && !input.value) {
+    input.value = text;
+    autosize();
+  }
+}
+
+async function stop() {
+  const turn = state.turn;
+  if (!turn || turn.stopping) return;
+  turn.stopping = true;
+  scheduleRender(turn);
+  try {
+    await api(`/v1/sessions/${turn.sessionId}/stop`, { method: 'POST' });
+  } catch (e) {
+    if (e.status !== 409) toast(`Could not stop: ${e.message}`);
+  }
+}
+
+function retry() {
+  const id = state.current?.id;
+  if (!id || state.turn) return;
+  runTurn(id, (signal, turn) =>
+    whenFree(turn, () => api(`/v1/sessions/${id}/retry`, { method: 'POST', raw: true, signal })),
+  );
+}
+
+function canRetry() {
+  const last = state.current?.items.at(-1);
+  return !state.turn && (last?.kind === 'interrupted' || last?.kind === 'error');
+}
+
+function updateComposer() {
+  const streaming = !!state.turn;
+  $('#send').hidden = streaming;
+  $('#stop').hidden = !streaming;
+  $('#retry').hidden = !canRetry();
+  $('#composer').dataset.streaming = String(streaming);
+}
+
+function autosize() {
+  const input = $('#message');
+  input.style.height = 'auto';
+  input.style.height = `${input.scrollHeight}px`;
+}
+
+// The snapshot: what this tab has of the running turn, saved together with the id of the
+// last event it holds, so after a reload the stream resumes right after it.
+
+let snapshotTimer = 0;
+let snapshotTurn = null;
+
+function saveSnapshotSoon(turn) {
+  snapshotTurn = turn;
+  if (turn.ended) {
+    clearSnapshot();
+    return;
+  }
+  if (!snapshotTimer) snapshotTimer = setTimeout(saveSnapshotNow, SNAPSHOT_EVERY_MS);
+}
+
+function saveSnapshotNow() {
+  clearTimeout(snapshotTimer);
+  snapshotTimer = 0;
+  const t = snapshotTurn;
+  if (!t || t.ended || state.turn !== t) return;
+  const snapshot = {
+    sessionId: t.sessionId,
+    userSeq: t.userSeq,
+    lastId: t.lastId,
+    text: t.text,
+    reasoning: t.reasoning,
+    savedAt: Date.now(),
+  };
+  try {
+    sessionStorage.setItem(SNAPSHOT_KEY, JSON.stringify(snapshot));
+  } catch {
+    // Storage full or refused: a reload then replays the turn from its start.
+  }
+}
+
+function clearSnapshot() {
+  clearTimeout(snapshotTimer);
+  snapshotTimer = 0;
+  snapshotTurn = null;
+  sessionStorage.removeItem(SNAPSHOT_KEY);
+}
+
+/** The saved snapshot when it belongs to the turn now running in `sessionId`: same session,
+ * same question, saved moments ago. Otherwise null, and the turn is replayed from its start. */
+function snapshotFor(sessionId, items) {
+  let snapshot;
+  try {
+    snapshot = JSON.parse(sessionStorage.getItem(SNAPSHOT_KEY) ?? 'null');
+  } catch {
+    return null;
+  }
+  const fits =
+    snapshot?.sessionId === sessionId &&
+    Date.now() - snapshot.savedAt < SNAPSHOT_MAX_AGE_MS &&
+    snapshot.userSeq === lastUserSeq(items);
+  return fits ? snapshot : null;
+}
+
+// ---------------------------------------------------------------------------------------
+// Rename, archive, delete.
+
+async function rename() {
+  const session = state.current?.session;
+  if (!session) return;
+  const title = (await ask({ title: 'Rename session', value: session.title ?? '', confirm: 'Rename' }))?.trim();
+  if (!title || title === session.title) return;
+  try {
+    const updated = await api(`/v1/sessions/${session.id}`, { method: 'PATCH', body: { title } });
+    applySession(updated);
+  } catch (e) {
+    toast(`Could not rename: ${e.message}`);
+  }
+}
+
+async function toggleArchive() {
+  const session = state.current?.session;
+  if (!session) return;
+  try {
+    const updated = await api(`/v1/sessions/${session.id}`, { method: 'PATCH', body: { archived: !session.archived } });
+    applySession(updated);
+    toast(updated.archived ? 'Archived. Find it under “Archived”.' : 'Back in the active sessions.', 'info');
+  } catch (e) {
+    toast(`Could not change the archive: ${e.message}`);
+  }
+}
+
+async function remove() {
+  const session = state.current?.session;
+  if (!session) return;
+  const sure = await ask({
+    title: 'Delete this session?',
+    message: `“${session.title || 'Untitled'}” and everything in it is deleted for good.`,
+    confirm: 'Delete',
+    danger: true,
+  });
+  if (!sure) return;
+  try {
+    await api(`/v1/sessions/${session.id}`, { method: 'DELETE' });
+  } catch (e) {
+    toast(`Could not delete: ${e.message}`);
+    return;
+  }
+  $(`#session-list li[data-id="${session.id}"]`)?.remove();
+  list.sessions = list.sessions.filter((s) => s.id !== session.id);
+  toast('Session deleted.', 'info');
+  location.hash = '#/';
+}
+
+function applySession(session) {
+  if (state.current?.id === session.id) {
+    state.current.session = session;
+    document.title = `${session.title || 'Untitled'} · turnlog`;
+    renderHeader();
+  }
+  updateListRow(session);
+}
+
+// ---------------------------------------------------------------------------------------
+// The context inspector: what the model would be sent next, and its size.
+
+function contentText(content) {
+  if (typeof content === 'string') return content;
+  if (!Array.isArray(content)) return JSON.stringify(content);
+  return content.map((p) => (p.type === 'text' ? p.text : `[${p.type} ${p.id ?? ''} ${p.mime ?? ''}]`)).join('\n\n');
+}
+
+async function loadContext() {
+  const body = $('#inspector-body');
+  const id = state.current?.id;
+  if (!id) {
+    body.replaceChildren(h('p', { class: 'hint', text: 'Open a session to see what the model is sent.' }));
+    return;
+  }
+  body.replaceChildren(h('p', { class: 'hint', text: 'Loading…' }));
+  let ctx;
+  try {
+    ctx = await api(`/v1/sessions/${id}/context`);
+  } catch (e) {
+    body.replaceChildren(h('p', { class: 'hint', text: `Could not load the context: ${e.message}` }));
+    return;
+  }
+  if (state.current?.id !== id) return;
+  const share = ctx.budget ? Math.min(100, (ctx.tokens / ctx.budget) * 100) : 0;
+  const fill = h('div', { class: 'fill' });
+  fill.style.width = `${share}%`; // CSSOM, which the style policy allows (attributes it would not)
+  const meter = h(
+    'div',
+    { class: 'meter', role: 'meter', 'aria-valuemin': 0, 'aria-valuemax': ctx.budget, 'aria-valuenow': ctx.tokens, 'aria-label': 'Tokens against the budget' },
+    fill,
+  );
+  meter.classList.toggle('high', share >= 85);
+  const facts = [
+    ['Model', ctx.model],
+    ['Context window', ctx.window ? `${fmt(ctx.window)} tokens` : 'unknown'],
+    ['Summarized through', ctx.compacted_through ? `#${ctx.compacted_through}` : 'nothing yet'],
+    ['Messages', fmt(ctx.messages.length)],
+  ];
+  const extras = ctx.extras ?? {};
+  const parts = [
+    h('p', { class: 'ctx-tokens', text: `${fmt(ctx.tokens)} of ${fmt(ctx.budget)} tokens (${share.toFixed(0)}%)` }),
+    meter,
+    h('dl', { class: 'facts' }, facts.map(([k, v]) => [h('dt', { text: k }), h('dd', { text: v })])),
+    ctx.system
+      ? h('details', { class: 'ctx-system' }, h('summary', { text: 'System prompt' }), h('pre', { text: ctx.system }))
+      : h('p', { class: 'dim', text: 'No system prompt (TURNLOG_SYSTEM_PROMPT is empty).' }),
+    extras.date || extras.memories?.length
+      ? h(
+          'details',
+          { class: 'ctx-extras' },
+          h('summary', { text: 'Extras for this turn' }),
+          extras.date ? h('p', { text: `Date: ${extras.date}` }) : null,
+          extras.memories?.length ? h('ul', {}, extras.memories.map((m) => h('li', { text: m }))) : null,
+        )
+      : null,
+    h(
+      'ol',
+      { class: 'ctx-messages' },
+      ctx.messages.map((m) => h('li', { class: `ctx-msg role-${m.role}` }, h('span', { class: 'role', text: m.role }), h('pre', { text: contentText(m.content) }))),
+    ),
+  ];
+  body.replaceChildren(...parts.filter(Boolean));
+}
+
+function toggleInspector(open = !state.inspectorOpen) {
+  state.inspectorOpen = open;
+  document.body.classList.toggle('inspecting', open);
+  $('#inspector').hidden = !open;
+  $('#context-toggle').setAttribute('aria-pressed', String(open));
+  if (open) loadContext();
+}
+
+// ---------------------------------------------------------------------------------------
+// Wiring.
+
+function setupComposer() {
+  const input = $('#message');
+  $('#composer').addEventListener('submit', (e) => {
+    e.preventDefault();
+    send();
+  });
+  input.addEventListener('keydown', (e) => {
+    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      send();
+    }
+  });
+  input.addEventListener('input', autosize);
+  $('#stop').addEventListener('click', stop);
+  $('#retry').addEventListener('click', retry);
+}
+
+function setupKeys() {
+  document.addEventListener('keydown', (e) => {
+    if (document.querySelector('dialog[open]')) return;
+    if (e.key === 'Escape' && state.turn) {
+      e.preventDefault();
+      stop();
+    } else if (e.key === '/' && !e.target.closest('input, textarea, [contenteditable]')) {
+      e.preventDefault();
+      $('#search').focus();
+    }
+  });
+}
+
+function init() {
+  setupTokenDialog(() => {
+    reloadList();
+    if (state.current?.id) openSession(state.current.id);
+  });
+  setupList();
+  setupComposer();
+  setupKeys();
+  $('#new-chat').addEventListener('click', () => {
+    location.hash = '#/new';
+    $('#message').focus();
+  });
+  $('#back').addEventListener('click', () => (location.hash = '#/'));
+  $('#more').addEventListener('click', (e) => {
+    e.stopPropagation();
+    showMenu(!$('#chat-header').classList.contains('menu-open'));
+  });
+  document.addEventListener('click', (e) => {
+    if (!e.target.closest('#more')) showMenu(false);
+  });
+  $('#rename').addEventListener('click', rename);
+  $('#archive').addEventListener('click', toggleArchive);
+  $('#delete').addEventListener('click', remove);
+  $('#context-toggle').addEventListener('click', () => toggleInspector());
+  $('#inspector-close').addEventListener('click', () => toggleInspector(false));
+  $('#inspector-refresh').addEventListener('click', loadContext);
+  $('#ask-cancel').addEventListener('click', () => $('#ask-dialog').close('cancel'));
+  // A reload mid-turn continues from the newest event this tab has seen.
+  window.addEventListener('pagehide', saveSnapshotNow);
+  window.addEventListener('hashchange', route);
+  reloadList();
+  route();
+}
+
+init();

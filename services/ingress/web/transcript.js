@@ -1,0 +1,222 @@
+// Transcript items as DOM (DESIGN.md §3: user, assistant, tool, permission, compaction,
+// interrupted, error), and the live answer of a streaming turn. Model and user text go
+// through the safe markdown renderer or into text nodes, never through HTML parsing.
+
+import { fmt, h, time } from './dom.js';
+import { renderMarkdown } from './markdown.js';
+
+/** One item; `actions.answerPermission(item, decision)` answers a permission prompt. */
+export function renderItem(item, actions) {
+  const render = RENDERERS[item.kind] ?? renderUnknown;
+  const node = render(item, actions);
+  node.dataset.kind = item.kind;
+  node.dataset.seq = String(item.seq);
+  return node;
+}
+
+function meta(item, ...parts) {
+  return h(
+    'div',
+    { class: 'meta' },
+    ...parts.filter(Boolean).map((p) => (typeof p === 'string' ? h('span', { text: p }) : p)),
+    item.seq ? h('span', { class: 'seq', text: `#${item.seq}` }) : null,
+    time(item.created_at),
+  );
+}
+
+function markdown(text) {
+  const div = h('div', { class: 'md' });
+  div.append(renderMarkdown(text));
+  return div;
+}
+
+function reasoningBlock(text, open = false) {
+  return h(
+    'details',
+    { class: 'reasoning', open },
+    h('summary', { text: 'Reasoning' }),
+    h('div', { class: 'reasoning-text', text }),
+  );
+}
+
+function json(value) {
+  return h('pre', { class: 'json', text: JSON.stringify(value, null, 2) });
+}
+
+function usageText(usage) {
+  if (!usage) return null;
+  let text = `${fmt(usage.input_tokens)} in · ${fmt(usage.output_tokens)} out`;
+  if (usage.cached_input_tokens) text += ` · ${fmt(usage.cached_input_tokens)} cached`;
+  return text;
+}
+
+function durationText(ms) {
+  if (ms === undefined || ms === null) return null;
+  return ms < 1000 ? `${ms} ms` : `${(ms / 1000).toFixed(1)} s`;
+}
+
+const smallCost = new Intl.NumberFormat(undefined, { maximumSignificantDigits: 3 });
+const cost = new Intl.NumberFormat(undefined, { minimumFractionDigits: 2, maximumFractionDigits: 2 });
+
+function costText(item) {
+  if (item.cost === undefined || item.cost === null) return null;
+  const amount = item.cost < 1 ? smallCost.format(item.cost) : cost.format(item.cost);
+  return `${amount} ${item.currency ?? ''}`.trim();
+}
+
+const RENDERERS = {
+  user(item) {
+    const attachments = [
+      ...(item.images ?? []).map((i) => h('span', { class: 'chip', text: `image ${i.id} (${i.mime})` })),
+      ...(item.documents ?? []).map((d) => h('span', { class: 'chip', text: `document ${d.id} (${d.mime})` })),
+    ];
+    return h(
+      'article',
+      { class: 'item user' },
+      h('div', { class: 'bubble' }, h('div', { class: 'text', text: item.text ?? '' })),
+      attachments.length ? h('div', { class: 'chips' }, attachments) : null,
+      meta(item),
+    );
+  },
+
+  assistant(item) {
+    const blocks = item.blocks?.length ? item.blocks : [{ type: 'text', text: item.text ?? '' }];
+    const body = blocks.map((b) => {
+      switch (b.type) {
+        case 'reasoning':
+          return reasoningBlock(b.text ?? '');
+        case 'text':
+          return markdown(b.text ?? '');
+        case 'tool_call':
+          return h('div', { class: 'tool-call' }, h('span', { class: 'label', text: 'Tool call' }), json(b.meta ?? b.text));
+        default:
+          return null; // meta blocks carry nothing to read
+      }
+    });
+    return h(
+      'article',
+      { class: 'item assistant' },
+      h('div', { class: 'bubble' }, body),
+      meta(item, item.model, usageText(item.usage), durationText(item.duration_ms), costText(item)),
+    );
+  },
+
+  tool(item) {
+    const t = item.tool ?? {};
+    return h(
+      'article',
+      { class: 'item tool' },
+      h(
+        'details',
+        { class: 'card' },
+        h(
+          'summary',
+          {},
+          h('span', { class: 'label', text: 'Tool' }),
+          h('strong', { text: t.name ?? '?' }),
+          h('span', { class: `status status-${t.status}`, text: t.status ?? '' }),
+          durationText(t.duration_ms) ? h('span', { class: 'dim', text: durationText(t.duration_ms) }) : null,
+        ),
+        t.args !== undefined ? h('div', {}, h('h4', { text: 'Arguments' }), json(t.args)) : null,
+        t.result_digest ? h('div', {}, h('h4', { text: 'Result' }), h('pre', { text: t.result_digest })) : null,
+      ),
+      meta(item),
+    );
+  },
+
+  permission(item, actions) {
+    const p = item.permission ?? {};
+    const answer = (decision, button) => {
+      for (const b of button.parentElement.querySelectorAll('button')) b.disabled = true;
+      actions.answerPermission(item, decision);
+    };
+    return h(
+      'article',
+      { class: 'item permission' },
+      h(
+        'div',
+        { class: 'card' },
+        h(
+          'div',
+          { class: 'card-head' },
+          h('span', { class: 'label', text: 'Permission needed' }),
+          h('strong', { text: p.tool ?? '?' }),
+          h('span', { class: `badge danger-${p.danger_level}`, text: p.danger_level ?? '' }),
+        ),
+        p.rationale ? h('p', { text: p.rationale }) : null,
+        json(p.args ?? {}),
+        h(
+          'div',
+          { class: 'actions' },
+          h('button', { class: 'primary', text: 'Allow', onclick: (e) => answer('allow', e.currentTarget) }),
+          h('button', { class: 'danger', text: 'Deny', onclick: (e) => answer('deny', e.currentTarget) }),
+        ),
+      ),
+      meta(item),
+    );
+  },
+
+  compaction(item) {
+    return h(
+      'div',
+      { class: 'item compaction', role: 'separator' },
+      h(
+        'details',
+        {},
+        h('summary', { text: `older messages summarized through #${item.through_seq}` }),
+        h('div', { class: 'summary', text: item.text ?? '' }),
+      ),
+    );
+  },
+
+  interrupted(item) {
+    const stopped = item.reason === 'stopped';
+    const node = h(
+      'article',
+      { class: 'item assistant interrupted' },
+      h(
+        'div',
+        { class: 'bubble' },
+        markdown(item.text ?? ''),
+        h('div', { class: 'ending', text: stopped ? 'Stopped by you' : 'Interrupted mid-answer' }),
+      ),
+      meta(item),
+    );
+    node.dataset.reason = item.reason ?? 'interrupted';
+    return node;
+  },
+
+  error(item) {
+    return h(
+      'article',
+      { class: 'item error' },
+      h(
+        'div',
+        { class: 'card' },
+        h('div', { class: 'card-head' }, h('span', { class: 'label', text: 'The answer failed' }), h('code', { text: item.code ?? '' })),
+        h('p', { text: item.text ?? '' }),
+      ),
+      meta(item),
+    );
+  },
+};
+
+function renderUnknown(item) {
+  return h('article', { class: 'item unknown' }, h('p', { class: 'dim', text: `(${item.kind})` }), meta(item));
+}
+
+/** The answer of the turn being streamed; app.js fills its parts as events arrive. */
+export function liveView() {
+  const reasoningText = h('div', { class: 'reasoning-text' });
+  const reasoning = h('details', { class: 'reasoning', hidden: true }, h('summary', { text: 'Reasoning…' }), reasoningText);
+  const md = h('div', { class: 'md' });
+  const errors = h('div', { class: 'live-errors' });
+  const status = h('div', { class: 'meta live-status', text: 'Waiting for the model…' });
+  const node = h(
+    'article',
+    { class: 'item assistant live', 'aria-busy': 'true', dataset: { kind: 'live' } },
+    h('div', { class: 'bubble' }, reasoning, md, errors),
+    status,
+  );
+  return { node, reasoning, reasoningText, md, errors, status, frame: 0 };
+}

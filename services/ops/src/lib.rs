@@ -1,0 +1,16 @@
+//! turnlog's operator tools, over history kept in JetStream (DESIGN.md §6): `replay` runs a
+//! worker again over past committed events, `rebuild` applies TURNLOG_APPEND into an empty
+//! database with the writer's own code, `verify` compares two databases, and `dead`
+//! inspects and redrives dead letters. Each prints what an operator reads and returns it.
+
+pub mod dead;
+mod progress;
+mod rebuild;
+mod replay;
+mod verify;
+
+pub use rebuild::rebuild;
+pub use replay::{parse_since, replay, ReplaySummary};
+pub use turnlog_core::worker::ReplayFrom;
+pub use turnlog_writer::RebuildSummary;
+pub use verify::{verify, Verdict};

@@ -1,0 +1,343 @@
+//! The rebuild's SQL: bulk loading into an empty database that only the rebuild writes.
+//! Rows go in once — events (binary COPY) and memories as batches are applied, sessions as
+//! they are created — and the state that changes all along (each session's row, every
+//! request's outcome, the positions) is written at the end, from memory, in its final form.
+//! The events' secondary indexes and foreign key are set aside during the load and made
+//! again after it, as PostgreSQL advises for populating a database.
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use sqlx::{Connection as _, PgConnection, PgPool};
+use turnlog_core::ids::SessionId;
+use uuid::Uuid;
+
+use crate::apply::{BatchEffects, LoadedState, SessionRow};
+
+/// Sessions per statement of the final update.
+const SESSIONS_PER_UPDATE: usize = 5_000;
+
+/// Whether a database holds nothing the writer writes (a rebuild's target must not).
+pub async fn is_empty(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT NOT (EXISTS (SELECT 1 FROM sessions) OR EXISTS (SELECT 1 FROM session_events)
+                  OR EXISTS (SELECT 1 FROM request_outcomes) OR EXISTS (SELECT 1 FROM memories)
+                  OR EXISTS (SELECT 1 FROM pending_purges)
+                  OR EXISTS (SELECT 1 FROM writer_positions WHERE stream_seq > 0))",
+    )
+    .fetch_one(pool)
+    .await
+}
+
+/// The events table's constraints and indexes other than its primary key, as statements
+/// that make them again: indexes first (each may be built beside the others), then the
+/// constraints (a unique one adopts its index, built among the first).
+#[derive(Debug)]
+pub struct SetAside {
+    indexes: Vec<String>,
+    constraints: Vec<String>,
+}
+
+/// Drops the events table's foreign key, unique constraint and secondary indexes, and
+/// returns how to make them again: an index built once, and a foreign key checked by one
+/// join, cost a fraction of maintaining them row by row (the foreign key alone is a lookup
+/// per event). A rebuild that stops before [`restore`] leaves a database without them —
+/// one to drop, as any unfinished rebuild's; a target found without them is refused.
+pub async fn set_aside(conn: &mut PgConnection) -> anyhow::Result<SetAside> {
+    let mut tx = conn.begin().await?;
+    // (name, definition, the index of a unique constraint)
+    let constraints: Vec<(String, String, Option<String>)> = sqlx::query_as(
+        "SELECT conname::text, pg_get_constraintdef(oid),
+                CASE WHEN contype = 'u' THEN pg_get_indexdef(conindid) END
+           FROM pg_constraint
+          WHERE conrelid = 'session_events'::regclass AND contype IN ('f', 'u') ORDER BY conname",
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    let indexes: Vec<(String, String)> = sqlx::query_as(
+        "SELECT i.indexrelid::regclass::text, pg_get_indexdef(i.indexrelid) FROM pg_index i
+          WHERE i.indrelid = 'session_events'::regclass AND NOT i.indisprimary
+            AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid)
+          ORDER BY 1",
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    anyhow::ensure!(
+        constraints.iter().any(|(_, d, _)| d.starts_with("FOREIGN KEY")) && !indexes.is_empty(),
+        "the target's events table lacks its foreign key or indexes (left by an unfinished rebuild?): \
+         drop the database and make a new one"
+    );
+    let mut remake = SetAside { indexes: Vec::new(), constraints: Vec::new() };
+    for (name, definition, index) in &constraints {
+        let name = quoted(name);
+        sqlx::raw_sql(&format!("ALTER TABLE session_events DROP CONSTRAINT {name}"))
+            .execute(&mut *tx)
+            .await?;
+        match index {
+            // The same constraint, its index (of the same name) built beside the others.
+            Some(index) => {
+                remake.indexes.push(index.clone());
+                remake.constraints.push(format!(
+                    "ALTER TABLE session_events ADD CONSTRAINT {name} UNIQUE USING INDEX {name}"
+                ));
+            }
+            None => remake
+                .constraints
+                .push(format!("ALTER TABLE session_events ADD CONSTRAINT {name} {definition}")),
+        }
+    }
+    for (name, definition) in &indexes {
+        // regclass text is already quoted where it needs to be.
+        sqlx::raw_sql(&format!("DROP INDEX {name}")).execute(&mut *tx).await?;
+        remake.indexes.push(definition.clone());
+    }
+    tx.commit().await?;
+    Ok(remake)
+}
+
+/// Makes again what [`set_aside`] dropped — the indexes two at a time, on two connections,
+/// since a build uses one core — then gathers the planner's statistics of the loaded tables.
+pub async fn restore(pool: &PgPool, set_aside: SetAside) -> Result<(), sqlx::Error> {
+    let build = |statements: Vec<String>| async move {
+        let mut conn = pool.acquire().await?;
+        for statement in &statements {
+            sqlx::raw_sql(statement).execute(&mut *conn).await?;
+        }
+        Ok::<_, sqlx::Error>(())
+    };
+    let (mut even, mut odd) = (Vec::new(), Vec::new());
+    for (i, index) in set_aside.indexes.into_iter().enumerate() {
+        if i % 2 == 0 {
+            even.push(index)
+        } else {
+            odd.push(index)
+        }
+    }
+    tokio::try_join!(build(even), build(odd))?;
+    let mut conn = pool.acquire().await?;
+    let mut tx = conn.begin().await?;
+    for statement in &set_aside.constraints {
+        sqlx::raw_sql(statement).execute(&mut *tx).await?;
+    }
+    tx.commit().await?;
+    sqlx::raw_sql("ANALYZE sessions, session_events, request_outcomes, memories").execute(&mut *conn).await?;
+    Ok(())
+}
+
+fn quoted(identifier: &str) -> String {
+    format!("\"{}\"", identifier.replace('"', "\"\""))
+}
+
+/// One applied batch in one transaction: its new sessions, its events, its memories — or,
+/// for a delete, the session's rows and a pending purge, as the live writer leaves them.
+pub async fn write_batch(conn: &mut PgConnection, fx: &BatchEffects) -> Result<(), sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    if let Some(session) = fx.deleted {
+        delete_session(&mut tx, session).await?;
+        return tx.commit().await;
+    }
+    if !fx.created.is_empty() {
+        upsert_sessions(&mut tx, &fx.created.iter().collect::<Vec<_>>()).await?;
+    }
+    if !fx.events.is_empty() {
+        let mut rows = CopyBinary::new();
+        for e in &fx.events {
+            let event = &e.event;
+            rows.tuple(8);
+            rows.uuid(event.session_id.0);
+            rows.int8(event.seq);
+            rows.uuid(event.event_id);
+            rows.text(&event.kind);
+            rows.jsonb(&event.payload);
+            rows.int4(e.tokens);
+            rows.int8(e.stream_seq);
+            rows.timestamptz(event.created_at);
+        }
+        let mut copy = tx
+            .copy_in_raw(
+                "COPY session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
+                 FROM STDIN (FORMAT binary)",
+            )
+            .await?;
+        copy.send(rows.finish()).await?;
+        copy.finish().await?;
+    }
+    if !fx.memories.is_empty() {
+        let m = &fx.memories;
+        // A memory id seen before keeps its first row, as in the live writer.
+        sqlx::query(
+            "INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
+             SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::uuid[], $4::int8[], $5::text[], $6::timestamptz[])
+             ON CONFLICT (id) DO NOTHING",
+        )
+        .bind(m.iter().map(|r| r.id).collect::<Vec<_>>())
+        .bind(m.iter().map(|r| r.owner.as_str()).collect::<Vec<_>>())
+        .bind(m.iter().map(|r| r.session_id.0).collect::<Vec<_>>())
+        .bind(m.iter().map(|r| r.turn_seq).collect::<Vec<_>>())
+        .bind(m.iter().map(|r| r.text.as_str()).collect::<Vec<_>>())
+        .bind(m.iter().map(|r| r.created_at).collect::<Vec<_>>())
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await
+}
+
+/// The end of a partition's rebuild: every session's final row, every outcome, and the
+/// position (applied and published: those events reached the feed when first applied).
+pub async fn write_final(
+    conn: &mut PgConnection,
+    partition: i32,
+    position: i64,
+    state: &LoadedState,
+) -> Result<(), sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    let sessions: Vec<&SessionRow> = state.sessions.values().collect();
+    for chunk in sessions.chunks(SESSIONS_PER_UPDATE) {
+        upsert_sessions(&mut tx, chunk).await?;
+    }
+    if !state.outcomes.is_empty() {
+        let mut rows = CopyBinary::new();
+        for (outcome, session) in state.outcomes.values() {
+            rows.tuple(5);
+            rows.uuid(outcome.request_id);
+            match session {
+                Some(s) => rows.uuid(s.0),
+                None => rows.null(),
+            }
+            rows.text(outcome.status.as_str());
+            match outcome.seq {
+                Some(seq) => rows.int8(seq),
+                None => rows.null(),
+            }
+            match &outcome.reason {
+                Some(reason) => rows.text(reason),
+                None => rows.null(),
+            }
+        }
+        let mut copy = tx
+            .copy_in_raw(
+                "COPY request_outcomes (request_id, session_id, status, seq, reason) FROM STDIN (FORMAT binary)",
+            )
+            .await?;
+        copy.send(rows.finish()).await?;
+        copy.finish().await?;
+    }
+    sqlx::query(
+        "INSERT INTO writer_positions (partition, stream_seq, published_seq) VALUES ($1, $2, $2)
+         ON CONFLICT (partition) DO UPDATE SET stream_seq = $2, published_seq = $2",
+    )
+    .bind(partition)
+    .bind(position)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await
+}
+
+async fn upsert_sessions(conn: &mut PgConnection, sessions: &[&SessionRow]) -> Result<(), sqlx::Error> {
+    let s = sessions;
+    sqlx::query(
+        "INSERT INTO sessions (id, owner, title, archived, last_category, last_seq, compacted_through,
+                               compaction_seq, created_at, updated_at)
+         SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bool[], $5::text[], $6::int8[],
+                              $7::int8[], $8::int8[], $9::timestamptz[], $10::timestamptz[])
+         ON CONFLICT (id) DO UPDATE SET
+            title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
+            last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
+            compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at",
+    )
+    .bind(s.iter().map(|r| r.id.0).collect::<Vec<_>>())
+    .bind(s.iter().map(|r| r.owner.as_str()).collect::<Vec<_>>())
+    .bind(s.iter().map(|r| r.title.as_deref()).collect::<Vec<_>>())
+    .bind(s.iter().map(|r| r.archived).collect::<Vec<_>>())
+    .bind(s.iter().map(|r| r.last_category.as_deref()).collect::<Vec<_>>())
+    .bind(s.iter().map(|r| r.last_seq).collect::<Vec<_>>())
+    .bind(s.iter().map(|r| r.compacted_through).collect::<Vec<_>>())
+    .bind(s.iter().map(|r| r.compaction_seq).collect::<Vec<_>>())
+    .bind(s.iter().map(|r| r.created_at).collect::<Vec<_>>())
+    .bind(s.iter().map(|r| r.updated_at).collect::<Vec<_>>())
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// A delete: the session's rows go and a pending purge is recorded. (Its outcomes are
+/// written at the end, from memory, without the session's.) Events are deleted by name:
+/// their foreign key, which would cascade, is set aside during the load.
+async fn delete_session(conn: &mut PgConnection, session: SessionId) -> Result<(), sqlx::Error> {
+    sqlx::query("DELETE FROM session_events WHERE session_id = $1")
+        .bind(session.0)
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query("DELETE FROM sessions WHERE id = $1").bind(session.0).execute(&mut *conn).await?;
+    sqlx::query("INSERT INTO pending_purges (session_id) VALUES ($1) ON CONFLICT DO NOTHING")
+        .bind(session.0)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// Rows in PostgreSQL's binary COPY format, each value encoded as sqlx encodes it for the
+/// live writer's statements (so both store the same bits).
+struct CopyBinary {
+    buf: Vec<u8>,
+}
+
+impl CopyBinary {
+    fn new() -> Self {
+        let mut buf = Vec::with_capacity(1 << 20);
+        buf.extend_from_slice(b"PGCOPY\n\xff\r\n\0");
+        buf.extend_from_slice(&0i32.to_be_bytes()); // flags
+        buf.extend_from_slice(&0i32.to_be_bytes()); // header extension length
+        Self { buf }
+    }
+
+    fn tuple(&mut self, fields: i16) {
+        self.buf.extend_from_slice(&fields.to_be_bytes());
+    }
+
+    fn field(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(&i32::try_from(bytes.len()).unwrap_or(i32::MAX).to_be_bytes());
+        self.buf.extend_from_slice(bytes);
+    }
+
+    fn null(&mut self) {
+        self.buf.extend_from_slice(&(-1i32).to_be_bytes());
+    }
+
+    fn uuid(&mut self, id: Uuid) {
+        self.field(id.as_bytes());
+    }
+
+    fn int8(&mut self, v: i64) {
+        self.field(&v.to_be_bytes());
+    }
+
+    fn int4(&mut self, v: i32) {
+        self.field(&v.to_be_bytes());
+    }
+
+    fn text(&mut self, s: &str) {
+        self.field(s.as_bytes());
+    }
+
+    /// jsonb's binary form: a version byte, then the JSON text.
+    fn jsonb(&mut self, v: &Value) {
+        let at = self.buf.len();
+        self.buf.extend_from_slice(&0i32.to_be_bytes());
+        self.buf.push(1);
+        // Writing into a Vec cannot fail; a Value always serializes.
+        let _ = serde_json::to_writer(&mut self.buf, v);
+        let len = i32::try_from(self.buf.len() - at - 4).unwrap_or(i32::MAX);
+        self.buf[at..at + 4].copy_from_slice(&len.to_be_bytes());
+    }
+
+    /// Microseconds since 2000-01-01 UTC, truncated as sqlx truncates.
+    fn timestamptz(&mut self, t: DateTime<Utc>) {
+        let epoch = DateTime::<Utc>::from_timestamp(946_684_800, 0).unwrap_or_default();
+        self.int8((t - epoch).num_microseconds().unwrap_or(i64::MAX));
+    }
+
+    fn finish(mut self) -> Vec<u8> {
+        self.buf.extend_from_slice(&(-1i16).to_be_bytes());
+        self.buf
+    }
+}

@@ -1,0 +1,281 @@
+//! Apply-only mode: a database rebuilt from TURNLOG_APPEND by the writer's own apply code.
+//! No feed, no replies, no dead-letter publishing, no purges — but every outcome, rejected
+//! ones included, is recorded as the live writer records it. The target starts empty, so
+//! the whole state stays in memory, no batch reads the database, and rows are bulk-loaded
+//! (`bulk`); a rebuild that stops part-way leaves a database to drop, not to resume.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
+use futures::{FutureExt as _, StreamExt as _};
+use sqlx::PgPool;
+use turnlog_core::bus::{Bus, OutcomeStatus};
+
+use crate::apply::{apply_batch, BatchEffects, Incoming, LoadedState};
+use crate::{bulk, incoming};
+
+/// Most requests applied and written per transaction: ten times the live writer's, since
+/// no producer waits for a reply and a larger COPY spreads each commit's costs thinner.
+const REBUILD_BATCH: usize = 5_000;
+/// Applied batches waiting for the database: applying runs ahead of writing by this much.
+const WRITE_QUEUE: usize = 2;
+
+/// How far a rebuild got; shared with whoever shows it.
+#[derive(Debug, Default)]
+pub struct RebuildProgress {
+    /// APPEND messages in the stream when the rebuild started.
+    pub total: AtomicU64,
+    /// APPEND messages applied and written so far.
+    pub applied: AtomicU64,
+    /// Events written so far.
+    pub events: AtomicU64,
+}
+
+/// What a finished rebuild did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RebuildSummary {
+    /// APPEND messages applied.
+    pub messages: u64,
+    pub events: u64,
+    /// Requests that went to the dead letters when first applied (none is published again).
+    pub dead_lettered: u64,
+    /// Requests recorded as rejected (dead letters that decoded, failed `expect`s).
+    pub rejected: u64,
+    /// The last APPEND sequence applied, per partition.
+    pub positions: Vec<(u32, u64)>,
+    /// Messages the stream held at start that no partition applied: on partitions past
+    /// `TURNLOG_PARTITIONS` (a wrong setting), or purged meanwhile by a live writer.
+    pub unread: u64,
+    pub elapsed: Duration,
+}
+
+/// Applies TURNLOG_APPEND from its first message through its last one at start into the
+/// empty, migrated database at `database_url`, every partition, and leaves each partition's
+/// position where a writer started on it carries on. Refuses a database holding anything.
+/// (Partitions are applied independently, as live; a request id reused across partitions
+/// — which the live writer answers by timing — makes the final write fail.)
+pub async fn rebuild(
+    database_url: &str,
+    bus: &Bus,
+    progress: Arc<RebuildProgress>,
+) -> anyhow::Result<RebuildSummary> {
+    let pool = turnlog_core::db::connect(database_url, bus.partitions.max(2) + 1)
+        .await
+        .context("connecting to the target database")?;
+    anyhow::ensure!(
+        bulk::is_empty(&pool).await.context("reading the target database (is it migrated?)")?,
+        "the target database is not empty: rebuild writes only into an empty, migrated database"
+    );
+    let name = bus.names.append_stream();
+    let mut stream = bus.js.get_stream(&name).await.with_context(|| format!("opening {name}"))?;
+    let info = stream.info().await.with_context(|| format!("reading {name}"))?.clone();
+    let limits = &info.config;
+    if !limits.max_age.is_zero() || limits.max_messages > 0 || limits.max_bytes > 0 {
+        tracing::warn!(stream = %name, max_age = ?limits.max_age, max_messages = limits.max_messages,
+            max_bytes = limits.max_bytes, "the stream drops old requests: the rebuild has only what is left");
+    }
+    let through = info.state.last_sequence;
+    progress.total.store(info.state.messages, Ordering::Relaxed);
+    let started = Instant::now();
+    let set_aside = bulk::set_aside(&mut *pool.acquire().await?).await.context("preparing the target")?;
+
+    let mut tasks = tokio::task::JoinSet::new();
+    for partition in 0..bus.partitions {
+        let (pool, bus, stream, progress) = (pool.clone(), bus.clone(), stream.clone(), progress.clone());
+        tasks.spawn(async move {
+            let done = rebuild_partition(partition, &pool, &bus, &stream, through, &progress).await;
+            done.with_context(|| format!("rebuilding partition {partition}"))
+        });
+    }
+    let mut summary = RebuildSummary {
+        messages: 0,
+        events: 0,
+        dead_lettered: 0,
+        rejected: 0,
+        positions: Vec::new(),
+        unread: 0,
+        elapsed: Duration::ZERO,
+    };
+    while let Some(done) = tasks.join_next().await {
+        let part = done.context("a partition's rebuild panicked")??;
+        summary.messages += part.messages;
+        summary.events += part.events;
+        summary.dead_lettered += part.dead_lettered;
+        summary.rejected += part.rejected;
+        summary.positions.push((part.partition, part.position));
+    }
+    summary.positions.sort_unstable();
+    summary.unread = info.state.messages.saturating_sub(summary.messages);
+    if summary.unread > 0 {
+        tracing::warn!(
+            unread = summary.unread,
+            partitions = bus.partitions,
+            "some requests in the stream were not on the partitions rebuilt: is TURNLOG_PARTITIONS right?"
+        );
+    }
+    let t0 = Instant::now();
+    bulk::restore(&pool, set_aside).await.context("indexing the target")?;
+    tracing::debug!(restore_us = t0.elapsed().as_micros() as u64, "indexes and foreign key made again");
+    summary.elapsed = started.elapsed();
+    pool.close().await;
+    Ok(summary)
+}
+
+struct PartitionDone {
+    partition: u32,
+    position: u64,
+    messages: u64,
+    events: u64,
+    dead_lettered: u64,
+    rejected: u64,
+}
+
+/// One partition, as its live writer applied it: in stream order, batch by batch. Reading
+/// goes on while the database writes, so batches grow to [`REBUILD_BATCH`] when writing is
+/// the bottleneck.
+async fn rebuild_partition(
+    partition: u32,
+    pool: &PgPool,
+    bus: &Bus,
+    stream: &async_nats::jetstream::stream::Stream,
+    through: u64,
+    progress: &Arc<RebuildProgress>,
+) -> anyhow::Result<PartitionDone> {
+    let p = i32::try_from(partition).context("partition out of range")?;
+    let mut done =
+        PartitionDone { partition, position: 0, messages: 0, events: 0, dead_lettered: 0, rejected: 0 };
+    let consumer = stream
+        .create_consumer(OrderedConfig {
+            filter_subject: bus.names.append_partition_filter(partition),
+            deliver_policy: DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await
+        .context("creating the ordered consumer")?;
+    let mut reading = consumer.cached_info().num_pending > 0;
+    let mut messages = consumer.messages().await.context("reading the APPEND stream")?;
+
+    let (to_writer, from_applier) = tokio::sync::mpsc::channel(WRITE_QUEUE);
+    let writer = tokio::spawn(write_batches(pool.clone(), p, from_applier, progress.clone()));
+    let mut state = LoadedState::default();
+    let mut carry: Vec<Incoming> = Vec::new();
+    let applied = async {
+        loop {
+            if reading && carry.is_empty() {
+                let first = messages.next().await.context("APPEND stream ended")??;
+                reading = take(first, through, &mut carry)?;
+            }
+            // Take what is already there without waiting (unconstrained: see the live loop).
+            while reading && carry.len() < REBUILD_BATCH {
+                match tokio::task::unconstrained(messages.next()).now_or_never() {
+                    Some(Some(m)) => reading = take(m?, through, &mut carry)?,
+                    Some(None) => anyhow::bail!("APPEND stream ended"),
+                    None => break,
+                }
+            }
+            if carry.is_empty() {
+                break;
+            }
+            // Keep reading while the writer is busy.
+            let room = loop {
+                tokio::select! {
+                    biased;
+                    room = to_writer.reserve() => break room,
+                    m = messages.next(), if reading && carry.len() < REBUILD_BATCH => {
+                        reading = take(m.context("APPEND stream ended")??, through, &mut carry)?;
+                    }
+                }
+            };
+            // The writer stopped: its error says why.
+            let Ok(room) = room else { return anyhow::Ok(()) };
+            let t0 = Instant::now();
+            let fx = apply_batch(&carry, &mut state);
+            state.forget_deleted(&fx);
+            tracing::debug!(
+                partition,
+                requests = fx.consumed,
+                apply_us = t0.elapsed().as_micros() as u64,
+                "batch applied"
+            );
+            carry.drain(..fx.consumed);
+            done.dead_lettered += fx.dead.len() as u64;
+            room.send(Write::Batch(fx));
+        }
+        done.rejected =
+            state.outcomes.values().filter(|(o, _)| o.status == OutcomeStatus::Rejected).count() as u64;
+        // The writer's error, if it stopped, is reported below.
+        let _ = to_writer.send(Write::Final(state)).await;
+        Ok(())
+    }
+    .await;
+    drop(to_writer);
+    let (position, messages_written, events) = writer.await.context("the rebuild's writer panicked")??;
+    applied?;
+    done.position = u64::try_from(position).unwrap_or_default();
+    done.messages = messages_written;
+    done.events = events;
+    tracing::info!(partition, position, messages = done.messages, events, "partition rebuilt");
+    Ok(done)
+}
+
+/// Adds `m` to `carry` unless it is past `through`; false once the partition's messages
+/// as of the start are all taken.
+fn take(m: async_nats::jetstream::Message, through: u64, carry: &mut Vec<Incoming>) -> anyhow::Result<bool> {
+    let info = m.info().map_err(|e| anyhow::anyhow!("message without JetStream info: {e}"))?;
+    let (seq, pending) = (info.stream_sequence, info.pending);
+    if seq > through {
+        return Ok(false);
+    }
+    carry.push(incoming(m)?);
+    Ok(seq < through && pending > 0)
+}
+
+/// What the applier hands the writer: each applied batch, then the final state.
+enum Write {
+    Batch(BatchEffects),
+    Final(LoadedState),
+}
+
+/// Writes applied batches in order on one connection, then the final state; returns the
+/// partition's position, the messages and the events written.
+async fn write_batches(
+    pool: PgPool,
+    partition: i32,
+    mut writes: tokio::sync::mpsc::Receiver<Write>,
+    progress: Arc<RebuildProgress>,
+) -> anyhow::Result<(i64, u64, u64)> {
+    let mut conn = pool.acquire().await?;
+    // A crashed rebuild is started again from an empty database, so its commits need not
+    // wait for the disk; the last one below does, and makes every earlier one durable.
+    sqlx::query("SET synchronous_commit = off").execute(&mut *conn).await?;
+    let (mut position, mut messages, mut events) = (0i64, 0u64, 0u64);
+    while let Some(write) = writes.recv().await {
+        let fx = match write {
+            Write::Batch(fx) => fx,
+            Write::Final(state) => {
+                sqlx::query("SET synchronous_commit = on").execute(&mut *conn).await?;
+                let t0 = Instant::now();
+                bulk::write_final(&mut conn, partition, position, &state).await?;
+                tracing::debug!(partition, final_us = t0.elapsed().as_micros() as u64, "final state written");
+                return Ok((position, messages, events));
+            }
+        };
+        let t0 = Instant::now();
+        bulk::write_batch(&mut conn, &fx).await?;
+        tracing::debug!(
+            partition,
+            requests = fx.consumed,
+            write_us = t0.elapsed().as_micros() as u64,
+            "batch written"
+        );
+        position = i64::try_from(fx.last_stream_seq)?;
+        messages += fx.consumed as u64;
+        events += fx.events.len() as u64;
+        progress.applied.fetch_add(fx.consumed as u64, Ordering::Relaxed);
+        progress.events.fetch_add(fx.events.len() as u64, Ordering::Relaxed);
+    }
+    anyhow::bail!("the rebuild stopped before its end")
+}

@@ -1,0 +1,155 @@
+//! What turnlog adds to a streamed answer, beside calling the mock model directly: its own
+//! work before the upstream call (lease, durable user message, compaction check, context
+//! build), and the relay of each delta (the mock stamps each delta with its send time; the
+//! relay is how much later it arrives through turnlog than directly), at 1 and 50
+//! concurrent streams.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use eventsource_stream::Eventsource as _;
+use futures::StreamExt as _;
+use serde_json::json;
+
+use crate::system::{Settings, System};
+
+const WORDS: usize = 40;
+const DELAY_MS: u64 = 5;
+
+fn unix_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
+fn p50(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+fn p99(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs.get(xs.len() * 99 / 100).copied().unwrap_or(f64::NAN)
+}
+
+/// Relay latency (ms) of each delta, calling the mock directly: arrival minus the send
+/// time the mock stamped into it.
+async fn direct(sys: &System, text: &str) -> anyhow::Result<Vec<f64>> {
+    let body = json!({"model": "mock", "stream": true, "messages": [{"role": "user", "content": text}]});
+    let resp = sys.http.post(format!("{}/chat/completions", sys.mock.base_url())).json(&body).send().await?;
+    let mut events = resp.bytes_stream().eventsource();
+    let mut latencies = Vec::new();
+    while let Some(e) = events.next().await {
+        let e = e?;
+        let arrived = unix_us();
+        if e.data == "[DONE]" {
+            break;
+        }
+        let chunk: serde_json::Value = serde_json::from_str(&e.data)?;
+        if let Some(stamp) =
+            chunk["choices"][0]["delta"]["content"].as_str().and_then(|c| c.trim().parse::<u64>().ok())
+        {
+            latencies.push(arrived.saturating_sub(stamp) as f64 / 1e3);
+        }
+    }
+    Ok(latencies)
+}
+
+struct Through {
+    /// From the POST to the mock receiving the model request.
+    pre_upstream_ms: f64,
+    /// Each delta's arrival at the client minus the mock's stamped send time.
+    latencies_ms: Vec<f64>,
+    first_delta_ms: f64,
+}
+
+/// One turn through turnlog.
+async fn through(sys: &System, session: &str, text: &str) -> anyhow::Result<Through> {
+    let sent_us = unix_us();
+    let resp = sys
+        .http
+        .post(format!("{}/v1/sessions/{session}/messages", sys.base))
+        .json(&json!({ "text": text }))
+        .send()
+        .await?;
+    anyhow::ensure!(resp.status().is_success(), "turn refused: {}", resp.status());
+    let mut events = resp.bytes_stream().eventsource();
+    let mut latencies = Vec::new();
+    let mut first = None;
+    while let Some(e) = events.next().await {
+        let e = e?;
+        let arrived = unix_us();
+        if e.event == "delta" {
+            first.get_or_insert(arrived);
+            let data: serde_json::Value = serde_json::from_str(&e.data)?;
+            if let Some(stamp) = data["text"].as_str().and_then(|t| t.trim().parse::<u64>().ok()) {
+                latencies.push(arrived.saturating_sub(stamp) as f64 / 1e3);
+            }
+        }
+    }
+    let received_us = sys
+        .mock
+        .log()
+        .entries()
+        .iter()
+        .rev()
+        .find(|r| r.body.to_string().contains(text))
+        .map(|r| r.received_at_us)
+        .ok_or_else(|| anyhow::anyhow!("the mock did not log the turn"))?;
+    Ok(Through {
+        pre_upstream_ms: received_us.saturating_sub(sent_us) as f64 / 1e3,
+        latencies_ms: latencies,
+        first_delta_ms: first.unwrap_or(sent_us).saturating_sub(sent_us) as f64 / 1e3,
+    })
+}
+
+pub async fn run() -> anyhow::Result<()> {
+    let sys =
+        System::start(Settings { model: "mock", windows: vec![], system_prompt: "You are terse." }).await?;
+    let directive = format!("[mock words={WORDS} delay_ms={DELAY_MS} stamp]");
+
+    // Directly: how late each delta arrives when nothing sits between client and model.
+    let mut direct_latency = Vec::new();
+    for i in 0..30 {
+        direct_latency.extend(direct(&sys, &format!("direct {i} {directive}")).await?);
+    }
+    let direct_relay = p50(direct_latency.clone());
+
+    // One stream at a time, each a first turn (so its prompt is as small as the direct one).
+    let mut single = Vec::new();
+    for i in 0..40 {
+        let session = sys.create_session().await?;
+        single.push(through(&sys, &session, &format!("single {i} {directive}")).await?);
+    }
+    // Fifty at once, each in its own session.
+    let mut sessions = Vec::new();
+    for _ in 0..50 {
+        sessions.push(sys.create_session().await?);
+    }
+    let sys_ref = &sys;
+    let runs = sessions.iter().enumerate().map(|(i, s)| {
+        let text = format!("fifty {i} {directive}");
+        async move { through(sys_ref, s, &text).await }
+    });
+    let mut fifty = Vec::new();
+    for r in futures::future::join_all(runs).await {
+        fifty.push(r?);
+    }
+
+    let pre = |ts: &[Through]| ts.iter().map(|t| t.pre_upstream_ms).collect::<Vec<_>>();
+    // turnlog's relay: how much later a delta arrives through turnlog than directly.
+    let relay = |ts: &[Through]| {
+        ts.iter().flat_map(|t| t.latencies_ms.iter().map(|l| l - direct_relay)).collect::<Vec<_>>()
+    };
+    let first = |ts: &[Through]| ts.iter().map(|t| t.first_delta_ms).collect::<Vec<_>>();
+    println!("mock directly: delta transit p50 {direct_relay:.3} ms ({WORDS} deltas {DELAY_MS} ms apart)");
+    for (name, ts) in [("1 stream", &single), ("50 streams", &fifty)] {
+        println!(
+            "{name:>10}: before the upstream call p50 {:.2} ms p99 {:.2} ms; relay added per delta p50 {:.3} ms p99 {:.3} ms; first delta p50 {:.2} ms",
+            p50(pre(ts)), p99(pre(ts)), p50(relay(ts)), p99(relay(ts)), p50(first(ts))
+        );
+    }
+    println!(
+        "RESULT ingress pre_upstream_p50_ms={:.2} relay_p50_ms={:.3} relay_p50_ms_50={:.3} pre_upstream_p50_ms_50={:.2} first_delta_p50_ms={:.2} first_delta_p50_ms_50={:.2}",
+        p50(pre(&single)), p50(relay(&single)), p50(relay(&fifty)), p50(pre(&fifty)), p50(first(&single)), p50(first(&fifty))
+    );
+    sys.stop().await;
+    Ok(())
+}

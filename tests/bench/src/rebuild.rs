@@ -1,0 +1,147 @@
+//! Reprocessing history: `turnlog rebuild` (TURNLOG_APPEND applied into an empty database
+//! by the writer's apply-only mode) and `turnlog replay` (the distiller's handler over the
+//! whole committed-event feed) on a ~200,000-event history. The history is published
+//! straight to TURNLOG_APPEND and applied by the live writer first, which also gives the
+//! live drain rate to compare with. Needs a durable Postgres (DATABASE_URL) and a nats-server.
+
+#[path = "../../../services/ops/tests/ops/history.rs"]
+mod history;
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use sqlx::Connection as _;
+use tokio_util::sync::CancellationToken;
+use turnlog_core::bus::Bus;
+use turnlog_core::upstream::UpstreamConfig;
+use turnlog_core::worker::ConsumerSettings;
+use turnlog_ops::ReplayFrom;
+use turnlog_testkit::test_env;
+use turnlog_writer::WriterConfig;
+
+/// 2,000 sessions of 19 turns: about 206,000 events, 38,000 of them answers.
+const SHAPE: history::Shape = history::Shape { sessions: 2_000, turns: 19, awkward: false };
+const TARGET_REBUILD_PER_S: f64 = 30_000.0;
+
+pub async fn run() -> anyhow::Result<()> {
+    turnlog_core::tokens::warm_up();
+    let env = test_env().await;
+    let settings: Vec<(String, String)> = sqlx::query_as(
+        "SELECT name, setting FROM pg_settings WHERE name IN ('fsync', 'synchronous_commit', 'wal_sync_method')",
+    )
+    .fetch_all(&env.pool)
+    .await?;
+    println!("postgres: {settings:?}  nats: {}", env.nats_url);
+    if settings.iter().any(|(k, v)| (k == "fsync" || k == "synchronous_commit") && v == "off") {
+        println!("WARNING: commits are not durable on this server; set DATABASE_URL to a durable one");
+    }
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await?;
+    bus.ensure_topology(None).await?;
+
+    let started = Instant::now();
+    let history = history::history(SHAPE);
+    println!(
+        "history: {} requests, {} events, made in {:.1} s",
+        history.messages.len(),
+        history.events(),
+        started.elapsed().as_secs_f64()
+    );
+
+    // The live writer applies it as it arrives (publishing and applying overlap).
+    let writer_config = WriterConfig {
+        database_url: env.database_url.clone(),
+        nats_url: env.nats_url.clone(),
+        bus_prefix: env.bus_prefix.clone(),
+        partitions: 1,
+        append_max_age: None,
+    };
+    let stop_writer = CancellationToken::new();
+    let writer = tokio::spawn(turnlog_writer::run(writer_config, stop_writer.clone()));
+    let started = Instant::now();
+    let last = history::publish(&bus, &history.messages).await;
+    let published = started.elapsed();
+    history::applied_through(&env.pool, last, Duration::from_secs(600)).await;
+    let live = started.elapsed();
+    let events: i64 = sqlx::query_scalar("SELECT count(*) FROM session_events").fetch_one(&env.pool).await?;
+    anyhow::ensure!(
+        events == history.events(),
+        "the live writer applied {events} events, not {}",
+        history.events()
+    );
+    let live_per_s = events as f64 / live.as_secs_f64();
+    println!(
+        "live writer: {events} events published in {:.1} s and applied in {:.1} s: {live_per_s:.0} events/s",
+        published.as_secs_f64(),
+        live.as_secs_f64()
+    );
+
+    let target = env.extra_database().await;
+    let summary = turnlog_ops::rebuild(&target, &bus, false).await?;
+    let rebuild_per_s = summary.events as f64 / summary.elapsed.as_secs_f64();
+    let started = Instant::now();
+    let verdict = turnlog_ops::verify(&env.database_url, &target).await?;
+    anyhow::ensure!(verdict.is_identical(), "the rebuilt database differs: {verdict}");
+    println!("verify: {:.1} s", started.elapsed().as_secs_f64());
+
+    // Every answer was distilled already (the history holds each turn_memory under the id
+    // the distiller derives), so the replay measures reprocessing: the feed read, each
+    // answer's handler finding its work done, no model call.
+    let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await?;
+    let concurrency = 32;
+    let config = turnlog_distiller::DistillerConfig {
+        database_url: env.database_url.clone(),
+        nats_url: env.nats_url.clone(),
+        bus_prefix: env.bus_prefix.clone(),
+        partitions: 1,
+        upstream: UpstreamConfig {
+            base_url: mock.base_url(),
+            api_key: None,
+            timeout: Duration::from_secs(10),
+            windows_override: Default::default(),
+        },
+        mini_model: "mock-mini".into(),
+        consumer: ConsumerSettings { concurrency, ..Default::default() },
+        call_deadline: Duration::from_secs(10),
+        append_timeout: Duration::from_secs(10),
+    };
+    let run = |stop| turnlog_distiller::run(config, stop);
+    let replay =
+        turnlog_ops::replay("distiller", ReplayFrom::Sequence(1), None, false, CancellationToken::new(), run);
+    let replayed = replay.await?;
+    let handled = replayed.handled + replayed.dead_lettered;
+    let replay_per_s = handled as f64 / replayed.elapsed.as_secs_f64();
+    let feed_per_s = replayed.through_seq as f64 / replayed.elapsed.as_secs_f64();
+    let events_after: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM session_events").fetch_one(&env.pool).await?;
+    anyhow::ensure!(events_after == events, "the replay appended {} events", events_after - events);
+    anyhow::ensure!(mock.log().entries().is_empty(), "the replay called the model");
+
+    println!(
+        "rebuild: {} events in {:.1} s: {rebuild_per_s:.0} events/s (target {TARGET_REBUILD_PER_S:.0}; the live \
+         writer {live_per_s:.0})",
+        summary.events,
+        summary.elapsed.as_secs_f64()
+    );
+    println!(
+        "replay (distiller, concurrency {concurrency}): {handled} answers handled in {:.1} s: {replay_per_s:.0} \
+         events/s ({feed_per_s:.0} feed events/s spanned); nothing appended, no model call",
+        replayed.elapsed.as_secs_f64()
+    );
+
+    stop_writer.cancel();
+    writer.await.context("writer panicked")??;
+    drop_database(&env.admin_url, &target).await?;
+    env.cleanup().await;
+    println!(
+        "RESULT rebuild rebuild_per_s={rebuild_per_s:.0} replay_per_s={replay_per_s:.0} live_writer_per_s={live_per_s:.0} events={}",
+        summary.events
+    );
+    Ok(())
+}
+
+async fn drop_database(admin_url: &str, url: &str) -> anyhow::Result<()> {
+    let name = url.rsplit('/').next().and_then(|n| n.split('?').next()).context("database name")?;
+    let mut admin = sqlx::PgConnection::connect(admin_url).await?;
+    sqlx::raw_sql(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")).execute(&mut admin).await?;
+    Ok(())
+}

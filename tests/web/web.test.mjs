@@ -1,0 +1,543 @@
+// The web client end to end: headless Chromium (Debian's, driven by playwright-core)
+// against a real `turnlog dev` with its mock model. The tests run in order and share one
+// server and one browser; each leaves a screenshot of its view in screenshots/.
+
+import { after, before, test } from 'node:test';
+import assert from 'node:assert/strict';
+import { mkdirSync, mkdtempSync, rmSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { chromium } from 'playwright-core';
+import { startTurnlog, tail } from './harness.mjs';
+
+const HERE = path.dirname(fileURLToPath(import.meta.url));
+const SHOTS = path.join(HERE, 'screenshots');
+const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
+const WAIT = 20_000;
+
+let server;
+let context;
+let page;
+let profile;
+/** Script errors and policy violations seen in the page, over all tests. */
+const pageErrors = [];
+/** The session of the streaming test, reused by the inspector, rename and search tests. */
+let firstSession;
+
+before(async () => {
+  mkdirSync(SHOTS, { recursive: true });
+  server = await startTurnlog({ logFile: path.join(SHOTS, 'turnlog.log') });
+  profile = mkdtempSync(path.join(os.tmpdir(), 'turnlog-web-chromium-'));
+  context = await chromium.launchPersistentContext(profile, {
+    executablePath: CHROMIUM,
+    headless: true,
+    args: [
+      '--headless',
+      '--no-sandbox',
+      '--disable-gpu',
+      '--disable-quic',
+      '--no-first-run',
+      '--disable-background-networking',
+      '--disable-component-update',
+      '--disable-sync',
+    ],
+    viewport: { width: 1280, height: 800 },
+    colorScheme: 'light',
+  });
+  context.setDefaultTimeout(WAIT);
+  page = context.pages()[0] ?? (await context.newPage());
+  page.on('pageerror', (e) => pageErrors.push(e.message));
+  page.on('console', (m) => {
+    if (m.type() === 'error' && /Content Security Policy/i.test(m.text())) pageErrors.push(m.text());
+  });
+});
+
+after(async () => {
+  await context?.close().catch(() => {});
+  if (profile) rmSync(profile, { recursive: true, force: true });
+  await server?.stop();
+});
+
+// ------------------------------------------------------------------------------------
+// Helpers.
+
+async function shot(name) {
+  await page.screenshot({ path: path.join(SHOTS, `${name}.png`) });
+}
+
+/** Calls the API as the test's owner. */
+async function api(method, route, body) {
+  const res = await fetch(server.base + route, {
+    method,
+    headers: { Authorization: `Bearer ${server.token}`, 'Content-Type': 'application/json' },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const text = await res.text();
+  return { status: res.status, json: text ? JSON.parse(text) : null };
+}
+
+const words = (s) => s.trim().split(/\s+/).filter(Boolean);
+const squash = (s) => s.replace(/\s+/g, ' ').trim();
+
+async function liveWords() {
+  return words((await page.locator('[data-kind=live] .md').textContent().catch(() => '')) ?? '').length;
+}
+
+async function waitForLiveWords(n) {
+  await page.locator('[data-kind=live]').waitFor();
+  const deadline = Date.now() + WAIT;
+  while ((await liveWords()) < n) {
+    assert.ok(Date.now() < deadline, `the live answer did not reach ${n} words`);
+    await page.waitForTimeout(50);
+  }
+}
+
+async function send(text) {
+  const input = page.locator('#message');
+  await input.fill(text);
+  await input.press('Enter');
+}
+
+function currentSessionId() {
+  const m = /#\/s\/([0-9a-f-]{36})$/.exec(page.url());
+  assert.ok(m, `no session in the URL ${page.url()}`);
+  return m[1];
+}
+
+function sessionRows() {
+  return page.locator('#session-list li.session');
+}
+
+/** A test that leaves a screenshot of the page when it fails. */
+function check(name, fn) {
+  test(name, async () => {
+    try {
+      await fn();
+    } catch (e) {
+      const slug = name.replace(/[^a-z0-9]+/gi, '-').slice(0, 40);
+      await shot(`failed-${slug}`).catch(() => {});
+      throw e;
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------
+// Tests, in order.
+
+check('the page is served from the binary under a strict content security policy', async () => {
+  const res = await fetch(`${server.base}/`);
+  assert.equal(res.status, 200);
+  assert.match(res.headers.get('content-type'), /^text\/html/);
+  const csp = res.headers.get('content-security-policy');
+  assert.match(csp, /default-src 'self'/);
+  assert.doesNotMatch(csp, /unsafe-inline|unsafe-eval/);
+  const js = await fetch(`${server.base}/assets/app.js`);
+  assert.match(js.headers.get('content-type'), /^text\/javascript/);
+  const missing = await fetch(`${server.base}/assets/nope.js`);
+  assert.equal(missing.status, 404);
+  assert.equal((await missing.json()).error.code, 'not_found');
+  const api404 = await fetch(`${server.base}/v1/nope`);
+  assert.equal((await api404.json()).error.code, 'not_found');
+});
+
+check('asks for the API token, refuses a wrong one, and keeps the right one', async () => {
+  await page.goto(server.base);
+  const dialog = page.locator('#token-dialog');
+  await dialog.waitFor({ state: 'visible' });
+  await shot('token');
+  await page.locator('#token-input').fill('not-the-token');
+  await page.locator('#token-input').press('Enter');
+  await page.locator('#token-why', { hasText: 'not accepted' }).waitFor();
+  await page.locator('#token-input').fill(server.token);
+  await page.locator('#token-input').press('Enter');
+  await dialog.waitFor({ state: 'hidden' });
+  await page.locator('#list-status', { hasText: 'No sessions yet' }).waitFor();
+  assert.equal(await page.evaluate(() => localStorage.getItem('turnlog.token')), server.token);
+  await page.reload();
+  await page.locator('#list-status', { hasText: 'No sessions yet' }).waitFor();
+  assert.equal(await dialog.isVisible(), false, 'asked again after a reload');
+});
+
+check('sends a message and streams the reply as it arrives', async () => {
+  await page.locator('#new-chat').click();
+  assert.equal(await page.evaluate(() => document.activeElement?.id), 'message');
+  await send('Hello zebrafish, tell me about Oslo [mock words=80 delay_ms=25 reasoning=4]');
+  await page.waitForURL(/#\/s\//);
+  firstSession = currentSessionId();
+  // Streaming, not one block at the end: the live answer grows while we watch.
+  await waitForLiveWords(5);
+  const early = await liveWords();
+  await waitForLiveWords(early + 10);
+  assert.equal(await page.locator('#stop').isVisible(), true, 'no Stop button while streaming');
+  await shot('streaming');
+
+  const answer = page.locator('article[data-kind=assistant]');
+  await answer.waitFor();
+  await page.locator('[data-kind=live]').waitFor({ state: 'detached' });
+  assert.equal(words(await answer.locator('.md').textContent()).length, 80);
+  const meta = await answer.locator('.meta').textContent();
+  assert.match(meta, /[\d,]+ in · [\d,]+ out/);
+  assert.match(meta, /\d+(\.\d)? (ms|s)/);
+  // Reasoning is there, folded away.
+  const reasoning = answer.locator('details.reasoning');
+  assert.equal(await reasoning.count(), 1);
+  assert.equal(await reasoning.evaluate((d) => d.open), false);
+  assert.equal(await page.locator('#send').isVisible(), true);
+  // The new session heads the list, titled after its first message.
+  const top = sessionRows().first();
+  assert.equal(await top.getAttribute('data-id'), firstSession);
+  assert.match(await top.textContent(), /Hello zebrafish/);
+  assert.equal(await top.locator('a').getAttribute('aria-current'), 'page');
+  await page.locator('#message').focus();
+  await shot('chat');
+});
+
+check('stop (Esc) keeps the partial answer marked stopped, and retry answers again', async () => {
+  await send('Count slowly please [mock words=80 delay_ms=25]');
+  await waitForLiveWords(15);
+  await page.locator('#message').press('Escape');
+  const stopped = page.locator('article[data-kind=interrupted][data-reason=stopped]');
+  await stopped.waitFor();
+  assert.match(await stopped.textContent(), /Stopped by you/);
+  assert.ok(words(await stopped.locator('.md').textContent()).length >= 15);
+  await page.locator('#retry').waitFor({ state: 'visible' });
+  await shot('stopped');
+
+  await page.locator('#retry').click();
+  await page.locator('[data-kind=live]').waitFor();
+  await page.locator('[data-kind=live]').waitFor({ state: 'detached', timeout: 30_000 });
+  const last = page.locator('#transcript > article').last();
+  assert.equal(await last.getAttribute('data-kind'), 'assistant');
+  assert.equal(words(await last.locator('.md').textContent()).length, 80);
+  assert.equal(await stopped.count(), 1, 'the stopped answer stays in the transcript');
+  assert.equal(await page.locator('#retry').isVisible(), false);
+});
+
+check('a message with <script> and HTML renders as text and runs nothing', async () => {
+  const hostile = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2"> [mock words=6]';
+  await send(hostile);
+  const user = page.locator('article[data-kind=user]').last();
+  await user.waitFor();
+  await page.locator('[data-kind=live]').waitFor({ state: 'detached' });
+  await page.locator('#transcript > article').last().locator('.md').waitFor();
+  assert.equal(await user.locator('.text').textContent(), hostile);
+  assert.equal(await user.locator('.text').isVisible(), true);
+  assert.equal(await page.evaluate(() => window.__pwned), undefined);
+  assert.equal(await page.locator('#transcript script, #transcript img').count(), 0);
+  await user.scrollIntoViewIfNeeded();
+  await shot('script-as-text');
+});
+
+check('a reload while a turn streams picks it up where it was', async () => {
+  await send('Tell me a long story [mock words=200 delay_ms=25]');
+  // Past the first checkpoint (every 2 s), so the log holds a partial answer too.
+  await waitForLiveWords(100);
+  const sessionId = currentSessionId();
+
+  // Record every state of the live answer from the first paint after the reload.
+  await page.addInitScript(() => {
+    window.__live = [];
+    new MutationObserver(() => {
+      const md = document.querySelector('[data-kind=live] .md');
+      if (md && md.textContent !== window.__live.at(-1)) window.__live.push(md.textContent);
+    }).observe(document, { subtree: true, childList: true, characterData: true });
+  });
+  const reattach = page.waitForRequest((r) => r.url().endsWith(`/v1/sessions/${sessionId}/stream`));
+  const before = squash(await page.locator('[data-kind=live] .md').textContent());
+  await page.reload();
+  const request = await reattach;
+  const lastEventId = Number(await request.headerValue('last-event-id'));
+  assert.ok(lastEventId > 100, `re-attached after event ${lastEventId}, not after the 100+ it had`);
+  await page.locator('[data-kind=live]').waitFor();
+  // The checkpoint in the log is not shown beside the live answer that holds its text.
+  assert.equal(await page.locator('[data-kind=interrupted][data-reason=interrupted]').count(), 1);
+  assert.equal(await page.locator('[data-kind=interrupted][data-reason=interrupted]:visible').count(), 0);
+  await shot('reattached');
+
+  const answer = page.locator('article[data-kind=assistant]').last();
+  await page.locator('[data-kind=live]').waitFor({ state: 'detached', timeout: 30_000 });
+  const final = squash(await answer.locator('.md').textContent());
+  assert.equal(words(final).length, 200);
+  const seen = (await page.evaluate(() => window.__live)).map(squash);
+  assert.ok(seen.length > 5, `the answer did not keep streaming after the reload (${seen.length} states)`);
+  assert.ok(seen[0].startsWith(before), 'the first paint after the reload lost text it had before');
+  for (const s of seen) assert.ok(final.startsWith(s), `a streamed state is not a prefix of the answer: …${s.slice(-60)}`);
+});
+
+check('the context inspector shows what the model sees and its tokens against the budget', async () => {
+  await page.locator('#context-toggle').click();
+  const tokens = page.locator('#inspector .ctx-tokens');
+  await tokens.waitFor();
+  assert.match(await tokens.textContent(), /^[\d,]+ of [\d,]+ tokens \(\d+%\)$/);
+  const messages = page.locator('#inspector .ctx-msg');
+  assert.ok((await messages.count()) >= 6, 'fewer messages than turns');
+  assert.equal(await messages.first().locator('.role').textContent(), 'user');
+  assert.match(await messages.first().textContent(), /Hello zebrafish/);
+  await shot('context');
+  await page.locator('#inspector-close').click();
+  await page.locator('#inspector').waitFor({ state: 'hidden' });
+});
+
+check('renders every transcript item kind, markdown safely, and answers permissions', async () => {
+  const id = '00000000-0000-4000-8000-0000000000aa';
+  const at = new Date().toISOString();
+  const session = { id, title: 'Every kind', archived: false, last_category: 'code', created_at: at, updated_at: at };
+  const answerText = [
+    '## Plan',
+    'Here is **bold**, *em*, `code`, ~~gone~~ and a [link](https://example.com/docs).',
+    'A [bad link](javascript:window.__pwned=3) and <b>raw html</b> <script>window.__pwned=4</script>.',
+    '',
+    '- first',
+    '- second',
+    '  1. nested',
+    '',
+    '| a | b |',
+    '|---|--:|',
+    '| 1 | 2 |',
+    '',
+    '```js',
+    'console.log("<not html>")',
+    '```',
+  ].join('\n');
+  const items = [
+    { seq: 2, kind: 'user', text: 'Please look', images: [{ id: 'img1', mime: 'image/png' }], documents: [{ id: 'doc1', mime: 'text/markdown' }], created_at: at },
+    {
+      seq: 3,
+      kind: 'assistant',
+      text: answerText,
+      blocks: [
+        { type: 'reasoning', text: 'Thinking it over.' },
+        { type: 'text', text: answerText },
+      ],
+      provider: 'mock',
+      model: 'mock-large',
+      usage: { input_tokens: 1234, output_tokens: 56, cached_input_tokens: 1024 },
+      duration_ms: 2500,
+      cost: 0.0123,
+      currency: 'USD',
+      created_at: at,
+    },
+    { seq: 4, kind: 'tool', tool: { call_id: 'c1', name: 'read_file', args: { path: 'src/main.rs' }, result_digest: '120 lines', status: 'ok', duration_ms: 42 }, created_at: at },
+    { seq: 5, kind: 'compaction', text: 'Summary: the user asked to look.', through_seq: 4, created_at: at },
+    { seq: 6, kind: 'permission', permission: { id: 'perm-1', call_id: 'c2', tool: 'shell', args: { cmd: 'rm -rf build' }, danger_level: 'high', rationale: 'Clean the build' }, created_at: at },
+    { seq: 7, kind: 'interrupted', text: 'I was saying', reason: 'interrupted', created_at: at },
+    { seq: 8, kind: 'error', code: 'upstream_error', text: 'the model gateway answered 503', created_at: at },
+  ];
+  let resolved = null;
+  await page.route(`**/v1/sessions/${id}`, (route) =>
+    route.fulfill({
+      json: { session, items: resolved ? items.filter((i) => i.kind !== 'permission') : items, turn_active: false },
+    }),
+  );
+  await page.route(`**/v1/sessions/${id}/permissions/perm-1`, (route) => {
+    resolved = route.request().postDataJSON();
+    route.fulfill({ json: { id: 'perm-1', decision: resolved.decision, seq: 9 } });
+  });
+  await page.goto(`${server.base}/#/s/${id}`);
+  await page.locator('article[data-kind=error]').waitFor();
+
+  for (const kind of ['user', 'assistant', 'tool', 'compaction', 'permission', 'interrupted', 'error']) {
+    assert.equal(await page.locator(`#transcript [data-kind=${kind}]`).count(), 1, `no ${kind} item`);
+  }
+  assert.match(await page.locator('[data-kind=user] .chips').textContent(), /image img1.*document doc1/);
+  const answer = page.locator('[data-kind=assistant]');
+  assert.equal(await answer.locator('details.reasoning').evaluate((d) => d.open), false);
+  const meta = await answer.locator('.meta').textContent();
+  for (const part of ['mock-large', '1,234 in · 56 out · 1,024 cached', '2.5 s', '0.0123 USD', '#3']) {
+    assert.ok(meta.includes(part), `assistant meta lacks ${part}: ${meta}`);
+  }
+  const md = answer.locator('.md');
+  assert.equal(await md.locator('h2').textContent(), 'Plan');
+  assert.equal(await md.locator('strong').first().textContent(), 'bold');
+  assert.equal(await md.locator('ul > li').count(), 2);
+  assert.equal(await md.locator('ul ol > li').textContent(), 'nested');
+  assert.equal(await md.locator('td[data-align=right]').textContent(), '2');
+  assert.equal(await md.locator('pre code').textContent(), 'console.log("<not html>")');
+  const links = md.locator('a');
+  assert.equal(await links.count(), 1, 'only the https link is a link');
+  assert.equal(await links.getAttribute('href'), 'https://example.com/docs');
+  assert.match(await md.textContent(), /<b>raw html<\/b> <script>window.__pwned=4<\/script>/);
+  assert.equal(await page.locator('#transcript b, #transcript script').count(), 0);
+  assert.equal(await page.evaluate(() => window.__pwned), undefined);
+  assert.match(await page.locator('[data-kind=compaction]').textContent(), /older messages summarized through #4/);
+  assert.match(await page.locator('[data-kind=interrupted]').textContent(), /Interrupted mid-answer/);
+  assert.match(await page.locator('[data-kind=error]').textContent(), /upstream_error.*the model gateway answered 503/);
+  assert.match(await page.locator('[data-kind=tool]').textContent(), /read_file.*ok.*42 ms/);
+  assert.equal(await page.locator('#retry').isVisible(), true, 'no Retry after a failed turn');
+  await page.locator('#transcript').evaluate((t) => (t.scrollTop = 0));
+  await shot('kinds-top');
+  await page.locator('[data-kind=tool] summary').click();
+  await shot('kinds');
+
+  await page.locator('[data-kind=permission] button', { hasText: 'Allow' }).click();
+  await page.locator('[data-kind=permission]').waitFor({ state: 'detached' });
+  assert.deepEqual(resolved, { decision: 'allow' });
+  await page.unrouteAll();
+});
+
+check('the served markdown renderer and event-stream parser handle the awkward cases', async () => {
+  const result = await page.evaluate(async () => {
+    const { renderMarkdown } = await import('/assets/markdown.js');
+    const { sseParser } = await import('/assets/sse.js');
+    const html = (text) => {
+      const div = document.createElement('div');
+      div.append(renderMarkdown(text));
+      return div.innerHTML;
+    };
+    const events = [];
+    const parser = sseParser((e) => events.push(e));
+    // Split anywhere, CRLF and CR line ends, a comment, a multi-line data field.
+    for (const piece of ['id: 1\r', '\nevent: delta\r\ndata: {"te', 'xt":"a"}\r\n\r\n: keep-alive\n\n', 'id:2\revent:end\rdata: x\rdata: y\r\r']) {
+      parser.push(piece);
+    }
+    return {
+      fence: html('```py\nprint("<b>")'), // still streaming: no closing fence yet
+      image: html('![alt](https://example.com/x.png)'),
+      data: html('[click](data:text/html;base64,PHNjcmlwdD4=)'),
+      escaped: html('\\*not em\\* and 2 * 3 * 4'),
+      autolink: html('see https://example.com/a_b.'),
+      entity: html('&lt;b&gt; &amp; <i>x</i>'),
+      events,
+    };
+  });
+  assert.equal(result.fence, '<pre><code data-lang="py">print("&lt;b&gt;")</code></pre>');
+  assert.equal(result.image, '<p><a href="https://example.com/x.png" target="_blank" rel="noopener noreferrer nofollow">alt</a></p>');
+  assert.equal(result.data, '<p>click</p>');
+  assert.equal(result.escaped, '<p>*not em* and 2 * 3 * 4</p>');
+  assert.equal(result.autolink, '<p>see <a href="https://example.com/a_b" target="_blank" rel="noopener noreferrer nofollow">https://example.com/a_b</a>.</p>');
+  assert.equal(result.entity, '<p>&amp;lt;b&amp;gt; &amp;amp; &lt;i&gt;x&lt;/i&gt;</p>');
+  assert.deepEqual(result.events, [
+    { id: '1', event: 'delta', data: '{"text":"a"}' },
+    { id: '2', event: 'end', data: 'x\ny' },
+  ]);
+});
+
+check('rename, archive and unarchive, and delete a session', async () => {
+  await page.goto(`${server.base}/#/s/${firstSession}`);
+  await page.locator('article[data-kind=assistant]').first().waitFor();
+  const row = page.locator(`#session-list li[data-id="${firstSession}"]`);
+
+  await page.locator('#rename').click();
+  await page.locator('#ask-input').fill('Zebrafish facts');
+  await page.locator('#ask-input').press('Enter');
+  await page.locator('#chat-title', { hasText: 'Zebrafish facts' }).waitFor();
+  await row.locator('.title', { hasText: 'Zebrafish facts' }).waitFor();
+  assert.equal((await api('GET', `/v1/sessions/${firstSession}`)).json.session.title, 'Zebrafish facts');
+
+  await page.locator('#archive').click();
+  await row.waitFor({ state: 'detached' });
+  assert.equal(await page.locator('#archive').textContent(), 'Unarchive');
+  await page.locator('[data-archived=true]').click();
+  await row.waitFor();
+  await shot('archived');
+  await page.locator('#archive').click();
+  await row.waitFor({ state: 'detached' });
+  await page.locator('[data-archived=false]').click();
+  await row.waitFor();
+
+  const doomed = (await api('POST', '/v1/sessions', { title: 'To be deleted' })).json.id;
+  await page.goto(`${server.base}/#/s/${doomed}`);
+  await page.locator('#chat-title', { hasText: 'To be deleted' }).waitFor();
+  await page.locator('#delete').click();
+  await page.locator('#ask-dialog').waitFor();
+  await shot('delete-confirm');
+  await page.locator('#ask-ok').click();
+  await page.waitForURL((u) => u.hash === '#/');
+  await page.locator(`#session-list li[data-id="${doomed}"]`).waitFor({ state: 'detached' });
+  assert.equal((await api('GET', `/v1/sessions/${doomed}`)).status, 404);
+});
+
+check('pages through 120 sessions with the cursor as the list scrolls', async () => {
+  const titles = Array.from({ length: 120 }, (_, i) => `Paged ${String(i + 1).padStart(3, '0')}`);
+  // A few at a time keeps this quick; the order within a batch is the writer's.
+  for (let i = 0; i < titles.length; i += 8) {
+    const made = await Promise.all(titles.slice(i, i + 8).map((title) => api('POST', '/v1/sessions', { title })));
+    for (const r of made) assert.equal(r.status, 201);
+  }
+  const cursors = [];
+  page.on('request', (r) => {
+    const u = new URL(r.url());
+    if (u.pathname === '/v1/sessions' && u.searchParams.has('before')) cursors.push(u.searchParams.get('before_id'));
+  });
+  await page.goto(`${server.base}/#/`);
+  await page.reload(); // the list as it is now
+  await sessionRows().first().waitFor();
+  assert.equal(await sessionRows().count(), 30, 'the first page is not 30 sessions');
+  await shot('list');
+
+  const scroller = page.locator('#session-scroll');
+  const deadline = Date.now() + WAIT;
+  while ((await page.locator('#session-list').getAttribute('data-complete')) !== 'true') {
+    assert.ok(Date.now() < deadline, 'the list never reached its end');
+    await scroller.evaluate((s) => (s.scrollTop = s.scrollHeight));
+    await page.waitForTimeout(100);
+  }
+  const listed = (await api('GET', '/v1/sessions?limit=200')).json.sessions.map((s) => s.id);
+  const ids = await sessionRows().evaluateAll((rows) => rows.map((r) => r.dataset.id));
+  assert.deepEqual(ids, listed, 'the scrolled list is not the API order');
+  assert.ok(cursors.length >= 4, `only ${cursors.length} pages were fetched with a cursor`);
+  const paged = await sessionRows().locator('.title').evaluateAll((ts) => ts.map((t) => t.textContent).filter((t) => t.startsWith('Paged')));
+  assert.deepEqual([...paged].sort(), titles, 'not every session was listed exactly once');
+  assert.equal(paged[0] > paged.at(-1), true, 'not newest first');
+  assert.match(await page.locator('#list-status').textContent(), /All \d+ sessions shown/);
+  await shot('list-end');
+});
+
+check('search finds sessions by message text and by title', async () => {
+  const search = page.locator('#search');
+  await page.locator('body').press('/');
+  assert.equal(await page.evaluate(() => document.activeElement?.id), 'search');
+  await search.fill('zebrafish');
+  await page.waitForFunction(() => document.querySelectorAll('#session-list li.session').length === 1);
+  assert.equal(await sessionRows().first().getAttribute('data-id'), firstSession);
+  await shot('search');
+  await search.fill('Paged 077');
+  await page.waitForFunction(
+    () => [...document.querySelectorAll('#session-list .title')].map((t) => t.textContent).join() === 'Paged 077',
+  );
+  await search.fill('nothing-like-this-anywhere');
+  await page.locator('#list-status', { hasText: 'No session matches' }).waitFor();
+  await search.fill('');
+  await page.waitForFunction(() => document.querySelectorAll('#session-list li.session').length === 30);
+});
+
+check('a phone-sized window shows one pane at a time', async () => {
+  await page.setViewportSize({ width: 390, height: 844 });
+  await page.goto(`${server.base}/#/`);
+  await sessionRows().first().waitFor();
+  assert.equal(await page.locator('#chat').isVisible(), false);
+  await shot('phone-list');
+  await sessionRows().first().locator('a').click();
+  await page.locator('#chat').waitFor();
+  assert.equal(await page.locator('#sidebar').isVisible(), false);
+  await page.locator('#back').click();
+  await page.locator('#sidebar').waitFor();
+  await page.goto(`${server.base}/#/s/${firstSession}`);
+  await page.locator('article[data-kind=assistant]').first().waitFor();
+  assert.equal(await page.locator('#sidebar').isVisible(), false);
+  assert.equal(await page.locator('#back').isVisible(), true);
+  const overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+  assert.ok(overflow <= 0, `the page is ${overflow}px wider than the phone`);
+  await shot('phone-chat');
+  await page.locator('#more').click();
+  await page.locator('#rename').waitFor({ state: 'visible' });
+  await shot('phone-menu');
+  await page.locator('#chat-title').click();
+  await page.locator('#rename').waitFor({ state: 'hidden' });
+  await page.locator('#context-toggle').click();
+  await page.locator('#inspector .ctx-tokens').waitFor();
+  await shot('phone-context');
+  await page.locator('#inspector-close').click();
+  await page.locator('#back').click();
+  await page.locator('#sidebar').waitFor();
+  await page.setViewportSize({ width: 1280, height: 800 });
+});
+
+check('no script error or content security policy violation happened in any test', () => {
+  assert.deepEqual(pageErrors, []);
+});
+
+process.on('exit', (code) => {
+  if (code && server) console.error(`turnlog dev log (${server.logFile}), last lines:\n${tail(server.logFile)}`);
+});
