@@ -125,6 +125,9 @@ fn set_age(path: &str, age: Duration) {
 }
 
 #[tokio::test]
+#[ignore = "depends on how much other runs left on the shared servers: a sweep is capped at 5 s, \
+            and on a long-lived machine thousands of old streams can keep it from reaching this one; \
+            run it alone with --ignored"]
 async fn abandoned_environments_are_swept_after_an_hour() {
     let old = test_env().await;
     let js = jetstream::new(old.nats().await);
