@@ -202,7 +202,7 @@ async fn a_hung_upstream_times_out_on_the_first_byte() {
 async fn a_stall_mid_stream_times_out_as_idle() {
     let mock = spawn(MockConfig::default()).await.unwrap();
     // Generous against a loaded machine's first byte; the stall is what must trip it.
-    let client = client_with(&mock, Duration::from_millis(1000), HashMap::new());
+    let client = client_with(&mock, Duration::from_millis(3000), HashMap::new());
     let reply = collect(&client, &chat("stall [mock words=6 stall_after=2]")).await.unwrap();
     assert_eq!(reply.text_deltas, 2);
     assert!(
@@ -211,7 +211,7 @@ async fn a_stall_mid_stream_times_out_as_idle() {
         reply.end
     );
     // Deltas slower than the timeout in total but not between chunks are fine.
-    let reply = collect(&client, &chat("paced [mock words=5 delay_ms=300]")).await.unwrap();
+    let reply = collect(&client, &chat("paced [mock words=3 delay_ms=1200]")).await.unwrap();
     assert_eq!(reply.end, None);
 }
 
