@@ -139,6 +139,10 @@ async fn serve_partition(
         .create_consumer(OrderedConfig {
             filter_subject: bus.names.append_partition_filter(partition),
             deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: start },
+            // Caps each pull's expiry, and with it the idle heartbeat (half of it; 15 s by
+            // default): after a nats-server restart the lost consumer is noticed by a
+            // missed heartbeat, so this bounds how long the writer sits idle.
+            max_expires: Duration::from_secs(4),
             ..Default::default()
         })
         .await

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
-use futures::{FutureExt as _, StreamExt as _};
+use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
+use futures::StreamExt as _;
 use sqlx::PgPool;
 use turnlog_core::bus::{Bus, OutcomeStatus};
 
@@ -22,6 +22,13 @@ use crate::{bulk, incoming};
 const REBUILD_BATCH: usize = 5_000;
 /// Applied batches waiting for the database: applying runs ahead of writing by this much.
 const WRITE_QUEUE: usize = 2;
+/// Chunks read ahead of applying.
+const READ_AHEAD: usize = 2;
+/// How long one pull request waits for messages (they are all there: it never waits long).
+const PULL_EXPIRES: Duration = Duration::from_secs(10);
+/// The rebuild's consumer is removed by the server this long after the rebuild went away
+/// without deleting it.
+const READER_INACTIVE: Duration = Duration::from_secs(60);
 
 /// How far a rebuild got; shared with whoever shows it.
 #[derive(Debug, Default)]
@@ -133,9 +140,9 @@ struct PartitionDone {
     rejected: u64,
 }
 
-/// One partition, as its live writer applied it: in stream order, batch by batch. Reading
-/// goes on while the database writes, so batches grow to [`REBUILD_BATCH`] when writing is
-/// the bottleneck.
+/// One partition, as its live writer applied it: in stream order, batch by batch — read,
+/// applied and written by three tasks in a pipeline, so NATS, this process and Postgres
+/// work at once.
 async fn rebuild_partition(
     partition: u32,
     pool: &PgPool,
@@ -147,50 +154,35 @@ async fn rebuild_partition(
     let p = i32::try_from(partition).context("partition out of range")?;
     let mut done =
         PartitionDone { partition, position: 0, messages: 0, events: 0, dead_lettered: 0, rejected: 0 };
-    let consumer = stream
-        .create_consumer(OrderedConfig {
+    let consumer: PullConsumer = stream
+        .create_consumer(pull::Config {
+            description: Some("turnlog rebuild".to_owned()),
             filter_subject: bus.names.append_partition_filter(partition),
             deliver_policy: DeliverPolicy::All,
+            ack_policy: AckPolicy::None,
+            inactive_threshold: READER_INACTIVE,
             ..Default::default()
         })
         .await
-        .context("creating the ordered consumer")?;
-    let mut reading = consumer.cached_info().num_pending > 0;
-    let mut messages = consumer.messages().await.context("reading the APPEND stream")?;
+        .context("creating a consumer of the APPEND stream")?;
+    let name = consumer.cached_info().name.clone();
+    let nothing = consumer.cached_info().num_pending == 0;
 
+    let (to_applier, mut from_reader) = tokio::sync::mpsc::channel(READ_AHEAD);
+    let reader = tokio::spawn(async move {
+        if nothing {
+            return Ok(());
+        }
+        read_partition(consumer, through, to_applier).await
+    });
     let (to_writer, from_applier) = tokio::sync::mpsc::channel(WRITE_QUEUE);
     let writer = tokio::spawn(write_batches(pool.clone(), p, from_applier, progress.clone()));
     let mut state = LoadedState::default();
     let mut carry: Vec<Incoming> = Vec::new();
-    let applied = async {
-        loop {
-            if reading && carry.is_empty() {
-                let first = messages.next().await.context("APPEND stream ended")??;
-                reading = take(first, through, &mut carry)?;
-            }
-            // Take what is already there without waiting (unconstrained: see the live loop).
-            while reading && carry.len() < REBUILD_BATCH {
-                match tokio::task::unconstrained(messages.next()).now_or_never() {
-                    Some(Some(m)) => reading = take(m?, through, &mut carry)?,
-                    Some(None) => anyhow::bail!("APPEND stream ended"),
-                    None => break,
-                }
-            }
-            if carry.is_empty() {
-                break;
-            }
-            // Keep reading while the writer is busy.
-            let room = loop {
-                tokio::select! {
-                    biased;
-                    room = to_writer.reserve() => break room,
-                    m = messages.next(), if reading && carry.len() < REBUILD_BATCH => {
-                        reading = take(m.context("APPEND stream ended")??, through, &mut carry)?;
-                    }
-                }
-            };
-            // The writer stopped: its error says why.
-            let Ok(room) = room else { return anyhow::Ok(()) };
+    'chunks: while let Some(chunk) = from_reader.recv().await {
+        carry.extend(chunk);
+        // A chunk is one batch, unless a delete (applied alone) splits it.
+        while !carry.is_empty() {
             let t0 = Instant::now();
             let fx = apply_batch(&carry, &mut state);
             state.forget_deleted(&fx);
@@ -202,18 +194,26 @@ async fn rebuild_partition(
             );
             carry.drain(..fx.consumed);
             done.dead_lettered += fx.dead.len() as u64;
-            room.send(Write::Batch(fx));
+            if to_writer.send(Write::Batch(fx)).await.is_err() {
+                // The writer stopped: its error says why, below.
+                break 'chunks;
+            }
         }
-        done.rejected =
-            state.outcomes.values().filter(|(o, _)| o.status == OutcomeStatus::Rejected).count() as u64;
-        // The writer's error, if it stopped, is reported below.
-        let _ = to_writer.send(Write::Final(state)).await;
-        Ok(())
     }
-    .await;
+    done.rejected =
+        state.outcomes.values().filter(|(o, _)| o.status == OutcomeStatus::Rejected).count() as u64;
+    drop(from_reader);
+    // Whatever stopped early, the reader or the writer, reports its error below.
+    let reader = reader.await.context("the rebuild's reader panicked")?;
+    if reader.is_ok() {
+        let _ = to_writer.send(Write::Final(state)).await;
+    }
     drop(to_writer);
     let (position, messages_written, events) = writer.await.context("the rebuild's writer panicked")??;
-    applied?;
+    reader?;
+    if let Err(e) = stream.delete_consumer(&name).await {
+        tracing::debug!(consumer = %name, error = %e, "rebuild consumer not deleted; it expires by itself");
+    }
     done.position = u64::try_from(position).unwrap_or_default();
     done.messages = messages_written;
     done.events = events;
@@ -221,16 +221,53 @@ async fn rebuild_partition(
     Ok(done)
 }
 
-/// Adds `m` to `carry` unless it is past `through`; false once the partition's messages
-/// as of the start are all taken.
-fn take(m: async_nats::jetstream::Message, through: u64, carry: &mut Vec<Incoming>) -> anyhow::Result<bool> {
-    let info = m.info().map_err(|e| anyhow::anyhow!("message without JetStream info: {e}"))?;
-    let (seq, pending) = (info.stream_sequence, info.pending);
-    if seq > through {
-        return Ok(false);
+/// Reads a partition's messages through `through` in order, in chunks of up to
+/// [`REBUILD_BATCH`], one pull request each. (Not an ordered consumer: its recovery from
+/// missed heartbeats stalled a loaded rebuild for a minute.)
+async fn read_partition(
+    consumer: PullConsumer,
+    through: u64,
+    chunks: tokio::sync::mpsc::Sender<Vec<Incoming>>,
+) -> anyhow::Result<()> {
+    let mut delivered = 0u64;
+    loop {
+        let mut batch = consumer
+            .batch()
+            .max_messages(REBUILD_BATCH)
+            .expires(PULL_EXPIRES)
+            .messages()
+            .await
+            .context("pulling from the APPEND stream")?;
+        let mut chunk = Vec::with_capacity(REBUILD_BATCH);
+        let mut last = false;
+        while let Some(m) = batch.next().await {
+            let m = m.map_err(|e| anyhow::anyhow!("pulling from the APPEND stream: {e}"))?;
+            let info = m.info().map_err(|e| anyhow::anyhow!("message without JetStream info: {e}"))?;
+            let (seq, pending) = (info.stream_sequence, info.pending);
+            // Every delivery counts: nothing may go missing between the server and here.
+            anyhow::ensure!(
+                info.consumer_sequence == delivered + 1,
+                "APPEND message {seq} arrived out of order: the rebuild cannot go on (start it again)"
+            );
+            delivered += 1;
+            if seq > through {
+                last = true;
+                break;
+            }
+            chunk.push(incoming(m)?);
+            if seq >= through || pending == 0 {
+                last = true;
+                break;
+            }
+        }
+        if !chunk.is_empty() && chunks.send(chunk).await.is_err() {
+            // The applier stopped; its side says why.
+            return Ok(());
+        }
+        if last {
+            return Ok(());
+        }
     }
-    carry.push(incoming(m)?);
-    Ok(seq < through && pending > 0)
 }
 
 /// What the applier hands the writer: each applied batch, then the final state.
