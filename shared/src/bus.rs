@@ -2,6 +2,8 @@
 //! the messages on them, the topology every service creates or verifies at start, the
 //! turn-lease bucket, and `append_and_wait` — the one way any producer appends.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, message::PublishMessage, stream};
@@ -277,13 +279,27 @@ pub struct Bus {
     pub js: jetstream::Context,
     pub names: BusNames,
     pub partitions: u32,
+    /// Counts reconnects after a lost connection (not the first connect).
+    reconnects: tokio::sync::watch::Receiver<u64>,
 }
 
 impl Bus {
     /// Connects (retrying in the background after a disconnect, as async-nats does).
     pub async fn connect(url: &str, prefix: &str, partitions: u32) -> Result<Self, BusError> {
         let names = BusNames::new(prefix)?;
+        let (reconnected, reconnects) = tokio::sync::watch::channel(0u64);
+        let lost = Arc::new(AtomicBool::new(false));
         let client = async_nats::ConnectOptions::new()
+            .event_callback(move |event| {
+                match event {
+                    async_nats::Event::Disconnected => lost.store(true, Ordering::Relaxed),
+                    async_nats::Event::Connected if lost.swap(false, Ordering::Relaxed) => {
+                        reconnected.send_modify(|n| *n += 1);
+                    }
+                    _ => {}
+                }
+                std::future::ready(())
+            })
             .connection_timeout(Duration::from_secs(5))
             .retry_on_initial_connect()
             .max_reconnects(None)
@@ -296,7 +312,14 @@ impl Bus {
             .map_err(|_| BusError::JetStream(format!("no answer from NATS at {url} within 10 s")))?
             .map_err(js_err)?;
         let js = jetstream::new(client.clone());
-        Ok(Self { client, js, names, partitions: partitions.max(1) })
+        Ok(Self { client, js, names, partitions: partitions.max(1), reconnects })
+    }
+
+    /// Changes each time the client reconnects after losing its connection. A restarted
+    /// nats-server has forgotten every ephemeral consumer; async-nats' ordered consumer
+    /// notices only after about 15 s of retries, so readers watch this and start over.
+    pub fn reconnects(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.reconnects.clone()
     }
 
     pub fn partition_of(&self, session: SessionId) -> u32 {

@@ -133,16 +133,15 @@ async fn serve_partition(
     }
     finish_purges(pool, bus, partition).await?;
 
+    // Taken before the consumer exists: a reconnect from here on may have lost it.
+    let mut reconnects = bus.reconnects();
+    reconnects.borrow_and_update();
     let stream = bus.js.get_stream(bus.names.append_stream()).await.context("opening the APPEND stream")?;
     let start = u64::try_from(applied).unwrap_or(0) + 1;
     let consumer = stream
         .create_consumer(OrderedConfig {
             filter_subject: bus.names.append_partition_filter(partition),
             deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: start },
-            // Caps each pull's expiry, and with it the idle heartbeat (half of it; 15 s by
-            // default): after a nats-server restart the lost consumer is noticed by a
-            // missed heartbeat, so this bounds how long the writer sits idle.
-            max_expires: Duration::from_secs(4),
             ..Default::default()
         })
         .await
@@ -153,8 +152,18 @@ async fn serve_partition(
     // batch N go out while batch N+1 is applied.
     let (to_publisher, from_writer) = tokio::sync::mpsc::channel(8);
     let publisher = tokio::spawn(publisher(pool.clone(), bus.clone(), p, from_writer));
-    let result =
-        apply_loop(p, pool, bus, shutdown, &mut lock_conn, &mut messages, applied, to_publisher).await;
+    let result = apply_loop(
+        p,
+        pool,
+        bus,
+        shutdown,
+        &mut lock_conn,
+        &mut messages,
+        &mut reconnects,
+        applied,
+        to_publisher,
+    )
+    .await;
     // Let the publisher finish what was committed (on error too: anything it misses is
     // republished by the next writer from `published_seq`).
     let published = publisher.await.context("publisher panicked")?;
@@ -169,6 +178,7 @@ async fn apply_loop(
     shutdown: &CancellationToken,
     lock_conn: &mut PgConnection,
     messages: &mut async_nats::jetstream::consumer::pull::Ordered,
+    reconnects: &mut tokio::sync::watch::Receiver<u64>,
     mut applied: i64,
     to_publisher: tokio::sync::mpsc::Sender<Committed>,
 ) -> anyhow::Result<()> {
@@ -179,6 +189,9 @@ async fn apply_loop(
         if carry.is_empty() {
             let first = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
+                // A restarted nats-server has no ordered consumer for us any more; a new
+                // one from `applied` is quicker than the library's 15 s of retries.
+                _ = reconnects.changed() => anyhow::bail!("reconnected to NATS; reading the APPEND stream anew"),
                 m = messages.next() => m,
             };
             let Some(first) = first else { anyhow::bail!("APPEND stream ended") };

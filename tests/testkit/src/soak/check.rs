@@ -33,12 +33,18 @@ pub(crate) struct Checked {
     pub acked: Vec<(Uuid, i64, f64)>,
     pub events: usize,
     pub sessions: usize,
-    /// How long before the cut each cut turn's stored partial had reached the client.
+    /// For each cut turn that kept a checkpoint: seconds of streamed text lost at the kill
+    /// (from when the client first had more than was kept until the kill).
     pub checkpoint_ages: Vec<f64>,
-    /// Cut turns whose partial was checked.
+    /// Cut turns whose partial was checked, and what each kept.
     pub cuts_checked: usize,
-    /// Completed turns whose answer could not be confirmed stored in time (no seq).
+    pub cuts: Vec<String>,
+    /// Completed turns whose answer could not be confirmed stored in time (no seq), and
+    /// how many of those answers are in the log after all.
     pub unconfirmed: usize,
+    pub unconfirmed_stored: usize,
+    /// Messages on TURNLOG_DEAD (the poison, and anything else dead-lettered).
+    pub dead_letters: u64,
     pub feed_duplicates: usize,
     pub turns_without_residue: usize,
     pub compactions: usize,
@@ -81,6 +87,11 @@ pub(crate) async fn check(cluster: &Cluster, shared: &Shared) -> Checked {
     check_workers(shared, &by_session, &mut checked);
     check_poison(shared, &by_session);
     check_feed(cluster, shared, &by_session, &mut checked).await;
+    if let Ok(mut dead) = cluster.bus.js.get_stream(cluster.bus.names.dead_stream()).await {
+        if let Ok(info) = dead.info().await {
+            checked.dead_letters = info.state.messages;
+        }
+    }
     checked
 }
 
@@ -163,7 +174,7 @@ async fn check_log_shape(cluster: &Cluster, shared: &Shared, by_session: &HashMa
     }
 }
 
-fn row_at<'a>(by_session: &'a HashMap<Uuid, Vec<Row>>, session: Uuid, seq: i64) -> Option<&'a Row> {
+fn row_at(by_session: &HashMap<Uuid, Vec<Row>>, session: Uuid, seq: i64) -> Option<&Row> {
     let rows = by_session.get(&session)?;
     let row = rows.get(usize::try_from(seq - 1).ok()?)?;
     (row.seq == seq).then_some(row).or_else(|| rows.iter().find(|r| r.seq == seq))
@@ -291,7 +302,18 @@ fn check_end(
     }
     let Some((kind, seq)) = end_seq(end) else {
         if status == "completed" && !rec.end_from_log {
+            // The ingress could not confirm the answer stored within its deadline (the
+            // writer was away) and said so; it was published, so it should be stored now.
             checked.unconfirmed += 1;
+            let user = rec.user_seq.unwrap_or(i64::MAX);
+            let stored = by_session.get(&session).is_some_and(|rows| {
+                rows.iter()
+                    .filter(|r| r.seq > user && r.kind == "assistant_turn")
+                    .any(|r| answer_text(&r.payload) == rec.received)
+            });
+            if stored {
+                checked.unconfirmed_stored += 1;
+            }
         }
         return;
     };
@@ -360,12 +382,27 @@ fn check_cut(
     let (Some(session), Some(user_seq)) = (rec.session, rec.user_seq) else { return };
     let Some(rows) = by_session.get(&session) else { return };
     let config = &shared.config;
+    // The turn died when its copy was killed, which the client may notice much later (a
+    // follower on the other copy gives up after its quiet check): the reference is the
+    // first kill after the last delta the client got (a delta read just after the kill was
+    // sent before it).
+    let detected = rec.broke_at.unwrap_or(cut);
+    let last_delta = rec.marks.last().map_or(rec.started, |(t, _)| *t);
+    let kill = lock(&shared.ingress_kills)
+        .iter()
+        .copied()
+        .filter(|k| *k >= last_delta.max(rec.started) - 0.5 && *k <= detected + 0.1)
+        .reduce(f64::min);
+    let cut = kill.map_or(detected, |k| k.max(last_delta).min(detected));
     let before = cut - (config.checkpoint_interval + config.checkpoint_slack).as_secs_f64();
     let had_before = rec.marks.iter().rev().find(|(t, _)| *t <= before).map_or(0, |(_, len)| *len);
 
     // The message's attempts, in order: the original turn and any retries.
     let mut groups: Vec<(Option<&str>, Vec<&Row>)> = Vec::new();
-    for row in rows.iter().filter(|r| r.seq > user_seq).take_while(|r| r.kind != "user_message") {
+    let turn_kinds = ["pending_state", "assistant_turn", "turn_failed"];
+    let after = rows.iter().filter(|r| r.seq > user_seq).take_while(|r| r.kind != "user_message");
+    // Workers' events (a previous turn's residue, a compaction) interleave; they are no attempt.
+    for row in after.filter(|r| turn_kinds.contains(&r.kind.as_str())) {
         let attempt = row.payload.get("attempt_id").and_then(Value::as_str);
         match groups.iter_mut().find(|(a, _)| *a == attempt) {
             Some((_, g)) => g.push(row),
@@ -398,11 +435,15 @@ fn check_cut(
             if attempts.is_empty() { "none".to_owned() } else { attempts.join(" | ") }
         )
     };
-    // This turn's attempt began while the client followed it and is no other turn's.
+    // This turn's attempt began while the client followed it and is no other turn's. A
+    // killed copy's turn stored nothing after the kill; a turn that was not killed (the
+    // client lost it for another reason, e.g. re-attaching while NATS was frozen) may have
+    // stored everything after the client gave up on it.
+    let latest_start = if kill.is_some() { cut + 0.5 } else { f64::INFINITY };
     let mine = groups.iter().find(|(_, g)| {
         let first = g[0].at;
         first >= rec.started - 1.0
-            && first <= cut + 0.5
+            && first <= latest_start
             && g.iter().all(|r| claimed.get(&(session, r.seq)).is_none_or(|c| *c == index))
     });
     let Some((_, group)) = mine else {
@@ -422,18 +463,24 @@ fn check_cut(
     };
     checked.cuts_checked += 1;
     let Some(last) = group.last() else { return };
+    checked.cuts.push(format!(
+        "{who}: kept {} {} of the {} bytes read{}",
+        last.kind,
+        match last.kind.as_str() {
+            "pending_state" => format!("({} bytes)", partial(&last.payload).len()),
+            "assistant_turn" => format!("({} bytes)", answer_text(&last.payload).len()),
+            _ => String::new(),
+        },
+        rec.received.len(),
+        describe()
+    ));
     match last.kind.as_str() {
-        "assistant_turn" => {
-            if !answer_text(&last.payload).starts_with(&rec.received) {
-                shared.violation_at(
-                    ViolationKind::Mismatch,
-                    format!(
-                        "{who}: the completed answer (seq {}) differs from what the client read",
-                        last.seq
-                    ),
-                    cut,
-                );
-            }
+        "assistant_turn" if !answer_text(&last.payload).starts_with(&rec.received) => {
+            shared.violation_at(
+                ViolationKind::Mismatch,
+                format!("{who}: the completed answer (seq {}) differs from what the client read", last.seq),
+                cut,
+            );
         }
         "pending_state" => {
             let stored = partial(&last.payload);
@@ -462,9 +509,13 @@ fn check_cut(
                     cut,
                 );
             }
-            // How old the kept text was at the cut: when the client first had all of it.
-            let reached = rec.marks.iter().find(|(_, len)| *len >= stored.len()).map_or(cut, |(t, _)| *t);
-            checked.checkpoint_ages.push((cut - reached).max(0.0));
+            // How much of the stream the kill cost: from the moment the client first had
+            // more than what was kept (only for a client that read all along; one that left
+            // got its text late and in a burst).
+            if rec.purpose != Purpose::Leave {
+                let first_more = rec.marks.iter().find(|(_, len)| *len > stored.len()).map(|(t, _)| *t);
+                checked.checkpoint_ages.push(first_more.map_or(0.0, |t| (cut - t).max(0.0)));
+            }
         }
         "turn_failed" if had_before > 0 => shared.violation_at(
             ViolationKind::Lost,

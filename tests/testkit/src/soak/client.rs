@@ -25,7 +25,7 @@ const HEADERS_TIMEOUT: Duration = Duration::from_secs(30);
 /// while the writer is away).
 const IDLE: Duration = Duration::from_secs(40);
 /// A client starts a new session after this many turns.
-const TURNS_PER_SESSION: usize = 20;
+const TURNS_PER_SESSION: usize = 40;
 
 /// Why a client ran a turn; the checker judges some outcomes by it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +65,8 @@ pub(crate) struct TurnRecord {
     pub end_from_log: bool,
     /// The stream broke and the turn could not be found running: the fault cut it.
     pub cut_at: Option<f64>,
+    /// When the stream last broke (not counting leaving on purpose).
+    pub broke_at: Option<f64>,
     /// Why the stream broke, and what re-attaching found (for the report).
     pub cut_reason: String,
     /// Event ids skipped a number: the stream lost events.
@@ -90,6 +92,7 @@ impl TurnRecord {
             end_at: 0.0,
             end_from_log: false,
             cut_at: None,
+            broke_at: None,
             cut_reason: String::new(),
             id_gap: false,
             gave_up: false,
@@ -136,18 +139,9 @@ async fn follow(events: &mut Events, rec: &mut TurnRecord, pause_at: Option<usiz
         }
         let e = match tokio::time::timeout(IDLE, events.next()).await {
             Ok(Some(Ok(e))) => e,
-            Ok(Some(Err(e))) => {
-                note(rec, &format!("stream error at {:.1}s: {e}", rel(now_s())));
-                return Follow::Broken;
-            }
-            Ok(None) => {
-                note(rec, &format!("stream closed without `end` at {:.1}s", rel(now_s())));
-                return Follow::Broken;
-            }
-            Err(_) => {
-                note(rec, &format!("silent for {IDLE:?} at {:.1}s", rel(now_s())));
-                return Follow::Broken;
-            }
+            Ok(Some(Err(e))) => return broke(rec, &format!("stream error at {:.1}s: {e}", rel(now_s()))),
+            Ok(None) => return broke(rec, &format!("stream closed without `end` at {:.1}s", rel(now_s()))),
+            Err(_) => return broke(rec, &format!("silent for {IDLE:?} at {:.1}s", rel(now_s()))),
         };
         if let Ok(id) = e.id.trim().parse::<u64>() {
             if id != rec.last_id + 1 {
@@ -177,6 +171,12 @@ async fn follow(events: &mut Events, rec: &mut TurnRecord, pause_at: Option<usiz
             _ => {}
         }
     }
+}
+
+fn broke(rec: &mut TurnRecord, what: &str) -> Follow {
+    rec.broke_at = Some(now_s());
+    note(rec, what);
+    Follow::Broken
 }
 
 fn note(rec: &mut TurnRecord, what: &str) {

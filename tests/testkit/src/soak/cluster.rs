@@ -20,7 +20,7 @@ use crate::{
 /// The owner every request runs as (the ingress runs without tokens, on loopback).
 pub(crate) const OWNER: &str = "local";
 /// The chat model's window: small, so long sessions get compacted during the soak.
-const MODEL_WINDOWS: &str = "mock=8000";
+const MODEL_WINDOWS: &str = "mock=5000";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) enum Role {

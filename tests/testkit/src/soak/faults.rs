@@ -215,14 +215,14 @@ pub(crate) async fn run_schedule(
 /// Injects one fault; returns the processes it killed and restarted.
 async fn inject(cluster: &Cluster, shared: &Arc<Shared>, kind: FaultKind) -> Vec<(Role, usize)> {
     match kind {
-        FaultKind::KillIngress => kill_restart(cluster, Role::Ingress, 0).await,
+        FaultKind::KillIngress => kill_restart(cluster, shared, Role::Ingress, 0).await,
         FaultKind::KillWriter => {
             let copy = active_writer(cluster).await;
-            kill_restart(cluster, Role::Writer, copy).await
+            kill_restart(cluster, shared, Role::Writer, copy).await
         }
-        FaultKind::KillDistiller => kill_restart(cluster, Role::Distiller, 0).await,
-        FaultKind::KillCompactor => kill_restart(cluster, Role::Compactor, 0).await,
-        FaultKind::KillMemory => kill_restart(cluster, Role::Memory, 0).await,
+        FaultKind::KillDistiller => kill_restart(cluster, shared, Role::Distiller, 0).await,
+        FaultKind::KillCompactor => kill_restart(cluster, shared, Role::Compactor, 0).await,
+        FaultKind::KillMemory => kill_restart(cluster, shared, Role::Memory, 0).await,
         FaultKind::RestartNats => {
             let mut servers = cluster.servers.lock().await;
             servers.nats.kill();
@@ -264,9 +264,12 @@ fn up_markers(role: Role) -> &'static [&'static str] {
 }
 
 /// SIGKILLs one copy, waits the downtime, starts it again.
-async fn kill_restart(cluster: &Cluster, role: Role, copy: usize) -> Vec<(Role, usize)> {
+async fn kill_restart(cluster: &Cluster, shared: &Shared, role: Role, copy: usize) -> Vec<(Role, usize)> {
     let mut slots = cluster.slots.lock().await;
     let Some(slot) = slots.iter_mut().find(|s| s.role == role && s.copy == copy) else { return Vec::new() };
+    if role == Role::Ingress {
+        lock(&shared.ingress_kills).push(now_s());
+    }
     slot.process.kill();
     tokio::time::sleep(DOWNTIME).await;
     slot.process.restart().await;

@@ -167,6 +167,8 @@ pub(crate) struct Shared {
     pub poison: Mutex<Vec<uuid::Uuid>>,
     /// Sessions the clients use, for poison aimed at live sessions.
     pub sessions: Mutex<Vec<uuid::Uuid>>,
+    /// When an ingress copy was SIGKILLed (Unix seconds): the moment its turns died.
+    pub ingress_kills: Mutex<Vec<f64>>,
     /// Fault windows: (kind, run index, wall-clock start in Unix seconds).
     pub windows: Mutex<Vec<(FaultKind, usize, f64)>>,
     pub violations: Mutex<Vec<report::Violation>>,
@@ -215,6 +217,7 @@ impl Shared {
             probe_acks: Mutex::default(),
             poison: Mutex::default(),
             sessions: Mutex::default(),
+            ingress_kills: Mutex::default(),
             windows: Mutex::default(),
             violations: Mutex::default(),
             rss: Mutex::default(),

@@ -201,9 +201,10 @@ pub(crate) fn build(
     let max_age = ages.iter().copied().fold(0.0, f64::max);
     details.push(format!(
         "log: {} events in {} sessions, {} compactions, {} memories; {} turns answered without a \
-         residue; settled {:.1} s after the load; {} completed turns not confirmed stored; feed \
-         repeats {}; cut turns checked {} (kept text at most {max_age:.2} s old at the cut); \
-         model-fault directives hidden by a later worker note {}",
+         residue; settled {:.1} s after the load; {} completed turns not confirmed stored in \
+         time ({} of them stored after all); dead letters {}; feed repeats {}; cut turns checked \
+         {} ({} kept a checkpoint; at most {max_age:.2} s of streamed text lost at a kill); model-fault directives hidden by a \
+         later worker note {}",
         checked.events,
         checked.sessions,
         checked.compactions,
@@ -211,11 +212,17 @@ pub(crate) fn build(
         checked.turns_without_residue,
         checked.settled_in,
         checked.unconfirmed,
+        checked.unconfirmed_stored,
+        checked.dead_letters,
         checked.feed_duplicates,
         checked.cuts_checked,
+        ages.len(),
         checked.directives_masked,
     ));
 
+    for c in checked.cuts.iter().take(12) {
+        details.push(format!("cut: {c}"));
+    }
     violations.sort_by(|a, b| a.kind.cmp(&b.kind).then(a.at.total_cmp(&b.at)));
     SoakReport {
         duration_s: config.duration.as_secs_f64(),
@@ -342,6 +349,32 @@ impl SoakReport {
         out
     }
 
+    /// Resident memory per process slot: its runs (each restart is a new one), the most any
+    /// run used, and the growth of the run that lasted from minute 2 to the end, if any.
+    pub fn rss_table(&self) -> String {
+        let mut out = String::from(
+            "| process | runs | max RSS | RSS at minute 2 → end (run alive throughout) | growth |\n\
+             |---|---:|---:|---|---:|\n",
+        );
+        let mut slots: BTreeMap<&str, Vec<&RssLine>> = BTreeMap::new();
+        for l in &self.rss {
+            slots.entry(l.process.as_str()).or_default().push(l);
+        }
+        for (process, runs) in slots {
+            let max = runs.iter().map(|l| l.max_mb).fold(0.0, f64::max);
+            let judged = runs.iter().find(|l| l.growth.is_some());
+            let (span, growth) = match judged {
+                Some(l) => (
+                    format!("{:.0} → {:.0} MB", l.base_mb.unwrap_or(0.0), l.last_mb),
+                    format!("{:+.1}%", l.growth.unwrap_or(0.0) * 100.0),
+                ),
+                None => ("—".to_owned(), "not judged".to_owned()),
+            };
+            let _ = writeln!(out, "| {process} | {} | {max:.0} MB | {span} | {growth} |", runs.len());
+        }
+        out
+    }
+
     /// Everything, for a terminal: fault runs, counters, the table, memory, violations, and
     /// the `RESULT` line last.
     pub fn render(&self) -> String {
@@ -355,17 +388,7 @@ impl SoakReport {
             let _ = writeln!(out, "  {d}");
         }
         let _ = writeln!(out, "\n{}", self.markdown_table());
-        let _ = writeln!(out, "| process run | pid | RSS at start | at minute 2 | at end | max | growth |");
-        let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|");
-        for l in &self.rss {
-            let base = l.base_mb.map_or("—".to_owned(), |b| format!("{b:.0} MB"));
-            let growth = l.growth.map_or("not judged".to_owned(), |g| format!("{:+.1}%", g * 100.0));
-            let _ = writeln!(
-                out,
-                "| {} | {} | {:.0} MB | {base} | {:.0} MB | {:.0} MB | {growth} |",
-                l.process, l.pid, l.first_mb, l.last_mb, l.max_mb
-            );
-        }
+        let _ = writeln!(out, "{}", self.rss_table());
         let mut by_kind: BTreeMap<ViolationKind, usize> = BTreeMap::new();
         for v in &self.violations {
             *by_kind.entry(v.kind).or_default() += 1;
