@@ -28,6 +28,10 @@ use crate::upstream::{ChatRequest, UpstreamClient, UpstreamError};
 /// How long one pull request waits for messages. Short, because permits freed while a
 /// request is open are used only by the next one, and a stop drains the open request.
 const PULL_EXPIRES: Duration = Duration::from_secs(1);
+/// A pull request not ended by the server this long after it was sent was lost (a
+/// restarted nats-server forgets them); async-nats would wait 5 s past its expiry. A
+/// message the server still sends to it after that comes again after the ack wait.
+const PULL_LOST_AFTER: Duration = Duration::from_secs(2);
 /// How often the consumer's backlog is read for the lag counter.
 const LAG_INTERVAL: Duration = Duration::from_secs(5);
 /// The counters are logged every this many lag readings (once a minute), when they moved.
@@ -460,9 +464,11 @@ impl Worker {
                 .messages()
                 .await
                 .map_err(|e| format!("pull request failed: {e}"))?;
+            let lost_at = tokio::time::Instant::now() + PULL_LOST_AFTER;
             let mut stopping = false;
             loop {
                 let next = tokio::select! {
+                    _ = tokio::time::sleep_until(lost_at) => break,
                     _ = stop.wait_for(|s| *s), if !stopping => {
                         // Keep draining the open request (it ends within PULL_EXPIRES) so
                         // nothing it delivers sits unhandled until its ack wait runs out.

@@ -47,22 +47,18 @@ async fn start_load(env: &TestEnv) -> (Bus, Producers) {
     (bus, producers)
 }
 
-/// Waits for the producers (bounded) and runs the checker. Returns how many attempts
-/// producers saw fail (and resent).
-async fn finish_and_check(env: &TestEnv, bus: &Bus, producers: Producers) -> usize {
+/// Waits for the producers (bounded) and runs the checker.
+async fn finish_and_check(env: &TestEnv, bus: &Bus, producers: Producers) {
     let mut acked = Acked::new();
-    let mut failures = 0;
     for (s, task) in producers {
-        let (f, pairs) = tokio::time::timeout(Duration::from_secs(120), task)
+        let (_resent, pairs) = tokio::time::timeout(Duration::from_secs(120), task)
             .await
             .expect("producers did not finish: the writer did not recover")
             .unwrap();
-        failures += f;
         assert_eq!(pairs.len(), PER_SESSION);
         acked.extend(pairs.into_iter().map(|(id, seq)| (id, (s, seq))));
     }
     check_log(env, bus, &acked).await;
-    failures
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,11 +91,15 @@ async fn nats_restart_under_load() {
     let env = test_env_on(None, Some(&nats.url())).await;
     let _writer = TurnlogProcess::start(BIN, &env, &["writer"], &[]);
     let (bus, producers) = start_load(&env).await;
+    let before: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM session_events").fetch_one(&env.pool).await.unwrap();
+    assert!(before < (SESSIONS * (PER_SESSION + 1)) as i64, "the fault must hit while load is flowing");
     nats.kill();
     tokio::time::sleep(Duration::from_secs(1)).await;
     nats.restart().await;
-    let failures = finish_and_check(&env, &bus, producers).await;
-    assert!(failures > 0, "producers should have seen the outage");
+    // Producers may or may not see the outage (their retries can outlast it); either way
+    // nothing acknowledged may be lost or doubled.
+    finish_and_check(&env, &bus, producers).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

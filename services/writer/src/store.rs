@@ -289,12 +289,19 @@ pub async fn committed_between(
         .collect())
 }
 
+/// Moves `published_seq`. Committed without waiting for the WAL flush: it is a hint, and
+/// losing the latest value in a crash only makes the next writer republish events the feed
+/// then drops as duplicates. Waiting would cost a second fsync per batch at low load.
 pub async fn mark_published(pool: &PgPool, partition: i32, through: i64) -> Result<(), sqlx::Error> {
-    sqlx::query("UPDATE writer_positions SET published_seq = $2 WHERE partition = $1 AND published_seq < $2")
-        .bind(partition)
-        .bind(through)
-        .execute(pool)
-        .await?;
+    sqlx::query(
+        "UPDATE writer_positions SET published_seq = $2
+           FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit
+          WHERE partition = $1 AND published_seq < $2",
+    )
+    .bind(partition)
+    .bind(through)
+    .execute(pool)
+    .await?;
     Ok(())
 }
 
