@@ -117,6 +117,27 @@ impl LoadedState {
     }
 }
 
+/// Whether the stream can hold no earlier copy of this request, so that its outcome need
+/// not be looked up before applying it. Producers publish with `Nats-Msg-Id: <request_id>`
+/// and the stream drops a second copy that comes within its duplicate window of the first.
+/// A UUIDv7 id carries the moment it was minted, before its first publish: a copy the
+/// stream took less than half the window after that moment is the first (the other half
+/// allows for clocks apart between the producer and nats-server). Other ids (derived ones,
+/// idempotency keys) are always looked up, as are redrives.
+pub fn first_copy(request_id: Uuid, published: DateTime<Utc>, duplicate_window: std::time::Duration) -> bool {
+    if request_id.get_version() != Some(uuid::Version::SortRand) {
+        return false;
+    }
+    let Some((secs, nanos)) = request_id.get_timestamp().map(|t| t.to_unix()) else { return false };
+    let (Some(minted), Ok(half)) = (
+        DateTime::<Utc>::from_timestamp(i64::try_from(secs).unwrap_or(i64::MAX), nanos),
+        chrono::TimeDelta::from_std(duplicate_window / 2),
+    ) else {
+        return false;
+    };
+    (published - minted).abs() < half
+}
+
 /// The reason of the one rejection that is not a dead letter.
 const EXPECT_FAILED: &str = "expect_failed";
 
@@ -415,4 +436,35 @@ fn dead_letter(fx: &mut BatchEffects, msg: &Incoming, session: Option<SessionId>
             request: String::from_utf8_lossy(&msg.body).into_owned(),
         },
     ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use uuid::{NoContext, Timestamp};
+
+    const WINDOW: Duration = Duration::from_secs(120);
+
+    fn minted(at: DateTime<Utc>) -> Uuid {
+        Uuid::new_v7(Timestamp::from_unix(NoContext, at.timestamp() as u64, at.timestamp_subsec_nanos()))
+    }
+
+    #[test]
+    fn only_a_uuid_v7_minted_within_half_the_window_is_a_first_copy() {
+        let now = Utc::now();
+        let s = chrono::TimeDelta::seconds;
+        assert!(first_copy(minted(now), now, WINDOW));
+        assert!(first_copy(minted(now - s(59)), now, WINDOW));
+        // Old enough that an earlier copy may have left the duplicate window.
+        assert!(!first_copy(minted(now - s(61)), now, WINDOW));
+        assert!(!first_copy(minted(now - s(600)), now, WINDOW));
+        // A producer's clock far ahead of nats-server's proves nothing either.
+        assert!(!first_copy(minted(now + s(61)), now, WINDOW));
+        // Derived and random ids carry no time.
+        assert!(!first_copy(Uuid::new_v5(&Uuid::NAMESPACE_URL, b"key"), now, WINDOW));
+        assert!(!first_copy(Uuid::new_v4(), now, WINDOW));
+        // A stream without a duplicate window: always look up.
+        assert!(!first_copy(minted(now), now, Duration::ZERO));
+    }
 }

@@ -25,7 +25,7 @@ use turnlog_core::ids::SessionId;
 use uuid::Uuid;
 
 pub use apply::{apply_batch, Incoming};
-use apply::{LoadedState, SessionRow};
+use apply::{first_copy, LoadedState, SessionRow};
 pub use rebuild::{rebuild, RebuildProgress, RebuildSummary};
 
 /// Header marking an APPEND message as an operator's redrive of a dead letter (its value is
@@ -136,7 +136,10 @@ async fn serve_partition(
     // Taken before the consumer exists: a reconnect from here on may have lost it.
     let mut reconnects = bus.reconnects();
     reconnects.borrow_and_update();
-    let stream = bus.js.get_stream(bus.names.append_stream()).await.context("opening the APPEND stream")?;
+    let mut stream =
+        bus.js.get_stream(bus.names.append_stream()).await.context("opening the APPEND stream")?;
+    let duplicate_window =
+        stream.info().await.context("reading the APPEND stream's settings")?.config.duplicate_window;
     let start = u64::try_from(applied).unwrap_or(0) + 1;
     let consumer = stream
         .create_consumer(OrderedConfig {
@@ -160,6 +163,7 @@ async fn serve_partition(
         &mut lock_conn,
         &mut messages,
         &mut reconnects,
+        duplicate_window,
         applied,
         to_publisher,
     )
@@ -179,6 +183,7 @@ async fn apply_loop(
     lock_conn: &mut PgConnection,
     messages: &mut async_nats::jetstream::consumer::pull::Ordered,
     reconnects: &mut tokio::sync::watch::Receiver<u64>,
+    duplicate_window: Duration,
     mut applied: i64,
     to_publisher: tokio::sync::mpsc::Sender<Committed>,
 ) -> anyhow::Result<()> {
@@ -207,7 +212,8 @@ async fn apply_loop(
             }
         }
 
-        let (consumed, committed) = apply_and_commit(pool, bus, p, applied, &carry, &mut cache).await?;
+        let (consumed, committed) =
+            apply_and_commit(pool, bus, p, applied, &carry, &mut cache, duplicate_window).await?;
         applied = committed.last_stream_seq;
         carry.drain(..consumed);
         to_publisher.send(committed).await.context("publisher stopped")?;
@@ -274,11 +280,13 @@ async fn apply_and_commit(
     applied: i64,
     batch: &[Incoming],
     cache: &mut HashMap<SessionId, SessionRow>,
+    duplicate_window: Duration,
 ) -> anyhow::Result<(usize, Committed)> {
     let mut to_load: Vec<Uuid> = Vec::new();
     let mut requests: Vec<Uuid> = Vec::new();
     let mut state = LoadedState::default();
-    // Sessions come from the cache where it has them; outcomes always from the database.
+    // Sessions come from the cache where it has them; earlier outcomes from the database,
+    // for requests that can have one.
     for m in batch {
         if let Some(s) = m.subject_session {
             match cache.get(&s) {
@@ -288,8 +296,11 @@ async fn apply_and_commit(
                 None => to_load.push(s.0),
             }
         }
-        if let Ok(r) = serde_json::from_slice::<RequestIds>(&m.body) {
-            requests.push(r.request_id);
+        match serde_json::from_slice::<RequestIds>(&m.body) {
+            Ok(r) if m.redrive || !first_copy(r.request_id, m.published, duplicate_window) => {
+                requests.push(r.request_id);
+            }
+            _ => {}
         }
     }
     to_load.sort_unstable();

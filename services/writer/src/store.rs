@@ -49,8 +49,9 @@ struct SessionDb {
 /// request_id, session_id, status, seq, reason.
 type OutcomeRow = (Uuid, Option<Uuid>, String, Option<i64>, Option<String>);
 
-/// The sessions (those not cached) and prior outcomes a batch refers to. Usually one round
-/// trip: the writer caches the sessions it has seen.
+/// The sessions (those not cached) and prior outcomes a batch refers to. Usually no round
+/// trip: the writer caches the sessions it has seen, and most requests cannot have an
+/// earlier outcome ([`crate::apply::first_copy`]).
 pub async fn load_state(
     pool: &PgPool,
     sessions: &[Uuid],
@@ -68,12 +69,16 @@ pub async fn load_state(
         .fetch_all(pool)
         .await?
     };
-    let outcomes: Vec<OutcomeRow> = sqlx::query_as(
-        "SELECT request_id, session_id, status, seq, reason FROM request_outcomes WHERE request_id = ANY($1)",
-    )
-    .bind(requests)
-    .fetch_all(pool)
-    .await?;
+    let outcomes: Vec<OutcomeRow> = if requests.is_empty() {
+        Vec::new()
+    } else {
+        sqlx::query_as(
+            "SELECT request_id, session_id, status, seq, reason FROM request_outcomes WHERE request_id = ANY($1)",
+        )
+        .bind(requests)
+        .fetch_all(pool)
+        .await?
+    };
     Ok(LoadedState {
         sessions: rows
             .into_iter()

@@ -164,7 +164,11 @@ async fn same_request_id_twice_is_one_event_with_one_seq() {
     let h = Harness::start().await;
     let s = h.create("alice").await;
     let body = EventBody::UserMessage(UserMessage { text: "once".into(), ..Default::default() });
-    let req = AppendRequest::append(s, "alice", Uuid::now_v7(), &body);
+    // Minted ten minutes ago: a copy that old could follow one that left JetStream's
+    // duplicate window, so the writer looks its outcome up (a fresh id it need not).
+    let ten_minutes_ago = (chrono::Utc::now() - chrono::TimeDelta::minutes(10)).timestamp() as u64;
+    let id = Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, ten_minutes_ago, 0));
+    let req = AppendRequest::append(s, "alice", id, &body);
     let (a, b) = tokio::join!(h.send(&req), h.send(&req));
     assert_eq!(a.seq, b.seq);
     assert!(a.is_applied() && b.is_applied());
