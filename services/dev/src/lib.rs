@@ -11,6 +11,9 @@ mod postgres;
 mod servers;
 pub mod settings;
 
+pub use os::find_executable;
+pub use postgres::PgBins;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;

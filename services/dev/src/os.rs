@@ -22,7 +22,7 @@ pub(crate) fn lookup_user(name: &str) -> anyhow::Result<Option<(Uid, Gid)>> {
 
 /// An executable on `PATH`, or in the sbin directories a non-root `PATH` often lacks
 /// (Debian installs nats-server in /usr/sbin).
-pub(crate) fn find_executable(name: &str) -> Option<PathBuf> {
+pub fn find_executable(name: &str) -> Option<PathBuf> {
     let path_dirs = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>());
     let extra = ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"];
     path_dirs

@@ -20,15 +20,18 @@ const MISSING: &str = "PostgreSQL server binaries (initdb, pg_ctl, postgres) not
 /// The database `turnlog dev` keeps its log in.
 const DATABASE: &str = "turnlog";
 
-/// Where initdb, pg_ctl and postgres are, and their major version.
-struct PgBins {
-    dir: PathBuf,
-    major: String,
+/// Where initdb, pg_ctl and postgres are, and their major version (the testkit's private
+/// servers use it too).
+#[derive(Debug, Clone)]
+pub struct PgBins {
+    pub dir: PathBuf,
+    /// Major version, to notice a data directory made by another one.
+    pub major: String,
 }
 
 impl PgBins {
     /// The highest version under /usr/lib/postgresql (Debian's layout), else `PATH`.
-    fn find() -> anyhow::Result<PgBins> {
+    pub fn find() -> anyhow::Result<PgBins> {
         let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
             .map(|entries| {
                 entries
@@ -61,6 +64,10 @@ impl PgBins {
 
     fn complete(dir: &Path) -> bool {
         ["initdb", "pg_ctl", "postgres"].iter().all(|b| os::is_executable(&dir.join(b)))
+    }
+
+    pub fn bin(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
     }
 }
 
@@ -274,7 +281,7 @@ impl Cluster {
     /// which stops the server itself, last.
     fn command(&self, name: &str) -> Command {
         use std::os::unix::process::CommandExt;
-        let mut command = Command::new(self.bins.dir.join(name));
+        let mut command = Command::new(self.bins.bin(name));
         command.current_dir(&self.base).process_group(0);
         if let Some((uid, gid)) = self.user {
             // std drops root's supplementary groups before switching.

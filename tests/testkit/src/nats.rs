@@ -7,7 +7,8 @@ use std::time::Duration;
 use anyhow::Context;
 
 use crate::process::ExternalProcess;
-use crate::util::{accepts, find_executable, random_alnum};
+use crate::util::{accepts, random_alnum};
+use turnlog_dev::find_executable;
 
 /// The nats-server binary, or a message naming the package that provides it.
 pub(crate) fn nats_server_bin() -> anyhow::Result<PathBuf> {

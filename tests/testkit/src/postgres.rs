@@ -10,65 +10,9 @@ use anyhow::Context;
 use sqlx::Connection;
 
 use crate::process::ExternalProcess;
-use crate::util::{
-    current_uid, find_executable, is_executable, is_root, lookup_user, random_alnum, tail_lines,
-};
+use crate::util::{current_uid, is_root, lookup_user, random_alnum, tail_lines};
 
-const MISSING: &str = "PostgreSQL server binaries (initdb, pg_ctl, postgres) not found under \
-    /usr/lib/postgresql/<version>/bin or on PATH: install the Debian package `postgresql` \
-    (apt-get install postgresql), or set DATABASE_URL to an existing server";
-
-/// The directory holding `initdb`, `pg_ctl` and `postgres`.
-#[derive(Debug, Clone)]
-pub(crate) struct PgBins {
-    pub(crate) dir: PathBuf,
-    /// Major version, to notice a data directory made by another one.
-    pub(crate) major: String,
-}
-
-impl PgBins {
-    /// The highest version under `/usr/lib/postgresql` (Debian's layout), else `PATH`.
-    pub(crate) fn find() -> anyhow::Result<PgBins> {
-        let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-            .map(|entries| {
-                entries
-                    .filter_map(Result::ok)
-                    .filter_map(|e| {
-                        Some((e.file_name().to_str()?.parse::<u32>().ok()?, e.path().join("bin")))
-                    })
-                    .filter(|(_, bin)| Self::complete(bin))
-                    .collect()
-            })
-            .unwrap_or_default();
-        versions.sort();
-        if let Some((major, dir)) = versions.pop() {
-            return Ok(PgBins { dir, major: major.to_string() });
-        }
-        let pg_ctl = find_executable("pg_ctl").context(MISSING)?;
-        // Resolve symlinks (Debian's /usr/bin/pg_ctl is a wrapper; /usr/local/bin links)
-        // so `postgres` is looked up beside the real binary.
-        let dir = std::fs::canonicalize(&pg_ctl)?.parent().map(Path::to_path_buf).context(MISSING)?;
-        anyhow::ensure!(Self::complete(&dir), "{MISSING}");
-        let out = Command::new(dir.join("postgres")).arg("--version").output()?;
-        // "postgres (PostgreSQL) 15.8 (Debian 15.8-1)" → "15"
-        let version = String::from_utf8_lossy(&out.stdout);
-        let major = version
-            .split_whitespace()
-            .nth(2)
-            .and_then(|v| v.split('.').next())
-            .context("cannot read the version of postgres")?
-            .to_owned();
-        Ok(PgBins { dir, major })
-    }
-
-    fn complete(dir: &Path) -> bool {
-        ["initdb", "pg_ctl", "postgres"].iter().all(|b| is_executable(&dir.join(b)))
-    }
-
-    pub(crate) fn bin(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
-    }
-}
+pub(crate) use turnlog_dev::PgBins;
 
 /// Who runs Postgres: `Some((uid, gid))` of the `postgres` user when we are root, `None`
 /// (ourselves) otherwise.

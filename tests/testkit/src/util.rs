@@ -4,7 +4,7 @@
 
 use std::future::Future;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -162,25 +162,6 @@ pub(crate) fn send_signal(pid: u32, name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Finds an executable: `PATH` first, then the sbin directories that a non-root `PATH`
-/// often lacks (Debian installs nats-server in /usr/sbin).
-pub(crate) fn find_executable(name: &str) -> Option<PathBuf> {
-    let path_dirs = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>());
-    let extra = ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"];
-    path_dirs
-        .unwrap_or_default()
-        .into_iter()
-        .chain(extra.iter().map(PathBuf::from))
-        .map(|dir| dir.join(name))
-        .find(|candidate| is_executable(candidate))
-}
-
-pub(crate) fn is_executable(path: &Path) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::metadata(path).map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
-}
-
-/// Age of a file by its modification time; `None` when it cannot be read.
 pub(crate) fn file_age(path: &Path) -> Option<Duration> {
     let modified = std::fs::metadata(path).ok()?.modified().ok()?;
     Some(std::time::SystemTime::now().duration_since(modified).unwrap_or_default())

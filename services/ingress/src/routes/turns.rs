@@ -218,7 +218,7 @@ async fn send_turn(
     if key.is_some() {
         if let Some(o) = recorded_outcome(&app.pool, event_id).await? {
             if let Some(user_seq) = o.seq {
-                return Ok(answer_resend(app, caller, session, user_seq).await?);
+                return answer_resend(app, caller, session, user_seq).await;
             }
         }
     }
@@ -249,7 +249,7 @@ async fn send_turn(
     if outcome.status == turnlog_core::bus::OutcomeStatus::Duplicate {
         // The same key raced itself: the first request runs the turn.
         let _ = app.leases.release(lease).await;
-        return Ok(answer_resend(app, caller, session, user_seq).await?);
+        return answer_resend(app, caller, session, user_seq).await;
     }
     let turn = start_turn(
         app,
