@@ -213,7 +213,18 @@ async fn apply_loop(
         }
 
         let (consumed, committed) =
-            apply_and_commit(pool, bus, p, applied, &carry, &mut cache, duplicate_window).await?;
+            match apply_and_commit(pool, bus, p, applied, &carry, &mut cache, duplicate_window).await {
+                // A request taken for a first copy repeated an event (a producer's clock far
+                // off nats-server's): the batch again, every earlier outcome looked up.
+                Err(e) if is_unique_violation(&e) => {
+                    tracing::warn!(
+                        error = format!("{e:#}"),
+                        "a request was a repeat; applying its batch again"
+                    );
+                    apply_and_commit(pool, bus, p, applied, &carry, &mut cache, Duration::ZERO).await?
+                }
+                result => result?,
+            };
         applied = committed.last_stream_seq;
         carry.drain(..consumed);
         to_publisher.send(committed).await.context("publisher stopped")?;
@@ -272,7 +283,8 @@ async fn publisher(
     Ok(())
 }
 
-/// Applies a batch (a delete alone) and commits it with the new position.
+/// Applies a batch (a delete alone) and commits it with the new position. Earlier outcomes
+/// are looked up for the requests that can have one (with a zero `duplicate_window`, all).
 async fn apply_and_commit(
     pool: &PgPool,
     bus: &Bus,
@@ -351,6 +363,10 @@ async fn apply_and_commit(
         deleted: fx.deleted,
     };
     Ok((fx.consumed, committed))
+}
+
+fn is_unique_violation(e: &anyhow::Error) -> bool {
+    matches!(e.downcast_ref(), Some(store::StoreError::Sql(sqlx::Error::Database(d))) if d.is_unique_violation())
 }
 
 #[derive(serde::Deserialize)]

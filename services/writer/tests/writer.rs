@@ -164,11 +164,7 @@ async fn same_request_id_twice_is_one_event_with_one_seq() {
     let h = Harness::start().await;
     let s = h.create("alice").await;
     let body = EventBody::UserMessage(UserMessage { text: "once".into(), ..Default::default() });
-    // Minted ten minutes ago: a copy that old could follow one that left JetStream's
-    // duplicate window, so the writer looks its outcome up (a fresh id it need not).
-    let ten_minutes_ago = (chrono::Utc::now() - chrono::TimeDelta::minutes(10)).timestamp() as u64;
-    let id = Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, ten_minutes_ago, 0));
-    let req = AppendRequest::append(s, "alice", id, &body);
+    let req = AppendRequest::append(s, "alice", Uuid::now_v7(), &body);
     let (a, b) = tokio::join!(h.send(&req), h.send(&req));
     assert_eq!(a.seq, b.seq);
     assert!(a.is_applied() && b.is_applied());
@@ -178,13 +174,27 @@ async fn same_request_id_twice_is_one_event_with_one_seq() {
     let c = h.send(&req).await;
     assert_eq!(c.seq, a.seq);
     // The same event_id with another payload, past JetStream's dedup (another msg id): the
-    // writer's own dedup answers with the first seq.
+    // writer's own dedup answers with the first seq. The id is fresh, so the writer took the
+    // repeat for a first copy and finds it out when the insert collides.
     let mut other = req.clone();
     other.payload = Some(json!({"text": "different"}));
     let raw = serde_json::to_vec(&other).unwrap();
     h.bus.publish_append_raw(s, &Uuid::now_v7().to_string(), Bytes::from(raw), None).await.unwrap();
     h.user(s, "alice", "after").await;
     assert_eq!(h.seqs(s).await.iter().map(|r| r.1.as_str()).collect::<Vec<_>>(), ["once", "after"]);
+    // An id minted ten minutes ago could follow a copy that left the dedup window: its
+    // outcome is looked up before applying.
+    let s2 = h.create("alice").await;
+    let ten_minutes_ago = (chrono::Utc::now() - chrono::TimeDelta::minutes(10)).timestamp() as u64;
+    let old_id = Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, ten_minutes_ago, 0));
+    let old = AppendRequest::append(s2, "alice", old_id, &body);
+    assert!(h.send(&old).await.is_applied());
+    let mut other = old.clone();
+    other.payload = Some(json!({"text": "different"}));
+    let raw = serde_json::to_vec(&other).unwrap();
+    h.bus.publish_append_raw(s2, &Uuid::now_v7().to_string(), Bytes::from(raw), None).await.unwrap();
+    h.user(s2, "alice", "after").await;
+    assert_eq!(h.seqs(s2).await.iter().map(|r| r.1.as_str()).collect::<Vec<_>>(), ["once", "after"]);
     h.stop().await;
 }
 
