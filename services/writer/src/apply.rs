@@ -15,7 +15,7 @@ use turnlog_core::ids::{Owner, SessionId};
 use turnlog_core::tokens::event_tokens;
 use uuid::Uuid;
 
-/// One TURNLOG_APPEND message as the writer received it.
+/// One TURNLOG_APPEND message as the writer received it, decoded.
 #[derive(Debug, Clone)]
 pub struct Incoming {
     pub stream_seq: u64,
@@ -28,6 +28,69 @@ pub struct Incoming {
     /// dead-lettered before is applied again instead of answered as a duplicate.
     pub redrive: bool,
     pub body: Bytes,
+    /// The request, or why it does not decode.
+    request: Result<AppendRequest, String>,
+    /// An append's event, checked and counted, or why it cannot be stored. Worked out from
+    /// the message alone (tokenizing is most of a batch's CPU time), so that the live
+    /// writer does it while the batch before commits.
+    event: Option<Result<NewEvent, Refusal>>,
+}
+
+#[derive(Debug, Clone)]
+struct NewEvent {
+    kind: EventKind,
+    body: EventBody,
+    tokens: i32,
+}
+
+impl Incoming {
+    pub fn new(
+        stream_seq: u64,
+        published: DateTime<Utc>,
+        subject_session: Option<SessionId>,
+        reply_to: Option<String>,
+        redrive: bool,
+        body: Bytes,
+    ) -> Self {
+        let request = serde_json::from_slice::<AppendRequest>(&body).map_err(|e| e.to_string());
+        let event = match &request {
+            Ok(req) if req.op == Op::Append => Some(new_event(req, body.len())),
+            _ => None,
+        };
+        Self { stream_seq, published, subject_session, reply_to, redrive, body, request, event }
+    }
+
+    /// The request's id, when it decodes.
+    pub fn request_id(&self) -> Option<Uuid> {
+        self.request.as_ref().ok().map(|r| r.request_id)
+    }
+}
+
+/// The event an append carries, if it is one the log can store.
+fn new_event(req: &AppendRequest, body_len: usize) -> Result<NewEvent, Refusal> {
+    let (Some(kind), Some(payload)) = (&req.kind, &req.payload) else {
+        return Err(refuse("bad_request", "append needs kind and payload"));
+    };
+    let kind: EventKind =
+        kind.parse().map_err(|e: turnlog_core::events::UnknownKind| refuse("unknown_kind", e.to_string()))?;
+    if kind == EventKind::SessionStarted {
+        return Err(refuse("unknown_kind", "session_started is written by create only"));
+    }
+    let body = EventBody::decode(kind, payload, 0).map_err(|e| refuse("bad_payload", e.to_string()))?;
+    // The payload is part of the request body, so only a large body needs measuring.
+    let size = if body_len <= MAX_EVENT_BYTES {
+        body_len
+    } else {
+        serde_json::to_vec(payload).map_or(usize::MAX, |v| v.len())
+    };
+    if size > MAX_EVENT_BYTES {
+        return Err(refuse("too_large", format!("event is {size} bytes; the limit is {MAX_EVENT_BYTES}")));
+    }
+    if has_nul(payload) {
+        return Err(refuse("unstorable_text", "payload text contains a NUL character"));
+    }
+    let tokens = i32::try_from(event_tokens(&body)).unwrap_or(i32::MAX);
+    Ok(NewEvent { kind, body, tokens })
 }
 
 /// A session's row as the batch sees and changes it.
@@ -85,6 +148,7 @@ pub struct BatchEffects {
 }
 
 /// A request that cannot be applied: its dead-letter reason and detail.
+#[derive(Debug, Clone)]
 struct Refusal {
     reason: &'static str,
     detail: String,
@@ -156,15 +220,14 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
     let mut touched: Vec<SessionId> = Vec::new();
 
     for msg in batch {
-        let parsed = serde_json::from_slice::<AppendRequest>(&msg.body);
         // A delete gets a batch of its own: it is written by a separate, rarer path.
-        let is_delete = parsed.as_ref().is_ok_and(|r| r.op == Op::Delete);
+        let is_delete = msg.request.as_ref().is_ok_and(|r| r.op == Op::Delete);
         if is_delete && fx.consumed > 0 {
             break;
         }
         fx.consumed += 1;
         fx.last_stream_seq = msg.stream_seq;
-        let req = match parsed {
+        let req = match &msg.request {
             Ok(r) => r,
             Err(e) => {
                 dead_letter(
@@ -188,7 +251,7 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
             fx.outcomes.retain(|(o, _)| o.request_id != req.request_id);
         }
         let known = state.sessions.contains_key(&req.session_id).then_some(req.session_id);
-        let result = apply_one(&req, msg, &mut state.sessions, &mut fx);
+        let result = apply_one(req, msg, &mut state.sessions, &mut fx);
         let outcome = match result {
             Ok(Applied { seq, rejected }) => Outcome {
                 request_id: req.request_id,
@@ -319,39 +382,18 @@ fn apply_one(
             Ok(Applied { seq: None, rejected: None })
         }
         Op::Append => {
-            let (Some(kind), Some(payload)) = (&req.kind, &req.payload) else {
-                return Err(refuse("bad_request", "append needs kind and payload"));
+            let NewEvent { kind, body, tokens } = match &msg.event {
+                Some(Ok(event)) => event,
+                Some(Err(refusal)) => return Err(refusal.clone()),
+                None => return Err(refuse("bad_request", "append needs kind and payload")),
             };
-            let kind: EventKind = kind
-                .parse()
-                .map_err(|e: turnlog_core::events::UnknownKind| refuse("unknown_kind", e.to_string()))?;
-            if kind == EventKind::SessionStarted {
-                return Err(refuse("unknown_kind", "session_started is written by create only"));
-            }
-            let body =
-                EventBody::decode(kind, payload, 0).map_err(|e| refuse("bad_payload", e.to_string()))?;
-            // The payload is part of the request body, so only a large body needs measuring.
-            let size = if msg.body.len() <= MAX_EVENT_BYTES {
-                msg.body.len()
-            } else {
-                serde_json::to_vec(payload).map_or(usize::MAX, |v| v.len())
-            };
-            if size > MAX_EVENT_BYTES {
-                return Err(refuse(
-                    "too_large",
-                    format!("event is {size} bytes; the limit is {MAX_EVENT_BYTES}"),
-                ));
-            }
-            if has_nul(payload) {
-                return Err(refuse("unstorable_text", "payload text contains a NUL character"));
-            }
             if let Some(expect) = req.expect {
                 if expect.compacted_through != session.compacted_through {
                     return Ok(Applied { seq: None, rejected: Some(EXPECT_FAILED) });
                 }
             }
             let seq = session.last_seq + 1;
-            match &body {
+            match body {
                 EventBody::UserMessage(m) if m.category.is_some() => {
                     session.last_category = m.category.clone();
                 }
@@ -381,8 +423,8 @@ fn apply_one(
                 }
                 _ => {}
             }
-            let tokens = i32::try_from(event_tokens(&body)).unwrap_or(i32::MAX);
-            let seq = push_event(sessions, fx, req, msg, kind, payload.clone(), tokens);
+            let payload = req.payload.clone().unwrap_or_default();
+            let seq = push_event(sessions, fx, req, msg, *kind, payload, *tokens);
             Ok(Applied { seq: Some(seq), rejected: None })
         }
     }

@@ -2,8 +2,8 @@
 //! Rows go in once — events (binary COPY) and memories as batches are applied, sessions as
 //! they are created — and the state that changes all along (each session's row, every
 //! request's outcome, the positions) is written at the end, from memory, in its final form.
-//! The events' secondary indexes and foreign key are set aside during the load and made
-//! again after it, as PostgreSQL advises for populating a database.
+//! The events' unique constraint and secondary indexes are set aside during the load and
+//! made again after it, as PostgreSQL advises for populating a database.
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
@@ -37,11 +37,11 @@ pub struct SetAside {
     constraints: Vec<String>,
 }
 
-/// Drops the events table's foreign key, unique constraint and secondary indexes, and
-/// returns how to make them again: an index built once, and a foreign key checked by one
-/// join, cost a fraction of maintaining them row by row (the foreign key alone is a lookup
-/// per event). A rebuild that stops before [`restore`] leaves a database without them —
-/// one to drop, as any unfinished rebuild's; a target found without them is refused.
+/// Drops the events table's unique constraint and secondary indexes (and any foreign key),
+/// and returns how to make them again: an index built once costs a fraction of
+/// maintaining it row by row. A rebuild that stops before [`restore`] leaves a database
+/// without them — one to drop, as any unfinished rebuild's; a target found without them
+/// is refused.
 pub async fn set_aside(conn: &mut PgConnection) -> anyhow::Result<SetAside> {
     let mut tx = conn.begin().await?;
     // (name, definition, the index of a unique constraint)
@@ -62,8 +62,8 @@ pub async fn set_aside(conn: &mut PgConnection) -> anyhow::Result<SetAside> {
     .fetch_all(&mut *tx)
     .await?;
     anyhow::ensure!(
-        constraints.iter().any(|(_, d, _)| d.starts_with("FOREIGN KEY")) && !indexes.is_empty(),
-        "the target's events table lacks its foreign key or indexes (left by an unfinished rebuild?): \
+        constraints.iter().any(|(_, _, unique)| unique.is_some()) && !indexes.is_empty(),
+        "the target's events table lacks its unique constraint or indexes (left by an unfinished rebuild?): \
          drop the database and make a new one"
     );
     let mut remake = SetAside { indexes: Vec::new(), constraints: Vec::new() };
@@ -260,8 +260,7 @@ async fn upsert_sessions(conn: &mut PgConnection, sessions: &[&SessionRow]) -> R
 }
 
 /// A delete: the session's rows go and a pending purge is recorded. (Its outcomes are
-/// written at the end, from memory, without the session's.) Events are deleted by name:
-/// their foreign key, which would cascade, is set aside during the load.
+/// written at the end, from memory, without the session's.)
 async fn delete_session(conn: &mut PgConnection, session: SessionId) -> Result<(), sqlx::Error> {
     sqlx::query("DELETE FROM session_events WHERE session_id = $1")
         .bind(session.0)

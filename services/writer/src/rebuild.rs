@@ -125,7 +125,7 @@ pub async fn rebuild(
     }
     let t0 = Instant::now();
     bulk::restore(&pool, set_aside).await.context("indexing the target")?;
-    tracing::debug!(restore_us = t0.elapsed().as_micros() as u64, "indexes and foreign key made again");
+    tracing::debug!(restore_us = t0.elapsed().as_micros() as u64, "indexes and constraints made again");
     summary.elapsed = started.elapsed();
     pool.close().await;
     Ok(summary)

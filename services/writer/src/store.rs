@@ -212,7 +212,7 @@ async fn write_effects(
     Ok(())
 }
 
-/// A delete batch: the session's rows go (events and memories by cascade, with its
+/// A delete batch: the session's rows go (its events, its memories by cascade, its
 /// outcomes), a pending purge is recorded, and the delete's own outcome is kept so a
 /// resent delete is answered.
 async fn write_delete(
@@ -223,6 +223,8 @@ async fn write_delete(
     session: SessionId,
 ) -> Result<(), StoreError> {
     let mut tx = conn.begin().await?;
+    // The writer's connection keeps generic plans; these deletes are planned for their session.
+    sqlx::query("SET LOCAL plan_cache_mode = force_custom_plan").execute(&mut *tx).await?;
     let moved =
         sqlx::query("UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2")
             .bind(partition)
@@ -233,6 +235,7 @@ async fn write_delete(
     if moved.rows_affected() != 1 {
         return Err(StoreError::Fenced { partition, expected });
     }
+    sqlx::query("DELETE FROM session_events WHERE session_id = $1").bind(session.0).execute(&mut *tx).await?;
     sqlx::query("DELETE FROM sessions WHERE id = $1").bind(session.0).execute(&mut *tx).await?;
     sqlx::query("DELETE FROM request_outcomes WHERE session_id = $1")
         .bind(session.0)

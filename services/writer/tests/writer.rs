@@ -508,6 +508,41 @@ async fn a_second_writer_stands_by_and_takes_over() {
     h.stop().await;
 }
 
+/// New user messages wait in the full-text index's pending list; the writer merges it
+/// from the side within a second or so, instead of leaving it to grow to 4 MB and be
+/// merged inside some commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_writer_merges_full_text_pending_lists_outside_its_commits() {
+    let h = Harness::start().await;
+    let pool = &h.env.pool;
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pgstattuple").execute(pool).await.unwrap();
+    let pending_pages = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT pending_pages::int8 FROM pgstatginindex('session_events_user_text_fts')",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    };
+    let s = h.create("alice").await;
+    let requests: Vec<AppendRequest> = (0..300)
+        .map(|i| {
+            let text = format!("note {i}: the Lisbon figures for quarter {} look fine", i % 4);
+            let body = EventBody::UserMessage(UserMessage { text, ..Default::default() });
+            AppendRequest::append(s, "alice", Uuid::now_v7(), &body)
+        })
+        .collect();
+    for o in futures::future::join_all(requests.iter().map(|r| h.send(r))).await {
+        assert_eq!(o.status, OutcomeStatus::Committed);
+    }
+    // 300 messages are a few pages of entries; without the merge they would stay pending.
+    eventually(WAIT, || async { (pending_pages().await == 0).then_some(()) }).await;
+    let query = ListQuery { limit: 10, q: Some("Lisbon".into()), archived: false, before: None };
+    let (found, _) = read::list_sessions(pool, "alice", &query).await.unwrap();
+    assert_eq!(found.iter().map(|f| f.id).collect::<Vec<_>>(), vec![s.0]);
+    h.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn updates_set_title_archive_and_category() {
     let h = Harness::start().await;

@@ -89,13 +89,13 @@ async fn a_rebuild_from_the_append_stream_reproduces_the_live_database() {
     // Nor into one an unfinished rebuild left without the events' constraints.
     let damaged = rig.env.extra_database().await;
     let pool = turnlog_core::db::connect(&damaged, 1).await.expect("damaged");
-    sqlx::query("ALTER TABLE session_events DROP CONSTRAINT session_events_session_id_fkey")
+    sqlx::query("ALTER TABLE session_events DROP CONSTRAINT session_events_session_id_event_id_key")
         .execute(&pool)
         .await
-        .expect("drop the foreign key");
+        .expect("drop the unique constraint");
     pool.close().await;
     let refused = turnlog_ops::rebuild(&damaged, &rig.bus, false).await.expect_err("damaged target");
-    assert!(format!("{refused:#}").contains("lacks its foreign key"), "{refused:#}");
+    assert!(format!("{refused:#}").contains("lacks its unique constraint"), "{refused:#}");
 
     // One payload altered: verify names it.
     let (session, seq, payload): (Uuid, i64, serde_json::Value) = sqlx::query_as(
