@@ -118,17 +118,21 @@ async fn end_to_end(rig: &Rig, sessions: &[SessionId], total: usize) -> anyhow::
     Ok(done as f64 / start.elapsed().as_secs_f64())
 }
 
-/// `append_and_wait` latency at a steady offered rate (open loop).
+/// `append_and_wait` latency at a steady offered rate (open loop), after a pause that lets
+/// the machine settle from the runs before (the writer's index merges, the servers' flushes)
+/// and a first second at the rate that is not recorded.
 async fn latency_at(
     rig: &Rig,
     sessions: &[SessionId],
     per_s: u64,
     seconds: u64,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<(f64, f64, f64)> {
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let hist = Arc::new(std::sync::Mutex::new(hdrhistogram::Histogram::<u64>::new(3)?));
     let mut ticker = tokio::time::interval(Duration::from_micros(1_000_000 / per_s));
+    let warm_up = per_s as usize;
     let mut tasks = Vec::new();
-    for i in 0..(per_s * seconds) as usize {
+    for i in 0..warm_up + (per_s * seconds) as usize {
         ticker.tick().await;
         let (bus, pool, hist) = (rig.bus.clone(), rig.env.pool.clone(), hist.clone());
         let session = sessions[i % sessions.len()];
@@ -138,7 +142,9 @@ async fn latency_at(
             let o = append_and_wait(&bus, &pool, &req, Duration::from_secs(10)).await?;
             anyhow::ensure!(o.is_applied(), "append rejected");
             let us = t.elapsed().as_micros() as u64;
-            hist.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.record(us.max(1))?;
+            if i >= warm_up {
+                hist.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.record(us.max(1))?;
+            }
             anyhow::Ok(())
         }));
     }
@@ -146,7 +152,8 @@ async fn latency_at(
         t.await??;
     }
     let h = hist.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
-    Ok((h.value_at_quantile(0.5) as f64 / 1000.0, h.value_at_quantile(0.99) as f64 / 1000.0))
+    let ms = |us: u64| us as f64 / 1000.0;
+    Ok((ms(h.value_at_quantile(0.5)), ms(h.value_at_quantile(0.99)), ms(h.max())))
 }
 
 /// The writer alone: the stream pre-filled while it is stopped, then drained.
@@ -291,8 +298,8 @@ pub async fn run() -> anyhow::Result<()> {
     let e16 = end_to_end(&rig, &s16, total).await?;
     let e256 = end_to_end(&rig, &s256, total).await?;
     println!("end to end, appends/s: 1 session {e1:.0}, 16 sessions {e16:.0}, 256 sessions {e256:.0}");
-    let (p50, p99) = latency_at(&rig, &s16, 1000, 5).await?;
-    println!("append_and_wait at 1,000/s: p50 {p50:.2} ms, p99 {p99:.2} ms");
+    let (p50, p99, max) = latency_at(&rig, &s16, 1000, 10).await?;
+    println!("append_and_wait at 1,000/s: p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.1} ms");
     let drained = drain(&mut rig, &s256, total).await?;
     println!("writer alone draining {total} pre-filled requests: {drained:.0}/s");
     rig.stop_writer().await?;
