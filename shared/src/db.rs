@@ -1,10 +1,10 @@
-//! The one way to reach Postgres: a pool builder and the migrations. Every service reads
-//! through this; only the writer writes.
+//! The one way to reach Postgres: a pool builder, the writer's own connections and the
+//! migrations. Every service reads through this; only the writer writes.
 
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::PgPool;
+use sqlx::{Connection as _, PgConnection, PgPool};
 
 /// Per-connection settings. JIT compiling costs milliseconds per statement, and turnlog's
 /// array statements look expensive to the planner while running in well under that. A
@@ -23,6 +23,17 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Er
         .acquire_timeout(Duration::from_secs(5))
         .connect_with(options.application_name("turnlog").options(SESSION_SETTINGS))
         .await
+}
+
+/// A single connection whose statements are planned once, for any parameters (generic
+/// plans): for statements whose plan cannot depend on them, such as the writer's commit of
+/// arrays (planning it afresh took 3 ms of a 37 ms batch of 500). JIT is off as in the pool.
+pub async fn connect_generic_plans(url: &str, application_name: &str) -> Result<PgConnection, sqlx::Error> {
+    let options: PgConnectOptions = url.parse()?;
+    let options = options
+        .application_name(application_name)
+        .options([("jit", "off"), ("plan_cache_mode", "force_generic_plan")]);
+    PgConnection::connect_with(&options).await
 }
 
 /// Applies pending migrations. Safe when several processes start at once: sqlx holds a

@@ -20,7 +20,6 @@ use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::stream::RawMessageErrorKind;
 use futures::StreamExt as _;
-use sqlx::postgres::PgConnectOptions;
 use sqlx::{Connection as _, PgConnection, PgPool};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -82,18 +81,6 @@ pub async fn run(config: WriterConfig, shutdown: CancellationToken) -> anyhow::R
     Ok(())
 }
 
-/// A partition's own connection. Its statements are planned once, for any parameters
-/// (generic plans): the commit's plan does not depend on its arrays, and planning it
-/// afresh took 3 ms of a 37 ms batch of 500 (the pool's connections plan each statement
-/// for its parameters: see `turnlog_core::db`).
-async fn partition_connection(url: &str) -> Result<PgConnection, sqlx::Error> {
-    let options: PgConnectOptions = url.parse()?;
-    let options = options
-        .application_name("turnlog-writer")
-        .options([("jit", "off"), ("plan_cache_mode", "force_generic_plan")]);
-    PgConnection::connect_with(&options).await
-}
-
 /// One partition: wait for the lock, serve until an error or shutdown, start over.
 async fn partition_writer(
     partition: u32,
@@ -129,8 +116,11 @@ async fn serve_partition(
 ) -> anyhow::Result<()> {
     let p = i32::try_from(partition).context("partition out of range")?;
     // The lock lives on the partition's own connection, held exactly as long as it; every
-    // commit goes through it too.
-    let mut conn = partition_connection(url).await.context("partition connection")?;
+    // commit goes through it too, planned once (the commit's plan does not depend on its
+    // arrays; see `connect_generic_plans`).
+    let mut conn = turnlog_core::db::connect_generic_plans(url, "turnlog-writer")
+        .await
+        .context("partition connection")?;
     let mut waiting_logged = false;
     loop {
         let (got,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_lock($1)")

@@ -173,15 +173,9 @@ async fn same_request_id_twice_is_one_event_with_one_seq() {
     assert!(ack.duplicate);
     let c = h.send(&req).await;
     assert_eq!(c.seq, a.seq);
-    // The same event_id with another payload, past JetStream's dedup (another msg id): the
-    // writer's own dedup answers with the first seq. The id is fresh, so the writer took the
-    // repeat for a first copy and finds it out when the insert collides.
-    let mut other = req.clone();
-    other.payload = Some(json!({"text": "different"}));
-    let raw = serde_json::to_vec(&other).unwrap();
-    h.bus.publish_append_raw(s, &Uuid::now_v7().to_string(), Bytes::from(raw), None).await.unwrap();
-    h.user(s, "alice", "after").await;
-    assert_eq!(h.seqs(s).await.iter().map(|r| r.1.as_str()).collect::<Vec<_>>(), ["once", "after"]);
+    // The id is fresh, so the writer takes the repeat for a first copy and finds it out when
+    // the insert collides.
+    repeat_then_append(&h, s, &req).await;
     // An id minted ten minutes ago could follow a copy that left the dedup window: its
     // outcome is looked up before applying.
     let s2 = h.create("alice").await;
@@ -189,13 +183,19 @@ async fn same_request_id_twice_is_one_event_with_one_seq() {
     let old_id = Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, ten_minutes_ago, 0));
     let old = AppendRequest::append(s2, "alice", old_id, &body);
     assert!(h.send(&old).await.is_applied());
-    let mut other = old.clone();
+    repeat_then_append(&h, s2, &old).await;
+    h.stop().await;
+}
+
+/// The same event_id as `first` with another payload, past JetStream's dedup (another msg
+/// id), then one more append: the log keeps the first copy and the repeat takes no seq.
+async fn repeat_then_append(h: &Harness, session: SessionId, first: &AppendRequest) {
+    let mut other = first.clone();
     other.payload = Some(json!({"text": "different"}));
     let raw = serde_json::to_vec(&other).unwrap();
-    h.bus.publish_append_raw(s2, &Uuid::now_v7().to_string(), Bytes::from(raw), None).await.unwrap();
-    h.user(s2, "alice", "after").await;
-    assert_eq!(h.seqs(s2).await.iter().map(|r| r.1.as_str()).collect::<Vec<_>>(), ["once", "after"]);
-    h.stop().await;
+    h.bus.publish_append_raw(session, &Uuid::now_v7().to_string(), Bytes::from(raw), None).await.unwrap();
+    h.user(session, "alice", "after").await;
+    assert_eq!(h.seqs(session).await.iter().map(|r| r.1.as_str()).collect::<Vec<_>>(), ["once", "after"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -162,6 +162,7 @@ pub(crate) fn send_signal(pid: u32, name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Age of a file by its modification time; `None` when it cannot be read.
 pub(crate) fn file_age(path: &Path) -> Option<Duration> {
     let modified = std::fs::metadata(path).ok()?.modified().ok()?;
     Some(std::time::SystemTime::now().duration_since(modified).unwrap_or_default())
