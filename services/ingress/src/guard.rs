@@ -6,7 +6,7 @@
 
 use axum::extract::{Request, State};
 use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST, ORIGIN, TRANSFER_ENCODING};
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, HeaderValue};
 use axum::middleware::Next;
 use axum::response::{IntoResponse as _, Response};
 
@@ -19,7 +19,7 @@ const LOOPBACK_NAMES: [&str; 3] = ["localhost", "127.0.0.1", "[::1]"];
 #[derive(Debug, Clone, Copy)]
 pub struct LocalMode(pub bool);
 
-/// The middleware: refuses what [`admit`] refuses, before routing reads anything.
+/// The middleware: refuses what [`admit`] refuses, before a handler reads anything.
 pub async fn check(State(LocalMode(local)): State<LocalMode>, req: Request, next: Next) -> Response {
     match admit(local, req.headers()) {
         Ok(()) => next.run(req).await,
@@ -28,7 +28,7 @@ pub async fn check(State(LocalMode(local)): State<LocalMode>, req: Request, next
 }
 
 /// In local mode the caller must be this machine's (403); then a body must be JSON (415).
-pub fn admit(local: bool, headers: &HeaderMap) -> Result<(), ApiError> {
+fn admit(local: bool, headers: &HeaderMap) -> Result<(), ApiError> {
     if local {
         same_machine(headers)?;
     }
@@ -45,7 +45,7 @@ fn json_body(headers: &HeaderMap) -> Result<(), ApiError> {
         .and_then(|v| v.trim().parse::<u64>().ok())
         .is_some_and(|n| n > 0);
     let has_body = sized || headers.contains_key(TRANSFER_ENCODING);
-    let is_json = |v: &axum::http::HeaderValue| {
+    let is_json = |v: &HeaderValue| {
         v.to_str()
             .ok()
             .and_then(|t| t.split(';').next())
@@ -106,8 +106,6 @@ fn is_loopback_host(host: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use axum::http::HeaderValue;
-
     use super::*;
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
