@@ -30,11 +30,11 @@ export async function startTurnlog({ logFile, tokens = true }) {
     ...process.env,
     TURNLOG_DATA_DIR: path.join(dir, 'data'),
     TURNLOG_LISTEN: `127.0.0.1:${port}`,
-    TURNLOG_API_TOKENS: `${owner}:${token}`,
     TURNLOG_LOG_FORMAT: 'pretty',
     RUST_LOG: process.env.RUST_LOG || 'info',
   };
-  if (!tokens) delete env.TURNLOG_API_TOKENS;
+  if (tokens) env.TURNLOG_API_TOKENS = `${owner}:${token}`;
+  else delete env.TURNLOG_API_TOKENS;
   delete env.TURNLOG_LLM_URL; // the built-in mock model answers
 
   const cleanups = [() => rmSync(dir, { recursive: true, force: true })];
