@@ -71,6 +71,10 @@ pub(crate) struct TurnRecord {
     pub cut_reason: String,
     /// Event ids skipped a number: the stream lost events.
     pub id_gap: bool,
+    /// What a stream sent after its `end` (event names), and whether it then stayed open:
+    /// `end` must be the last event, exactly once, and the stream must close after it.
+    pub after_end: Vec<String>,
+    pub open_after_end: bool,
     pub gave_up: bool,
 }
 
@@ -95,6 +99,8 @@ impl TurnRecord {
             broke_at: None,
             cut_reason: String::new(),
             id_gap: false,
+            after_end: Vec::new(),
+            open_after_end: false,
             gave_up: false,
         }
     }
@@ -166,9 +172,28 @@ async fn follow(events: &mut Events, rec: &mut TurnRecord, pause_at: Option<usiz
                 rec.end_from_log = data.get("duration_ms").is_none();
                 rec.end = Some(data);
                 rec.end_at = now_s();
+                read_past_end(events, rec).await;
                 return Follow::Ended;
             }
             _ => {}
+        }
+    }
+}
+
+/// How long a stream may stay open after its `end`.
+const CLOSE_AFTER_END: Duration = Duration::from_secs(5);
+
+/// Reads on after `end` to the stream's close, recording anything more that arrives (a
+/// second `end` included) and a stream that does not close.
+async fn read_past_end(events: &mut Events, rec: &mut TurnRecord) {
+    loop {
+        match tokio::time::timeout(CLOSE_AFTER_END, events.next()).await {
+            Ok(Some(Ok(e))) => rec.after_end.push(e.event),
+            Ok(Some(Err(_)) | None) => return,
+            Err(_) => {
+                rec.open_after_end = true;
+                return;
+            }
         }
     }
 }

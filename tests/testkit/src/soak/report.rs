@@ -94,6 +94,8 @@ pub struct SoakReport {
     pub max_rss_mb: f64,
     /// The largest growth among the judged process runs (0.05 = 5%).
     pub max_rss_growth: Option<f64>,
+    /// Turns cut by a kill whose stored checkpoint was held against the 2 s bound (§9.4).
+    pub cuts_bounded: usize,
     pub rows: Vec<FaultRow>,
     pub rss: Vec<RssLine>,
     pub violations: Vec<Violation>,
@@ -234,6 +236,7 @@ pub(crate) fn build(
         max_recovery_s,
         max_rss_mb,
         max_rss_growth,
+        cuts_bounded: checked.checkpoint_ages.len(),
         rows,
         rss,
         violations,
@@ -311,14 +314,15 @@ impl SoakReport {
         let growth = self.max_rss_growth.map_or("na".to_owned(), |g| format!("{:.1}", g * 100.0));
         format!(
             "RESULT soak faults={} acked={} lost={} duplicated={} max_recovery_s={:.1} max_rss_mb={:.0} \
-             violations={} max_rss_growth_pct={growth}",
+             violations={} max_rss_growth_pct={growth} cuts_bounded={}",
             self.faults,
             self.acked,
             self.lost,
             self.duplicated,
             self.max_recovery_s,
             self.max_rss_mb,
-            self.violations.len()
+            self.violations.len(),
+            self.cuts_bounded
         )
     }
 
