@@ -10,9 +10,11 @@ use std::time::{Duration, Instant};
 use eventsource_stream::Eventsource as _;
 use futures::{Stream, StreamExt as _};
 use serde_json::{json, Value};
+use turnlog_core::bus::{append_and_wait, AppendRequest};
+use turnlog_core::ids::SessionId;
 use uuid::Uuid;
 
-use super::cluster::Cluster;
+use super::cluster::{Cluster, OWNER};
 use super::report::ViolationKind;
 use super::{lock, now_s, rel, Counters, Rng, Shared};
 
@@ -723,6 +725,52 @@ pub(crate) async fn probe_turn(
         keep(shared, rec);
     }
     seq
+}
+
+/// Deltas of a victim turn read before its copy may be killed: 100 deltas at 25 ms each
+/// is 2.5 s of streaming, past the first checkpoint.
+const VICTIM_DELTAS: usize = 100;
+
+/// A long turn through ingress copy `which` on a fresh session, started right before that
+/// copy is killed so the kill surely cuts a turn that has streamed past a checkpoint (the
+/// checker then holds it to the 2 s bound). Returns once it has streamed 2.5 s, with a task
+/// that follows it to the cut and records it like any client's turn; None when it could not
+/// be started.
+pub(crate) async fn victim_turn(
+    cluster: &Cluster,
+    shared: &Arc<Shared>,
+    which: usize,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let session = SessionId::new();
+    let create = AppendRequest::create(session, OWNER, Some("victim".to_owned()));
+    let created = append_and_wait(&cluster.bus, &cluster.env.pool, &create, Duration::from_secs(10)).await;
+    if !created.is_ok_and(|o| o.is_applied()) {
+        return None;
+    }
+    let text = "a long answer for the kill [mock words=2000 delay_ms=25]";
+    let url = format!("{}/v1/sessions/{}/messages", cluster.ingress[which], session.0);
+    let Posted::Stream(mut stream, _) = post(&cluster.http, &url, Some(&json!({ "text": text })), None).await
+    else {
+        return None;
+    };
+    let mut rec = TurnRecord::new(usize::MAX, Purpose::Probe, Some(session.0), text);
+    lock(&shared.sent).push((session.0, text.to_owned()));
+    let paused =
+        tokio::time::timeout(Duration::from_secs(20), follow(&mut stream, &mut rec, Some(VICTIM_DELTAS)));
+    if !matches!(paused.await, Ok(Follow::Paused)) {
+        return None;
+    }
+    let shared = Arc::clone(shared);
+    Some(tokio::spawn(async move {
+        let ended = matches!(
+            tokio::time::timeout(Duration::from_secs(30), follow(&mut stream, &mut rec, None)).await,
+            Ok(Follow::Ended)
+        );
+        if !ended {
+            rec.cut_at = Some(now_s());
+        }
+        keep(&shared, rec);
+    }))
 }
 
 fn clip(s: &str) -> String {
