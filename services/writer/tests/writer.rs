@@ -156,6 +156,25 @@ async fn concurrent_producers_get_gapless_ordered_seqs() {
         assert_eq!(seqs, (2..=per_producer as i64 + 1).collect::<Vec<_>>());
         assert_eq!(reported[&(50 + i)], seqs);
     }
+    // The stored order is the APPEND stream's order, across producers and batches (§6).
+    let stored: HashMap<Uuid, i64> =
+        sqlx::query_as::<_, (Uuid, i64)>("SELECT event_id, seq FROM session_events WHERE session_id = $1")
+            .bind(shared.0)
+            .fetch_all(&h.env.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    let subject = h.bus.names.append_subject(0, shared);
+    let in_stream_order: Vec<i64> = h
+        .stream_messages(&h.bus.names.append_stream(), &subject)
+        .await
+        .iter()
+        .map(|m| serde_json::from_slice::<AppendRequest>(&m.payload).unwrap().request_id)
+        .map(|id| stored[&id])
+        .collect();
+    assert_eq!(in_stream_order, (1..=in_stream_order.len() as i64).collect::<Vec<_>>());
+    assert_eq!(in_stream_order.len(), all.len(), "every stored event came from one APPEND message");
     h.stop().await;
 }
 
