@@ -46,7 +46,9 @@ pub(crate) struct Checked {
     /// Messages on TURNLOG_DEAD (the poison, and anything else dead-lettered).
     pub dead_letters: u64,
     pub feed_duplicates: usize,
-    pub turns_without_residue: usize,
+    /// Stored answers without a `turn_memory` (`session:seq`): the distiller appends none
+    /// for an empty residue, so these are reported for a look rather than failed.
+    pub turns_without_residue: Vec<String>,
     pub compactions: usize,
     pub memories: usize,
     pub settled_in: f64,
@@ -606,7 +608,7 @@ fn check_workers(shared: &Shared, by_session: &HashMap<Uuid, Vec<Row>>, checked:
                 ),
             }
             match residues.get(&row.seq).copied().unwrap_or(0) {
-                0 => checked.turns_without_residue += 1,
+                0 => checked.turns_without_residue.push(format!("{session}:{}", row.seq)),
                 1 => {}
                 n => shared.violation_at(
                     ViolationKind::Duplicated,

@@ -211,7 +211,7 @@ pub(crate) fn build(
         checked.sessions,
         checked.compactions,
         checked.memories,
-        checked.turns_without_residue,
+        checked.turns_without_residue.len(),
         checked.settled_in,
         checked.unconfirmed,
         checked.unconfirmed_stored,
@@ -224,6 +224,12 @@ pub(crate) fn build(
 
     for c in checked.cuts.iter().take(12) {
         details.push(format!("cut: {c}"));
+    }
+    if !checked.turns_without_residue.is_empty() {
+        details.push(format!(
+            "answers without a turn_memory (an empty residue, or a lost one): {}",
+            checked.turns_without_residue.iter().take(10).cloned().collect::<Vec<_>>().join(", ")
+        ));
     }
     violations.sort_by(|a, b| a.kind.cmp(&b.kind).then(a.at.total_cmp(&b.at)));
     SoakReport {
