@@ -6,6 +6,7 @@
 
 mod bad_inputs;
 mod context;
+mod gateway;
 mod harness;
 mod openapi;
 mod owners;
