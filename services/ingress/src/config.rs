@@ -274,9 +274,10 @@ mod tests {
             #[command(flatten)]
             ingress: IngressArgs,
         }
-        let mut args = <Cli as clap::Parser>::try_parse_from(std::iter::once("ingress").chain(flags.iter().copied()))
-            .unwrap()
-            .ingress;
+        let mut args =
+            <Cli as clap::Parser>::try_parse_from(std::iter::once("ingress").chain(flags.iter().copied()))
+                .unwrap()
+                .ingress;
         args.api_tokens = None;
         args
     }

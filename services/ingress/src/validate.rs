@@ -87,7 +87,7 @@ pub fn event_size(kind: &str, payload: &Value) -> Result<(), ApiError> {
         Value::Object(map) => map.iter().map(|(name, v)| (name.as_str(), json_len(v))).collect(),
         _ => Vec::new(),
     };
-    fields.sort_by(|a, b| b.1.cmp(&a.1));
+    fields.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
     let largest: Vec<String> = fields.iter().take(2).map(|(name, n)| format!("{name}: {n} bytes")).collect();
     Err(ApiError::PayloadTooLarge(format!(
         "the {kind} takes {size} bytes as stored ({}); an event may take at most {MAX_EVENT_BYTES} \

@@ -156,7 +156,9 @@ mod tests {
 
     #[test]
     fn bad_directives_are_refused() {
-        for bad in ["[mock wrds=3]", "[mock words=many]", "[mock status=200]", "[mock hang=1]", "[mock breaks=65]"] {
+        for bad in
+            ["[mock wrds=3]", "[mock words=many]", "[mock status=200]", "[mock hang=1]", "[mock breaks=65]"]
+        {
             assert!(Knobs::default().with_directives(bad).is_err(), "{bad}");
         }
         assert_eq!(Knobs::default().with_directives("a [mockery] b").unwrap(), Knobs::default());

@@ -17,7 +17,8 @@ async fn dev_shows_and_stores_the_gateway_without_its_credentials() {
     let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.expect("the mock model");
     let host = mock.addr().to_string();
     let llm_url = format!("http://gwuser:{SECRET}@{host}/v1");
-    let data_dir = std::env::temp_dir().join(format!("turnlog-gateway-url-{}", uuid::Uuid::new_v4().simple()));
+    let data_dir =
+        std::env::temp_dir().join(format!("turnlog-gateway-url-{}", uuid::Uuid::new_v4().simple()));
     let listen = format!("127.0.0.1:{}", free_port());
     let data = data_dir.to_string_lossy().into_owned();
     let vars = [
@@ -29,7 +30,8 @@ async fn dev_shows_and_stores_the_gateway_without_its_credentials() {
     // TURNLOG_MODEL stays `mock`, which a configured gateway warns about, naming its URL.
     let dev = TurnlogProcess::start(BIN, &env, &["dev"], &vars);
     let log = || std::fs::read_to_string(dev.log_path()).unwrap_or_default();
-    eventually(Duration::from_secs(60), || async { log().contains("turnlog dev is ready").then_some(()) }).await;
+    eventually(Duration::from_secs(60), || async { log().contains("turnlog dev is ready").then_some(()) })
+        .await;
 
     let base = format!("http://{listen}");
     let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().expect("a client");
@@ -53,12 +55,11 @@ async fn dev_shows_and_stores_the_gateway_without_its_credentials() {
         .await
         .expect("the turn's stream");
     assert!(turn.contains("\"status\":\"completed\""), "{turn}");
-    let provider: String = sqlx::query_scalar(
-        "SELECT payload->>'provider' FROM session_events WHERE kind = 'assistant_turn'",
-    )
-    .fetch_one(&env.pool)
-    .await
-    .expect("the stored answer");
+    let provider: String =
+        sqlx::query_scalar("SELECT payload->>'provider' FROM session_events WHERE kind = 'assistant_turn'")
+            .fetch_one(&env.pool)
+            .await
+            .expect("the stored answer");
     assert_eq!(provider, host);
 
     let printed = log();

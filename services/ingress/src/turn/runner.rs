@@ -74,11 +74,6 @@ pub fn start_turn(app: &Arc<Ingress>, start: TurnStart) -> Arc<ActiveTurn> {
 /// the outcome event, the `end` status, and the `end` field that names the event's seq.
 type StoredOutcome = (Option<(&'static str, String)>, EventBody, &'static str, &'static str);
 
-/// Ends the answer at the cap (as a provider ends one at `max_tokens`).
-fn capped() -> Ending {
-    Ending::Done { finish_reason: Some("length".into()) }
-}
-
 /// The longest prefix of `delta`, in whole characters, that takes at most `room` bytes and
 /// at most `json_room` bytes as stored JSON; with its JSON length (without quotes).
 fn fitting(delta: &str, room: usize, json_room: usize) -> (&str, usize) {
@@ -220,31 +215,13 @@ impl Turn<'_> {
             match item {
                 Ok(None) => return Ending::Done { finish_reason },
                 Ok(Some(StreamItem::Text(delta))) => {
-                    if self.text.is_empty() && self.reasoning.is_empty() {
-                        self.app.metrics.first_delta(started.elapsed());
-                    }
-                    let json_room = MAX_PARTIAL_JSON_BYTES - self.text_json;
-                    let (kept, kept_json) = fitting(&delta, self.answer_room(), json_room);
-                    if !kept.is_empty() {
-                        self.text.push_str(kept);
-                        self.text_json += kept_json;
-                        self.emit("delta", json!({ "text": kept })).await;
-                    }
-                    if kept.len() < delta.len() {
-                        return capped();
+                    if !self.relay(&delta, false, started).await {
+                        return Ending::Done { finish_reason: Some("length".into()) };
                     }
                 }
                 Ok(Some(StreamItem::Reasoning(delta))) => {
-                    if self.text.is_empty() && self.reasoning.is_empty() {
-                        self.app.metrics.first_delta(started.elapsed());
-                    }
-                    let (kept, _) = fitting(&delta, self.answer_room(), usize::MAX);
-                    if !kept.is_empty() {
-                        self.reasoning.push_str(kept);
-                        self.emit("reasoning", json!({ "text": kept })).await;
-                    }
-                    if kept.len() < delta.len() {
-                        return capped();
+                    if !self.relay(&delta, true, started).await {
+                        return Ending::Done { finish_reason: Some("length".into()) };
                     }
                 }
                 Ok(Some(StreamItem::Usage(u))) => self.usage = Some(u),
@@ -254,9 +231,28 @@ impl Turn<'_> {
         }
     }
 
-    /// Bytes the answer's text and reasoning may still grow by.
-    fn answer_room(&self) -> usize {
-        MAX_ANSWER_BYTES.saturating_sub(self.text.len() + self.reasoning.len())
+    /// Keeps and relays what fits of a text (or reasoning) delta; false when the answer
+    /// reached its cap and the rest was dropped (the answer then ends, as at `max_tokens`).
+    async fn relay(&mut self, delta: &str, reasoning: bool, started: Instant) -> bool {
+        if self.text.is_empty() && self.reasoning.is_empty() {
+            self.app.metrics.first_delta(started.elapsed());
+        }
+        let room = MAX_ANSWER_BYTES.saturating_sub(self.text.len() + self.reasoning.len());
+        // Only the text goes into the pending_state, so only its stored size is capped.
+        let json_room = if reasoning { usize::MAX } else { MAX_PARTIAL_JSON_BYTES - self.text_json };
+        let (kept, kept_json) = fitting(delta, room, json_room);
+        if !kept.is_empty() {
+            let event = if reasoning {
+                self.reasoning.push_str(kept);
+                "reasoning"
+            } else {
+                self.text.push_str(kept);
+                self.text_json += kept_json;
+                "delta"
+            };
+            self.emit(event, json!({ "text": kept })).await;
+        }
+        kept.len() == delta.len()
     }
 
     /// The pre-send compaction check, then the request: stable system prompt, the
@@ -397,7 +393,10 @@ impl Turn<'_> {
                     (None, answer, "completed", "assistant_seq")
                 } else {
                     // The answer holds the text twice; its pending holds it once and always fits.
-                    tracing::warn!(size, "the answer is too large for one event; keeping it as a pending_state");
+                    tracing::warn!(
+                        size,
+                        "the answer is too large for one event; keeping it as a pending_state"
+                    );
                     let message = format!(
                         "the answer takes {size} bytes as stored, over the log's limit of {MAX_EVENT_BYTES} \
                          per event; it is kept as an interrupted partial"
@@ -482,8 +481,11 @@ impl Turn<'_> {
             };
             return (Some((code, message)), EventBody::PendingState(pending), "interrupted", "pending_seq");
         }
-        let failed =
-            TurnFailed { code: code.into(), message: message.clone(), attempt_id: Some(self.attempt_id.clone()) };
+        let failed = TurnFailed {
+            code: code.into(),
+            message: message.clone(),
+            attempt_id: Some(self.attempt_id.clone()),
+        };
         (Some((code, message)), EventBody::TurnFailed(failed), "failed", "failed_seq")
     }
 

@@ -48,7 +48,10 @@ async fn credentials_in_the_gateway_url_are_sent_but_never_stored_or_shown() {
     let items = api.get(&format!("/v1/sessions/{id}"), ALICE).await.json["items"].clone();
     assert_eq!(items[1]["provider"], host.as_str());
     for (what, text) in [("the event stream", streamed), ("the session", readable(&api, id).await)] {
-        assert!(!text.contains("s3cret") && !text.contains("turnlog:"), "{what} shows the credentials: {text}");
+        assert!(
+            !text.contains("s3cret") && !text.contains("turnlog:"),
+            "{what} shows the credentials: {text}"
+        );
     }
     // The gateway still gets them, as Basic auth.
     let chat = mock.log().entries().into_iter().find(|e| e.path.ends_with("/chat/completions")).unwrap();
@@ -73,7 +76,8 @@ async fn upstream_failures_are_told_with_the_status_code_only() {
     assert_eq!(error.data["message"], "the model gateway's answer broke off before it was complete");
 
     let events = api.get(&format!("/v1/sessions/{id}/events"), ALICE).await.json;
-    let turn_failed = events["events"].as_array().unwrap().iter().find(|e| e["kind"] == "turn_failed").unwrap();
+    let turn_failed =
+        events["events"].as_array().unwrap().iter().find(|e| e["kind"] == "turn_failed").unwrap();
     assert_eq!(turn_failed["payload"]["message"], "the model gateway answered 502");
     let told = format!("{}\n{}\n{}", readable(&api, id).await, failed.end(), broken.end());
     for leak in ["mock failure", "mock_502", "server_error", host.as_str(), "127.0.0.1", "http://"] {
@@ -124,7 +128,8 @@ async fn models_outside_the_allowed_list_are_refused_and_nothing_is_appended() {
     assert_eq!(ok.end()["model"], "mock-large");
 
     // A retry runs the stored message's model, which must still be allowed.
-    let message = UserMessage { text: "again".into(), model_hint: Some("retired".into()), ..Default::default() };
+    let message =
+        UserMessage { text: "again".into(), model_hint: Some("retired".into()), ..Default::default() };
     api.append(id, "alice", &EventBody::UserMessage(message)).await;
     let retry = api.call(Method::POST, &format!("/v1/sessions/{id}/retry"), Some(ALICE), Body::None).await;
     assert_eq!(retry.status, 400, "{}", retry.text);
