@@ -46,7 +46,7 @@ pub struct SendMessage {
     pub text: String,
     #[serde(default)]
     pub category: Option<String>,
-    /// The model to call (default: TURNLOG_MODEL).
+    /// The model to call (default: TURNLOG_MODEL); one of TURNLOG_ALLOWED_MODELS when that is set.
     #[serde(default)]
     pub model: Option<String>,
     #[serde(default)]
