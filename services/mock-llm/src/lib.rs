@@ -15,10 +15,11 @@
 //! A chat reply is pseudo-random words seeded by the last user message, so the same request
 //! always gets the same reply. The server's [`Knobs`] (in [`MockConfig::defaults`]) are
 //! overridden per request by directives in the last user message, e.g.
-//! `[mock words=200 delay_ms=5 reasoning=3 fail_after=10 stall_after=4 no_done status=503 hang]`:
-//! reply length in words, a pause before each delta, reasoning deltas, dropping the
-//! connection after N deltas, going silent after N deltas, no `[DONE]`, an HTTP error with
-//! an OpenAI-style body, never answering. Directives never appear in the reply. An unknown
+//! `[mock words=200 breaks=2 delay_ms=5 reasoning=3 fail_after=10 stall_after=4 no_done
+//! status=503 hang]`: reply length in words, line breaks between the words instead of
+//! spaces, a pause before each delta, reasoning deltas, dropping the connection after N
+//! deltas, going silent after N deltas, no `[DONE]`, an HTTP error with an OpenAI-style
+//! body, never answering. Directives never appear in the reply. An unknown
 //! directive is answered 400.
 //!
 //! # Worker answers
@@ -342,6 +343,11 @@ async fn chat(State(mock): State<Arc<Mock>>, headers: HeaderMap, body: Bytes) ->
         respond::STAMP.repeat(knobs.words)
     } else {
         answers::answer_text(task, &request.messages, knobs.words, max_tokens)
+    };
+    let text = if task == Task::Chat && knobs.breaks > 0 {
+        text.replace(' ', &"\n".repeat(knobs.breaks))
+    } else {
+        text
     };
     let answer = respond::Answer::new(
         format!("chatcmpl-mock-{:016x}", answers::fnv1a(&body)),

@@ -6,11 +6,13 @@
 
 mod bad_inputs;
 mod context;
+mod gateway;
 mod harness;
 mod local_mode;
 mod openapi;
 mod owners;
 mod paging;
 mod sessions;
+mod sizes;
 mod turns;
 mod unavailable;
