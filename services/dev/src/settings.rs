@@ -20,6 +20,18 @@ pub struct Backbone {
     pub nats_url: String,
     #[command(flatten)]
     pub bus: BusArgs,
+    #[command(flatten)]
+    pub reads: ReadArgs,
+}
+
+/// How the services that only read Postgres (the ingress and the workers) bound their
+/// queries. The writer's commits and `turnlog rebuild` / `verify` are not bounded.
+#[derive(clap::Args, Clone)]
+pub struct ReadArgs {
+    /// Longest run of one read query (e.g. 5s, 800ms): past it Postgres cancels the query,
+    /// a client gets 503 with Retry-After and a worker retries the event later.
+    #[arg(long, env = "TURNLOG_STATEMENT_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub statement_timeout: Duration,
 }
 
 /// How the bus is laid out on the NATS server.
@@ -168,7 +180,9 @@ impl Backbone {
             partitions: self.bus.partitions,
             append_max_age: self.bus.append_max_age,
         };
-        turnlog_ingress::IngressConfig::from_args(backbone, args)
+        let mut config = turnlog_ingress::IngressConfig::from_args(backbone, args)?;
+        config.statement_timeout = self.reads.statement_timeout;
+        Ok(config)
     }
 
     pub fn distiller(
@@ -182,6 +196,7 @@ impl Backbone {
             consumer: tuning.settings(),
             call_deadline: models.upstream_timeout,
             append_timeout: WORKER_APPEND_TIMEOUT,
+            statement_timeout: self.reads.statement_timeout,
             database_url: self.database_url.clone(),
             nats_url: self.nats_url.clone(),
             bus_prefix: self.bus.bus_prefix.clone(),
@@ -200,6 +215,7 @@ impl Backbone {
             consumer: tuning.settings(),
             call_deadline: models.upstream_timeout,
             append_timeout: WORKER_APPEND_TIMEOUT,
+            statement_timeout: self.reads.statement_timeout,
             database_url: self.database_url.clone(),
             nats_url: self.nats_url.clone(),
             bus_prefix: self.bus.bus_prefix.clone(),
@@ -222,6 +238,7 @@ impl Backbone {
             facts_wait: compactor.facts_wait,
             summary_deadline: models.upstream_timeout,
             append_timeout: WORKER_APPEND_TIMEOUT,
+            statement_timeout: self.reads.statement_timeout,
             database_url: self.database_url.clone(),
             nats_url: self.nats_url.clone(),
             bus_prefix: self.bus.bus_prefix.clone(),

@@ -31,6 +31,8 @@ pub struct Options {
     pub compact_timeout: Duration,
     /// Extra context windows (`TURNLOG_MODEL_WINDOWS`).
     pub model_windows: Vec<(&'static str, u32)>,
+    /// `TURNLOG_STATEMENT_TIMEOUT`.
+    pub statement_timeout: Duration,
 }
 
 impl Default for Options {
@@ -43,6 +45,7 @@ impl Default for Options {
             system_prompt: String::new(),
             compact_timeout: Duration::from_millis(300),
             model_windows: Vec::new(),
+            statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 }
@@ -140,6 +143,7 @@ impl Api {
         config.append_timeout = opts.append_timeout;
         config.system_prompt = opts.system_prompt;
         config.compact_timeout = opts.compact_timeout;
+        config.statement_timeout = opts.statement_timeout;
         config.model_windows = opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
         config.upstream = opts.llm_url.map(|base_url| turnlog_core::upstream::UpstreamConfig {
             base_url,

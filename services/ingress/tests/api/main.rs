@@ -10,6 +10,8 @@ mod harness;
 mod openapi;
 mod owners;
 mod paging;
+mod reads;
 mod sessions;
+mod transcript;
 mod turns;
 mod unavailable;
