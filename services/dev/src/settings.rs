@@ -321,4 +321,41 @@ mod tests {
         assert_eq!(env_of(&command, "partitions").as_deref(), Some("TURNLOG_PARTITIONS"));
         assert_eq!(env_of(&command, "no-such-flag"), None);
     }
+
+    /// A worker's flags: where the log is, its models and tuning.
+    #[derive(Parser)]
+    struct Worker {
+        #[command(flatten)]
+        backbone: Backbone,
+        #[command(flatten)]
+        models: WorkerModels,
+        #[command(flatten)]
+        tuning: WorkerTuning,
+        #[command(flatten)]
+        compactor: CompactorArgs,
+    }
+
+    #[derive(Parser)]
+    struct Ingress {
+        #[command(flatten)]
+        args: turnlog_ingress::IngressArgs,
+    }
+
+    #[test]
+    fn the_statement_timeout_reaches_every_reading_service() {
+        let worker = ["t", "--database-url", "x", "--llm-url", "http://m/v1", "--model", "m"];
+        let ingress = || Ingress::try_parse_from(["t"]).unwrap().args;
+        let default = Worker::try_parse_from(worker).unwrap();
+        assert_eq!(default.backbone.reads.statement_timeout, Duration::from_secs(5));
+        let set = Worker::try_parse_from(worker.into_iter().chain(["--statement-timeout", "750ms"])).unwrap();
+        let (b, m, t) = (&set.backbone, &set.models, &set.tuning);
+        let expected = Duration::from_millis(750);
+        assert_eq!(b.ingress(ingress()).unwrap().statement_timeout, expected);
+        assert_eq!(b.distiller(m, t).unwrap().statement_timeout, expected);
+        assert_eq!(b.memory(m, t).unwrap().statement_timeout, expected);
+        assert_eq!(b.compactor(m, t, &set.compactor).unwrap().statement_timeout, expected);
+        let command = <Worker as clap::CommandFactory>::command();
+        assert_eq!(env_of(&command, "statement-timeout").as_deref(), Some("TURNLOG_STATEMENT_TIMEOUT"));
+        assert!(Worker::try_parse_from(worker.into_iter().chain(["--statement-timeout", "0s"])).is_err());
+    }
 }
