@@ -303,7 +303,8 @@ const SEARCH_SESSIONS: &str =
   WHERE owner = $1
     AND ($4::timestamptz IS NULL OR (updated_at, id) < ($4, $5))
     AND id IN (SELECT t.id FROM sessions t
-                WHERE to_tsvector('simple', coalesce(t.title, '')) @@ plainto_tsquery('simple', $2)
+                WHERE t.owner = $1
+                  AND to_tsvector('simple', coalesce(t.title, '')) @@ plainto_tsquery('simple', $2)
                UNION
                SELECT e.session_id FROM session_events e
                 WHERE e.kind = 'user_message'

@@ -191,13 +191,13 @@ fn random_log(rng: &mut Rng, len: usize) -> LogBuilder {
     let attempt = |rng: &mut Rng| (rng.below(3) > 0).then(|| rng.pick(&["a1", "a2", "a3"]).to_owned());
     for _ in 0..len {
         let body = match rng.below(12) {
-            0 | 1 => user("question"),
-            2 | 3 | 4 => {
+            0..=1 => user("question"),
+            2..=4 => {
                 let reason = [None, None, Some(PendingReason::Interrupted), Some(PendingReason::Stopped)]
                     [rng.below(4) as usize];
                 pending("partial", attempt(rng).as_deref(), reason)
             }
-            5 | 6 => EventBody::AssistantTurn(assistant_turn("answer", attempt(rng).as_deref())),
+            5..=6 => EventBody::AssistantTurn(assistant_turn("answer", attempt(rng).as_deref())),
             7 => failed(attempt(rng).as_deref()),
             8 => permission(rng.pick(&["p1", "p2", "p3"])),
             9 => resolved(rng.pick(&["p1", "p2", "p3"])),
