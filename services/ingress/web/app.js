@@ -1,6 +1,7 @@
 // turnlog's web client: the session list, a transcript of every item kind (a page at a
 // time, older ones as it scrolls up), a composer that streams turns (and picks a running
-// turn up again after a reload), and a context inspector. Plain DOM, no framework; text from messages reaches the page only as text.
+// turn up again after a reload), and a context inspector. Plain DOM, no framework; text
+// from messages reaches the page only as text.
 
 import { api, ApiError, setupTokenDialog } from './api.js';
 import { $, ask, fmt, h, sleep, time, toast } from './dom.js';

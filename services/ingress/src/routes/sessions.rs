@@ -1,6 +1,6 @@
 //! Sessions: create, list (newest first, composite cursor), read with a page of the
-//! transcript, rename or archive, delete, and the raw log page. Reads are owner-scoped queries; writes
-//! go to the writer and are answered after it committed.
+//! transcript, rename or archive, delete, and the raw log page. Reads are owner-scoped
+//! queries; writes go to the writer and are answered after it committed.
 
 use axum::extract::State;
 use axum::http::StatusCode;

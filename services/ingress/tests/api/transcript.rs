@@ -165,6 +165,21 @@ async fn bad_transcript_paging_is_400() {
     assert_eq!(api.get(&format!("/v1/sessions/{}?limit=5", SessionId::new()), ALICE).await.status, 404);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_description_names_the_transcript_paging() {
+    let api = Api::start().await;
+    let doc = api.call(Method::GET, "/v1/openapi.json", None, Body::None).await.json;
+    let params: Vec<&str> = doc["paths"]["/v1/sessions/{id}"]["get"]["parameters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(params, ["id", "before", "limit"]);
+    let detail = &doc["components"]["schemas"]["SessionDetail"]["properties"];
+    assert!(detail["earlier"].is_object() && detail["items"].is_object(), "{detail}");
+}
+
 /// A small deterministic generator (SplitMix64), so a failure names its seed.
 struct Rng(u64);
 
