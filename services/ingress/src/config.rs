@@ -89,6 +89,8 @@ pub struct IngressConfig {
     pub shutdown_grace: Duration,
     /// How long a turn waits for the compactor's pre-send answer.
     pub compact_timeout: Duration,
+    /// `TURNLOG_STATEMENT_TIMEOUT`: how long any one read query may run.
+    pub statement_timeout: Duration,
 }
 
 impl IngressConfig {
@@ -108,6 +110,7 @@ impl IngressConfig {
             append_timeout: DEFAULT_APPEND_TIMEOUT,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             compact_timeout: DEFAULT_COMPACT_TIMEOUT,
+            statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 

@@ -33,6 +33,8 @@ pub struct Options {
     pub model_windows: Vec<(&'static str, u32)>,
     /// `TURNLOG_ALLOWED_MODELS` (None: any model).
     pub allowed_models: Option<Vec<String>>,
+    /// `TURNLOG_STATEMENT_TIMEOUT`.
+    pub statement_timeout: Duration,
 }
 
 impl Default for Options {
@@ -46,6 +48,7 @@ impl Default for Options {
             compact_timeout: Duration::from_millis(300),
             model_windows: Vec::new(),
             allowed_models: None,
+            statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 }
@@ -144,6 +147,7 @@ impl Api {
         config.system_prompt = opts.system_prompt;
         config.compact_timeout = opts.compact_timeout;
         config.allowed_models = opts.allowed_models;
+        config.statement_timeout = opts.statement_timeout;
         config.model_windows = opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
         config.upstream = opts.llm_url.map(|base_url| turnlog_core::upstream::UpstreamConfig {
             base_url,
