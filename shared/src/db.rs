@@ -26,7 +26,9 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Er
 
 /// A pool for services that only read (the ingress, the workers): every statement is
 /// cancelled by Postgres after `statement_timeout`, so one slow or blocked query cannot
-/// hold a connection, and the request waiting on it, indefinitely.
+/// hold a connection, and the request waiting on it, indefinitely; and every transaction is
+/// read-only, so only the writer can change the log (DESIGN.md §9.6), whatever a bug in a
+/// reader tries.
 pub async fn connect_reads(
     url: &str,
     max_connections: u32,
@@ -35,7 +37,9 @@ pub async fn connect_reads(
     let options: PgConnectOptions = url.parse()?;
     // Postgres reads a bare number as milliseconds; zero would mean no limit.
     let millis = statement_timeout.as_millis().clamp(1, i32::MAX as u128).to_string();
-    let options = options.options(SESSION_SETTINGS).options([("statement_timeout", millis.as_str())]);
+    let options = options
+        .options(SESSION_SETTINGS)
+        .options([("statement_timeout", millis.as_str()), ("default_transaction_read_only", "on")]);
     pool(max_connections, options).await
 }
 

@@ -52,6 +52,35 @@ async fn the_read_pool_of_every_service_cancels_a_long_statement() {
     assert_eq!(one, 1);
 }
 
+/// §9.6: only the writer writes Postgres. The readers' pools refuse any write (SQLSTATE
+/// 25006), the ingress's own pool included; the same database takes it from the writer's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_through_a_readers_pool_fails() {
+    let api = Api::start().await;
+    let config = turnlog_ingress::IngressConfig::new(turnlog_ingress::Backbone {
+        database_url: api.env.database_url.clone(),
+        nats_url: api.env.nats_url.clone(),
+        bus_prefix: api.env.bus_prefix.clone(),
+        partitions: 1,
+        append_max_age: None,
+    });
+    let ingress = turnlog_ingress::Ingress::connect(config).await.unwrap();
+    let readers =
+        turnlog_core::db::connect_reads(&api.env.database_url, 1, Duration::from_secs(5)).await.unwrap();
+    let write = "INSERT INTO sessions (id, owner, last_seq, created_at, updated_at) \
+                 VALUES (gen_random_uuid(), 'mallory', 0, now(), now())";
+    for pool in [&ingress.pool, &readers] {
+        let err = sqlx::query(write).execute(pool).await.unwrap_err();
+        let code = err.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned());
+        assert_eq!(code.as_deref(), Some("25006"), "{err}");
+        // Not even inside an explicit transaction.
+        let mut tx = pool.begin().await.unwrap();
+        assert!(sqlx::query(write).execute(&mut *tx).await.is_err());
+    }
+    let writable = turnlog_core::db::connect(&api.env.database_url, 1).await.unwrap();
+    sqlx::query(write).execute(&writable).await.unwrap();
+}
+
 /// Sessions of two owners with ten user messages each, every message naming one of 5,000
 /// topics, written straight into the tables (the test may write Postgres; the service may
 /// not), so the planner has the statistics of a real deployment.
