@@ -365,6 +365,9 @@ pub async fn reattach(
             })?,
         };
     if let Some(turn) = app.turns.get(id) {
+        if turn.is_over() && turn.events_after(after).is_empty() {
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
         return Ok(stream_response(&app, id, follow_local(turn, after)));
     }
     match remote_stream(&app, id, after).await {
@@ -446,7 +449,13 @@ fn follow_local(turn: Arc<ActiveTurn>, after: u64) -> futures::stream::BoxStream
             if ended {
                 return None;
             }
+            // Read before the events: an ended turn with nothing after `last` has nothing
+            // more for a follower already past its end (a Last-Event-ID beyond it).
+            let over = turn.is_over();
             queue.extend(turn.events_after(last));
+            if queue.is_empty() && over {
+                return None;
+            }
             if queue.is_empty() && watch.changed().await.is_err() {
                 queue.extend(turn.events_after(last));
                 if queue.is_empty() {

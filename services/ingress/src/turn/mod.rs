@@ -70,6 +70,12 @@ impl ActiveTurn {
         events.iter().skip(usize::try_from(after).unwrap_or(usize::MAX)).cloned().collect()
     }
 
+    /// Whether the turn has emitted its `end` (nothing follows it).
+    pub fn is_over(&self) -> bool {
+        let events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
+        events.last().is_some_and(|e| e.is_end())
+    }
+
     /// A receiver that changes whenever an event is emitted.
     pub fn watch(&self) -> watch::Receiver<u64> {
         self.count.subscribe()
