@@ -12,7 +12,7 @@ use turnlog_core::bus::{AppendError, BusError};
 use turnlog_core::read::ReadError;
 use utoipa::ToSchema;
 
-/// What a client is told to wait before retrying a 503.
+/// What a client is told to wait before retrying a 503 or a 429.
 pub const RETRY_AFTER: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +29,9 @@ pub enum ApiError {
     Conflict(String),
     #[error("{0}")]
     PayloadTooLarge(String),
+    /// A cap on concurrent turns is reached; retrying after one ends is safe.
+    #[error("{0}")]
+    TooManyRequests(String),
     /// The bus, the writer or the database could not serve in time; retrying is safe. The
     /// text is logged, not shown.
     #[error("temporarily unavailable: {0}")]
@@ -57,6 +60,7 @@ impl ApiError {
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -70,6 +74,7 @@ impl ApiError {
             Self::MethodNotAllowed => "method_not_allowed",
             Self::Conflict(_) => "conflict",
             Self::PayloadTooLarge(_) => "payload_too_large",
+            Self::TooManyRequests(_) => "too_many_requests",
             Self::Unavailable(_) => "unavailable",
             Self::Internal(_) => "internal",
         }
@@ -94,7 +99,7 @@ pub struct ErrorBody {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorDetail {
     /// bad_request, unauthorized, not_found, method_not_allowed, conflict,
-    /// payload_too_large, unavailable or internal.
+    /// payload_too_large, too_many_requests, unavailable or internal.
     pub code: String,
     pub message: String,
 }
@@ -111,7 +116,7 @@ impl IntoResponse for ApiError {
         let mut response = (self.status(), Json(body)).into_response();
         let headers = response.headers_mut();
         match self {
-            Self::Unavailable(_) => {
+            Self::Unavailable(_) | Self::TooManyRequests(_) => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER.as_secs()));
             }
             Self::Unauthorized => {

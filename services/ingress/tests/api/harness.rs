@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use turnlog_core::bus::{append_and_wait, AppendRequest, Bus, OutcomeStatus};
 use turnlog_core::events::EventBody;
 use turnlog_core::ids::SessionId;
+use turnlog_ingress::turn::TurnLimits;
 use turnlog_ingress::{ApiTokens, Backbone, IngressConfig};
 use turnlog_testkit::{eventually, test_env, TestEnv};
 use turnlog_writer::WriterConfig;
@@ -31,6 +32,8 @@ pub struct Options {
     pub compact_timeout: Duration,
     /// Extra context windows (`TURNLOG_MODEL_WINDOWS`).
     pub model_windows: Vec<(&'static str, u32)>,
+    /// `TURNLOG_MAX_TURNS_PER_OWNER` and `TURNLOG_MAX_TURNS`.
+    pub turn_limits: TurnLimits,
 }
 
 impl Default for Options {
@@ -43,6 +46,7 @@ impl Default for Options {
             system_prompt: String::new(),
             compact_timeout: Duration::from_millis(300),
             model_windows: Vec::new(),
+            turn_limits: TurnLimits::default(),
         }
     }
 }
@@ -140,6 +144,7 @@ impl Api {
         config.append_timeout = opts.append_timeout;
         config.system_prompt = opts.system_prompt;
         config.compact_timeout = opts.compact_timeout;
+        config.turn_limits = opts.turn_limits;
         config.model_windows = opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
         config.upstream = opts.llm_url.map(|base_url| turnlog_core::upstream::UpstreamConfig {
             base_url,

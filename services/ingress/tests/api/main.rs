@@ -11,5 +11,6 @@ mod openapi;
 mod owners;
 mod paging;
 mod sessions;
+mod turn_caps;
 mod turns;
 mod unavailable;
