@@ -86,6 +86,8 @@ pub struct FaultRow {
 pub struct SoakReport {
     pub duration_s: f64,
     pub clients: usize,
+    /// The ingress copies' `TURNLOG_MAX_TURNS_PER_OWNER`.
+    pub turn_cap_per_owner: usize,
     pub faults: usize,
     pub acked: usize,
     pub lost: usize,
@@ -227,6 +229,7 @@ pub(crate) fn build(
     SoakReport {
         duration_s: config.duration.as_secs_f64(),
         clients: config.clients,
+        turn_cap_per_owner: config.turn_cap_per_owner(),
         faults: runs.len(),
         acked: checked.acked.len(),
         lost: violations.iter().filter(|v| v.kind == ViolationKind::Lost).count(),
@@ -311,14 +314,16 @@ impl SoakReport {
         let growth = self.max_rss_growth.map_or("na".to_owned(), |g| format!("{:.1}", g * 100.0));
         format!(
             "RESULT soak faults={} acked={} lost={} duplicated={} max_recovery_s={:.1} max_rss_mb={:.0} \
-             violations={} max_rss_growth_pct={growth}",
+             violations={} max_rss_growth_pct={growth} clients={} turn_cap_per_owner={}",
             self.faults,
             self.acked,
             self.lost,
             self.duplicated,
             self.max_recovery_s,
             self.max_rss_mb,
-            self.violations.len()
+            self.violations.len(),
+            self.clients,
+            self.turn_cap_per_owner
         )
     }
 
@@ -381,8 +386,8 @@ impl SoakReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "\nsoak: {:.0} s of load, {} clients, {} faults",
-            self.duration_s, self.clients, self.faults
+            "\nsoak: {:.0} s of load, {} clients (per-owner turn cap {}), {} faults",
+            self.duration_s, self.clients, self.turn_cap_per_owner, self.faults
         );
         for d in &self.details {
             let _ = writeln!(out, "  {d}");
