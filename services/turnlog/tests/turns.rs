@@ -250,7 +250,7 @@ async fn reattach_past_the_end(sys: &System, base: &str, id: &str) -> reqwest::R
         .header("Last-Event-ID", "1000")
         .send()
         .await
-        .unwrap()
+        .expect("the re-attach is answered")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
