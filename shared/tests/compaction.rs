@@ -247,3 +247,84 @@ fn hundred_turns_stay_within_budget_and_keep_turn_one_facts() {
         llm_messages(&log.events).iter().flat_map(|m| m.texts().map(str::to_owned)).collect();
     assert!(context.contains("Zanzibar Quill") && context.contains("48213"), "turn-1 facts lost: {context}");
 }
+
+/// One step of a random log for the planning property: user messages often several in a
+/// row (unanswered), answers, pendings that later answers or pendings supersede, notes, and
+/// compactions applied as the compactor would (through a plan's boundary).
+#[derive(Debug, Clone)]
+enum Step {
+    User,
+    Assistant,
+    Pending(bool),
+    Failed,
+    Memory,
+    /// Apply the plan, shrunk this many times, as a compaction (if there is one).
+    Compact(u32),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        6 => Just(Step::User),
+        3 => Just(Step::Assistant),
+        2 => any::<bool>().prop_map(Step::Pending),
+        1 => Just(Step::Failed),
+        1 => Just(Step::Memory),
+        1 => (0u32..3).prop_map(Step::Compact),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// DESIGN.md §4: whatever the log, a plan's span never ends on an unanswered user
+    /// message, at least one turn (the last user message) stays live after it, and it moves
+    /// the boundary forward.
+    #[test]
+    fn plans_never_end_on_a_user_message_and_keep_a_turn_live(
+        steps in proptest::collection::vec(step(), 1..60),
+    ) {
+        let mut log = LogBuilder::new();
+        for (i, s) in steps.iter().enumerate() {
+            match s {
+                Step::User => { log.user(&format!("question {i}")); }
+                Step::Assistant => { log.assistant(&format!("answer {i}")); }
+                Step::Pending(stopped) => {
+                    log.pending(&format!("partial {i}"), stopped.then_some(PendingReason::Stopped));
+                }
+                Step::Failed => {
+                    log.push(EventBody::TurnFailed(TurnFailed {
+                        code: "upstream_error".into(),
+                        message: "x".into(),
+                        attempt_id: None,
+                    }));
+                }
+                Step::Memory => {
+                    let turn_seq = log.next_seq() - 1;
+                    log.push(EventBody::TurnMemory(TurnMemory {
+                        turn_seq,
+                        key_findings: vec![format!("finding {i}")],
+                        ..Default::default()
+                    }));
+                }
+                Step::Compact(h) => {
+                    if let Some(plan) = plan_compaction_shrunk(&log.events, *h) {
+                        log.compaction(&format!("summary {i}"), plan.through_seq);
+                    }
+                }
+            }
+            let live = llm_context(&log.events);
+            for halvings in 0..4 {
+                let Some(plan) = plan_compaction_shrunk(&log.events, halvings) else { continue };
+                let last = plan.span.last().expect("a plan has a span");
+                prop_assert_ne!(last.source, Source::User, "span ends on a user message: {:?}", plan);
+                prop_assert!(
+                    live.iter().any(|m| m.seq > plan.through_seq && m.source == Source::User),
+                    "no turn stays live after {}: {:?}", plan.through_seq, live
+                );
+                if let Some(b) = plan.expect_compacted_through {
+                    prop_assert!(plan.through_seq > b);
+                }
+            }
+        }
+    }
+}

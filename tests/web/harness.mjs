@@ -1,7 +1,8 @@
 // Starts `turnlog dev` for the browser tests and stops it again. Each run gets a fresh
 // data directory, a free port and its own API token (so its owner sees only its own
-// sessions); on the machine's Postgres and NATS (DATABASE_URL / NATS_URL set) it also gets
-// its own database and bus prefix, both removed when it stops.
+// sessions), or with `tokens: false` none (local mode); on the machine's Postgres and NATS
+// (DATABASE_URL / NATS_URL set) it also gets its own database and bus prefix, both removed
+// when it stops.
 
 import { spawn, execFileSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
@@ -16,23 +17,24 @@ const STOP_TIMEOUT_MS = 45_000;
 
 const nonEmpty = (v) => typeof v === 'string' && v.trim() !== '';
 
-export async function startTurnlog({ logFile }) {
+export async function startTurnlog({ logFile, tokens = true }) {
   const targetDir = process.env.CARGO_TARGET_DIR || '/var/tmp/turnlog-target';
   const binary = path.join(targetDir, 'debug', 'turnlog');
   if (!existsSync(binary)) throw new Error(`${binary} is missing: run \`cargo build -p turnlog\` first`);
   const dir = mkdtempSync(path.join(os.tmpdir(), 'turnlog-web-'));
   const tag = randomBytes(6).toString('hex');
   const port = await freePort();
-  const owner = `web-${tag}`;
-  const token = `token-${randomBytes(12).toString('hex')}`;
+  const owner = tokens ? `web-${tag}` : 'local';
+  const token = tokens ? `token-${randomBytes(12).toString('hex')}` : null;
   const env = {
     ...process.env,
     TURNLOG_DATA_DIR: path.join(dir, 'data'),
     TURNLOG_LISTEN: `127.0.0.1:${port}`,
-    TURNLOG_API_TOKENS: `${owner}:${token}`,
     TURNLOG_LOG_FORMAT: 'pretty',
     RUST_LOG: process.env.RUST_LOG || 'info',
   };
+  if (tokens) env.TURNLOG_API_TOKENS = `${owner}:${token}`;
+  else delete env.TURNLOG_API_TOKENS;
   delete env.TURNLOG_LLM_URL; // the built-in mock model answers
 
   const cleanups = [() => rmSync(dir, { recursive: true, force: true })];
@@ -81,7 +83,7 @@ export async function startTurnlog({ logFile }) {
         }
         await cleanUp();
       })());
-    return { base, token, owner, stop, logFile };
+    return { base, port, token, owner, stop, logFile };
   } catch (e) {
     await cleanUp();
     throw e;

@@ -345,6 +345,8 @@ fn print_banner(base: &str, endpoints: &Endpoints, llm_url: &str, mock: bool, to
         format!("{llm_url} (TURNLOG_LLM_URL)")
     };
     let auth = if tokens_required { " -H 'Authorization: Bearer <token>'" } else { "" };
+    // A body must be typed JSON: curl's `-d` alone sends a form type, which is refused.
+    let json = " -H 'Content-Type: application/json'";
     let lines = [
         String::new(),
         format!("turnlog dev is ready at {base} (Ctrl-C stops everything)"),
@@ -352,8 +354,10 @@ fn print_banner(base: &str, endpoints: &Endpoints, llm_url: &str, mock: bool, to
         format!("  NATS      {}", endpoints.nats_note),
         format!("  model     {model}"),
         "Try it:".to_owned(),
-        format!("  curl -s{auth} -X POST {base}/v1/sessions -d '{{\"title\":\"first chat\"}}'"),
-        format!("  curl -N{auth} -X POST {base}/v1/sessions/<id>/messages -d '{{\"text\":\"Hello!\"}}'"),
+        format!("  curl -s{auth}{json} -X POST {base}/v1/sessions -d '{{\"title\":\"first chat\"}}'"),
+        format!(
+            "  curl -N{auth}{json} -X POST {base}/v1/sessions/<id>/messages -d '{{\"text\":\"Hello!\"}}'"
+        ),
         String::new(),
     ];
     println!("{}", lines.join("\n"));

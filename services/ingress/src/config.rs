@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
+use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
 use turnlog_core::budget::DEFAULT_BUDGET;
 use turnlog_core::ids::Owner;
@@ -164,11 +165,24 @@ impl IngressConfig {
     }
 }
 
-/// A bearer token: compared in constant time, never printed.
+/// A bearer token as kept: its SHA-256, never the token, never printed. Presented tokens are
+/// hashed too, so every comparison is of 32 bytes whatever the lengths, and the time taken
+/// tells neither how much of a token was right nor how long the configured one is.
 #[derive(Clone)]
-struct Secret(String);
+struct TokenDigest([u8; 32]);
 
-impl fmt::Debug for Secret {
+impl TokenDigest {
+    fn of(token: &str) -> Self {
+        Self(Sha256::digest(token.as_bytes()).into())
+    }
+
+    /// Equality in constant time.
+    fn matches(&self, other: &Self) -> bool {
+        self.0.ct_eq(&other.0).into()
+    }
+}
+
+impl fmt::Debug for TokenDigest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("<redacted>")
     }
@@ -177,14 +191,14 @@ impl fmt::Debug for Secret {
 /// `TURNLOG_API_TOKENS`: which owner each token stands for. Empty means local mode.
 #[derive(Debug, Clone, Default)]
 pub struct ApiTokens {
-    entries: Vec<(Owner, Secret)>,
+    entries: Vec<(Owner, TokenDigest)>,
 }
 
 impl ApiTokens {
     /// Parses `owner:token,...`. Blank entries are ignored; an owner may have several
     /// tokens, but a token may stand for one owner only.
     pub fn parse(spec: &str) -> anyhow::Result<Self> {
-        let mut entries: Vec<(Owner, Secret)> = Vec::new();
+        let mut entries: Vec<(Owner, TokenDigest)> = Vec::new();
         for (i, entry) in spec.split(',').map(str::trim).enumerate().filter(|(_, e)| !e.is_empty()) {
             // The error names the entry's position, never its text: it holds a secret.
             let Some((owner, token)) = entry.split_once(':') else {
@@ -195,10 +209,11 @@ impl ApiTokens {
             if token.len() < 8 || !token.bytes().all(|b| b.is_ascii_graphic()) {
                 bail!("entry {}: a token needs at least 8 printable characters without spaces", i + 1);
             }
-            if entries.iter().any(|(_, s)| s.0 == token) {
+            let digest = TokenDigest::of(token);
+            if entries.iter().any(|(_, d)| d.matches(&digest)) {
                 bail!("entry {}: the same token is given twice", i + 1);
             }
-            entries.push((owner, Secret(token.to_owned())));
+            entries.push((owner, digest));
         }
         Ok(Self { entries })
     }
@@ -207,12 +222,13 @@ impl ApiTokens {
         self.entries.is_empty()
     }
 
-    /// The owner a presented token stands for. Every configured token is compared, each in
-    /// constant time, so the time taken does not tell how much of a token was right.
+    /// The owner a presented token stands for. Every configured token's digest is compared
+    /// with the presented one's, each in constant time.
     pub fn owner_of(&self, presented: &str) -> Option<&Owner> {
+        let presented = TokenDigest::of(presented);
         let mut found = None;
-        for (owner, secret) in &self.entries {
-            if bool::from(secret.0.as_bytes().ct_eq(presented.as_bytes())) {
+        for (owner, digest) in &self.entries {
+            if digest.matches(&presented) {
                 found = Some(owner);
             }
         }
@@ -222,6 +238,9 @@ impl ApiTokens {
 
 #[cfg(test)]
 mod tests {
+    use std::hint::black_box;
+    use std::time::Instant;
+
     use super::*;
 
     #[test]
@@ -232,6 +251,29 @@ mod tests {
         assert!(t.owner_of("secret-aaa").is_none());
         assert!(t.owner_of("").is_none());
         assert!(!format!("{t:?}").contains("secret"));
+    }
+
+    /// Refusing a wrong token takes as long whether or not it has the configured token's
+    /// length: a constant-time compare of the tokens themselves returns at once on unequal
+    /// lengths, which tells the length. A long token makes that difference dominate.
+    #[test]
+    fn refusing_a_token_takes_as_long_whatever_its_length() {
+        const LEN: usize = 64 * 1024;
+        let tokens = ApiTokens::parse(&format!("alice:{}", "a".repeat(LEN))).unwrap();
+        let (same_length, longer) = ("b".repeat(LEN), "b".repeat(LEN + 1));
+        let time = |presented: &str| {
+            let start = Instant::now();
+            assert!(black_box(tokens.owner_of(black_box(presented))).is_none());
+            start.elapsed().as_secs_f64()
+        };
+        // The fastest of many alternating runs: a busy machine only ever adds time.
+        let (mut longer_time, mut same_time) = (f64::MAX, f64::MAX);
+        for _ in 0..31 {
+            longer_time = longer_time.min(time(&longer));
+            same_time = same_time.min(time(&same_length));
+        }
+        let ratio = longer_time / same_time;
+        assert!((0.5..2.0).contains(&ratio), "a longer token took {ratio:.4}× as long ({longer_time:.6} s)");
     }
 
     #[test]

@@ -21,6 +21,9 @@ pub enum ApiError {
     BadRequest(String),
     #[error("missing or invalid bearer token")]
     Unauthorized,
+    /// A local server's request from elsewhere than this machine's own pages and tools.
+    #[error("{0}")]
+    Forbidden(String),
     #[error("{0}")]
     NotFound(String),
     #[error("method not allowed")]
@@ -29,6 +32,8 @@ pub enum ApiError {
     Conflict(String),
     #[error("{0}")]
     PayloadTooLarge(String),
+    #[error("{0}")]
+    UnsupportedMediaType(String),
     /// A cap on concurrent turns is reached; retrying after one ends is safe.
     #[error("{0}")]
     TooManyRequests(String),
@@ -56,10 +61,12 @@ impl ApiError {
         match self {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::Forbidden(_) => StatusCode::FORBIDDEN,
             Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -70,10 +77,12 @@ impl ApiError {
         match self {
             Self::BadRequest(_) => "bad_request",
             Self::Unauthorized => "unauthorized",
+            Self::Forbidden(_) => "forbidden",
             Self::NotFound(_) => "not_found",
             Self::MethodNotAllowed => "method_not_allowed",
             Self::Conflict(_) => "conflict",
             Self::PayloadTooLarge(_) => "payload_too_large",
+            Self::UnsupportedMediaType(_) => "unsupported_media_type",
             Self::TooManyRequests(_) => "too_many_requests",
             Self::Unavailable(_) => "unavailable",
             Self::Internal(_) => "internal",
@@ -98,8 +107,9 @@ pub struct ErrorBody {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorDetail {
-    /// bad_request, unauthorized, not_found, method_not_allowed, conflict,
-    /// payload_too_large, too_many_requests, unavailable or internal.
+    /// bad_request, unauthorized, forbidden, not_found, method_not_allowed, conflict,
+    /// payload_too_large, unsupported_media_type, too_many_requests, unavailable or
+    /// internal.
     pub code: String,
     pub message: String,
 }

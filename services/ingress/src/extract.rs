@@ -15,7 +15,8 @@ use crate::error::ApiError;
 use crate::validate::MAX_BODY_BYTES;
 
 /// A JSON body of at most [`MAX_BODY_BYTES`]. An empty body reads as `{}` (so
-/// `POST /v1/sessions` needs none); the content type is not checked, so `curl -d` works.
+/// `POST /v1/sessions` needs none); that a body is typed JSON is checked before routing
+/// ([`crate::guard`]).
 pub struct ApiJson<T>(pub T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {

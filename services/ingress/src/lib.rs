@@ -7,6 +7,7 @@ pub mod auth;
 pub mod config;
 pub mod error;
 pub mod extract;
+pub mod guard;
 pub mod metrics;
 pub mod openapi;
 pub mod routes;
@@ -109,15 +110,19 @@ impl Ingress {
 }
 
 /// The whole HTTP surface over `state`, with its error shape on unknown routes and wrong
-/// methods, the body limit, request ids, tracing, panic recovery and metrics.
+/// methods, the checks every request passes (JSON bodies; local mode's Host and Origin),
+/// the body limit, request ids, tracing, panic recovery and metrics.
 pub fn router(state: AppState) -> Router {
     let (api, _) = routes::api().split_for_parts();
     let metrics = Arc::clone(&state.metrics);
+    let local = guard::LocalMode(state.config.tokens.is_empty());
     // The web client at `/` and `/assets/…`; every other path keeps the JSON 404.
     api.merge(web::routes())
         .fallback(error::not_found)
         .method_not_allowed_fallback(error::method_not_allowed)
         .layer(DefaultBodyLimit::max(validate::MAX_BODY_BYTES))
+        // Every route, the web client's and the fallbacks included.
+        .layer(axum::middleware::from_fn_with_state(local, guard::check))
         // Inside the metrics layer, so a panic is counted as the 500 it becomes.
         .layer(CatchPanicLayer::custom(error::panic_response))
         .layer(axum::middleware::from_fn_with_state(metrics, metrics::track))

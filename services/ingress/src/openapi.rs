@@ -19,7 +19,10 @@ pub const BEARER: &str = "bearer";
     info(
         title = "turnlog",
         description = "Append-only chat sessions: every view is computed from one log that only grows. \
-                       Errors are always `{\"error\": {\"code\", \"message\"}}`.",
+                       Errors are always `{\"error\": {\"code\", \"message\"}}`. On every route, a request \
+                       with a body must send it as `Content-Type: application/json` (else 415 \
+                       `unsupported_media_type`); a server without API tokens answers only loopback \
+                       `Host` names and no other `Origin` than its own (else 403 `forbidden`).",
         license(name = "Apache-2.0", identifier = "Apache-2.0")
     ),
     components(schemas(ErrorBody)),

@@ -1,7 +1,7 @@
 //! `turnlog dev` end to end on the private Postgres and nats-server it starts itself (no
-//! DATABASE_URL or NATS_URL): start, chat, Ctrl-C, start again and find the history; a
-//! second copy on the same data directory refused; a bad setting refused by name before
-//! anything starts.
+//! DATABASE_URL or NATS_URL): start, the banner's curl examples as printed, chat, Ctrl-C,
+//! start again and find the history; a second copy on the same data directory refused; a
+//! bad setting refused by name before anything starts.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
@@ -137,7 +137,7 @@ async fn chat(http: &reqwest::Client, base: &str, session: &str, text: &str) -> 
     use eventsource_stream::Eventsource as _;
     let response = http
         .post(format!("{base}/v1/sessions/{session}/messages"))
-        .body(json!({ "text": text }).to_string())
+        .json(&json!({ "text": text }))
         .send()
         .await
         .expect("send a message");
@@ -158,6 +158,32 @@ async fn chat(http: &reqwest::Client, base: &str, session: &str, text: &str) -> 
     });
     let end = read.await.expect("the turn ended within 30 s");
     (streamed, end)
+}
+
+/// The banner's `curl` examples (stdout, in the process's log), once it is printed.
+async fn banner_examples(dev: &ExternalProcess) -> Vec<String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = std::fs::read_to_string(dev.log_path()).unwrap_or_default();
+        let examples: Vec<String> =
+            log.lines().map(str::trim).filter(|l| l.starts_with("curl ")).map(str::to_owned).collect();
+        if examples.len() >= 2 {
+            return examples;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no curl examples in the banner:\n{}",
+            dev.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Runs a shell command line as a user would paste it; its stdout.
+fn run_as_pasted(line: &str) -> String {
+    let out = Command::new("sh").arg("-c").arg(line).output().expect("run sh (and curl)");
+    assert!(out.status.success(), "`{line}` failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 async fn get_json(http: &reqwest::Client, url: String) -> Value {
@@ -187,9 +213,18 @@ async fn dev_keeps_the_history_across_a_ctrl_c_and_a_restart() {
         String::from_utf8_lossy(&second.stderr)
     );
 
+    // The banner's examples work as printed: create a session, then chat in it.
+    let examples = banner_examples(&dev).await;
+    let first: Value =
+        serde_json::from_str(&run_as_pasted(&examples[0])).expect("a session from the banner's example");
+    assert_eq!(first["title"], "first chat", "{first}");
+    let first_id = first["id"].as_str().expect("an id");
+    let streamed = run_as_pasted(&examples[1].replace("<id>", first_id));
+    assert!(streamed.contains("event: end") && streamed.contains(r#""status":"completed""#), "{streamed}");
+
     let created = http
         .post(format!("{base}/v1/sessions"))
-        .body(r#"{"title":"dev test"}"#)
+        .json(&json!({ "title": "dev test" }))
         .send()
         .await
         .expect("create a session");

@@ -15,6 +15,11 @@ async fn short_soak_loses_nothing_and_recovers_from_every_fault() {
     assert_eq!(report.faults, 3, "every scheduled fault ran");
     assert!(report.acked > 100, "too little load to prove anything: {}", report.result_line());
     assert!(
+        report.cuts_bounded > 0,
+        "no turn cut by the ingress kill was held against the checkpoint bound: {}",
+        report.result_line()
+    );
+    assert!(
         report.violations.is_empty(),
         "{} violations, first: {:?}\n{}",
         report.violations.len(),

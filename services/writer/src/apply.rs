@@ -135,6 +135,8 @@ pub struct BatchEffects {
     pub events: Vec<EventRow>,
     /// Outcomes to record (new requests only; duplicates are answered, not recorded).
     pub outcomes: Vec<(Outcome, Option<SessionId>)>,
+    /// Requests among `outcomes` whose outcome replaces a dead-lettered one (redrives).
+    pub redriven: Vec<Uuid>,
     pub memories: Vec<MemoryRow>,
     /// The session a delete batch removes (a delete is always alone in its batch).
     pub deleted: Option<SessionId>,
@@ -249,6 +251,7 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
             }
             // Redriven: its new outcome replaces the old one, in this batch's writes too.
             fx.outcomes.retain(|(o, _)| o.request_id != req.request_id);
+            fx.redriven.push(req.request_id);
         }
         let known = state.sessions.contains_key(&req.session_id).then_some(req.session_id);
         let result = apply_one(req, msg, &mut state.sessions, &mut fx);

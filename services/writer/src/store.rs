@@ -127,7 +127,10 @@ pub async fn commit(
 /// Writes a batch's effects and moves the partition's position from `expected` to the
 /// batch's last stream sequence: one statement, so one round trip and one commit. Every
 /// insert is conditional on the position's compare-and-set, so a fenced writer changes
-/// nothing. A redriven request's new outcome replaces its dead-lettered one.
+/// nothing. A redriven request's new outcome replaces its dead-lettered one; any other
+/// outcome is a plain insert, so a repeat that skipped the outcome look-up (see
+/// [`crate::apply::first_copy`]) collides with the first outcome instead of overwriting it,
+/// and the batch is applied again with every outcome looked up.
 async fn write_effects(
     conn: &mut PgConnection,
     partition: i32,
@@ -156,10 +159,16 @@ async fn write_effects(
              SELECT * FROM UNNEST($14::uuid[], $15::int8[], $16::uuid[], $17::text[], $18::jsonb[], $19::int4[],
                                   $20::int8[], $21::timestamptz[])
               WHERE EXISTS (SELECT 1 FROM pos)
+         ), oi AS (
+             SELECT * FROM UNNEST($22::uuid[], $23::uuid[], $24::text[], $25::int8[], $26::text[])
+                 AS u(request_id, session_id, status, seq, reason)
+              WHERE EXISTS (SELECT 1 FROM pos)
          ), o AS (
              INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
-             SELECT * FROM UNNEST($22::uuid[], $23::uuid[], $24::text[], $25::int8[], $26::text[])
-              WHERE EXISTS (SELECT 1 FROM pos)
+             SELECT * FROM oi WHERE NOT (request_id = ANY($33::uuid[]))
+         ), r AS (
+             INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
+             SELECT * FROM oi WHERE request_id = ANY($33::uuid[])
              ON CONFLICT (request_id) DO UPDATE SET
                 session_id = EXCLUDED.session_id, status = EXCLUDED.status, seq = EXCLUDED.seq,
                 reason = EXCLUDED.reason
@@ -204,6 +213,7 @@ async fn write_effects(
     .bind(m.iter().map(|r| r.turn_seq).collect::<Vec<_>>())
     .bind(m.iter().map(|r| r.text.as_str()).collect::<Vec<_>>())
     .bind(m.iter().map(|r| r.created_at).collect::<Vec<_>>())
+    .bind(&fx.redriven)
     .fetch_one(&mut *conn)
     .await?;
     if moved != 1 {

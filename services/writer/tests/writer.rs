@@ -156,6 +156,25 @@ async fn concurrent_producers_get_gapless_ordered_seqs() {
         assert_eq!(seqs, (2..=per_producer as i64 + 1).collect::<Vec<_>>());
         assert_eq!(reported[&(50 + i)], seqs);
     }
+    // The stored order is the APPEND stream's order, across producers and batches (§6).
+    let stored: HashMap<Uuid, i64> =
+        sqlx::query_as::<_, (Uuid, i64)>("SELECT event_id, seq FROM session_events WHERE session_id = $1")
+            .bind(shared.0)
+            .fetch_all(&h.env.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    let subject = h.bus.names.append_subject(0, shared);
+    let in_stream_order: Vec<i64> = h
+        .stream_messages(&h.bus.names.append_stream(), &subject)
+        .await
+        .iter()
+        .map(|m| serde_json::from_slice::<AppendRequest>(&m.payload).unwrap().request_id)
+        .map(|id| stored[&id])
+        .collect();
+    assert_eq!(in_stream_order, (1..=in_stream_order.len() as i64).collect::<Vec<_>>());
+    assert_eq!(in_stream_order.len(), all.len(), "every stored event came from one APPEND message");
     h.stop().await;
 }
 
@@ -630,5 +649,61 @@ async fn turn_lease_is_exclusive_compare_and_set_and_expires() {
     assert!(leases.renew(renewed, "copy-a").await.unwrap().is_none(), "the old holder lost it");
     leases.release(taken).await.unwrap();
     assert!(leases.acquire(s, "copy-c").await.unwrap().is_some(), "released");
+    h.stop().await;
+}
+
+/// A repeat that JetStream's dedup does not catch (another message id) and that the writer
+/// takes for a first copy (a fresh UUIDv7) must not change the first outcome, whatever the
+/// op and whatever the repeat carries: a committed create, a committed update and a
+/// rejected append each stay as they were, and the repeat is answered as a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_raw_repeat_never_replaces_the_first_outcome() {
+    let h = Harness::start().await;
+    let s = SessionId::new();
+    let create = AppendRequest::create(s, "alice", Some("first".into()));
+    assert_eq!(h.send(&create).await.status, OutcomeStatus::Committed);
+    let mut update = AppendRequest::update(s, "alice");
+    update.title = Some("one".into());
+    assert_eq!(h.send(&update).await.status, OutcomeStatus::Committed);
+    let body = EventBody::UserMessage(UserMessage { text: "guarded".into(), ..Default::default() });
+    let mut guarded = AppendRequest::append(s, "alice", Uuid::now_v7(), &body);
+    guarded.expect = Some(Expect { compacted_through: Some(5) });
+    let rejected = h.send(&guarded).await;
+    assert_eq!(rejected.reason.as_deref(), Some("expect_failed"));
+
+    let mut update_again = update.clone();
+    update_again.title = Some("two".into());
+    let mut unguarded = guarded.clone();
+    unguarded.expect = None;
+    for (first, repeat) in [(&create, &create), (&update, &update_again), (&guarded, &unguarded)] {
+        let before: (String, Option<i64>, Option<String>) =
+            sqlx::query_as("SELECT status, seq, reason FROM request_outcomes WHERE request_id = $1")
+                .bind(first.request_id)
+                .fetch_one(&h.env.pool)
+                .await
+                .unwrap();
+        let inbox = h.bus.client.new_inbox();
+        let mut replies = h.bus.client.subscribe(inbox.clone()).await.unwrap();
+        let raw = Bytes::from(serde_json::to_vec(repeat).unwrap());
+        h.bus.publish_append_raw(s, &Uuid::now_v7().to_string(), raw, Some(&inbox)).await.unwrap();
+        let reply = tokio::time::timeout(WAIT, replies.next()).await.unwrap().unwrap();
+        let reply: turnlog_core::bus::Outcome = serde_json::from_slice(&reply.payload).unwrap();
+        assert_eq!(reply.status, OutcomeStatus::Duplicate, "{:?}: {reply:?}", first.op);
+        assert_eq!((reply.seq, reply.reason.clone()), (before.1, before.2.clone()), "{:?}", first.op);
+        let after: (String, Option<i64>, Option<String>) =
+            sqlx::query_as("SELECT status, seq, reason FROM request_outcomes WHERE request_id = $1")
+                .bind(first.request_id)
+                .fetch_one(&h.env.pool)
+                .await
+                .unwrap();
+        assert_eq!(after, before, "{:?}: the first outcome was replaced", first.op);
+    }
+    let title: Option<String> = sqlx::query_scalar("SELECT title FROM sessions WHERE id = $1")
+        .bind(s.0)
+        .fetch_one(&h.env.pool)
+        .await
+        .unwrap();
+    assert_eq!(title.as_deref(), Some("one"));
+    assert_eq!(h.seqs(s).await.len(), 0, "the rejected append stayed rejected");
     h.stop().await;
 }

@@ -2,6 +2,7 @@
 //! then the database and the committed-event feed are compared with that record — nothing
 //! acknowledged lost, nothing stored twice, seqs gapless, every committed event on the feed.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -96,29 +97,43 @@ pub async fn check_log(env: &TestEnv, bus: &Bus, acked: &Acked) {
 
 /// Every committed event on the feed, by its dedup id; panics on a duplicate.
 pub async fn feed(env: &TestEnv, bus: &Bus) -> HashMap<String, CommittedEvent> {
-    let (out, duplicates) = feed_counting_duplicates(env, bus).await;
-    assert!(duplicates == 0, "checker: an event reached the feed twice");
-    out
+    let scan = scan_feed(env, bus).await;
+    assert!(scan.repeats == 0, "checker: an event reached the feed twice");
+    scan.events
 }
 
-/// Every committed event on the feed, by its dedup id, and how many times an id came again
-/// (the feed is at-least-once: a republish outside the duplicate window repeats an event,
-/// which a long soak reports rather than fails on).
-pub async fn feed_counting_duplicates(env: &TestEnv, bus: &Bus) -> (HashMap<String, CommittedEvent>, usize) {
-    let mut out = HashMap::new();
-    let mut duplicates = 0;
-    let Ok(stream) = bus.js.get_stream(bus.names.events_stream()).await else { return (out, 0) };
+/// What the committed-event feed holds.
+pub struct FeedScan {
+    /// Every event, by its dedup id (the first copy).
+    pub events: HashMap<String, CommittedEvent>,
+    /// How many times an id came again with the same content (the feed is at-least-once: a
+    /// republish outside the duplicate window repeats an event, which a long soak reports
+    /// rather than fails on).
+    pub repeats: usize,
+    /// Ids that came again with different content: (first, later). Never acceptable: two
+    /// consumers would see two different events at one seq.
+    pub conflicts: Vec<(CommittedEvent, CommittedEvent)>,
+}
+
+/// Reads the whole committed-event feed of `env`'s bus.
+pub async fn scan_feed(env: &TestEnv, bus: &Bus) -> FeedScan {
+    let mut scan = FeedScan { events: HashMap::new(), repeats: 0, conflicts: Vec::new() };
+    let Ok(stream) = bus.js.get_stream(bus.names.events_stream()).await else { return scan };
     let config = async_nats::jetstream::consumer::pull::OrderedConfig {
         filter_subject: format!("{}.events.>", env.bus_prefix),
         ..Default::default()
     };
-    let Ok(consumer) = stream.create_consumer(config).await else { return (out, 0) };
-    let Ok(mut messages) = consumer.messages().await else { return (out, 0) };
+    let Ok(consumer) = stream.create_consumer(config).await else { return scan };
+    let Ok(mut messages) = consumer.messages().await else { return scan };
     while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(700), messages.next()).await {
         let e: CommittedEvent = serde_json::from_slice(&m.payload).expect("checker: feed event decodes");
-        if out.insert(e.msg_id(), e).is_some() {
-            duplicates += 1;
+        match scan.events.entry(e.msg_id()) {
+            Entry::Vacant(v) => {
+                v.insert(e);
+            }
+            Entry::Occupied(o) if *o.get() == e => scan.repeats += 1,
+            Entry::Occupied(o) => scan.conflicts.push((o.get().clone(), e)),
         }
     }
-    (out, duplicates)
+    scan
 }

@@ -190,7 +190,7 @@ impl Api {
     }
 
     pub async fn call(&self, method: Method, path: &str, token: Option<&str>, body: Body) -> Reply {
-        let mut req = self.http.request(method, format!("{}{path}", self.base));
+        let mut req = self.request(method, path);
         if let Some(t) = token {
             req = req.bearer_auth(t);
         }
@@ -199,7 +199,17 @@ impl Api {
             Body::Json(v) => req.json(&v),
             Body::Raw(bytes) => req.header("content-type", "application/json").body(bytes),
         };
-        let resp = req.send().await.unwrap_or_else(|e| panic!("{path}: {e:#}"));
+        self.send(req).await
+    }
+
+    /// A request to `path`, for tests that set its headers themselves.
+    pub fn request(&self, method: Method, path: &str) -> reqwest::RequestBuilder {
+        self.http.request(method, format!("{}{path}", self.base))
+    }
+
+    /// Sends `req` and reads the whole answer.
+    pub async fn send(&self, req: reqwest::RequestBuilder) -> Reply {
+        let resp = req.send().await.unwrap_or_else(|e| panic!("{e:#}"));
         let status = resp.status().as_u16();
         let headers = resp.headers().clone();
         let text = resp.text().await.unwrap();

@@ -7,6 +7,7 @@
 mod bad_inputs;
 mod context;
 mod harness;
+mod local_mode;
 mod openapi;
 mod owners;
 mod paging;

@@ -1,12 +1,16 @@
 //! Owner isolation: another owner's session is 404 on every route and absent from every
 //! list and search; requests without a valid token are 401.
 
+use eventsource_stream::Eventsource as _;
+use futures::StreamExt as _;
 use reqwest::Method;
 use serde_json::json;
 use turnlog_core::events::{EventBody, PermissionRequest, UserMessage};
 use uuid::Uuid;
 
-use crate::harness::{Api, Body, ALICE, BOB};
+use turnlog_testkit::eventually;
+
+use crate::harness::{Api, Body, Options, ALICE, BOB, WAIT};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn owners_cannot_see_or_touch_each_others_sessions() {
@@ -50,7 +54,12 @@ async fn owners_cannot_see_or_touch_each_others_sessions() {
     ];
     for (method, path, body) in attempts {
         let r = api.call(method.clone(), &path, Some(BOB), body).await;
-        assert_eq!((r.status, r.error_code()), (404, "not_found"), "{method} {path}: {}", r.text);
+        assert_eq!(
+            (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
+            (404, "not_found"),
+            "{method} {path}: {}",
+            r.text
+        );
     }
     assert_eq!(api.written().await, before, "Bob's attempts wrote something");
 
@@ -109,11 +118,19 @@ async fn missing_or_wrong_tokens_are_401_on_every_data_route() {
     let wrong = ["", "alice-token-000", "alice-token-00011", "ALICE-TOKEN-0001", "bob-token-000002x"];
     for (method, path) in &routes {
         let r = api.call(method.clone(), path, None, Body::Json(json!({"title": "x"}))).await;
-        assert_eq!((r.status, r.error_code()), (401, "unauthorized"), "{method} {path} without a token");
+        assert_eq!(
+            (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
+            (401, "unauthorized"),
+            "{method} {path} without a token"
+        );
         assert_eq!(r.headers.get("www-authenticate").and_then(|v| v.to_str().ok()), Some("Bearer"));
         for token in wrong {
             let r = api.call(method.clone(), path, Some(token), Body::Json(json!({"title": "x"}))).await;
-            assert_eq!((r.status, r.error_code()), (401, "unauthorized"), "{method} {path} with {token:?}");
+            assert_eq!(
+                (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
+                (401, "unauthorized"),
+                "{method} {path} with {token:?}"
+            );
         }
     }
     assert_eq!(api.written().await, before);
@@ -122,4 +139,65 @@ async fn missing_or_wrong_tokens_are_401_on_every_data_route() {
         let r = api.call(Method::GET, path, None, Body::None).await;
         assert_eq!(r.status, 200, "{path}: {}", r.text);
     }
+}
+
+/// The turn routes with another owner's *live* turn: Bob's re-attach, stop, retry, send and
+/// `/v1/chat {session_id}` are 404, append nothing, reach no model, and Alice's turn runs
+/// to its end untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_owners_live_turn_is_not_found_on_every_turn_route() {
+    let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await.unwrap();
+    let api = Api::with(Options { llm_url: Some(mock.base_url()), ..Options::default() }).await;
+    let id = api.create(ALICE, None).await;
+    let running = api
+        .turn_request(
+            Method::POST,
+            &format!("/v1/sessions/{id}/messages"),
+            ALICE,
+            Some(json!({"text": "slow one [mock words=40 delay_ms=50]"})),
+            &[],
+        )
+        .await;
+    assert_eq!(running.status(), 200);
+    let live = eventually(WAIT, || async {
+        let s = api.get(&format!("/v1/sessions/{id}"), ALICE).await;
+        (s.json["turn_active"] == true && chat_requests(&mock) == 1).then_some(())
+    });
+    live.await;
+    let requests_before = chat_requests(&mock);
+    let written_before = api.written().await;
+
+    let send = json!({"text": "bob was here"});
+    let chat = json!({"session_id": id.to_string(), "text": "bob was here"});
+    for (method, path, body) in [
+        (Method::GET, format!("/v1/sessions/{id}/stream"), None),
+        (Method::POST, format!("/v1/sessions/{id}/stop"), None),
+        (Method::POST, format!("/v1/sessions/{id}/retry"), None),
+        (Method::POST, format!("/v1/sessions/{id}/messages"), Some(send.clone())),
+        (Method::POST, "/v1/chat".to_owned(), Some(chat.clone())),
+    ] {
+        let r = api.turn(method.clone(), &path, BOB, body, &[]).await;
+        assert_eq!(
+            (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
+            (404, "not_found"),
+            "{method} {path}: {:?}",
+            r.json
+        );
+    }
+    assert_eq!(api.written().await, written_before, "Bob's requests wrote something");
+    assert_eq!(chat_requests(&mock), requests_before, "Bob's requests reached the model");
+
+    // Alice's turn was neither stopped nor joined: it completes with the whole answer.
+    let events: Vec<_> = running.bytes_stream().eventsource().map(|e| e.unwrap()).collect().await;
+    let ends: Vec<_> = events.iter().filter(|e| e.event == "end").collect();
+    assert_eq!(ends.len(), 1, "{events:?}");
+    assert_eq!(events.last().map(|e| e.event.as_str()), Some("end"));
+    let end: serde_json::Value = serde_json::from_str(&ends[0].data).unwrap();
+    assert_eq!(end["status"], "completed", "{end}");
+    assert!(end["assistant_seq"].is_i64(), "{end}");
+}
+
+/// Chat requests the mock model has received.
+fn chat_requests(mock: &turnlog_mock_llm::MockHandle) -> usize {
+    mock.log().entries().iter().filter(|r| r.path.ends_with("/chat/completions")).count()
 }

@@ -14,7 +14,7 @@ use super::client::{Purpose, TurnRecord};
 use super::cluster::Cluster;
 use super::report::ViolationKind;
 use super::{lock, rel, Shared};
-use crate::checker::feed_counting_duplicates;
+use crate::checker::scan_feed;
 
 /// One stored event, as the checker reads it.
 struct Row {
@@ -46,7 +46,9 @@ pub(crate) struct Checked {
     /// Messages on TURNLOG_DEAD (the poison, and anything else dead-lettered).
     pub dead_letters: u64,
     pub feed_duplicates: usize,
-    pub turns_without_residue: usize,
+    /// Stored answers without a `turn_memory` (`session:seq`): the distiller appends none
+    /// for an empty residue, so these are reported for a look rather than failed.
+    pub turns_without_residue: Vec<String>,
     pub compactions: usize,
     pub memories: usize,
     pub settled_in: f64,
@@ -257,6 +259,18 @@ fn check_records(
                 rec.end_at,
             );
         }
+        if !rec.after_end.is_empty() || rec.open_after_end {
+            let ends = rec.after_end.iter().filter(|e| *e == "end").count();
+            shared.violation_at(
+                if ends > 0 { ViolationKind::Duplicated } else { ViolationKind::Mismatch },
+                format!(
+                    "{who}: after its `end` the stream sent {:?}{}",
+                    rec.after_end,
+                    if rec.open_after_end { " and stayed open" } else { "" }
+                ),
+                rec.end_at,
+            );
+        }
         if let Some(end) = &rec.end {
             check_end(shared, rec, end, &who, by_session, &mut acked, checked);
         }
@@ -303,7 +317,7 @@ fn check_end(
     let Some((kind, seq)) = end_seq(end) else {
         if status == "completed" && !rec.end_from_log {
             // The ingress could not confirm the answer stored within its deadline (the
-            // writer was away) and said so; it was published, so it should be stored now.
+            // writer was away) and said so; it was published, so it must be stored now.
             checked.unconfirmed += 1;
             let user = rec.user_seq.unwrap_or(i64::MAX);
             let stored = by_session.get(&session).is_some_and(|rows| {
@@ -313,6 +327,14 @@ fn check_end(
             });
             if stored {
                 checked.unconfirmed_stored += 1;
+            } else {
+                shared.violation_at(
+                    ViolationKind::Lost,
+                    format!(
+                        "{who}: `end` said completed without an assistant_seq, and the answer is not stored"
+                    ),
+                    rec.end_at,
+                );
             }
         }
         return;
@@ -586,7 +608,7 @@ fn check_workers(shared: &Shared, by_session: &HashMap<Uuid, Vec<Row>>, checked:
                 ),
             }
             match residues.get(&row.seq).copied().unwrap_or(0) {
-                0 => checked.turns_without_residue += 1,
+                0 => checked.turns_without_residue.push(format!("{session}:{}", row.seq)),
                 1 => {}
                 n => shared.violation_at(
                     ViolationKind::Duplicated,
@@ -612,7 +634,8 @@ fn check_poison(shared: &Shared, by_session: &HashMap<Uuid, Vec<Row>>) {
 }
 
 /// Every stored event reached TURNLOG_EVENTS with its own event id (waiting a while for the
-/// publisher); repeats are counted, not failed: the feed is at-least-once.
+/// publisher); identical repeats are counted, not failed (the feed is at-least-once), but a
+/// repeat with other content is a violation.
 async fn check_feed(
     cluster: &Cluster,
     shared: &Shared,
@@ -621,14 +644,24 @@ async fn check_feed(
 ) {
     let total: usize = by_session.values().map(Vec::len).sum();
     let deadline = Instant::now() + Duration::from_secs(60);
-    let (feed, duplicates) = loop {
-        let (feed, duplicates) = feed_counting_duplicates(&cluster.env, &cluster.bus).await;
-        if feed.len() >= total || Instant::now() > deadline {
-            break (feed, duplicates);
+    let scan = loop {
+        let scan = scan_feed(&cluster.env, &cluster.bus).await;
+        if scan.events.len() >= total || Instant::now() > deadline {
+            break scan;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     };
-    checked.feed_duplicates = duplicates;
+    checked.feed_duplicates = scan.repeats;
+    for (first, later) in scan.conflicts.iter().take(10) {
+        shared.violation(
+            ViolationKind::Duplicated,
+            format!(
+                "the feed carries {}:{} twice with different content ({} {} / {} {})",
+                first.session_id, first.seq, first.kind, first.event_id, later.kind, later.event_id
+            ),
+        );
+    }
+    let feed = scan.events;
     let mut missing = 0;
     for (session, rows) in by_session {
         for row in rows {

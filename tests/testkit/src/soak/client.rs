@@ -10,9 +10,11 @@ use std::time::{Duration, Instant};
 use eventsource_stream::Eventsource as _;
 use futures::{Stream, StreamExt as _};
 use serde_json::{json, Value};
+use turnlog_core::bus::{append_and_wait, AppendRequest};
+use turnlog_core::ids::SessionId;
 use uuid::Uuid;
 
-use super::cluster::Cluster;
+use super::cluster::{Cluster, OWNER};
 use super::report::ViolationKind;
 use super::{lock, now_s, rel, Counters, Rng, Shared};
 
@@ -71,6 +73,10 @@ pub(crate) struct TurnRecord {
     pub cut_reason: String,
     /// Event ids skipped a number: the stream lost events.
     pub id_gap: bool,
+    /// What a stream sent after its `end` (event names), and whether it then stayed open:
+    /// `end` must be the last event, exactly once, and the stream must close after it.
+    pub after_end: Vec<String>,
+    pub open_after_end: bool,
     pub gave_up: bool,
 }
 
@@ -95,6 +101,8 @@ impl TurnRecord {
             broke_at: None,
             cut_reason: String::new(),
             id_gap: false,
+            after_end: Vec::new(),
+            open_after_end: false,
             gave_up: false,
         }
     }
@@ -166,9 +174,28 @@ async fn follow(events: &mut Events, rec: &mut TurnRecord, pause_at: Option<usiz
                 rec.end_from_log = data.get("duration_ms").is_none();
                 rec.end = Some(data);
                 rec.end_at = now_s();
+                read_past_end(events, rec).await;
                 return Follow::Ended;
             }
             _ => {}
+        }
+    }
+}
+
+/// How long a stream may stay open after its `end`.
+const CLOSE_AFTER_END: Duration = Duration::from_secs(5);
+
+/// Reads on after `end` to the stream's close, recording anything more that arrives (a
+/// second `end` included) and a stream that does not close.
+async fn read_past_end(events: &mut Events, rec: &mut TurnRecord) {
+    loop {
+        match tokio::time::timeout(CLOSE_AFTER_END, events.next()).await {
+            Ok(Some(Ok(e))) => rec.after_end.push(e.event),
+            Ok(Some(Err(_)) | None) => return,
+            Err(_) => {
+                rec.open_after_end = true;
+                return;
+            }
         }
     }
 }
@@ -698,6 +725,52 @@ pub(crate) async fn probe_turn(
         keep(shared, rec);
     }
     seq
+}
+
+/// Deltas of a victim turn read before its copy may be killed: 100 deltas at 25 ms each
+/// is 2.5 s of streaming, past the first checkpoint.
+const VICTIM_DELTAS: usize = 100;
+
+/// A long turn through ingress copy `which` on a fresh session, started right before that
+/// copy is killed so the kill surely cuts a turn that has streamed past a checkpoint (the
+/// checker then holds it to the 2 s bound). Returns once it has streamed 2.5 s, with a task
+/// that follows it to the cut and records it like any client's turn; None when it could not
+/// be started.
+pub(crate) async fn victim_turn(
+    cluster: &Cluster,
+    shared: &Arc<Shared>,
+    which: usize,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let session = SessionId::new();
+    let create = AppendRequest::create(session, OWNER, Some("victim".to_owned()));
+    let created = append_and_wait(&cluster.bus, &cluster.env.pool, &create, Duration::from_secs(10)).await;
+    if !created.is_ok_and(|o| o.is_applied()) {
+        return None;
+    }
+    let text = "a long answer for the kill [mock words=2000 delay_ms=25]";
+    let url = format!("{}/v1/sessions/{}/messages", cluster.ingress[which], session.0);
+    let Posted::Stream(mut stream, _) = post(&cluster.http, &url, Some(&json!({ "text": text })), None).await
+    else {
+        return None;
+    };
+    let mut rec = TurnRecord::new(usize::MAX, Purpose::Probe, Some(session.0), text);
+    lock(&shared.sent).push((session.0, text.to_owned()));
+    let paused =
+        tokio::time::timeout(Duration::from_secs(20), follow(&mut stream, &mut rec, Some(VICTIM_DELTAS)));
+    if !matches!(paused.await, Ok(Follow::Paused)) {
+        return None;
+    }
+    let shared = Arc::clone(shared);
+    Some(tokio::spawn(async move {
+        let ended = matches!(
+            tokio::time::timeout(Duration::from_secs(30), follow(&mut stream, &mut rec, None)).await,
+            Ok(Follow::Ended)
+        );
+        if !ended {
+            rec.cut_at = Some(now_s());
+        }
+        keep(&shared, rec);
+    }))
 }
 
 fn clip(s: &str) -> String {

@@ -16,7 +16,7 @@ use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
 use uuid::Uuid;
 
-use super::client::{probe_turn, Client};
+use super::client::{probe_turn, victim_turn, Client};
 use super::cluster::{Cluster, Role, OWNER};
 use super::report::ViolationKind;
 use super::{lock, now_s, Counters, Shared};
@@ -215,7 +215,17 @@ pub(crate) async fn run_schedule(
 /// Injects one fault; returns the processes it killed and restarted.
 async fn inject(cluster: &Cluster, shared: &Arc<Shared>, kind: FaultKind) -> Vec<(Role, usize)> {
     match kind {
-        FaultKind::KillIngress => kill_restart(cluster, shared, Role::Ingress, 0).await,
+        FaultKind::KillIngress => {
+            let victim = victim_turn(cluster, shared, 0).await;
+            if victim.is_none() {
+                shared.say("kill_ingress: no victim turn could be started; killing anyway");
+            }
+            let restarted = kill_restart(cluster, shared, Role::Ingress, 0).await;
+            if let Some(v) = victim {
+                let _ = v.await;
+            }
+            restarted
+        }
         FaultKind::KillWriter => {
             let copy = active_writer(cluster).await;
             kill_restart(cluster, shared, Role::Writer, copy).await

@@ -96,6 +96,8 @@ pub struct SoakReport {
     pub max_rss_mb: f64,
     /// The largest growth among the judged process runs (0.05 = 5%).
     pub max_rss_growth: Option<f64>,
+    /// Turns cut by a kill whose stored checkpoint was held against the 2 s bound (§9.4).
+    pub cuts_bounded: usize,
     pub rows: Vec<FaultRow>,
     pub rss: Vec<RssLine>,
     pub violations: Vec<Violation>,
@@ -211,7 +213,7 @@ pub(crate) fn build(
         checked.sessions,
         checked.compactions,
         checked.memories,
-        checked.turns_without_residue,
+        checked.turns_without_residue.len(),
         checked.settled_in,
         checked.unconfirmed,
         checked.unconfirmed_stored,
@@ -225,6 +227,12 @@ pub(crate) fn build(
     for c in checked.cuts.iter().take(12) {
         details.push(format!("cut: {c}"));
     }
+    if !checked.turns_without_residue.is_empty() {
+        details.push(format!(
+            "answers without a turn_memory (an empty residue, or a lost one): {}",
+            checked.turns_without_residue.iter().take(10).cloned().collect::<Vec<_>>().join(", ")
+        ));
+    }
     violations.sort_by(|a, b| a.kind.cmp(&b.kind).then(a.at.total_cmp(&b.at)));
     SoakReport {
         duration_s: config.duration.as_secs_f64(),
@@ -237,6 +245,7 @@ pub(crate) fn build(
         max_recovery_s,
         max_rss_mb,
         max_rss_growth,
+        cuts_bounded: checked.checkpoint_ages.len(),
         rows,
         rss,
         violations,
@@ -314,7 +323,7 @@ impl SoakReport {
         let growth = self.max_rss_growth.map_or("na".to_owned(), |g| format!("{:.1}", g * 100.0));
         format!(
             "RESULT soak faults={} acked={} lost={} duplicated={} max_recovery_s={:.1} max_rss_mb={:.0} \
-             violations={} max_rss_growth_pct={growth} clients={} turn_cap_per_owner={}",
+             violations={} max_rss_growth_pct={growth} cuts_bounded={} clients={} turn_cap_per_owner={}",
             self.faults,
             self.acked,
             self.lost,
@@ -322,6 +331,7 @@ impl SoakReport {
             self.max_recovery_s,
             self.max_rss_mb,
             self.violations.len(),
+            self.cuts_bounded,
             self.clients,
             self.turn_cap_per_owner
         )
