@@ -19,7 +19,7 @@ use crate::ids::SessionId;
 /// Header naming the core NATS subject the writer answers a request's outcome on.
 pub const REPLY_HEADER: &str = "Turnlog-Reply-To";
 /// The writer refuses an event whose serialized payload is larger (a constant, not a
-/// setting, so a rebuild applies the same rule).
+/// setting, so a rebuild applies the same rule). Producers measure with [`json_len`].
 pub const MAX_EVENT_BYTES: usize = 768 * 1024;
 /// JetStream's dedup window on every stream; resending a request within it is a no-op
 /// even before the writer sees it.
@@ -198,6 +198,27 @@ impl AppendRequest {
     }
     pub fn delete(session_id: SessionId, owner: &str) -> Self {
         Self::base(Op::Delete, session_id, owner)
+    }
+}
+
+/// The length of `value` serialized as JSON, escapes included (a quote or a line break
+/// takes two bytes, another control character six), without building the text.
+pub fn json_len(value: &(impl Serialize + ?Sized)) -> usize {
+    struct Counter(usize);
+    impl std::io::Write for Counter {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut counter = Counter(0);
+    // Only a failing `Serialize` impl errs (never for JSON values and strings): too large.
+    match serde_json::to_writer(&mut counter, value) {
+        Ok(()) => counter.0,
+        Err(_) => usize::MAX,
     }
 }
 
@@ -579,5 +600,16 @@ mod tests {
         assert_eq!(v["kind"], "turn_failed");
         assert_eq!(v["expect"], serde_json::json!({"compacted_through": null}));
         assert_eq!(serde_json::from_value::<AppendRequest>(v).unwrap(), r);
+    }
+
+    #[test]
+    fn json_len_counts_escapes() {
+        for text in ["plain", "\"quoted\" \\ line\n", "\u{1}\u{1b}[0m", "é ✓"] {
+            assert_eq!(json_len(text), serde_json::to_vec(text).unwrap().len(), "{text:?}");
+        }
+        assert_eq!(json_len("\u{1}"), 8, "a control character is six bytes, plus the quotes");
+        let payload = serde_json::json!({"partial": "\"".repeat(1000), "n": [1, 2.5, null]});
+        assert_eq!(json_len(&payload), serde_json::to_vec(&payload).unwrap().len());
+        assert!(json_len(&payload) > 2000);
     }
 }

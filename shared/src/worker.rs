@@ -814,6 +814,17 @@ pub enum JsonAnswerError {
     Deadline(Duration),
 }
 
+impl JsonAnswerError {
+    /// What the log may keep: a failed call as its short public message (no provider body
+    /// or address), anything else as it is.
+    pub fn public_message(&self) -> String {
+        match self {
+            Self::Upstream(e) => e.public_message(),
+            other => other.to_string(),
+        }
+    }
+}
+
 /// Asks the model for a JSON object of shape `T` and checks it with `validate`; when the
 /// answer does not parse or validate, asks once more, showing the model its answer and
 /// why it was refused. `deadline` bounds both calls together.

@@ -24,6 +24,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use turnlog_core::upstream::redacted_url;
 use turnlog_ingress::IngressArgs;
 
 use servers::Endpoints;
@@ -134,7 +135,7 @@ pub async fn run(config: DevConfig, shutdown: CancellationToken) -> anyhow::Resu
         Some(url) => {
             if args.ingress.model == "mock" {
                 tracing::warn!(
-                    %url,
+                    url = %redacted_url(url),
                     "TURNLOG_LLM_URL names a gateway but TURNLOG_MODEL is still `mock`; \
                      set it to one of the gateway's models"
                 );
@@ -220,7 +221,8 @@ async fn run_services(
         _ = shutdown.cancelled() => {}
         name = ended.recv() => ended_early = name,
         () = wait_ready(&probe, &base) => {
-            print_banner(&base, endpoints, llm_url, args.ingress.llm_url.is_none(), tokens_required);
+            let llm_url = redacted_url(llm_url);
+            print_banner(&base, endpoints, &llm_url, args.ingress.llm_url.is_none(), tokens_required);
             tokio::select! {
                 _ = shutdown.cancelled() => {}
                 name = ended.recv() => ended_early = name,

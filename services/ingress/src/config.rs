@@ -46,6 +46,9 @@ pub struct IngressArgs {
     /// The default model turns are sent to.
     #[arg(long, env = "TURNLOG_MODEL", default_value = "mock")]
     pub model: String,
+    /// `model,...`: the models a client may ask for; unset or empty means any.
+    #[arg(long, env = "TURNLOG_ALLOWED_MODELS")]
+    pub allowed_models: Option<String>,
     /// `model=tokens,...`: context windows that win over what the gateway lists.
     #[arg(long, env = "TURNLOG_MODEL_WINDOWS", default_value = "")]
     pub model_windows: String,
@@ -89,6 +92,8 @@ pub struct IngressConfig {
     /// `TURNLOG_MODEL_WINDOWS`, also honoured without a gateway.
     pub model_windows: HashMap<String, u32>,
     pub model: String,
+    /// `TURNLOG_ALLOWED_MODELS`: the models a message may name; None means any.
+    pub allowed_models: Option<Vec<String>>,
     pub context_budget: u32,
     pub system_prompt: String,
     /// Deadline of one write through `append_and_wait`.
@@ -111,6 +116,7 @@ impl IngressConfig {
             upstream: None,
             model_windows: HashMap::new(),
             model: "mock".into(),
+            allowed_models: None,
             context_budget: DEFAULT_BUDGET,
             system_prompt: String::new(),
             append_timeout: DEFAULT_APPEND_TIMEOUT,
@@ -137,12 +143,23 @@ impl IngressConfig {
         if args.model.trim().is_empty() {
             bail!("TURNLOG_MODEL must name a model");
         }
+        let allowed_models = args.allowed_models.as_deref().and_then(parse_allowed_models);
+        if let Some(allowed) = &allowed_models {
+            if !allowed.contains(&args.model) {
+                bail!(
+                    "TURNLOG_MODEL {:?} is not in TURNLOG_ALLOWED_MODELS ({}): allow it, or choose one of those",
+                    args.model,
+                    allowed.join(", ")
+                );
+            }
+        }
         let config = Self {
             listen: args.listen,
             tokens,
             upstream,
             model_windows,
             model: args.model,
+            allowed_models,
             context_budget: args.context_budget,
             system_prompt: args.system_prompt,
             compact_timeout: args.compact_timeout,
@@ -151,6 +168,11 @@ impl IngressConfig {
         };
         config.check_listen(args.listen)?;
         Ok(config)
+    }
+
+    /// Whether a message may ask for `model`: any model when no list is configured.
+    pub fn allows_model(&self, model: &str) -> bool {
+        self.allowed_models.as_ref().is_none_or(|allowed| allowed.iter().any(|m| m == model))
     }
 
     /// Without tokens anyone who can connect is the `local` owner, so only this machine may.
@@ -163,6 +185,14 @@ impl IngressConfig {
         }
         Ok(())
     }
+}
+
+/// `TURNLOG_ALLOWED_MODELS`: names separated by commas, blanks ignored; None when it names
+/// none (any model is allowed).
+fn parse_allowed_models(spec: &str) -> Option<Vec<String>> {
+    let models: Vec<String> =
+        spec.split(',').map(str::trim).filter(|m| !m.is_empty()).map(str::to_owned).collect();
+    (!models.is_empty()).then_some(models)
 }
 
 /// A bearer token as kept: its SHA-256, never the token, never printed. Presented tokens are
@@ -285,16 +315,48 @@ mod tests {
         assert!(ApiTokens::parse("").unwrap().is_empty());
     }
 
-    #[test]
-    fn no_tokens_means_loopback_only() {
-        let backbone = Backbone {
+    fn backbone() -> Backbone {
+        Backbone {
             database_url: String::new(),
             nats_url: String::new(),
             bus_prefix: "turnlog".into(),
             partitions: 1,
             append_max_age: None,
-        };
-        let mut c = IngressConfig::new(backbone);
+        }
+    }
+
+    /// The flags as `turnlog ingress` parses them (the environment left out).
+    fn args(flags: &[&str]) -> IngressArgs {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            ingress: IngressArgs,
+        }
+        let mut args =
+            <Cli as clap::Parser>::try_parse_from(std::iter::once("ingress").chain(flags.iter().copied()))
+                .unwrap()
+                .ingress;
+        args.api_tokens = None;
+        args
+    }
+
+    #[test]
+    fn allowed_models_limit_what_a_message_may_ask_for() {
+        let any = IngressConfig::from_args(backbone(), args(&["--allowed-models", " , "])).unwrap();
+        assert!(any.allowed_models.is_none() && any.allows_model("whatever"));
+        let flags = ["--model", "gpt-small", "--allowed-models", "gpt-small, gpt-large ,"];
+        let c = IngressConfig::from_args(backbone(), args(&flags)).unwrap();
+        assert_eq!(c.allowed_models, Some(vec!["gpt-small".to_owned(), "gpt-large".to_owned()]));
+        assert!(c.allows_model("gpt-large") && !c.allows_model("gpt") && !c.allows_model("mock"));
+        // The default model must itself be allowed.
+        let err = IngressConfig::from_args(backbone(), args(&["--allowed-models", "gpt-small"])).unwrap_err();
+        let err = format!("{err:#}");
+        assert!(err.contains("TURNLOG_ALLOWED_MODELS") && err.contains("\"mock\""), "{err}");
+    }
+
+    #[test]
+    fn no_tokens_means_loopback_only() {
+        let mut c = IngressConfig::new(backbone());
         assert!(c.check_listen("127.0.0.1:1".parse().unwrap()).is_ok());
         assert!(c.check_listen("[::1]:1".parse().unwrap()).is_ok());
         assert!(c.check_listen("0.0.0.0:1".parse().unwrap()).is_err());

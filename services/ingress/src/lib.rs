@@ -32,7 +32,7 @@ use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetReques
 use tower_http::trace::TraceLayer;
 use turnlog_core::bus::Bus;
 use turnlog_core::lease::TurnLeases;
-use turnlog_core::upstream::UpstreamClient;
+use turnlog_core::upstream::{gateway_host, UpstreamClient};
 
 pub use config::{ApiTokens, Backbone, IngressArgs, IngressConfig};
 pub use error::ApiError;
@@ -90,10 +90,9 @@ impl Ingress {
         }))
     }
 
-    /// Who served a turn, as stored with it: the gateway's host.
+    /// Who served a turn, as stored with it: the gateway's host, never its credentials.
     pub fn provider_name(&self) -> String {
-        let base = self.upstream.as_ref().map(|u| u.config().base_url.as_str()).unwrap_or("none");
-        base.split("://").nth(1).unwrap_or(base).split('/').next().unwrap_or(base).to_owned()
+        self.upstream.as_ref().map_or_else(|| "none".into(), |u| gateway_host(&u.config().base_url))
     }
 
     /// The model's context window: `TURNLOG_MODEL_WINDOWS` first, then the gateway's

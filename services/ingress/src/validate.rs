@@ -1,7 +1,12 @@
 //! Input rules every route shares, in one place: size limits (every event must stay under
-//! the writer's 768 KiB), text Postgres can store (no NUL), and paging limits. A value
-//! that breaks one is the client's mistake: 400 (or 413 for the body), never a 5xx.
+//! the writer's 768 KiB), text Postgres can store (no NUL), the models a client may ask
+//! for, and paging limits. A value that breaks one is the client's mistake: 400 (or 413
+//! for sizes), never a 5xx.
 
+use serde_json::Value;
+use turnlog_core::bus::{json_len, MAX_EVENT_BYTES};
+
+use crate::config::IngressConfig;
 use crate::error::ApiError;
 
 /// Largest request body.
@@ -68,6 +73,39 @@ pub fn documents<'a>(markdowns: impl IntoIterator<Item = &'a str>) -> Result<(),
     Ok(())
 }
 
+/// An event as the writer will measure it: its payload as JSON, escapes included, within
+/// [`MAX_EVENT_BYTES`]. The limits above can add up past it (a text of quotes or control
+/// characters takes two to six times its length as JSON, documents come on top), so every
+/// append is sized here before it is sent: too large is a 413 that names the largest
+/// fields, never a dead letter.
+pub fn event_size(kind: &str, payload: &Value) -> Result<(), ApiError> {
+    let size = json_len(payload);
+    if size <= MAX_EVENT_BYTES {
+        return Ok(());
+    }
+    let mut fields: Vec<(&str, usize)> = match payload {
+        Value::Object(map) => map.iter().map(|(name, v)| (name.as_str(), json_len(v))).collect(),
+        _ => Vec::new(),
+    };
+    fields.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
+    let largest: Vec<String> = fields.iter().take(2).map(|(name, n)| format!("{name}: {n} bytes")).collect();
+    Err(ApiError::PayloadTooLarge(format!(
+        "the {kind} takes {size} bytes as stored ({}); an event may take at most {MAX_EVENT_BYTES} \
+         (768 KiB). Text is stored as JSON, where a quote, backslash or line break takes 2 bytes \
+         and another control character 6",
+        largest.join(", ")
+    )))
+}
+
+/// The model a message asks for: one of `TURNLOG_ALLOWED_MODELS` when that is set.
+pub fn model(config: &IngressConfig, model: &str) -> Result<(), ApiError> {
+    if config.allows_model(model) {
+        return Ok(());
+    }
+    let allowed = config.allowed_models.as_deref().unwrap_or_default().join(", ");
+    Err(ApiError::bad_request(format!("model {model:?} is not allowed; the allowed models are: {allowed}")))
+}
+
 /// A search query: blank means none.
 pub fn search_query(q: Option<String>) -> Result<Option<String>, ApiError> {
     let Some(q) = q.filter(|q| !q.trim().is_empty()) else { return Ok(None) };
@@ -116,6 +154,19 @@ mod tests {
         let half = "y".repeat(MAX_DOCUMENTS_BYTES / 2);
         assert!(documents([half.as_str(), half.as_str()]).is_ok());
         assert!(is_bad_request(documents([half.as_str(), half.as_str(), "z"])));
+    }
+
+    #[test]
+    fn events_are_sized_as_stored() {
+        let plain = serde_json::json!({"text": "x".repeat(MAX_EVENT_BYTES - 20)});
+        assert!(event_size("user_message", &plain).is_ok());
+        // A third of the limit in characters, but each is six bytes as JSON.
+        let escaped = serde_json::json!({"text": "\u{1}".repeat(MAX_EVENT_BYTES / 3), "category": "c"});
+        let Err(ApiError::PayloadTooLarge(message)) = event_size("user_message", &escaped) else {
+            panic!("an escape-heavy text over the limit is a 413");
+        };
+        assert!(message.contains("user_message") && message.contains("text: "), "{message}");
+        assert!(message.contains(&MAX_EVENT_BYTES.to_string()), "{message}");
     }
 
     #[test]

@@ -1,11 +1,12 @@
 //! The ingress's one way to change anything: an append request to the writer through
-//! `append_and_wait`, with the configured deadline. A bus or writer that cannot answer in
-//! time is a 503 (resending is safe); a request the writer refused maps to a 4xx.
+//! `append_and_wait`, with the configured deadline. An event too large for the log is a
+//! 413 before anything is sent; a bus or writer that cannot answer in time is a 503
+//! (resending is safe); a request the writer refused maps to a 4xx.
 
 use turnlog_core::bus::{append_and_wait, AppendRequest, Outcome};
 
 use crate::error::ApiError;
-use crate::Ingress;
+use crate::{validate, Ingress};
 
 /// Sends `req` and waits for the writer's outcome; only an applied request is Ok.
 #[tracing::instrument(
@@ -14,6 +15,9 @@ use crate::Ingress;
     err(Display, level = "debug")
 )]
 pub async fn submit(app: &Ingress, req: &AppendRequest) -> Result<Outcome, ApiError> {
+    if let (Some(kind), Some(payload)) = (&req.kind, &req.payload) {
+        validate::event_size(kind, payload)?;
+    }
     let outcome = append_and_wait(&app.bus, &app.pool, req, app.config.append_timeout).await?;
     if outcome.is_applied() {
         return Ok(outcome);

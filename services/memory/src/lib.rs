@@ -157,7 +157,11 @@ impl Extractor {
         };
         let answer: Memories = ask_for_json(&self.upstream, request, self.call_deadline, Memories::validated)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| {
+                // The details stay in this log; `memory_extracted.error` gets the short message.
+                tracing::info!(error = %e, "no memories from the model");
+                e.public_message()
+            })?;
         Ok(answer.memories.into_iter().map(|m| m.text).collect())
     }
 }

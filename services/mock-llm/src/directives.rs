@@ -7,6 +7,9 @@
 pub struct Knobs {
     /// `words=N`: words in a chat reply.
     pub words: usize,
+    /// `breaks=N`: line breaks between the words of a chat reply instead of a space (an
+    /// escape-heavy answer: each takes two bytes as JSON). At most [`MAX_BREAKS`].
+    pub breaks: usize,
     /// `delay_ms=N`: pause before every delta.
     pub delay_ms: u64,
     /// `reasoning=N`: `reasoning_content` deltas before the text.
@@ -30,6 +33,7 @@ impl Default for Knobs {
     fn default() -> Self {
         Self {
             words: 24,
+            breaks: 0,
             delay_ms: 0,
             reasoning: 0,
             fail_after: None,
@@ -43,6 +47,8 @@ impl Default for Knobs {
 }
 
 const OPEN: &str = "[mock";
+/// Most line breaks between two words.
+pub const MAX_BREAKS: usize = 64;
 /// The most `words=N` may ask for (~65,000 tokens, twice what a turnlog turn lets an
 /// answer have): the reply is built in memory before it is streamed.
 pub const MAX_WORDS: usize = 50_000;
@@ -91,6 +97,13 @@ impl Knobs {
         };
         match key {
             "words" => self.words = at_most(MAX_WORDS)?,
+            "breaks" => {
+                let breaks = number(value)? as usize;
+                if breaks > MAX_BREAKS {
+                    return Err(format!("mock directive `{setting}`: at most {MAX_BREAKS} breaks"));
+                }
+                self.breaks = breaks;
+            }
             "delay_ms" => self.delay_ms = number(value)?,
             "reasoning" => self.reasoning = at_most(MAX_REASONING)?,
             "fail_after" => self.fail_after = Some(number(value)? as usize),
@@ -150,9 +163,10 @@ mod tests {
     #[test]
     fn directives_override_defaults() {
         let knobs = Knobs::default()
-            .with_directives("hi [mock words=3 delay_ms=5 reasoning=2 fail_after=1 no_done]")
+            .with_directives("hi [mock words=3 breaks=2 delay_ms=5 reasoning=2 fail_after=1 no_done]")
             .unwrap();
         assert_eq!(knobs.words, 3);
+        assert_eq!(knobs.breaks, 2);
         assert_eq!(knobs.delay_ms, 5);
         assert_eq!(knobs.reasoning, 2);
         assert_eq!(knobs.fail_after, Some(1));
@@ -165,7 +179,9 @@ mod tests {
 
     #[test]
     fn bad_directives_are_refused() {
-        for bad in ["[mock wrds=3]", "[mock words=many]", "[mock status=200]", "[mock hang=1]"] {
+        for bad in
+            ["[mock wrds=3]", "[mock words=many]", "[mock status=200]", "[mock hang=1]", "[mock breaks=65]"]
+        {
             assert!(Knobs::default().with_directives(bad).is_err(), "{bad}");
         }
         for huge in ["[mock words=50001]", "[mock reasoning=10001]", "[mock words=18446744073709551615]"] {

@@ -15,12 +15,13 @@
 //! A chat reply is pseudo-random words seeded by the last user message, so the same request
 //! always gets the same reply. The server's [`Knobs`] (in [`MockConfig::defaults`]) are
 //! overridden per request by directives in the last user message, e.g.
-//! `[mock words=200 delay_ms=5 reasoning=3 fail_after=10 stall_after=4 no_done status=503 hang]`:
-//! reply length in words, a pause before each delta, reasoning deltas, dropping the
-//! connection after N deltas, going silent after N deltas, no `[DONE]`, an HTTP error with
-//! an OpenAI-style body, never answering. Directives never appear in the reply. An unknown
-//! directive, or `words` above 50,000 or `reasoning` above 10,000, is answered 400; no more
-//! words or reasoning steps are built than the request's `max_tokens` lets through.
+//! `[mock words=200 breaks=2 delay_ms=5 reasoning=3 fail_after=10 stall_after=4 no_done
+//! status=503 hang]`: reply length in words, line breaks between the words instead of
+//! spaces, a pause before each delta, reasoning deltas, dropping the connection after N
+//! deltas, going silent after N deltas, no `[DONE]`, an HTTP error with an OpenAI-style
+//! body, never answering. Directives never appear in the reply. An unknown directive, or
+//! `words` above 50,000 or `reasoning` above 10,000, is answered 400; no more words or
+//! reasoning steps are built than the request's `max_tokens` lets through.
 //!
 //! # Worker answers
 //! A system message containing a marker selects what turnlog's workers need. The
@@ -344,6 +345,11 @@ async fn chat(State(mock): State<Arc<Mock>>, headers: HeaderMap, body: Bytes) ->
         respond::STAMP.repeat(knobs.words)
     } else {
         answers::answer_text(task, &request.messages, knobs.words, max_tokens)
+    };
+    let text = if task == Task::Chat && knobs.breaks > 0 {
+        text.replace(' ', &"\n".repeat(knobs.breaks))
+    } else {
+        text
     };
     let answer = respond::Answer::new(
         format!("chatcmpl-mock-{:016x}", answers::fnv1a(&body)),

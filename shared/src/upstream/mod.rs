@@ -43,12 +43,36 @@ impl fmt::Debug for UpstreamConfig {
     // The API key must not reach logs through a `{:?}`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("UpstreamConfig")
-            .field("base_url", &self.base_url)
+            .field("base_url", &redacted_url(&self.base_url))
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("timeout", &self.timeout)
             .field("windows_override", &self.windows_override)
             .finish()
     }
+}
+
+/// `url` as it may be printed: without the user name and password a gateway URL can carry
+/// (`https://user:pw@gw/v1`; reqwest sends them as Basic auth, nothing else may show them).
+pub fn redacted_url(url: &str) -> String {
+    let (before, host, after) = split_authority(url);
+    format!("{before}{host}{after}")
+}
+
+/// The gateway's host, with its port when the URL names one: who served a turn, as stored
+/// in the log. Never the credentials, path or query.
+pub fn gateway_host(url: &str) -> String {
+    split_authority(url).1.to_owned()
+}
+
+/// `url` cut around its authority's host: what comes before (scheme and `://`), the host
+/// and port without any `userinfo@`, and what follows (path, query, fragment).
+fn split_authority(url: &str) -> (&str, &str, &str) {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let end = url[start..].find(['/', '?', '#']).map_or(url.len(), |i| start + i);
+    let authority = &url[start..end];
+    // The userinfo ends at the authority's last `@` (a password may contain `@` escaped or not).
+    let host = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+    (&url[..start], host, &url[end..])
 }
 
 /// One chat completion request, in turnlog's terms; the wire format is built from it.
@@ -113,6 +137,22 @@ pub enum UpstreamError {
     /// The provider reported an error inside a stream that had started fine.
     #[error("upstream reported an error mid-stream: {0}")]
     Provider(String),
+}
+
+impl UpstreamError {
+    /// What a client, the log and later model requests are told: the kind of failure and
+    /// the status code, never the provider's body or an address (`Display` has those, for
+    /// the operator's log only).
+    pub fn public_message(&self) -> String {
+        match self {
+            Self::Status { status, .. } => format!("the model gateway answered {status}"),
+            Self::Connect(_) => "the model gateway could not be reached".into(),
+            Self::Incomplete(_) => "the model gateway's answer broke off before it was complete".into(),
+            Self::Timeout { phase, after } => format!("the model gateway timed out after {after:?} {phase}"),
+            Self::Malformed(_) => "the model gateway sent an answer that could not be read".into(),
+            Self::Provider(_) => "the model gateway reported an error mid-answer".into(),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -301,6 +341,42 @@ mod tests {
     #[test]
     fn debug_hides_the_api_key() {
         assert!(!format!("{:?}", config()).contains("sk-secret"));
+        let with_userinfo = UpstreamConfig { base_url: "https://user:pw@gw/v1".into(), ..config() };
+        assert!(!format!("{with_userinfo:?}").contains("pw"));
+    }
+
+    #[test]
+    fn urls_are_shown_and_stored_without_credentials() {
+        for (url, shown, host) in [
+            ("https://user:pw@gw/v1", "https://gw/v1", "gw"),
+            ("http://key@10.0.0.5:8000/v1/", "http://10.0.0.5:8000/v1/", "10.0.0.5:8000"),
+            ("https://u:p@ss@gw.example?x=@y", "https://gw.example?x=@y", "gw.example"),
+            ("http://127.0.0.1:9/v1", "http://127.0.0.1:9/v1", "127.0.0.1:9"),
+            ("http://[::1]:9/v1", "http://[::1]:9/v1", "[::1]:9"),
+            ("gw:8000/v1", "gw:8000/v1", "gw:8000"),
+            ("user:pw@gw/v1", "gw/v1", "gw"),
+        ] {
+            assert_eq!(redacted_url(url), shown, "{url}");
+            assert_eq!(gateway_host(url), host, "{url}");
+        }
+    }
+
+    #[test]
+    fn public_messages_carry_the_status_but_no_body_or_address() {
+        let body = r#"{"error":{"message":"key sk-live-123 rejected by http://10.1.2.3/internal"}}"#;
+        let errors = [
+            UpstreamError::Status { status: 502, body: body.into() },
+            UpstreamError::Connect("error sending request for url (http://10.1.2.3/v1)".into()),
+            UpstreamError::Incomplete("http://10.1.2.3 reset".into()),
+            UpstreamError::Malformed(body.into()),
+            UpstreamError::Provider(body.into()),
+            UpstreamError::Timeout { phase: TimeoutPhase::Idle, after: Duration::from_secs(9) },
+        ];
+        for e in &errors {
+            let public = e.public_message();
+            assert!(!public.contains("10.1.2.3") && !public.contains("sk-live"), "{public}");
+        }
+        assert_eq!(errors[0].public_message(), "the model gateway answered 502");
     }
 
     #[test]

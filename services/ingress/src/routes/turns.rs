@@ -46,7 +46,7 @@ pub struct SendMessage {
     pub text: String,
     #[serde(default)]
     pub category: Option<String>,
-    /// The model to call (default: TURNLOG_MODEL).
+    /// The model to call (default: TURNLOG_MODEL); one of TURNLOG_ALLOWED_MODELS when that is set.
     #[serde(default)]
     pub model: Option<String>,
     #[serde(default)]
@@ -83,7 +83,7 @@ pub struct Stopping {
     pub stopping: bool,
 }
 
-fn validated(m: &SendMessage) -> Result<(), ApiError> {
+fn validated(app: &Ingress, m: &SendMessage) -> Result<(), ApiError> {
     validate::text(&m.text)?;
     validate::documents(m.documents.iter().map(|d| d.markdown.as_str()))?;
     if m.images.len() + m.documents.len() > MAX_ATTACHMENTS {
@@ -100,7 +100,23 @@ fn validated(m: &SendMessage) -> Result<(), ApiError> {
             )));
         }
     }
-    Ok(())
+    if let Some(model) = &m.model {
+        validate::model(&app.config, model)?;
+    }
+    // Sized here as well as when it is sent, so a chat is refused before it creates a session.
+    let message = EventBody::UserMessage(user_message(m));
+    validate::event_size(message.kind().as_str(), &message.to_payload())
+}
+
+/// The `user_message` event a message becomes.
+fn user_message(m: &SendMessage) -> UserMessage {
+    UserMessage {
+        text: m.text.clone(),
+        category: m.category.clone(),
+        model_hint: m.model.clone(),
+        images: m.images.clone(),
+        documents: m.documents.clone(),
+    }
 }
 
 fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
@@ -139,7 +155,7 @@ pub async fn send(
     headers: HeaderMap,
     ApiJson(body): ApiJson<SendMessage>,
 ) -> Result<Response, ApiError> {
-    validated(&body)?;
+    validated(&app, &body)?;
     let key = idempotency_key(&headers)?;
     owned_session(&app, &caller, id).await?;
     send_turn(&app, &caller, id, body, key, None).await
@@ -172,7 +188,7 @@ pub async fn chat(
         images: body.images,
         documents: body.documents,
     };
-    validated(&message)?;
+    validated(&app, &message)?;
     let key = idempotency_key(&headers)?;
     let (id, create) = match body.session_id {
         Some(id) => {
@@ -235,13 +251,7 @@ async fn send_turn(
     let lease = app.leases.acquire(session, &holder).await?.ok_or_else(turn_running)?;
 
     let model = body.model.clone().unwrap_or_else(|| app.config.model.clone());
-    let message = UserMessage {
-        text: body.text,
-        category: body.category,
-        model_hint: body.model,
-        images: body.images,
-        documents: body.documents,
-    };
+    let message = user_message(&body);
     let user_text = message.text.clone();
     let req = AppendRequest::append(session, owner, event_id, &EventBody::UserMessage(message));
     let outcome = match submit(app, &req).await {
@@ -344,6 +354,11 @@ pub async fn retry(
         }
     };
     let (user_seq, message) = last;
+    if let Some(Err(e)) = message.model_hint.as_deref().map(|m| validate::model(&app.config, m)) {
+        // The message asked for a model that is no longer allowed.
+        let _ = app.leases.release(lease).await;
+        return Err(e);
+    }
     let model = message.model_hint.clone().unwrap_or_else(|| app.config.model.clone());
     let start = TurnStart {
         session: id,

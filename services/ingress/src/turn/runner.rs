@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use turnlog_core::budget::{budget_for, history_tokens, request_size};
 use turnlog_core::bus::{
-    append_and_wait, AppendRequest, CompactReply, CompactRequest, CompactStatus, Outcome,
+    append_and_wait, json_len, AppendRequest, CompactReply, CompactRequest, CompactStatus, Outcome,
+    MAX_EVENT_BYTES,
 };
 use turnlog_core::events::*;
 use turnlog_core::ids::{Owner, SessionId};
@@ -29,10 +30,14 @@ pub const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
 const LEASE_RENEW_EVERY: Duration = Duration::from_secs(3);
 /// Deadline of each durability write at the end of a turn (its own, not the request's).
 const PERSIST_TIMEOUT: Duration = Duration::from_secs(15);
-/// An answer's output cap: its text and reasoning must fit one event under the writer's
+/// An answer's output cap: its text and reasoning should fit one event under the writer's
 /// 768 KiB limit, with room for the UI blocks that repeat them.
 const MAX_ANSWER_TOKENS: u32 = 32_000;
 const MAX_ANSWER_BYTES: usize = 300 * 1024;
+/// Most the answer's text may take as stored JSON, so that its `pending_state` (the text
+/// and a few short fields) always fits the log, however much the text escapes. The
+/// `assistant_turn` holds the text twice: when that does not fit, the pending is kept.
+const MAX_PARTIAL_JSON_BYTES: usize = MAX_EVENT_BYTES - 4 * 1024;
 /// How many recalled memories ride along with a turn.
 const RECALLED_MEMORIES: i64 = 5;
 
@@ -67,6 +72,24 @@ pub fn start_turn(app: &Arc<Ingress>, start: TurnStart) -> Arc<ActiveTurn> {
     turn
 }
 
+/// What a turn stores and tells its client: the stream's `error` (code, message) if any,
+/// the outcome event, the `end` status, and the `end` field that names the event's seq.
+type StoredOutcome = (Option<(&'static str, String)>, EventBody, &'static str, &'static str);
+
+/// The longest prefix of `delta`, in whole characters, that takes at most `room` bytes and
+/// at most `json_room` bytes as stored JSON; with its JSON length (without quotes).
+fn fitting(delta: &str, room: usize, json_room: usize) -> (&str, usize) {
+    let (mut json, mut buf) = (0usize, [0u8; 4]);
+    for (i, c) in delta.char_indices() {
+        let c_json = json_len(c.encode_utf8(&mut buf) as &str) - 2;
+        if i + c.len_utf8() > room || json + c_json > json_room {
+            return (&delta[..i], json);
+        }
+        json += c_json;
+    }
+    (delta, json)
+}
+
 /// How the answer stream ended.
 enum Ending {
     Done { finish_reason: Option<String> },
@@ -85,6 +108,7 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
         start: &start,
         attempt_id,
         text: String::new(),
+        text_json: 0,
         reasoning: String::new(),
         usage: None,
     };
@@ -143,6 +167,8 @@ struct Turn<'a> {
     start: &'a TurnStart,
     attempt_id: String,
     text: String,
+    /// `text`'s length as stored JSON, escapes included (without the quotes).
+    text_json: usize,
     reasoning: String,
     usage: Option<turnlog_core::upstream::Usage>,
 }
@@ -192,28 +218,44 @@ impl Turn<'_> {
             match item {
                 Ok(None) => return Ending::Done { finish_reason },
                 Ok(Some(StreamItem::Text(delta))) => {
-                    if self.text.is_empty() && self.reasoning.is_empty() {
-                        self.app.metrics.first_delta(started.elapsed());
+                    if !self.relay(&delta, false, started).await {
+                        return Ending::Done { finish_reason: Some("length".into()) };
                     }
-                    self.text.push_str(&delta);
-                    self.emit("delta", json!({ "text": delta })).await;
                 }
                 Ok(Some(StreamItem::Reasoning(delta))) => {
-                    if self.text.is_empty() && self.reasoning.is_empty() {
-                        self.app.metrics.first_delta(started.elapsed());
+                    if !self.relay(&delta, true, started).await {
+                        return Ending::Done { finish_reason: Some("length".into()) };
                     }
-                    self.reasoning.push_str(&delta);
-                    self.emit("reasoning", json!({ "text": delta })).await;
                 }
                 Ok(Some(StreamItem::Usage(u))) => self.usage = Some(u),
                 Ok(Some(StreamItem::Finish(reason))) => finish_reason = Some(reason),
                 Err(e) => return self.upstream_failed(e),
             }
-            if self.text.len() + self.reasoning.len() > MAX_ANSWER_BYTES {
-                // Stop reading; what we have is the whole stored answer.
-                return Ending::Done { finish_reason: Some("length".into()) };
-            }
         }
+    }
+
+    /// Keeps and relays what fits of a text (or reasoning) delta; false when the answer
+    /// reached its cap and the rest was dropped (the answer then ends, as at `max_tokens`).
+    async fn relay(&mut self, delta: &str, reasoning: bool, started: Instant) -> bool {
+        if self.text.is_empty() && self.reasoning.is_empty() {
+            self.app.metrics.first_delta(started.elapsed());
+        }
+        let room = MAX_ANSWER_BYTES.saturating_sub(self.text.len() + self.reasoning.len());
+        // Only the text goes into the pending_state, so only its stored size is capped.
+        let json_room = if reasoning { usize::MAX } else { MAX_PARTIAL_JSON_BYTES - self.text_json };
+        let (kept, kept_json) = fitting(delta, room, json_room);
+        if !kept.is_empty() {
+            let event = if reasoning {
+                self.reasoning.push_str(kept);
+                "reasoning"
+            } else {
+                self.text.push_str(kept);
+                self.text_json += kept_json;
+                "delta"
+            };
+            self.emit(event, json!({ "text": kept })).await;
+        }
+        kept.len() == delta.len()
     }
 
     /// The pre-send compaction check, then the request: stable system prompt, the
@@ -239,7 +281,9 @@ impl Turn<'_> {
                 return Err(Ending::Failed { code: "not_found", message: "the session is gone".into() })
             }
             Err(e) => {
-                return Err(Ending::Failed { code: "unavailable", message: format!("reading the log: {e}") })
+                tracing::warn!(error = %e, "cannot read the session's log");
+                let message = "the session's log could not be read".into();
+                return Err(Ending::Failed { code: "unavailable", message });
             }
         };
         let size = request_size(history_tokens(&tail.counted), reserve);
@@ -302,6 +346,9 @@ impl Turn<'_> {
         }
     }
 
+    /// A failed model call. The client, the log and later model requests get a short
+    /// message with the status code; the provider's body and the gateway's address (which
+    /// can name internal hosts) go to this process's log only.
     fn upstream_failed(&self, e: UpstreamError) -> Ending {
         self.app.metrics.upstream_error();
         tracing::warn!(error = %e, "upstream failed");
@@ -309,7 +356,7 @@ impl Turn<'_> {
             UpstreamError::Timeout { .. } => "upstream_timeout",
             _ => "upstream_error",
         };
-        Ending::Failed { code, message: e.to_string() }
+        Ending::Failed { code, message: e.public_message() }
     }
 
     /// A checkpoint of the whole partial: published and acknowledged by JetStream, not
@@ -343,29 +390,22 @@ impl Turn<'_> {
         }
         let (failure, body, status, seq_field) = match ending {
             Ending::Done { finish_reason } => {
-                let mut blocks = Vec::new();
-                if !self.reasoning.is_empty() {
-                    blocks.push(Block {
-                        kind: BlockType::Reasoning,
-                        text: Some(self.reasoning.clone()),
-                        meta: None,
-                    });
+                let answer = self.answer(finish_reason, usage, duration_ms);
+                let size = json_len(&answer.to_payload());
+                if size <= MAX_EVENT_BYTES {
+                    (None, answer, "completed", "assistant_seq")
+                } else {
+                    // The answer holds the text twice; its pending holds it once and always fits.
+                    tracing::warn!(
+                        size,
+                        "the answer is too large for one event; keeping it as a pending_state"
+                    );
+                    let message = format!(
+                        "the answer takes {size} bytes as stored, over the log's limit of {MAX_EVENT_BYTES} \
+                         per event; it is kept as an interrupted partial"
+                    );
+                    self.failed("answer_too_large", message)
                 }
-                blocks.push(Block { kind: BlockType::Text, text: Some(self.text.clone()), meta: None });
-                let answer = AssistantTurn {
-                    ui: UiPart { blocks },
-                    llm: LlmPart {
-                        message: LlmMessage { content: Some(MessageContent::Text(self.text.clone())) },
-                    },
-                    attempt_id: Some(self.attempt_id.clone()),
-                    provider: Some(self.app.provider_name()),
-                    model: Some(self.start.model.clone()),
-                    usage,
-                    duration_ms: Some(duration_ms),
-                    finish_reason,
-                    ..Default::default()
-                };
-                (None, EventBody::AssistantTurn(answer), "completed", "assistant_seq")
             }
             Ending::Stopped(reason) if !self.text.is_empty() => {
                 let pending = PendingState {
@@ -375,14 +415,6 @@ impl Turn<'_> {
                 };
                 let status = if reason == PendingReason::Stopped { "stopped" } else { "interrupted" };
                 (None, EventBody::PendingState(pending), status, "pending_seq")
-            }
-            Ending::Failed { code, message } if !self.text.is_empty() => {
-                let pending = PendingState {
-                    partial: self.text.clone(),
-                    attempt_id: Some(self.attempt_id.clone()),
-                    reason: Some(PendingReason::Interrupted),
-                };
-                (Some((code, message)), EventBody::PendingState(pending), "interrupted", "pending_seq")
             }
             Ending::Stopped(reason) => {
                 let message = match reason {
@@ -397,14 +429,7 @@ impl Turn<'_> {
                 let status = if reason == PendingReason::Stopped { "stopped" } else { "failed" };
                 (None, EventBody::TurnFailed(failed), status, "failed_seq")
             }
-            Ending::Failed { code, message } => {
-                let failed = TurnFailed {
-                    code: code.into(),
-                    message: message.clone(),
-                    attempt_id: Some(self.attempt_id.clone()),
-                };
-                (Some((code, message)), EventBody::TurnFailed(failed), "failed", "failed_seq")
-            }
+            Ending::Failed { code, message } => self.failed(code, message),
         };
         if let Some((code, message)) = failure {
             self.emit("error", json!({ "code": code, "message": message })).await;
@@ -419,9 +444,52 @@ impl Turn<'_> {
                     json!({ "code": "unavailable", "message": "the answer could not be stored" }),
                 )
                 .await;
+                // Never `completed` without the answer in the log.
+                if status == "completed" {
+                    end["status"] = json!("failed");
+                }
             }
         }
         end
+    }
+
+    /// The whole answer as its `assistant_turn`.
+    fn answer(&self, finish_reason: Option<String>, usage: Option<Usage>, duration_ms: u64) -> EventBody {
+        let mut blocks = Vec::new();
+        if !self.reasoning.is_empty() {
+            blocks.push(Block { kind: BlockType::Reasoning, text: Some(self.reasoning.clone()), meta: None });
+        }
+        blocks.push(Block { kind: BlockType::Text, text: Some(self.text.clone()), meta: None });
+        EventBody::AssistantTurn(AssistantTurn {
+            ui: UiPart { blocks },
+            llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(self.text.clone())) } },
+            attempt_id: Some(self.attempt_id.clone()),
+            provider: Some(self.app.provider_name()),
+            model: Some(self.start.model.clone()),
+            usage,
+            duration_ms: Some(duration_ms),
+            finish_reason,
+            ..Default::default()
+        })
+    }
+
+    /// A turn that did not complete: its text so far as the final `pending_state`, or
+    /// `turn_failed` when there is none; the failure is also the stream's `error`.
+    fn failed(&self, code: &'static str, message: String) -> StoredOutcome {
+        if !self.text.is_empty() {
+            let pending = PendingState {
+                partial: self.text.clone(),
+                attempt_id: Some(self.attempt_id.clone()),
+                reason: Some(PendingReason::Interrupted),
+            };
+            return (Some((code, message)), EventBody::PendingState(pending), "interrupted", "pending_seq");
+        }
+        let failed = TurnFailed {
+            code: code.into(),
+            message: message.clone(),
+            attempt_id: Some(self.attempt_id.clone()),
+        };
+        (Some((code, message)), EventBody::TurnFailed(failed), "failed", "failed_seq")
     }
 
     /// Appends the outcome, resending the same event id until the writer answers or the
@@ -438,6 +506,37 @@ impl Turn<'_> {
                 Err(e) if Instant::now() >= deadline => return Err(e.to_string()),
                 Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deltas_are_cut_at_the_caps_on_character_boundaries() {
+        assert_eq!(fitting("hello", 10, usize::MAX), ("hello", 5));
+        assert_eq!(fitting("hello", 3, usize::MAX), ("hel", 3));
+        assert_eq!(fitting("éé", 3, usize::MAX), ("é", 2));
+        // As JSON a quote takes 2 bytes and a control character 6.
+        assert_eq!(fitting("a\"b", 10, 3), ("a\"", 3));
+        assert_eq!(fitting("\u{1}\u{1}", 10, 11), ("\u{1}", 6));
+        assert_eq!(fitting("x", 0, 10), ("", 0));
+    }
+
+    #[test]
+    fn a_partial_at_the_cap_fits_the_log_whatever_it_escapes() {
+        for c in ['x', '"', '\u{1}'] {
+            let long = c.to_string().repeat(MAX_PARTIAL_JSON_BYTES);
+            let (text, json) = fitting(&long, usize::MAX, MAX_PARTIAL_JSON_BYTES);
+            assert!(json <= MAX_PARTIAL_JSON_BYTES && json + 6 > MAX_PARTIAL_JSON_BYTES, "{c:?}: {json}");
+            let pending = EventBody::PendingState(PendingState {
+                partial: text.to_owned(),
+                attempt_id: Some(Uuid::now_v7().to_string()),
+                reason: Some(PendingReason::Interrupted),
+            });
+            assert!(json_len(&pending.to_payload()) <= MAX_EVENT_BYTES, "{c:?}");
         }
     }
 }

@@ -32,6 +32,8 @@ pub struct Options {
     pub compact_timeout: Duration,
     /// Extra context windows (`TURNLOG_MODEL_WINDOWS`).
     pub model_windows: Vec<(&'static str, u32)>,
+    /// `TURNLOG_ALLOWED_MODELS` (None: any model).
+    pub allowed_models: Option<Vec<String>>,
     /// `TURNLOG_MAX_TURNS_PER_OWNER` and `TURNLOG_MAX_TURNS`.
     pub turn_limits: TurnLimits,
 }
@@ -46,6 +48,7 @@ impl Default for Options {
             system_prompt: String::new(),
             compact_timeout: Duration::from_millis(300),
             model_windows: Vec::new(),
+            allowed_models: None,
             turn_limits: TurnLimits::default(),
         }
     }
@@ -144,6 +147,7 @@ impl Api {
         config.append_timeout = opts.append_timeout;
         config.system_prompt = opts.system_prompt;
         config.compact_timeout = opts.compact_timeout;
+        config.allowed_models = opts.allowed_models;
         config.turn_limits = opts.turn_limits;
         config.model_windows = opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
         config.upstream = opts.llm_url.map(|base_url| turnlog_core::upstream::UpstreamConfig {
@@ -295,6 +299,12 @@ impl Api {
         let outcome = append_and_wait(&self.bus, &self.env.pool, &req, WAIT).await.unwrap();
         assert_eq!(outcome.status, OutcomeStatus::Committed, "{outcome:?}");
         outcome.seq.unwrap()
+    }
+
+    /// Messages in TURNLOG_DEAD: requests the writer could not apply.
+    pub async fn dead_letters(&self) -> u64 {
+        let stream = self.bus.js.get_stream(self.bus.names.dead_stream()).await.unwrap();
+        stream.get_info().await.unwrap().state.messages
     }
 
     /// Rows in the tables only the writer writes, and messages sent to it.

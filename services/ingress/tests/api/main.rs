@@ -6,12 +6,14 @@
 
 mod bad_inputs;
 mod context;
+mod gateway;
 mod harness;
 mod local_mode;
 mod openapi;
 mod owners;
 mod paging;
 mod sessions;
+mod sizes;
 mod turn_caps;
 mod turns;
 mod unavailable;
