@@ -14,15 +14,43 @@ const SESSION_SETTINGS: [(&str, &str); 2] = [("jit", "off"), ("plan_cache_mode",
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 
+/// How long a read query may run by default (`TURNLOG_STATEMENT_TIMEOUT`).
+pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// A pool for `url` with bounded waits, so a dead database surfaces as an error instead
-/// of a hang.
+/// of a hang. Its statements run as long as they need: for the writer and the tools.
 pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Error> {
     let options: PgConnectOptions = url.parse()?;
+    pool(max_connections, options.options(SESSION_SETTINGS)).await
+}
+
+/// A pool for services that only read (the ingress, the workers): every statement is
+/// cancelled by Postgres after `statement_timeout`, so one slow or blocked query cannot
+/// hold a connection, and the request waiting on it, indefinitely.
+pub async fn connect_reads(
+    url: &str,
+    max_connections: u32,
+    statement_timeout: Duration,
+) -> Result<PgPool, sqlx::Error> {
+    let options: PgConnectOptions = url.parse()?;
+    // Postgres reads a bare number as milliseconds; zero would mean no limit.
+    let millis = statement_timeout.as_millis().clamp(1, i32::MAX as u128).to_string();
+    let options = options.options(SESSION_SETTINGS).options([("statement_timeout", millis.as_str())]);
+    pool(max_connections, options).await
+}
+
+async fn pool(max_connections: u32, options: PgConnectOptions) -> Result<PgPool, sqlx::Error> {
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(5))
-        .connect_with(options.application_name("turnlog").options(SESSION_SETTINGS))
+        .connect_with(options.application_name("turnlog"))
         .await
+}
+
+/// Whether `e` is Postgres cancelling a statement (SQLSTATE 57014): the statement timeout
+/// ran out, or an operator cancelled it. Either way the same request may succeed later.
+pub fn is_query_canceled(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("57014"))
 }
 
 /// A single connection whose statements are planned once, for any parameters (generic

@@ -3,7 +3,7 @@
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
-use sqlx::PgPool;
+use sqlx::{FromRow as _, PgPool, Row as _};
 use uuid::Uuid;
 
 use crate::budget::CountedEvent;
@@ -118,7 +118,8 @@ pub async fn live_tail(pool: &PgPool, owner: &str, id: SessionId) -> Result<Opti
     Ok(Some(LiveTail { state, events, counted }))
 }
 
-/// Every event of a session, decoded (for the transcript).
+/// Every event of a session, decoded. Services read pages or a live tail instead; this is
+/// for tools and tests that look at a whole log.
 pub async fn all_events(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<Vec<Event>>, ReadError> {
     match events_page(pool, owner, id, 0, i64::MAX).await? {
         None => Ok(None),
@@ -152,6 +153,116 @@ pub async fn events_page(
     Ok(Some(rows))
 }
 
+/// One page of a session's transcript: the newest visible events before a seq.
+#[derive(Debug, Clone)]
+pub struct TranscriptPage {
+    /// Visible events in seq order; each is one transcript item (`ui_transcript::transcript_item`).
+    pub events: Vec<Event>,
+    /// `before` of the page of older items; None when this page starts the transcript.
+    pub earlier: Option<i64>,
+}
+
+/// The newest `limit` events the transcript shows with seq < `before`, scanning back from
+/// `before` and never reading the rest of the log. Visibility is `ui_transcript`'s rule,
+/// asked of the events after each candidate through indexed lookups
+/// (`session_events_attempt`, `session_events_permission`, the primary key):
+/// - a permission request is hidden once any event resolves it;
+/// - a checkpoint with an attempt id is hidden when a later checkpoint or any answer of
+///   that attempt exists;
+/// - a checkpoint without one belongs to the run of events up to the next turn boundary
+///   (user message, failure, answer, or a final checkpoint without an id, which closes
+///   its own run): it is hidden when the next such event is an answer or another
+///   checkpoint without an id, and a final one is always shown.
+const TRANSCRIPT_PAGE: &str = "SELECT e.seq, e.event_id, e.kind, e.payload, e.tokens, e.created_at
+   FROM session_events e JOIN sessions s ON s.id = e.session_id
+  WHERE e.session_id = $1 AND s.owner = $2 AND e.seq < $3
+    AND (e.kind IN ('user_message', 'assistant_turn', 'tool_execution', 'compaction_applied', 'turn_failed')
+         OR (e.kind = 'permission_request'
+             AND NOT EXISTS (SELECT 1 FROM session_events r
+                              WHERE r.session_id = e.session_id AND r.kind = 'permission_resolved'
+                                AND r.payload ->> 'id' = e.payload ->> 'id'))
+         OR (e.kind = 'pending_state' AND e.payload ->> 'attempt_id' IS NOT NULL
+             AND NOT EXISTS (SELECT 1 FROM session_events a
+                              WHERE a.session_id = e.session_id
+                                AND a.kind IN ('pending_state', 'assistant_turn')
+                                AND a.payload ->> 'attempt_id' = e.payload ->> 'attempt_id'
+                                AND (a.kind = 'assistant_turn' OR a.seq > e.seq)))
+         OR (e.kind = 'pending_state' AND e.payload ->> 'attempt_id' IS NULL
+             AND (e.payload ->> 'reason' IS NOT NULL
+                  OR coalesce((SELECT n.kind FROM session_events n
+                                WHERE n.session_id = e.session_id AND n.seq > e.seq
+                                  AND (n.kind IN ('user_message', 'turn_failed', 'assistant_turn')
+                                       OR (n.kind = 'pending_state' AND n.payload ->> 'attempt_id' IS NULL))
+                                ORDER BY n.seq LIMIT 1), 'user_message')
+                     IN ('user_message', 'turn_failed'))))
+  ORDER BY e.seq DESC
+  LIMIT $4";
+
+/// The newest `limit` visible events before `before` (seq order) and the cursor of the
+/// older ones, or None when the session is not the owner's.
+pub async fn transcript_page(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+    before: i64,
+    limit: i64,
+) -> Result<Option<TranscriptPage>, ReadError> {
+    let limit = limit.max(1);
+    // One row more than asked tells whether older items exist.
+    let mut rows: Vec<StoredEvent> = sqlx::query_as(TRANSCRIPT_PAGE)
+        .bind(id.0)
+        .bind(owner)
+        .bind(before)
+        .bind(limit + 1)
+        .fetch_all(pool)
+        .await?;
+    if rows.is_empty() && session_state(pool, owner, id).await?.is_none() {
+        return Ok(None);
+    }
+    let more = rows.len() as i64 > limit;
+    rows.truncate(limit as usize);
+    rows.reverse();
+    let earlier = more.then(|| rows.first().map(|e| e.seq)).flatten();
+    let events = rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(TranscriptPage { events, earlier }))
+}
+
+/// Where a permission request stands, found by its id alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PermissionStatus {
+    /// Seq of the first `permission_request` with this id; None when there is none.
+    pub request_seq: Option<i64>,
+    /// Seq and decision of the first `permission_resolved` for it: the one that decided.
+    pub resolution: Option<(i64, String)>,
+}
+
+/// Permission request `perm_id` of the session, or None when the session is not the owner's.
+pub async fn permission_status(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+    perm_id: &str,
+) -> Result<Option<PermissionStatus>, sqlx::Error> {
+    let row: Option<(Option<i64>, Option<i64>, Option<String>)> = sqlx::query_as(
+        "SELECT (SELECT q.seq FROM session_events q
+                  WHERE q.session_id = s.id AND q.kind = 'permission_request' AND q.payload ->> 'id' = $3
+                  ORDER BY q.seq LIMIT 1),
+                r.seq, r.payload ->> 'decision'
+           FROM sessions s
+           LEFT JOIN LATERAL (SELECT seq, payload FROM session_events
+                               WHERE session_id = s.id AND kind = 'permission_resolved' AND payload ->> 'id' = $3
+                               ORDER BY seq LIMIT 1) r ON true
+          WHERE s.id = $1 AND s.owner = $2",
+    )
+    .bind(id.0)
+    .bind(owner)
+    .bind(perm_id)
+    .fetch_optional(pool)
+    .await?;
+    Ok(row
+        .map(|(request_seq, seq, decision)| PermissionStatus { request_seq, resolution: seq.zip(decision) }))
+}
+
 /// The composite paging cursor: the `(updated_at, id)` of the last row of a page.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cursor {
@@ -175,6 +286,55 @@ pub struct ListQuery {
     pub before: Option<Cursor>,
 }
 
+/// The owner's sessions of one archive view, newest first from the cursor (`$2`, the
+/// search text, is unused).
+const LIST_SESSIONS: &str = "SELECT id, title, archived, last_category, created_at, updated_at FROM sessions
+  WHERE owner = $1 AND archived = $3
+    AND ($4::timestamptz IS NULL OR (updated_at, id) < ($4, $5))
+  ORDER BY updated_at DESC, id DESC
+  LIMIT $6";
+
+/// The owner's sessions whose title or any user message matches `$2`, archived or not.
+/// Each text is matched by the very expression its GIN index is built on
+/// (`sessions_title_fts`, `session_events_user_text_fts`), so Postgres looks the words
+/// up instead of computing a tsvector per row; `$3` is unused here.
+const SEARCH_SESSIONS: &str =
+    "SELECT id, title, archived, last_category, created_at, updated_at FROM sessions
+  WHERE owner = $1
+    AND ($4::timestamptz IS NULL OR (updated_at, id) < ($4, $5))
+    AND id IN (SELECT t.id FROM sessions t
+                WHERE t.owner = $1
+                  AND to_tsvector('simple', coalesce(t.title, '')) @@ plainto_tsquery('simple', $2)
+               UNION
+               SELECT e.session_id FROM session_events e
+                WHERE e.kind = 'user_message'
+                  AND to_tsvector('simple', e.payload ->> 'text') @@ plainto_tsquery('simple', $2))
+  ORDER BY updated_at DESC, id DESC
+  LIMIT $6";
+
+/// [`list_sessions`]'s statement for `query`, its parameters bound.
+fn list_statement<'q>(
+    sql: &'q str,
+    owner: &'q str,
+    query: &'q ListQuery,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sql)
+        .bind(owner)
+        .bind(query.q.as_deref())
+        .bind(query.archived)
+        .bind(query.before.map(|c| c.before))
+        .bind(query.before.map_or(Uuid::max(), |c| c.before_id))
+        .bind(query.limit.clamp(1, 1000))
+}
+
+fn list_sql(query: &ListQuery) -> &'static str {
+    if query.q.is_some() {
+        SEARCH_SESSIONS
+    } else {
+        LIST_SESSIONS
+    }
+}
+
 /// Newest first by `(updated_at, id)`; returns the page and the cursor of the next one.
 pub async fn list_sessions(
     pool: &PgPool,
@@ -182,31 +342,29 @@ pub async fn list_sessions(
     query: &ListQuery,
 ) -> Result<(Vec<Session>, Option<Cursor>), sqlx::Error> {
     let limit = query.limit.clamp(1, 1000);
-    let rows: Vec<Session> = sqlx::query_as(
-        "SELECT id, title, archived, last_category, created_at, updated_at FROM sessions s
-          WHERE owner = $1
-            AND ($2::text IS NOT NULL OR archived = $3)
-            AND ($4::timestamptz IS NULL OR (updated_at, id) < ($4, $5))
-            AND ($2::text IS NULL
-                 OR to_tsvector('simple', coalesce(title, '')) @@ plainto_tsquery('simple', $2)
-                 OR EXISTS (SELECT 1 FROM session_events e
-                             WHERE e.session_id = s.id AND e.kind = 'user_message'
-                               AND to_tsvector('simple', e.payload ->> 'text') @@ plainto_tsquery('simple', $2)))
-          ORDER BY updated_at DESC, id DESC
-          LIMIT $6",
-    )
-    .bind(owner)
-    .bind(query.q.as_deref())
-    .bind(query.archived)
-    .bind(query.before.map(|c| c.before))
-    .bind(query.before.map_or(Uuid::max(), |c| c.before_id))
-    .bind(limit)
-    .fetch_all(pool)
-    .await?;
+    let rows: Vec<Session> = list_statement(list_sql(query), owner, query)
+        .try_map(|row| Session::from_row(&row))
+        .fetch_all(pool)
+        .await?;
     let next = (rows.len() as i64 == limit)
         .then(|| rows.last().map(|s| Cursor { before: s.updated_at, before_id: s.id }))
         .flatten();
     Ok((rows, next))
+}
+
+/// The plan Postgres chooses for [`list_sessions`] with `query` (`EXPLAIN`, as text): how
+/// an operator, or a test, sees whether a search is served by the full-text indexes.
+pub async fn explain_list_sessions(
+    pool: &PgPool,
+    owner: &str,
+    query: &ListQuery,
+) -> Result<String, sqlx::Error> {
+    let sql = format!("EXPLAIN {}", list_sql(query));
+    let lines: Vec<String> = list_statement(&sql, owner, query)
+        .try_map(|row: sqlx::postgres::PgRow| row.try_get::<String, _>(0))
+        .fetch_all(pool)
+        .await?;
+    Ok(lines.join("\n"))
 }
 
 /// A long-term memory as recall returns it.

@@ -99,6 +99,10 @@ impl TranscriptItem {
 }
 
 /// The transcript of a whole log (events in seq order), one item per visible event.
+///
+/// Whether a permission request or a checkpoint is visible depends on events after it;
+/// `read::transcript_page` decides the same in SQL for one page of a long log. The two
+/// state one rule and must change together (the ingress's transcript tests compare them).
 pub fn ui_transcript(events: &[Event]) -> Vec<TranscriptItem> {
     let shown_pendings = interrupted_checkpoints(events);
     let resolved: HashSet<&str> = events
@@ -108,70 +112,80 @@ pub fn ui_transcript(events: &[Event]) -> Vec<TranscriptItem> {
             _ => None,
         })
         .collect();
+    events
+        .iter()
+        .filter(|e| match &e.body {
+            EventBody::PermissionRequest(p) => !resolved.contains(p.id.as_str()),
+            EventBody::PendingState(_) => shown_pendings.contains(&e.seq),
+            _ => true,
+        })
+        .filter_map(transcript_item)
+        .collect()
+}
 
-    let mut items = Vec::new();
-    for e in events {
-        let item = match &e.body {
-            EventBody::UserMessage(m) => {
-                let mut it = TranscriptItem::new(e, ItemKind::User);
-                it.text = Some(m.text.clone());
-                it.images = (!m.images.is_empty()).then(|| m.images.clone());
-                it.documents = (!m.documents.is_empty()).then(|| {
-                    m.documents
-                        .iter()
-                        .map(|d| DocumentRef { id: d.id.clone(), mime: d.mime.clone() })
-                        .collect()
-                });
-                it
-            }
-            EventBody::AssistantTurn(t) => {
-                let mut it = TranscriptItem::new(e, ItemKind::Assistant);
-                it.text = Some(t.ui_text());
-                it.blocks = Some(t.ui.blocks.clone());
-                it.provider = t.provider.clone();
-                it.model = t.model.clone();
-                it.usage = t.usage;
-                it.duration_ms = t.duration_ms;
-                it.cost = t.cost;
-                it.currency = t.currency.clone();
-                it.attempt_id = t.attempt_id.clone();
-                it
-            }
-            EventBody::ToolExecution(t) => {
-                let mut it = TranscriptItem::new(e, ItemKind::Tool);
-                it.tool = Some(t.clone());
-                it
-            }
-            EventBody::PermissionRequest(p) if !resolved.contains(p.id.as_str()) => {
-                let mut it = TranscriptItem::new(e, ItemKind::Permission);
-                it.permission = Some(p.clone());
-                it
-            }
-            EventBody::CompactionApplied(c) => {
-                let mut it = TranscriptItem::new(e, ItemKind::Compaction);
-                it.text = Some(c.summary.clone());
-                it.through_seq = Some(c.replaces_through_seq);
-                it
-            }
-            EventBody::PendingState(p) if shown_pendings.contains(&e.seq) => {
-                let mut it = TranscriptItem::new(e, ItemKind::Interrupted);
-                it.text = Some(p.partial.clone());
-                it.reason = Some(p.reason.unwrap_or_default());
-                it.attempt_id = p.attempt_id.clone();
-                it
-            }
-            EventBody::TurnFailed(f) => {
-                let mut it = TranscriptItem::new(e, ItemKind::Error);
-                it.text = Some(f.message.clone());
-                it.code = Some(f.code.clone());
-                it.attempt_id = f.attempt_id.clone();
-                it
-            }
-            _ => continue,
-        };
-        items.push(item);
-    }
-    items
+/// The item an event shows as once it is known to be visible; None for kinds the
+/// transcript never shows (`session_started`, `turn_memory`, `memory_extracted`,
+/// `permission_resolved`).
+pub fn transcript_item(e: &Event) -> Option<TranscriptItem> {
+    let item = match &e.body {
+        EventBody::UserMessage(m) => {
+            let mut it = TranscriptItem::new(e, ItemKind::User);
+            it.text = Some(m.text.clone());
+            it.images = (!m.images.is_empty()).then(|| m.images.clone());
+            it.documents = (!m.documents.is_empty()).then(|| {
+                m.documents.iter().map(|d| DocumentRef { id: d.id.clone(), mime: d.mime.clone() }).collect()
+            });
+            it
+        }
+        EventBody::AssistantTurn(t) => {
+            let mut it = TranscriptItem::new(e, ItemKind::Assistant);
+            it.text = Some(t.ui_text());
+            it.blocks = Some(t.ui.blocks.clone());
+            it.provider = t.provider.clone();
+            it.model = t.model.clone();
+            it.usage = t.usage;
+            it.duration_ms = t.duration_ms;
+            it.cost = t.cost;
+            it.currency = t.currency.clone();
+            it.attempt_id = t.attempt_id.clone();
+            it
+        }
+        EventBody::ToolExecution(t) => {
+            let mut it = TranscriptItem::new(e, ItemKind::Tool);
+            it.tool = Some(t.clone());
+            it
+        }
+        EventBody::PermissionRequest(p) => {
+            let mut it = TranscriptItem::new(e, ItemKind::Permission);
+            it.permission = Some(p.clone());
+            it
+        }
+        EventBody::CompactionApplied(c) => {
+            let mut it = TranscriptItem::new(e, ItemKind::Compaction);
+            it.text = Some(c.summary.clone());
+            it.through_seq = Some(c.replaces_through_seq);
+            it
+        }
+        EventBody::PendingState(p) => {
+            let mut it = TranscriptItem::new(e, ItemKind::Interrupted);
+            it.text = Some(p.partial.clone());
+            it.reason = Some(p.reason.unwrap_or_default());
+            it.attempt_id = p.attempt_id.clone();
+            it
+        }
+        EventBody::TurnFailed(f) => {
+            let mut it = TranscriptItem::new(e, ItemKind::Error);
+            it.text = Some(f.message.clone());
+            it.code = Some(f.code.clone());
+            it.attempt_id = f.attempt_id.clone();
+            it
+        }
+        EventBody::SessionStarted(_)
+        | EventBody::TurnMemory(_)
+        | EventBody::MemoryExtracted(_)
+        | EventBody::PermissionResolved(_) => return None,
+    };
+    Some(item)
 }
 
 /// Which attempt a checkpoint belongs to: its `attempt_id`, or — for producers that set

@@ -339,7 +339,7 @@ check('renders every transcript item kind, markdown safely, and answers permissi
     { seq: 8, kind: 'error', code: 'upstream_error', text: 'the model gateway answered 503', created_at: at },
   ];
   let resolved = null;
-  await page.route(`**/v1/sessions/${id}`, (route) =>
+  await page.route((url) => url.pathname === `/v1/sessions/${id}`, (route) =>
     route.fulfill({
       json: { session, items: resolved ? items.filter((i) => i.kind !== 'permission') : items, turn_active: false },
     }),
@@ -596,6 +596,80 @@ check('without tokens the page works opened via localhost, and another site cann
     attacker.close();
     await local.stop();
   }
+});
+
+check('a transcript longer than a page loads its earlier items as it scrolls up', async () => {
+  await page.setViewportSize({ width: 1280, height: 800 });
+  const id = (await api('POST', '/v1/sessions', { title: 'A long conversation' })).json.id;
+  const turns = 60; // 120 items: the newest page of 50, then two more as the view scrolls up
+  for (let i = 1; i <= turns; i++) {
+    const res = await fetch(`${server.base}/v1/sessions/${id}/messages`, {
+      method: 'POST',
+      headers: { Authorization: `Bearer ${server.token}`, 'Content-Type': 'application/json' },
+      body: JSON.stringify({ text: `Question ${i} [mock words=3]` }),
+    });
+    assert.equal(res.status, 200);
+    assert.match(await res.text(), /"status":"completed"/);
+  }
+  const whole = (await api('GET', `/v1/sessions/${id}?limit=1000`)).json;
+  assert.equal(whole.items.length, 2 * turns);
+  assert.equal(whole.earlier, null);
+
+  const cursors = [];
+  const onRequest = (r) => {
+    const u = new URL(r.url());
+    if (u.pathname === `/v1/sessions/${id}` && u.searchParams.has('before')) cursors.push(Number(u.searchParams.get('before')));
+  };
+  page.on('request', onRequest);
+  await page.goto(`${server.base}/#/s/${id}`);
+  const items = page.locator('#transcript article.item');
+  await page.locator('#chat-title', { hasText: 'A long conversation' }).waitFor();
+  await items.last().waitFor();
+  const shown = () => items.evaluateAll((nodes) => nodes.map((n) => Number(n.dataset.seq)));
+  // The newest page only, scrolled to its end.
+  assert.deepEqual(await shown(), whole.items.slice(-50).map((i) => i.seq));
+  assert.equal(cursors.length, 0, 'older items were loaded before the view scrolled up');
+  await shot('transcript-newest');
+
+  // Scrolled to the top: the next older page is put above, and the view stays on the item
+  // it showed.
+  const transcript = page.locator('#transcript');
+  const oldest = whole.items.at(-50).seq;
+  await transcript.evaluate((t) => (t.scrollTop = 0));
+  await page.waitForFunction((n) => document.querySelectorAll('#transcript article.item').length === n, 100);
+  assert.deepEqual(cursors, [oldest]);
+  const kept = await page.locator(`#transcript article.item[data-seq="${oldest}"]`).evaluate((node) => {
+    const t = document.querySelector('#transcript').getBoundingClientRect();
+    const r = node.getBoundingClientRect();
+    return r.bottom > t.top && r.top < t.bottom;
+  });
+  assert.ok(kept, 'the item at the top before the load scrolled out of view');
+  await shot('transcript-earlier');
+
+  const deadline = Date.now() + WAIT;
+  while ((await page.locator('#earlier').getAttribute('data-complete')) !== 'true') {
+    assert.ok(Date.now() < deadline, 'the transcript never reached its start');
+    await transcript.evaluate((t) => (t.scrollTop = 0));
+    await page.waitForTimeout(100);
+  }
+  page.off('request', onRequest);
+  assert.deepEqual(await shown(), whole.items.map((i) => i.seq), 'not every item once, in seq order');
+  assert.equal(cursors.length, 2);
+  assert.equal(await page.locator('#earlier').isVisible(), false);
+  assert.match(await items.first().textContent(), /Question 1 /);
+  await transcript.evaluate((t) => (t.scrollTop = 0));
+  await shot('transcript-start');
+
+  // A new turn adds to the end and keeps the older pages loaded above.
+  await send('One more [mock words=3]');
+  await page.waitForFunction(
+    (n) =>
+      !document.querySelector('#transcript [data-kind=live], #transcript .pending') &&
+      document.querySelectorAll('#transcript article.item').length === n,
+    2 * turns + 2,
+  );
+  const after = (await api('GET', `/v1/sessions/${id}?limit=1000`)).json.items.map((i) => i.seq);
+  assert.deepEqual(await shown(), after);
 });
 
 check('no script error or content security policy violation happened in any test', () => {

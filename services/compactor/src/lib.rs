@@ -46,6 +46,8 @@ pub struct CompactorConfig {
     pub summary_deadline: Duration,
     /// How long an append waits for the writer's outcome.
     pub append_timeout: Duration,
+    /// `TURNLOG_STATEMENT_TIMEOUT`: how long one read query may run.
+    pub statement_timeout: Duration,
 }
 
 fn failed_reply(error: impl std::fmt::Display) -> CompactReply {
@@ -81,7 +83,7 @@ pub async fn run(config: CompactorConfig, shutdown: CancellationToken) -> anyhow
     let concurrency = config.consumer.concurrency.max(1);
     // Post-turn and pre-send checks run side by side, each with up to `concurrency`.
     let connections = u32::try_from(2 * concurrency).unwrap_or(u32::MAX).saturating_add(2);
-    let pool = turnlog_core::db::connect(&config.database_url, connections)
+    let pool = turnlog_core::db::connect_reads(&config.database_url, connections, config.statement_timeout)
         .await
         .context("connecting to Postgres")?;
     let bus = Bus::connect(&config.nats_url, &config.bus_prefix, config.partitions).await?;

@@ -30,6 +30,7 @@ fn compactor_config(rig: &Rig, base_url: &str) -> CompactorConfig {
         facts_wait: Duration::from_secs(2),
         summary_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
+        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
     }
 }
 
@@ -48,6 +49,7 @@ fn distiller_config(
         consumer,
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
+        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
     }
 }
 
@@ -62,6 +64,7 @@ fn memory_config(rig: &Rig, base_url: &str, consumer: ConsumerSettings) -> turnl
         consumer,
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
+        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
     }
 }
 

@@ -28,7 +28,7 @@ use turnlog_core::upstream::redacted_url;
 use turnlog_ingress::IngressArgs;
 
 use servers::Endpoints;
-use settings::{Backbone, BusArgs, CompactorArgs, TaskModels, WorkerModels, WorkerTuning};
+use settings::{Backbone, BusArgs, CompactorArgs, ReadArgs, TaskModels, WorkerModels, WorkerTuning};
 
 /// Beyond the ingress's own grace period (open requests finishing), how long its task
 /// gets to return.
@@ -57,6 +57,8 @@ pub struct DevArgs {
     pub nats_url: Option<String>,
     #[command(flatten)]
     pub bus: BusArgs,
+    #[command(flatten)]
+    pub reads: ReadArgs,
     #[command(flatten)]
     pub ingress: IngressArgs,
     #[command(flatten)]
@@ -109,6 +111,7 @@ fn service_configs(args: &DevArgs, endpoints: &Endpoints, llm_url: &str) -> anyh
         database_url: endpoints.database_url.clone(),
         nats_url: endpoints.nats_url.clone(),
         bus: args.bus.clone(),
+        reads: args.reads.clone(),
     };
     let mut ingress = args.ingress.clone();
     ingress.llm_url = Some(llm_url.to_owned());

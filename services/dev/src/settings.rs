@@ -20,6 +20,18 @@ pub struct Backbone {
     pub nats_url: String,
     #[command(flatten)]
     pub bus: BusArgs,
+    #[command(flatten)]
+    pub reads: ReadArgs,
+}
+
+/// How the services that only read Postgres (the ingress and the workers) bound their
+/// queries. The writer's commits and `turnlog rebuild` / `verify` are not bounded.
+#[derive(clap::Args, Clone)]
+pub struct ReadArgs {
+    /// Longest run of one read query (e.g. 5s, 800ms): past it Postgres cancels the query,
+    /// a client gets 503 with Retry-After and a worker retries the event later.
+    #[arg(long, env = "TURNLOG_STATEMENT_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub statement_timeout: Duration,
 }
 
 /// How the bus is laid out on the NATS server.
@@ -168,7 +180,9 @@ impl Backbone {
             partitions: self.bus.partitions,
             append_max_age: self.bus.append_max_age,
         };
-        turnlog_ingress::IngressConfig::from_args(backbone, args)
+        let mut config = turnlog_ingress::IngressConfig::from_args(backbone, args)?;
+        config.statement_timeout = self.reads.statement_timeout;
+        Ok(config)
     }
 
     pub fn distiller(
@@ -182,6 +196,7 @@ impl Backbone {
             consumer: tuning.settings(),
             call_deadline: models.upstream_timeout,
             append_timeout: WORKER_APPEND_TIMEOUT,
+            statement_timeout: self.reads.statement_timeout,
             database_url: self.database_url.clone(),
             nats_url: self.nats_url.clone(),
             bus_prefix: self.bus.bus_prefix.clone(),
@@ -200,6 +215,7 @@ impl Backbone {
             consumer: tuning.settings(),
             call_deadline: models.upstream_timeout,
             append_timeout: WORKER_APPEND_TIMEOUT,
+            statement_timeout: self.reads.statement_timeout,
             database_url: self.database_url.clone(),
             nats_url: self.nats_url.clone(),
             bus_prefix: self.bus.bus_prefix.clone(),
@@ -222,6 +238,7 @@ impl Backbone {
             facts_wait: compactor.facts_wait,
             summary_deadline: models.upstream_timeout,
             append_timeout: WORKER_APPEND_TIMEOUT,
+            statement_timeout: self.reads.statement_timeout,
             database_url: self.database_url.clone(),
             nats_url: self.nats_url.clone(),
             bus_prefix: self.bus.bus_prefix.clone(),
@@ -303,5 +320,42 @@ mod tests {
         assert_eq!(env_source(&command, &err), None);
         assert_eq!(env_of(&command, "partitions").as_deref(), Some("TURNLOG_PARTITIONS"));
         assert_eq!(env_of(&command, "no-such-flag"), None);
+    }
+
+    /// A worker's flags: where the log is, its models and tuning.
+    #[derive(Parser)]
+    struct Worker {
+        #[command(flatten)]
+        backbone: Backbone,
+        #[command(flatten)]
+        models: WorkerModels,
+        #[command(flatten)]
+        tuning: WorkerTuning,
+        #[command(flatten)]
+        compactor: CompactorArgs,
+    }
+
+    #[derive(Parser)]
+    struct Ingress {
+        #[command(flatten)]
+        args: turnlog_ingress::IngressArgs,
+    }
+
+    #[test]
+    fn the_statement_timeout_reaches_every_reading_service() {
+        let worker = ["t", "--database-url", "x", "--llm-url", "http://m/v1", "--model", "m"];
+        let ingress = || Ingress::try_parse_from(["t"]).unwrap().args;
+        let default = Worker::try_parse_from(worker).unwrap();
+        assert_eq!(default.backbone.reads.statement_timeout, Duration::from_secs(5));
+        let set = Worker::try_parse_from(worker.into_iter().chain(["--statement-timeout", "750ms"])).unwrap();
+        let (b, m, t) = (&set.backbone, &set.models, &set.tuning);
+        let expected = Duration::from_millis(750);
+        assert_eq!(b.ingress(ingress()).unwrap().statement_timeout, expected);
+        assert_eq!(b.distiller(m, t).unwrap().statement_timeout, expected);
+        assert_eq!(b.memory(m, t).unwrap().statement_timeout, expected);
+        assert_eq!(b.compactor(m, t, &set.compactor).unwrap().statement_timeout, expected);
+        let command = <Worker as clap::CommandFactory>::command();
+        assert_eq!(env_of(&command, "statement-timeout").as_deref(), Some("TURNLOG_STATEMENT_TIMEOUT"));
+        assert!(Worker::try_parse_from(worker.into_iter().chain(["--statement-timeout", "0s"])).is_err());
     }
 }

@@ -58,12 +58,14 @@ pub struct DistillerConfig {
     pub call_deadline: Duration,
     /// How long an append waits for the writer's outcome.
     pub append_timeout: Duration,
+    /// `TURNLOG_STATEMENT_TIMEOUT`: how long one read query may run.
+    pub statement_timeout: Duration,
 }
 
 /// Distills committed turns until `shutdown`; every copy shares one durable consumer.
 pub async fn run(config: DistillerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     let connections = u32::try_from(config.consumer.concurrency).unwrap_or(u32::MAX).saturating_add(2);
-    let pool = turnlog_core::db::connect(&config.database_url, connections)
+    let pool = turnlog_core::db::connect_reads(&config.database_url, connections, config.statement_timeout)
         .await
         .context("connecting to Postgres")?;
     let bus = Bus::connect(&config.nats_url, &config.bus_prefix, config.partitions).await?;

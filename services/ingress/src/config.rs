@@ -103,6 +103,8 @@ pub struct IngressConfig {
     pub compact_timeout: Duration,
     /// The caps on concurrent turns of this copy (per owner, and in all).
     pub turn_limits: TurnLimits,
+    /// `TURNLOG_STATEMENT_TIMEOUT`: how long any one read query may run.
+    pub statement_timeout: Duration,
 }
 
 impl IngressConfig {
@@ -123,6 +125,7 @@ impl IngressConfig {
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             compact_timeout: DEFAULT_COMPACT_TIMEOUT,
             turn_limits: TurnLimits::default(),
+            statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 

@@ -150,6 +150,8 @@ impl From<sqlx::Error> for ApiError {
             | sqlx::Error::PoolClosed
             | sqlx::Error::Io(_)
             | sqlx::Error::Tls(_) => Self::Unavailable(format!("Postgres: {e}")),
+            // A read ran past TURNLOG_STATEMENT_TIMEOUT (a lock or a load that will pass).
+            e if turnlog_core::db::is_query_canceled(&e) => Self::Unavailable(format!("Postgres: {e}")),
             other => Self::Internal(anyhow::Error::new(other).context("reading Postgres")),
         }
     }

@@ -66,8 +66,9 @@ impl Ingress {
     /// can take requests even before a writer has started).
     pub async fn connect(config: IngressConfig) -> anyhow::Result<AppState> {
         let b = &config.backbone;
-        let pool =
-            turnlog_core::db::connect(&b.database_url, POOL_SIZE).await.context("connecting to Postgres")?;
+        let pool = turnlog_core::db::connect_reads(&b.database_url, POOL_SIZE, config.statement_timeout)
+            .await
+            .context("connecting to Postgres")?;
         let bus = Bus::connect(&b.nats_url, &b.bus_prefix, b.partitions).await?;
         bus.ensure_topology(b.append_max_age).await.context("creating the bus topology")?;
         let leases = TurnLeases::open(&bus).await?;

@@ -1,6 +1,7 @@
-// turnlog's web client: the session list, a transcript of every item kind, a composer that
-// streams turns (and picks a running turn up again after a reload), and a context
-// inspector. Plain DOM, no framework; text from messages reaches the page only as text.
+// turnlog's web client: the session list, a transcript of every item kind (a page at a
+// time, older ones as it scrolls up), a composer that streams turns (and picks a running
+// turn up again after a reload), and a context inspector. Plain DOM, no framework; text
+// from messages reaches the page only as text.
 
 import { api, ApiError, setupTokenDialog } from './api.js';
 import { $, ask, fmt, h, sleep, time, toast } from './dom.js';
@@ -9,6 +10,8 @@ import { readEvents } from './sse.js';
 import { liveView, renderItem } from './transcript.js';
 
 const PAGE_SIZE = 30;
+// Transcript items per request; older ones load as the transcript scrolls up.
+const TRANSCRIPT_PAGE = 50;
 // The turn being streamed, kept per tab so a reload continues after its last event.
 const SNAPSHOT_KEY = 'turnlog.turn';
 const SNAPSHOT_MAX_AGE_MS = 120_000;
@@ -23,8 +26,11 @@ const BUSY_WAIT_MS = 15_000;
 // State.
 
 const state = {
-  /** The open session: {id, session, items}; null for a new chat. */
+  /** The open session: {id, session, items, earlier}; null for a new chat. `items` are the
+   * pages loaded so far; `earlier` is the cursor of the older ones (null: none left). */
   current: null,
+  /** Older items are on their way. */
+  loadingEarlier: false,
   /** The turn being streamed in the open session, if any. */
   turn: null,
   /** The message just sent, shown until the transcript has it. */
@@ -214,13 +220,13 @@ function newChat() {
 async function openSession(id) {
   leaveTurn();
   const opening = ++state.opening;
-  state.current = { id, session: null, items: [] };
+  state.current = { id, session: null, items: [], earlier: null };
   markCurrentRow();
   renderHeader();
   $('#transcript').replaceChildren(h('p', { class: 'hint', text: 'Loading…' }));
   let detail;
   try {
-    detail = await api(`/v1/sessions/${id}`);
+    detail = await api(`/v1/sessions/${id}?limit=${TRANSCRIPT_PAGE}`);
   } catch (e) {
     if (opening !== state.opening) return;
     if (e.status === 404) {
@@ -238,15 +244,71 @@ async function openSession(id) {
   if (state.inspectorOpen) loadContext();
 }
 
+/** Shows the newest page of a session; older pages already loaded stay above it. */
 function showDetail(detail) {
-  state.current = {
-    id: detail.session.id,
-    session: detail.session,
-    items: detail.items,
-  };
+  const previous = state.current?.id === detail.session.id ? state.current : null;
+  let items = detail.items;
+  let earlier = detail.earlier ?? null;
+  const first = items[0]?.seq;
+  if (previous && earlier && first !== undefined) {
+    const older = previous.items.filter((i) => i.seq < first);
+    if (older.length) {
+      items = [...older, ...items];
+      earlier = previous.earlier;
+    }
+  }
+  state.current = { id: detail.session.id, session: detail.session, items, earlier };
   document.title = `${detail.session.title || 'Untitled'} · turnlog`;
   renderHeader();
   renderTranscript();
+}
+
+/** Loads the page of items before the oldest one shown, keeping the view where it is. */
+async function loadEarlier() {
+  const current = state.current;
+  if (!current?.earlier || state.loadingEarlier) return;
+  state.loadingEarlier = true;
+  showEarlierStatus();
+  const opening = state.opening;
+  let page;
+  try {
+    page = await api(`/v1/sessions/${current.id}?limit=${TRANSCRIPT_PAGE}&before=${current.earlier.before}`);
+  } catch (e) {
+    state.loadingEarlier = false;
+    if (state.current === current) showEarlierStatus(`Could not load earlier messages: ${e.message}`);
+    return;
+  }
+  state.loadingEarlier = false;
+  if (opening !== state.opening || state.current !== current) return; // another session opened meanwhile
+  const first = current.items[0]?.seq ?? Infinity;
+  const older = page.items.filter((i) => i.seq < first);
+  current.items = [...older, ...current.items];
+  current.earlier = page.earlier ?? null;
+  const transcript = $('#transcript');
+  const fromBottom = transcript.scrollHeight - transcript.scrollTop;
+  $('#earlier').after(...older.map((item) => renderItem(item, itemActions)));
+  transcript.scrollTop = transcript.scrollHeight - fromBottom;
+  showEarlierStatus();
+  maybeLoadEarlier();
+}
+
+/** The marker above the oldest item shown: a button for older items, or nothing. */
+function showEarlierStatus(error = '') {
+  const marker = $('#earlier');
+  if (!marker) return;
+  const more = !!state.current?.earlier;
+  marker.hidden = !more && !error;
+  marker.dataset.complete = String(!more);
+  const button = marker.querySelector('button');
+  button.hidden = !more || state.loadingEarlier;
+  marker.querySelector('.hint').textContent = error || (state.loadingEarlier ? 'Loading earlier messages…' : '');
+}
+
+/** Loads older items when the top of the transcript is in view (also when the items shown
+ * do not fill it). */
+function maybeLoadEarlier() {
+  const transcript = $('#transcript');
+  if (state.current?.earlier && transcript.scrollTop < 200) loadEarlier();
 }
 
 /** Reads the open session again (after a turn, a permission answer, …). */
@@ -255,7 +317,7 @@ async function refreshCurrent({ toTop = false } = {}) {
   if (!id) return;
   const opening = state.opening;
   try {
-    const detail = await api(`/v1/sessions/${id}`);
+    const detail = await api(`/v1/sessions/${id}?limit=${TRANSCRIPT_PAGE}`);
     if (opening !== state.opening || state.current?.id !== id) return;
     showDetail(detail);
     updateListRow(detail.session, { toTop });
@@ -297,7 +359,7 @@ function renderTranscript() {
     nodes.push(pending);
   }
   if (state.turn) nodes.push(state.turn.view.node);
-  if (!nodes.length) {
+  if (!nodes.length && !state.current?.earlier) {
     nodes.push(
       h(
         'div',
@@ -307,18 +369,29 @@ function renderTranscript() {
       ),
     );
   }
-  transcript.replaceChildren(...nodes);
+  const earlier = h(
+    'div',
+    { id: 'earlier', class: 'earlier' },
+    h('button', { type: 'button', class: 'quiet', text: 'Load earlier messages', onclick: loadEarlier }),
+    h('p', { class: 'hint', 'aria-live': 'polite' }),
+  );
+  transcript.replaceChildren(earlier, ...nodes);
+  showEarlierStatus();
   transcript.scrollTop = transcript.scrollHeight;
   updateComposer();
+  maybeLoadEarlier();
 }
 
 async function answerPermission(item, decision) {
   const { id, tool } = item.permission;
+  const current = state.current;
   try {
-    await api(`/v1/sessions/${state.current.id}/permissions/${encodeURIComponent(id)}`, {
+    await api(`/v1/sessions/${current.id}/permissions/${encodeURIComponent(id)}`, {
       method: 'POST',
       body: { decision },
     });
+    // An answered request leaves the transcript, also from an older page kept on screen.
+    current.items = current.items.filter((i) => i.kind !== 'permission' || i.permission?.id !== id);
     toast(decision === 'allow' ? `Allowed ${tool}.` : `Denied ${tool}.`, 'info');
   } catch (e) {
     toast(`Could not answer: ${e.message}`);
@@ -442,7 +515,7 @@ async function whenFree(turn, request) {
         running.body?.cancel();
         throw e;
       }
-      const { turn_active: held } = await api(`/v1/sessions/${turn.sessionId}`, { signal });
+      const { turn_active: held } = await api(`/v1/sessions/${turn.sessionId}?limit=1`, { signal });
       if (!held) throw e; // a conflict of another kind, such as nothing to retry
       turn.waiting = true;
       scheduleRender(turn);
@@ -524,7 +597,7 @@ async function send() {
     }
     id = session.id;
     state.opening++;
-    state.current = { id, session, items: [] };
+    state.current = { id, session, items: [], earlier: null };
     location.hash = `#/s/${id}`;
     updateListRow(session, { toTop: true });
     markCurrentRow();
@@ -812,6 +885,7 @@ function init() {
   setupList();
   setupComposer();
   setupKeys();
+  $('#transcript').addEventListener('scroll', maybeLoadEarlier, { passive: true });
   $('#new-chat').addEventListener('click', () => {
     location.hash = '#/new';
     $('#message').focus();

@@ -55,6 +55,7 @@ async fn a_long_conversation_stays_within_budget_and_keeps_turn_one_facts() {
         facts_wait: Duration::from_secs(2),
         summary_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
+        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
     };
     tokio::spawn(turnlog_compactor::run(compactor, stop.clone()));
     let memory = turnlog_memory::MemoryConfig {
@@ -67,6 +68,7 @@ async fn a_long_conversation_stays_within_budget_and_keeps_turn_one_facts() {
         consumer,
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
+        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
     };
     tokio::spawn(turnlog_memory::run(memory, stop.clone()));
 

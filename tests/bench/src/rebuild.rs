@@ -103,6 +103,7 @@ pub async fn run() -> anyhow::Result<()> {
         consumer: ConsumerSettings { concurrency, ..Default::default() },
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
+        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
     };
     let run = |stop| turnlog_distiller::run(config, stop);
     let replay =

@@ -70,6 +70,7 @@ impl System {
             facts_wait: Duration::from_millis(200),
             summary_deadline: Duration::from_secs(30),
             append_timeout: Duration::from_secs(10),
+            statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
         };
         tokio::spawn(turnlog_compactor::run(compactor, stop.clone()));
         let mut config = IngressConfig::new(backbone);

@@ -6,7 +6,7 @@ use axum::extract::State;
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use turnlog_core::bus::AppendRequest;
-use turnlog_core::events::{Event, EventBody, PermissionResolved};
+use turnlog_core::events::{EventBody, PermissionResolved};
 use turnlog_core::ids::{EventId, SessionId};
 use turnlog_core::read;
 use utoipa::ToSchema;
@@ -72,15 +72,10 @@ pub async fn resolve(
     ApiPath((id, perm_id)): ApiPath<(SessionId, String)>,
     ApiJson(body): ApiJson<ResolvePermission>,
 ) -> Result<Json<PermissionResolution>, ApiError> {
-    let events = log(&app, &caller, id).await?;
-    let request_seq = events
-        .iter()
-        .find_map(|e| match &e.body {
-            EventBody::PermissionRequest(p) if p.id == perm_id => Some(e.seq),
-            _ => None,
-        })
-        .ok_or_else(|| ApiError::NotFound("permission request not found".into()))?;
-    if resolution(&events, &perm_id).is_none() {
+    let found = status(&app, &caller, id, &perm_id).await?;
+    let request_seq =
+        found.request_seq.ok_or_else(|| ApiError::NotFound("permission request not found".into()))?;
+    if found.resolution.is_none() {
         let event = EventBody::PermissionResolved(PermissionResolved {
             id: perm_id.clone(),
             decision: body.decision.as_str().into(),
@@ -89,23 +84,24 @@ pub async fn resolve(
         submit(&app, &AppendRequest::append(id, caller.as_str(), event_id.0, &event)).await?;
     }
     // Whoever resolved first (this request, a retry of it, or a racing one) decided.
-    let events = log(&app, &caller, id).await?;
-    let (seq, decided) = resolution(&events, &perm_id)
+    let (seq, decided) = status(&app, &caller, id, &perm_id)
+        .await?
+        .resolution
         .ok_or_else(|| ApiError::internal(anyhow::anyhow!("resolution committed but not in the log")))?;
     if decided != body.decision.as_str() {
         return Err(ApiError::Conflict(format!("permission request already resolved: {decided}")));
     }
-    Ok(Json(PermissionResolution { id: perm_id, decision: decided.to_owned(), seq }))
+    Ok(Json(PermissionResolution { id: perm_id, decision: decided, seq }))
 }
 
-async fn log(app: &Ingress, caller: &Caller, id: SessionId) -> Result<Vec<Event>, ApiError> {
-    read::all_events(&app.pool, caller.as_str(), id).await?.ok_or_else(ApiError::session_not_found)
-}
-
-/// The first resolution of permission request `perm_id`: its seq and decision.
-fn resolution<'a>(events: &'a [Event], perm_id: &str) -> Option<(i64, &'a str)> {
-    events.iter().find_map(|e| match &e.body {
-        EventBody::PermissionResolved(r) if r.id == perm_id => Some((e.seq, r.decision.as_str())),
-        _ => None,
-    })
+/// The request and its first resolution, looked up by id (never the whole log).
+async fn status(
+    app: &Ingress,
+    caller: &Caller,
+    id: SessionId,
+    perm_id: &str,
+) -> Result<read::PermissionStatus, ApiError> {
+    read::permission_status(&app.pool, caller.as_str(), id, perm_id)
+        .await?
+        .ok_or_else(ApiError::session_not_found)
 }

@@ -1,6 +1,6 @@
-//! Sessions: create, list (newest first, composite cursor), read with the transcript,
-//! rename or archive, delete, and the raw log page. Reads are owner-scoped queries; writes
-//! go to the writer and are answered after it committed.
+//! Sessions: create, list (newest first, composite cursor), read with a page of the
+//! transcript, rename or archive, delete, and the raw log page. Reads are owner-scoped
+//! queries; writes go to the writer and are answered after it committed.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use turnlog_core::bus::AppendRequest;
 use turnlog_core::ids::SessionId;
 use turnlog_core::read::{self, Cursor, ListQuery, Session, StoredEvent};
-use turnlog_core::ui_transcript::{ui_transcript, TranscriptItem};
+use turnlog_core::ui_transcript::{transcript_item, TranscriptItem};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
@@ -24,6 +24,8 @@ const LIST_DEFAULT: i64 = 50;
 const LIST_MAX: i64 = 200;
 const EVENTS_DEFAULT: i64 = 100;
 const EVENTS_MAX: i64 = 1000;
+const TRANSCRIPT_DEFAULT: i64 = 200;
+const TRANSCRIPT_MAX: i64 = 1000;
 
 /// A session as clients see it.
 #[derive(Debug, Serialize, ToSchema)]
@@ -164,23 +166,43 @@ fn parse_before(before: &str) -> Result<DateTime<Utc>, ApiError> {
     t.with_nanosecond(micros).ok_or_else(|| ApiError::bad_request("before is out of range"))
 }
 
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct TranscriptParams {
+    /// Items with a seq below this: `earlier.before` of the page after it. Default: the
+    /// newest items.
+    pub before: Option<i64>,
+    /// 1–1000, default 200.
+    pub limit: Option<i64>,
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct SessionDetail {
     pub session: SessionView,
-    /// The transcript: one item per visible event, in seq order (DESIGN.md §3).
+    /// A page of the transcript: the newest items (before `before`, when given), one per
+    /// visible event, in seq order (DESIGN.md §3).
     #[schema(value_type = Vec<Object>)]
     pub items: Vec<TranscriptItem>,
+    /// The cursor of the older items; null when `items` starts the transcript.
+    pub earlier: Option<EarlierCursor>,
     /// Whether a turn is running on the session right now.
     pub turn_active: bool,
 }
 
-/// A session with its whole transcript.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EarlierCursor {
+    /// Send it back as `before` for the page of older items.
+    pub before: i64,
+}
+
+/// A session with a page of its transcript: the newest items, or those before a seq.
 #[utoipa::path(
     get, path = "/v1/sessions/{id}", tag = "sessions", security(("bearer" = [])),
-    params(("id" = Uuid, Path, description = "Session id")),
+    params(("id" = Uuid, Path, description = "Session id"), TranscriptParams),
     responses(
         (status = 200, body = SessionDetail),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 503, body = ErrorBody),
     )
 )]
 #[tracing::instrument(skip_all, fields(session_id = %id), err(Display, level = "debug"))]
@@ -188,14 +210,29 @@ pub async fn get(
     State(app): State<AppState>,
     caller: Caller,
     ApiPath(id): ApiPath<SessionId>,
+    ApiQuery(params): ApiQuery<TranscriptParams>,
 ) -> Result<Json<SessionDetail>, ApiError> {
+    let limit = validate::limit(params.limit, TRANSCRIPT_DEFAULT, TRANSCRIPT_MAX)?;
+    let before = match params.before {
+        None => i64::MAX,
+        Some(seq) if seq >= 1 => seq,
+        Some(seq) => {
+            return Err(ApiError::bad_request(format!("before must be a seq of 1 or more, not {seq}")))
+        }
+    };
     let session = owned_session(&app, &caller, id).await?;
-    let events =
-        read::all_events(&app.pool, caller.as_str(), id).await?.ok_or_else(ApiError::session_not_found)?;
+    let page = read::transcript_page(&app.pool, caller.as_str(), id, before, limit)
+        .await?
+        .ok_or_else(ApiError::session_not_found)?;
     let turn_active = tokio::time::timeout(BUS_READ_TIMEOUT, app.leases.is_held(id))
         .await
         .map_err(|_| ApiError::Unavailable("turn lease lookup timed out".into()))??;
-    Ok(Json(SessionDetail { session: session.into(), items: ui_transcript(&events), turn_active }))
+    Ok(Json(SessionDetail {
+        session: session.into(),
+        items: page.events.iter().filter_map(transcript_item).collect(),
+        earlier: page.earlier.map(|before| EarlierCursor { before }),
+        turn_active,
+    }))
 }
 
 #[derive(Debug, Default, Deserialize, ToSchema)]

@@ -36,6 +36,8 @@ pub struct Options {
     pub allowed_models: Option<Vec<String>>,
     /// `TURNLOG_MAX_TURNS_PER_OWNER` and `TURNLOG_MAX_TURNS`.
     pub turn_limits: TurnLimits,
+    /// `TURNLOG_STATEMENT_TIMEOUT`.
+    pub statement_timeout: Duration,
 }
 
 impl Default for Options {
@@ -50,6 +52,7 @@ impl Default for Options {
             model_windows: Vec::new(),
             allowed_models: None,
             turn_limits: TurnLimits::default(),
+            statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 }
@@ -149,6 +152,7 @@ impl Api {
         config.compact_timeout = opts.compact_timeout;
         config.allowed_models = opts.allowed_models;
         config.turn_limits = opts.turn_limits;
+        config.statement_timeout = opts.statement_timeout;
         config.model_windows = opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
         config.upstream = opts.llm_url.map(|base_url| turnlog_core::upstream::UpstreamConfig {
             base_url,

@@ -156,6 +156,7 @@ fn distiller(rig: &Rig) -> DistillerConfig {
         consumer: fast_consumer(),
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
+        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
     }
 }
 
