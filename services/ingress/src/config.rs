@@ -14,6 +14,8 @@ use turnlog_core::budget::DEFAULT_BUDGET;
 use turnlog_core::ids::Owner;
 use turnlog_core::upstream::{parse_model_windows, UpstreamConfig};
 
+use crate::turn::TurnLimits;
+
 /// How long a write may take through the bus and the writer before the client gets 503.
 pub const DEFAULT_APPEND_TIMEOUT: Duration = Duration::from_secs(5);
 /// After shutdown is asked for, how long open connections get to finish.
@@ -22,6 +24,10 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 pub const DEFAULT_COMPACT_TIMEOUT: Duration = Duration::from_secs(30);
 /// The owner every request runs as when no tokens are configured (loopback only).
 pub const LOCAL_OWNER: &str = "local";
+/// Turns one owner may run at once on one ingress copy.
+pub const DEFAULT_MAX_TURNS_PER_OWNER: u32 = 8;
+/// Turns one ingress copy runs at once, all owners together.
+pub const DEFAULT_MAX_TURNS: u32 = 256;
 
 /// Flags of `turnlog ingress` beyond the backbone (database, NATS, bus prefix, partitions).
 #[derive(clap::Args, Clone)]
@@ -57,6 +63,12 @@ pub struct IngressArgs {
     /// How long a turn waits for the compactor's pre-send check (e.g. 30s).
     #[arg(long, env = "TURNLOG_COMPACT_TIMEOUT", default_value = "30s", value_parser = turnlog_core::config::parse_duration)]
     pub compact_timeout: Duration,
+    /// Turns one owner may run at once on this copy; more are refused with 429.
+    #[arg(long, env = "TURNLOG_MAX_TURNS_PER_OWNER", default_value_t = DEFAULT_MAX_TURNS_PER_OWNER, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_turns_per_owner: u32,
+    /// Turns this copy runs at once, all owners together; more are refused with 429.
+    #[arg(long, env = "TURNLOG_MAX_TURNS", default_value_t = DEFAULT_MAX_TURNS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_turns: u32,
 }
 
 /// Where the log and the bus are (the binary's shared backbone flags).
@@ -89,6 +101,8 @@ pub struct IngressConfig {
     pub shutdown_grace: Duration,
     /// How long a turn waits for the compactor's pre-send answer.
     pub compact_timeout: Duration,
+    /// The caps on concurrent turns of this copy (per owner, and in all).
+    pub turn_limits: TurnLimits,
     /// `TURNLOG_STATEMENT_TIMEOUT`: how long any one read query may run.
     pub statement_timeout: Duration,
 }
@@ -110,6 +124,7 @@ impl IngressConfig {
             append_timeout: DEFAULT_APPEND_TIMEOUT,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             compact_timeout: DEFAULT_COMPACT_TIMEOUT,
+            turn_limits: TurnLimits::default(),
             statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
         }
     }
@@ -151,6 +166,7 @@ impl IngressConfig {
             context_budget: args.context_budget,
             system_prompt: args.system_prompt,
             compact_timeout: args.compact_timeout,
+            turn_limits: TurnLimits { per_owner: args.max_turns_per_owner, total: args.max_turns },
             ..Self::new(backbone)
         };
         config.check_listen(args.listen)?;

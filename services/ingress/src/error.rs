@@ -12,7 +12,7 @@ use turnlog_core::bus::{AppendError, BusError};
 use turnlog_core::read::ReadError;
 use utoipa::ToSchema;
 
-/// What a client is told to wait before retrying a 503.
+/// What a client is told to wait before retrying a 503 or a 429.
 pub const RETRY_AFTER: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +34,9 @@ pub enum ApiError {
     PayloadTooLarge(String),
     #[error("{0}")]
     UnsupportedMediaType(String),
+    /// A cap on concurrent turns is reached; retrying after one ends is safe.
+    #[error("{0}")]
+    TooManyRequests(String),
     /// The bus, the writer or the database could not serve in time; retrying is safe. The
     /// text is logged, not shown.
     #[error("temporarily unavailable: {0}")]
@@ -64,6 +67,7 @@ impl ApiError {
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -79,6 +83,7 @@ impl ApiError {
             Self::Conflict(_) => "conflict",
             Self::PayloadTooLarge(_) => "payload_too_large",
             Self::UnsupportedMediaType(_) => "unsupported_media_type",
+            Self::TooManyRequests(_) => "too_many_requests",
             Self::Unavailable(_) => "unavailable",
             Self::Internal(_) => "internal",
         }
@@ -103,7 +108,8 @@ pub struct ErrorBody {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorDetail {
     /// bad_request, unauthorized, forbidden, not_found, method_not_allowed, conflict,
-    /// payload_too_large, unsupported_media_type, unavailable or internal.
+    /// payload_too_large, unsupported_media_type, too_many_requests, unavailable or
+    /// internal.
     pub code: String,
     pub message: String,
 }
@@ -120,7 +126,7 @@ impl IntoResponse for ApiError {
         let mut response = (self.status(), Json(body)).into_response();
         let headers = response.headers_mut();
         match self {
-            Self::Unavailable(_) => {
+            Self::Unavailable(_) | Self::TooManyRequests(_) => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER.as_secs()));
             }
             Self::Unauthorized => {

@@ -49,6 +49,11 @@ impl Default for Knobs {
 const OPEN: &str = "[mock";
 /// Most line breaks between two words.
 pub const MAX_BREAKS: usize = 64;
+/// The most `words=N` may ask for (~65,000 tokens, twice what a turnlog turn lets an
+/// answer have): the reply is built in memory before it is streamed.
+pub const MAX_WORDS: usize = 50_000;
+/// The most `reasoning=N` may ask for (each step is about eight tokens).
+pub const MAX_REASONING: usize = 10_000;
 
 impl Knobs {
     /// These knobs with every directive in `text` applied; an unknown key or bad value is
@@ -62,6 +67,17 @@ impl Knobs {
         Ok(self)
     }
 
+    /// These knobs with no more words and reasoning steps than `max_tokens` lets through:
+    /// each costs at least one token, so one past the budget is enough for the answer to
+    /// end with `length`, and building more would only spend memory.
+    pub fn within(mut self, max_tokens: Option<u32>) -> Self {
+        if let Some(most) = max_tokens.map(|m| m as usize + 1) {
+            self.words = self.words.min(most);
+            self.reasoning = self.reasoning.min(most);
+        }
+        self
+    }
+
     fn apply(&mut self, setting: &str) -> Result<(), String> {
         let (key, value) = match setting.split_once('=') {
             Some((key, value)) => (key, Some(value)),
@@ -72,8 +88,15 @@ impl Knobs {
                 .and_then(|v| v.parse().ok())
                 .ok_or_else(|| format!("mock directive `{setting}` needs a number"))
         };
+        let at_most = |most: usize| -> Result<usize, String> {
+            let n = number(value)?;
+            usize::try_from(n)
+                .ok()
+                .filter(|n| *n <= most)
+                .ok_or_else(|| format!("mock directive `{setting}`: at most {most}"))
+        };
         match key {
-            "words" => self.words = number(value)? as usize,
+            "words" => self.words = at_most(MAX_WORDS)?,
             "breaks" => {
                 let breaks = number(value)? as usize;
                 if breaks > MAX_BREAKS {
@@ -82,7 +105,7 @@ impl Knobs {
                 self.breaks = breaks;
             }
             "delay_ms" => self.delay_ms = number(value)?,
-            "reasoning" => self.reasoning = number(value)? as usize,
+            "reasoning" => self.reasoning = at_most(MAX_REASONING)?,
             "fail_after" => self.fail_after = Some(number(value)? as usize),
             "stall_after" => self.stall_after = Some(number(value)? as usize),
             "status" => {
@@ -161,7 +184,23 @@ mod tests {
         {
             assert!(Knobs::default().with_directives(bad).is_err(), "{bad}");
         }
+        for huge in ["[mock words=50001]", "[mock reasoning=10001]", "[mock words=18446744073709551615]"] {
+            let err = Knobs::default().with_directives(huge).unwrap_err();
+            assert!(err.contains("at most"), "{huge}: {err}");
+        }
+        let most = Knobs::default().with_directives("[mock words=50000 reasoning=10000]").unwrap();
+        assert_eq!((most.words, most.reasoning), (MAX_WORDS, MAX_REASONING));
         assert_eq!(Knobs::default().with_directives("a [mockery] b").unwrap(), Knobs::default());
+    }
+
+    #[test]
+    fn max_tokens_bounds_what_is_built() {
+        let asked = Knobs { words: MAX_WORDS, reasoning: MAX_REASONING, ..Knobs::default() };
+        let built = asked.clone().within(Some(5));
+        assert_eq!((built.words, built.reasoning), (6, 6));
+        assert_eq!(asked.clone().within(None), asked);
+        let few = Knobs { words: 3, reasoning: 0, ..Knobs::default() };
+        assert_eq!(few.clone().within(Some(100)), few);
     }
 
     #[test]

@@ -19,8 +19,9 @@
 //! status=503 hang]`: reply length in words, line breaks between the words instead of
 //! spaces, a pause before each delta, reasoning deltas, dropping the connection after N
 //! deltas, going silent after N deltas, no `[DONE]`, an HTTP error with an OpenAI-style
-//! body, never answering. Directives never appear in the reply. An unknown
-//! directive is answered 400.
+//! body, never answering. Directives never appear in the reply. An unknown directive, or
+//! `words` above 50,000 or `reasoning` above 10,000, is answered 400; no more words or
+//! reasoning steps are built than the request's `max_tokens` lets through.
 //!
 //! # Worker answers
 //! A system message containing a marker selects what turnlog's workers need. The
@@ -339,6 +340,7 @@ async fn chat(State(mock): State<Arc<Mock>>, headers: HeaderMap, body: Bytes) ->
     }
 
     let max_tokens = request.max_tokens.or(request.max_completion_tokens);
+    let knobs = knobs.within(max_tokens);
     let text = if knobs.stamp && task == Task::Chat {
         respond::STAMP.repeat(knobs.words)
     } else {

@@ -301,4 +301,30 @@ mod tests {
         let whole = Answer::new("id".into(), "m".into(), vec![], text, None, prompt);
         assert_eq!((whole.finish_reason, whole.content.concat().as_str()), ("stop", text));
     }
+
+    #[test]
+    fn building_only_what_max_tokens_lets_through_changes_no_answer() {
+        use crate::answers::{answer_text, reasoning_steps, Task, WireMessage};
+        let prompt = PromptUsage { prompt_tokens: 1, cached_tokens: 0 };
+        let messages = [WireMessage { role: "user".into(), content: json!("tell me") }];
+        let answer = |knobs: &Knobs, max_tokens| {
+            let text = answer_text(Task::Chat, &messages, knobs.words, max_tokens);
+            let a = Answer::new(
+                "id".into(),
+                "m".into(),
+                reasoning_steps(knobs.reasoning),
+                &text,
+                max_tokens,
+                prompt,
+            );
+            (a.reasoning, a.content, a.finish_reason, a.completion_tokens)
+        };
+        for (words, reasoning, max_tokens) in
+            [(2_000, 0, 7), (2_000, 3, 30), (2_000, 500, 40), (9, 2, 9), (5, 0, 500)]
+        {
+            let asked = Knobs { words, reasoning, ..Knobs::default() };
+            let built = asked.clone().within(Some(max_tokens));
+            assert_eq!(answer(&built, Some(max_tokens)), answer(&asked, Some(max_tokens)), "{asked:?}");
+        }
+    }
 }

@@ -241,6 +241,29 @@ async fn max_tokens_cuts_the_answer_with_length() {
 }
 
 #[tokio::test]
+async fn huge_answers_are_refused_and_max_tokens_bounds_what_is_built() {
+    let (_mock, client) = setup().await;
+    // Past the hard caps: 400 before anything is built (a token holder cannot make the
+    // mock in `turnlog dev` allocate without bound).
+    for huge in ["x [mock words=50001]", "x [mock reasoning=10001]", "x [mock words=99999999999 stamp]"] {
+        let error = collect(&client, &chat(huge)).await.unwrap_err();
+        let UpstreamError::Status { status: 400, body } = &error else { panic!("{huge}: {error:?}") };
+        assert!(body.contains("at most"), "{body}");
+    }
+    // At the caps with a small max_tokens: the same cut as a short answer.
+    for (most, few, max_tokens) in [("words=50000", "words=30", 5), ("reasoning=10000", "reasoning=20", 40)] {
+        let ask =
+            |knob| ChatRequest { max_tokens: Some(max_tokens), ..chat(&format!("same seed [mock {knob}]")) };
+        let most = collect(&client, &ask(most)).await.unwrap();
+        let few = collect(&client, &ask(few)).await.unwrap();
+        assert_eq!(most.finish.as_deref(), Some("length"));
+        assert!(!most.text.is_empty() || !most.reasoning.is_empty());
+        assert_eq!((most.text, most.reasoning), (few.text, few.reasoning));
+        assert!(most.usage.unwrap().completion_tokens <= max_tokens);
+    }
+}
+
+#[tokio::test]
 async fn worker_answers_are_valid_json_streamed_or_not() {
     let (_mock, client) = setup().await;
     let turn = [

@@ -290,3 +290,58 @@ async fn a_long_turn_checkpoints_at_least_every_two_seconds() {
         assert!(gap <= 2.2, "{gap:.2} s between checkpoints: {stamps:?}");
     }
 }
+
+/// A re-attach with an id the turn has not reached (a client's id from an earlier turn).
+async fn reattach_past_the_end(sys: &System, base: &str, id: &str) -> reqwest::Response {
+    sys.http
+        .get(format!("{base}/v1/sessions/{id}/stream"))
+        .header("Last-Event-ID", "1000")
+        .send()
+        .await
+        .expect("the re-attach is answered")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reattach_past_the_last_event_on_another_copy_ends_with_the_turn() {
+    let sys = System::start().await;
+    let (_a, a) = sys.ingress().await;
+    let (_b, b) = sys.ingress().await;
+    let id = sys.create(&a).await;
+    let running = sys.send(&a, &id, "go [mock words=60 delay_ms=25]").await;
+    assert_eq!(running.status(), 200);
+    let attached = reattach_past_the_end(&sys, &b, &id).await;
+    assert_eq!(attached.status(), 200, "the turn still runs");
+
+    let original = read_all(running).await;
+    let ended = std::time::Instant::now();
+    assert_eq!(original.last().unwrap().0, "end");
+    let followed =
+        tokio::time::timeout(Duration::from_secs(30), read_all(attached)).await.expect("the re-attach ends");
+    assert!(followed.is_empty(), "nothing past event 1000: {followed:?}");
+    assert!(ended.elapsed() < Duration::from_secs(5), "it ended {:?} after the turn", ended.elapsed());
+
+    // The turn is over: 204 at once, from either copy.
+    for base in [&a, &b] {
+        let asked = std::time::Instant::now();
+        assert_eq!(reattach_past_the_end(&sys, base, &id).await.status(), 204);
+        assert!(asked.elapsed() < Duration::from_millis(1500), "answered in {:?}", asked.elapsed());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reattach_past_the_last_event_does_not_hold_shutdown() {
+    let sys = System::start().await;
+    let (mut a, base) = sys.ingress().await;
+    let id = sys.create(&base).await;
+    let resp = sys.send(&base, &id, "endless [mock words=2000 delay_ms=20]").await;
+    let mut events = resp.bytes_stream().eventsource();
+    while events.next().await.unwrap().unwrap().event != "delta" {}
+    let follower = reattach_past_the_end(&sys, &base, &id).await;
+    assert_eq!(follower.status(), 200);
+    let asked = std::time::Instant::now();
+    a.terminate();
+    assert!(a.wait_exit(Duration::from_secs(30)).await.is_some(), "the ingress exits");
+    // The grace period is 10 s; a stream held open would keep it to the 20 s hard deadline.
+    assert!(asked.elapsed() < Duration::from_secs(10), "exited after {:?}", asked.elapsed());
+    drop(follower);
+}

@@ -8,6 +8,7 @@ use futures::StreamExt as _;
 use serde_json::{json, Value};
 use turnlog_core::message::{ChatMessage, Role};
 use turnlog_core::tokens::request_tokens;
+use turnlog_ingress::turn::TurnLimits;
 
 use crate::system::{Settings, System};
 
@@ -53,9 +54,13 @@ async fn answer_of(resp: reqwest::Response) -> anyhow::Result<String> {
 
 pub async fn run() -> anyhow::Result<()> {
     // Through turnlog.
-    let sys =
-        System::start(Settings { model: "mock", windows: vec![("mock", WINDOW)], system_prompt: SYSTEM })
-            .await?;
+    let sys = System::start(Settings {
+        model: "mock",
+        windows: vec![("mock", WINDOW)],
+        system_prompt: SYSTEM,
+        turn_limits: TurnLimits::default(),
+    })
+    .await?;
     let session = sys.create_session().await?;
     for turn in 1..=TURNS {
         let resp = sys
@@ -76,7 +81,13 @@ pub async fn run() -> anyhow::Result<()> {
     sys.stop().await;
 
     // The same conversation by a sliding window, straight to a fresh mock.
-    let sys = System::start(Settings { model: "mock", windows: vec![], system_prompt: SYSTEM }).await?;
+    let sys = System::start(Settings {
+        model: "mock",
+        windows: vec![],
+        system_prompt: SYSTEM,
+        turn_limits: TurnLimits::default(),
+    })
+    .await?;
     let mut history: Vec<ChatMessage> = Vec::new();
     for turn in 1..=TURNS {
         history.push(ChatMessage::text(Role::User, user_text(turn)));

@@ -10,10 +10,17 @@ use eventsource_stream::Eventsource as _;
 use futures::StreamExt as _;
 use serde_json::json;
 
+use turnlog_ingress::turn::TurnLimits;
+
 use crate::system::{Settings, System};
 
 const WORDS: usize = 40;
 const DELAY_MS: u64 = 5;
+/// Turns started together, all of one owner.
+const CONCURRENT: usize = 50;
+/// `TURNLOG_MAX_TURNS_PER_OWNER` for this bench: above [`CONCURRENT`], or the default cap
+/// (8) would refuse most of them with 429.
+const TURN_CAP_PER_OWNER: u32 = 64;
 
 fn unix_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
@@ -101,8 +108,13 @@ async fn through(sys: &System, session: &str, text: &str) -> anyhow::Result<Thro
 }
 
 pub async fn run() -> anyhow::Result<()> {
-    let sys =
-        System::start(Settings { model: "mock", windows: vec![], system_prompt: "You are terse." }).await?;
+    let sys = System::start(Settings {
+        model: "mock",
+        windows: vec![],
+        system_prompt: "You are terse.",
+        turn_limits: TurnLimits { per_owner: TURN_CAP_PER_OWNER, ..TurnLimits::default() },
+    })
+    .await?;
     let directive = format!("[mock words={WORDS} delay_ms={DELAY_MS} stamp]");
 
     // Directly: how late each delta arrives when nothing sits between client and model.
@@ -120,7 +132,7 @@ pub async fn run() -> anyhow::Result<()> {
     }
     // Fifty at once, each in its own session.
     let mut sessions = Vec::new();
-    for _ in 0..50 {
+    for _ in 0..CONCURRENT {
         sessions.push(sys.create_session().await?);
     }
     let sys_ref = &sys;
@@ -140,6 +152,7 @@ pub async fn run() -> anyhow::Result<()> {
     };
     let first = |ts: &[Through]| ts.iter().map(|t| t.first_delta_ms).collect::<Vec<_>>();
     println!("mock directly: delta transit p50 {direct_relay:.3} ms ({WORDS} deltas {DELAY_MS} ms apart)");
+    println!("{CONCURRENT} streams of one owner; per-owner turn cap (TURNLOG_MAX_TURNS_PER_OWNER) {TURN_CAP_PER_OWNER}");
     for (name, ts) in [("1 stream", &single), ("50 streams", &fifty)] {
         println!(
             "{name:>10}: before the upstream call p50 {:.2} ms p99 {:.2} ms; relay added per delta p50 {:.3} ms p99 {:.3} ms; first delta p50 {:.2} ms",
@@ -147,7 +160,7 @@ pub async fn run() -> anyhow::Result<()> {
         );
     }
     println!(
-        "RESULT ingress pre_upstream_p50_ms={:.2} relay_p50_ms={:.3} relay_p50_ms_50={:.3} pre_upstream_p50_ms_50={:.2} first_delta_p50_ms={:.2} first_delta_p50_ms_50={:.2}",
+        "RESULT ingress pre_upstream_p50_ms={:.2} relay_p50_ms={:.3} relay_p50_ms_50={:.3} pre_upstream_p50_ms_50={:.2} first_delta_p50_ms={:.2} first_delta_p50_ms_50={:.2} turn_cap_per_owner={TURN_CAP_PER_OWNER}",
         p50(pre(&single)), p50(relay(&single)), p50(relay(&fifty)), p50(pre(&fifty)), p50(first(&single)), p50(first(&fifty))
     );
     sys.stop().await;

@@ -6,6 +6,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::upstream::UpstreamConfig;
 use turnlog_core::worker::ConsumerSettings;
+use turnlog_ingress::turn::TurnLimits;
 use turnlog_ingress::{Backbone, IngressConfig};
 use turnlog_mock_llm::{MockConfig, MockHandle};
 use turnlog_testkit::{test_env, TestEnv};
@@ -23,6 +24,9 @@ pub struct Settings {
     /// `TURNLOG_MODEL_WINDOWS` entries, applied to every service.
     pub windows: Vec<(&'static str, u32)>,
     pub system_prompt: &'static str,
+    /// `TURNLOG_MAX_TURNS_PER_OWNER` and `TURNLOG_MAX_TURNS`: every bench client is one
+    /// owner, so a bench running more turns at once than the default 8 raises the cap.
+    pub turn_limits: TurnLimits,
 }
 
 impl System {
@@ -74,6 +78,7 @@ impl System {
         config.model = settings.model.into();
         config.model_windows = windows;
         config.system_prompt = settings.system_prompt.into();
+        config.turn_limits = settings.turn_limits;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let base = format!("http://{}", listener.local_addr()?);
         tokio::spawn(turnlog_ingress::run(config, listener, stop.clone()));

@@ -26,7 +26,7 @@ use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath};
 use crate::routes::sessions::owned_session;
-use crate::turn::{remote_stop, remote_stream, start_turn, ActiveTurn, TurnEvent, TurnStart};
+use crate::turn::{remote_stop, remote_stream, start_turn, ActiveTurn, TurnEvent, TurnSlot, TurnStart};
 use crate::writes::submit;
 use crate::{validate, AppState, Ingress};
 
@@ -142,7 +142,9 @@ fn derived(owner: &str, purpose: &str, key: &str) -> Uuid {
         (status = 200, description = "text/event-stream: meta, delta*, reasoning*, error?, end", content_type = "text/event-stream"),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
         (status = 409, description = "A turn is already running", body = ErrorBody),
-        (status = 413, body = ErrorBody), (status = 503, body = ErrorBody),
+        (status = 413, body = ErrorBody),
+        (status = 429, description = "Too many turns at once (`Retry-After`)", body = ErrorBody),
+        (status = 503, body = ErrorBody),
     )
 )]
 #[tracing::instrument(skip_all, fields(session_id = %id), err(Display, level = "debug"))]
@@ -156,7 +158,7 @@ pub async fn send(
     validated(&app, &body)?;
     let key = idempotency_key(&headers)?;
     owned_session(&app, &caller, id).await?;
-    send_turn(&app, &caller, id, body, key).await
+    send_turn(&app, &caller, id, body, key, None).await
 }
 
 /// Send a message to a session, or to a new one, and stream the turn.
@@ -167,7 +169,9 @@ pub async fn send(
     responses(
         (status = 200, description = "text/event-stream; `X-Session-Id` names the session", content_type = "text/event-stream"),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
-        (status = 409, body = ErrorBody), (status = 413, body = ErrorBody), (status = 503, body = ErrorBody),
+        (status = 409, body = ErrorBody), (status = 413, body = ErrorBody),
+        (status = 429, description = "Too many turns at once (`Retry-After`)", body = ErrorBody),
+        (status = 503, body = ErrorBody),
     )
 )]
 #[tracing::instrument(skip_all, fields(session_id), err(Display, level = "debug"))]
@@ -186,14 +190,13 @@ pub async fn chat(
     };
     validated(&app, &message)?;
     let key = idempotency_key(&headers)?;
-    let id = match body.session_id {
+    let (id, create) = match body.session_id {
         Some(id) => {
             let id = SessionId(id);
             owned_session(&app, &caller, id).await?;
-            id
+            (id, None)
         }
         None => {
-            ready_for_turns(&app)?;
             // With a key, a resent chat finds the session its first try created.
             let id = key
                 .as_deref()
@@ -202,12 +205,11 @@ pub async fn chat(
             if let Some(k) = &key {
                 create.request_id = derived(caller.as_str(), "create", k);
             }
-            submit(&app, &create).await?;
-            id
+            (id, Some(create))
         }
     };
     tracing::Span::current().record("session_id", tracing::field::display(id));
-    send_turn(&app, &caller, id, message, key).await
+    send_turn(&app, &caller, id, message, key, create).await
 }
 
 fn ready_for_turns(app: &Ingress) -> Result<(), ApiError> {
@@ -220,12 +222,15 @@ fn ready_for_turns(app: &Ingress) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Runs a turn: a resent request (same key) follows its first try; otherwise, within the
+/// caps, `create` (a new session's) and the user message are appended under the lease.
 async fn send_turn(
     app: &AppState,
     caller: &Caller,
     session: SessionId,
     body: SendMessage,
     key: Option<String>,
+    create: Option<AppendRequest>,
 ) -> Result<Response, ApiError> {
     ready_for_turns(app)?;
     let owner = caller.as_str();
@@ -237,6 +242,10 @@ async fn send_turn(
                 return answer_resend(app, caller, session, user_seq).await;
             }
         }
+    }
+    let slot = take_slot(app, caller)?;
+    if let Some(create) = &create {
+        submit(app, create).await?;
     }
     let holder = app.instance_id.clone();
     let lease = app.leases.acquire(session, &holder).await?.ok_or_else(turn_running)?;
@@ -263,9 +272,17 @@ async fn send_turn(
     }
     let turn = start_turn(
         app,
-        TurnStart { session, owner: caller.owner().clone(), user_seq, user_text, model, lease },
+        TurnStart { session, owner: caller.owner().clone(), user_seq, user_text, model, lease, slot },
     );
     Ok(stream_response(app, session, follow_local(turn, 0)))
+}
+
+/// A slot under the concurrent-turn caps (released when the turn ends, or when the guard
+/// is dropped on any earlier exit), or 429.
+fn take_slot(app: &Ingress, caller: &Caller) -> Result<TurnSlot, ApiError> {
+    app.turns
+        .take_slot(caller.owner(), app.config.turn_limits)
+        .map_err(|cap| ApiError::TooManyRequests(cap.to_string()))
 }
 
 fn turn_running() -> ApiError {
@@ -310,6 +327,7 @@ pub async fn stop(
         (status = 200, description = "text/event-stream, as for a message", content_type = "text/event-stream"),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
         (status = 409, description = "A turn is running, or the last turn completed", body = ErrorBody),
+        (status = 429, description = "Too many turns at once (`Retry-After`)", body = ErrorBody),
         (status = 503, body = ErrorBody),
     )
 )]
@@ -321,6 +339,7 @@ pub async fn retry(
 ) -> Result<Response, ApiError> {
     owned_session(&app, &caller, id).await?;
     ready_for_turns(&app)?;
+    let slot = take_slot(&app, &caller)?;
     let lease = app.leases.acquire(id, &app.instance_id).await?.ok_or_else(turn_running)?;
     let last = match read::last_user_message(&app.pool, caller.as_str(), id).await {
         Ok(Some((seq, message, false))) => (seq, message),
@@ -348,6 +367,7 @@ pub async fn retry(
         user_text: message.text,
         model,
         lease,
+        slot,
     };
     let turn = start_turn(&app, start);
     Ok(stream_response(&app, id, follow_local(turn, 0)))
@@ -380,6 +400,9 @@ pub async fn reattach(
             })?,
         };
     if let Some(turn) = app.turns.get(id) {
+        if turn.is_over() && turn.events_after(after).is_empty() {
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
         return Ok(stream_response(&app, id, follow_local(turn, after)));
     }
     match remote_stream(&app, id, after).await {
@@ -461,7 +484,13 @@ fn follow_local(turn: Arc<ActiveTurn>, after: u64) -> futures::stream::BoxStream
             if ended {
                 return None;
             }
+            // Read before the events: an ended turn with nothing after `last` has nothing
+            // more for a follower already past its end (a Last-Event-ID beyond it).
+            let over = turn.is_over();
             queue.extend(turn.events_after(last));
+            if queue.is_empty() && over {
+                return None;
+            }
             if queue.is_empty() && watch.changed().await.is_err() {
                 queue.extend(turn.events_after(last));
                 if queue.is_empty() {

@@ -5,6 +5,7 @@
 
 mod remote;
 mod runner;
+mod slots;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -15,10 +16,11 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use turnlog_core::events::PendingReason;
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 
 pub use remote::{remote_stop, remote_stream};
 pub use runner::{start_turn, TurnStart};
+pub use slots::{CapReached, TurnLimits, TurnSlot};
 
 /// One event of a turn's stream: `id` counts from 1 within the turn.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -70,6 +72,12 @@ impl ActiveTurn {
         events.iter().skip(usize::try_from(after).unwrap_or(usize::MAX)).cloned().collect()
     }
 
+    /// Whether the turn has emitted its `end` (nothing follows it).
+    pub fn is_over(&self) -> bool {
+        let events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
+        events.last().is_some_and(|e| e.is_end())
+    }
+
     /// A receiver that changes whenever an event is emitted.
     pub fn watch(&self) -> watch::Receiver<u64> {
         self.count.subscribe()
@@ -88,15 +96,22 @@ impl ActiveTurn {
     }
 }
 
-/// The turns this copy runs, by session.
+/// The turns this copy runs, by session, and their slots under the caps.
 #[derive(Default)]
 pub struct TurnHub {
     turns: Mutex<HashMap<SessionId, Arc<ActiveTurn>>>,
+    slots: slots::TurnSlots,
     tasks: TaskTracker,
     closing: CancellationToken,
 }
 
 impl TurnHub {
+    /// A slot for one more turn of `owner`, taken before the turn creates, leases or
+    /// appends anything; the turn holds it until it ends.
+    pub fn take_slot(&self, owner: &Owner, limits: TurnLimits) -> Result<TurnSlot, CapReached> {
+        self.slots.take(owner, limits)
+    }
+
     pub fn get(&self, session: SessionId) -> Option<Arc<ActiveTurn>> {
         self.turns.lock().unwrap_or_else(PoisonError::into_inner).get(&session).cloned()
     }

@@ -29,6 +29,9 @@ struct SnapshotRequest {
 struct SnapshotPiece {
     events: Vec<TurnEvent>,
     last: bool,
+    /// On the last piece: the turn has emitted its `end` (absent from older copies).
+    #[serde(default)]
+    over: bool,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -65,7 +68,9 @@ pub async fn serve(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>) -> Option<tokio::
                 Some(msg) = snapshots.next() => {
                     let Some(reply) = msg.reply else { continue };
                     let after = serde_json::from_slice::<SnapshotRequest>(&msg.payload).map_or(0, |r| r.after);
-                    for piece in pieces(turn.events_after(after)) {
+                    // Read before the events, so `over` never hides an `end` they lack.
+                    let over = turn.is_over();
+                    for piece in pieces(turn.events_after(after), over) {
                         if let Ok(body) = serde_json::to_vec(&piece) {
                             let _ = client.publish(reply.clone(), body.into()).await;
                         }
@@ -77,14 +82,16 @@ pub async fn serve(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>) -> Option<tokio::
     }))
 }
 
-/// Splits events into snapshot pieces under [`PIECE_BYTES`]; the last one says so.
-fn pieces(events: Vec<Arc<TurnEvent>>) -> Vec<SnapshotPiece> {
-    let mut out = vec![SnapshotPiece { events: Vec::new(), last: false }];
+/// Splits events into snapshot pieces under [`PIECE_BYTES`]; the last one says so, and
+/// whether the turn is `over`.
+fn pieces(events: Vec<Arc<TurnEvent>>, over: bool) -> Vec<SnapshotPiece> {
+    let piece = || SnapshotPiece { events: Vec::new(), last: false, over: false };
+    let mut out = vec![piece()];
     let mut size = 0;
     for e in events {
         let len = e.data.to_string().len() + 64;
         if size + len > PIECE_BYTES && !out.last().is_none_or(|p| p.events.is_empty()) {
-            out.push(SnapshotPiece { events: Vec::new(), last: false });
+            out.push(piece());
             size = 0;
         }
         size += len;
@@ -94,6 +101,7 @@ fn pieces(events: Vec<Arc<TurnEvent>>) -> Vec<SnapshotPiece> {
     }
     if let Some(p) = out.last_mut() {
         p.last = true;
+        p.over = over;
     }
     out
 }
@@ -106,7 +114,7 @@ pub async fn remote_stop(app: &Ingress, session: SessionId) -> bool {
 }
 
 /// Follows a turn another copy runs, from after event `after`; None when no copy answers
-/// for the session (no turn in flight).
+/// for the session (no turn in flight), or its turn is over with nothing after `after`.
 pub async fn remote_stream(
     app: &Arc<Ingress>,
     session: SessionId,
@@ -114,7 +122,10 @@ pub async fn remote_stream(
 ) -> Option<impl Stream<Item = TurnEvent> + Send + 'static> {
     let client = app.bus.client.clone();
     let live = client.subscribe(app.bus.names.live_subject(session)).await.ok()?;
-    let snapshot = snapshot(app, session, after).await?;
+    let (snapshot, over) = snapshot(app, session, after).await?;
+    if over && snapshot.is_empty() {
+        return None;
+    }
     let app = Arc::clone(app);
     let state = Follow { app, session, live, queue: snapshot.into(), last: after, ended: false };
     Some(futures::stream::unfold(state, |mut s| async move {
@@ -123,7 +134,8 @@ pub async fn remote_stream(
     }))
 }
 
-async fn snapshot(app: &Ingress, session: SessionId, after: u64) -> Option<Vec<TurnEvent>> {
+/// The turn's events after `after`, and whether it is over.
+async fn snapshot(app: &Ingress, session: SessionId, after: u64) -> Option<(Vec<TurnEvent>, bool)> {
     let client = &app.bus.client;
     let inbox = client.new_inbox();
     let mut replies = client.subscribe(inbox.clone()).await.ok()?;
@@ -135,7 +147,7 @@ async fn snapshot(app: &Ingress, session: SessionId, after: u64) -> Option<Vec<T
         let piece: SnapshotPiece = serde_json::from_slice(&msg.payload).ok()?;
         events.extend(piece.events);
         if piece.last {
-            return Some(events);
+            return Some((events, piece.over));
         }
     }
 }
@@ -157,11 +169,15 @@ impl Follow {
             }
             if let Some(e) = self.queue.pop_front() {
                 if e.id <= self.last {
+                    // An `end` not past `last`: the follower started beyond the turn's end.
+                    if e.is_end() {
+                        return None;
+                    }
                     continue;
                 }
                 if e.id > self.last + 1 {
                     // Missed some on the live subject: fetch them from the snapshot.
-                    let missed = snapshot(&self.app, self.session, self.last).await?;
+                    let (missed, _) = snapshot(&self.app, self.session, self.last).await?;
                     self.queue = missed.into_iter().chain(std::iter::once(e)).collect();
                     continue;
                 }

@@ -21,7 +21,7 @@ use turnlog_core::tokens::request_tokens;
 use turnlog_core::upstream::{ChatRequest, StreamItem, UpstreamError};
 use uuid::Uuid;
 
-use super::{remote, ActiveTurn};
+use super::{remote, ActiveTurn, TurnSlot};
 use crate::Ingress;
 
 /// The whole partial is checkpointed this often while an answer streams.
@@ -41,7 +41,8 @@ const MAX_PARTIAL_JSON_BYTES: usize = MAX_EVENT_BYTES - 4 * 1024;
 /// How many recalled memories ride along with a turn.
 const RECALLED_MEMORIES: i64 = 5;
 
-/// What a turn starts from: the lease is held and the user message is durable.
+/// What a turn starts from: the lease is held, the user message is durable, and the turn
+/// has its slot under the caps (given back at its end, or whenever the task goes).
 pub struct TurnStart {
     pub session: SessionId,
     pub owner: Owner,
@@ -49,6 +50,7 @@ pub struct TurnStart {
     pub user_text: String,
     pub model: String,
     pub lease: Lease,
+    pub slot: TurnSlot,
 }
 
 /// Starts the turn's task and registers it; the returned handle is what clients follow.
@@ -153,6 +155,7 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
     if let Err(e) = app.leases.release(lease).await {
         tracing::debug!(error = %e, "turn lease not released (it expires by itself)");
     }
+    start.slot.release();
     let status = end.get("status").and_then(Value::as_str).unwrap_or("failed").to_owned();
     app.metrics.turn_finished(&status);
     t.emit("end", end).await;

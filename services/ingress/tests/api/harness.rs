@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use turnlog_core::bus::{append_and_wait, AppendRequest, Bus, OutcomeStatus};
 use turnlog_core::events::EventBody;
 use turnlog_core::ids::SessionId;
+use turnlog_ingress::turn::TurnLimits;
 use turnlog_ingress::{ApiTokens, Backbone, IngressConfig};
 use turnlog_testkit::{eventually, test_env, TestEnv};
 use turnlog_writer::WriterConfig;
@@ -33,6 +34,8 @@ pub struct Options {
     pub model_windows: Vec<(&'static str, u32)>,
     /// `TURNLOG_ALLOWED_MODELS` (None: any model).
     pub allowed_models: Option<Vec<String>>,
+    /// `TURNLOG_MAX_TURNS_PER_OWNER` and `TURNLOG_MAX_TURNS`.
+    pub turn_limits: TurnLimits,
     /// `TURNLOG_STATEMENT_TIMEOUT`.
     pub statement_timeout: Duration,
 }
@@ -48,6 +51,7 @@ impl Default for Options {
             compact_timeout: Duration::from_millis(300),
             model_windows: Vec::new(),
             allowed_models: None,
+            turn_limits: TurnLimits::default(),
             statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
         }
     }
@@ -147,6 +151,7 @@ impl Api {
         config.system_prompt = opts.system_prompt;
         config.compact_timeout = opts.compact_timeout;
         config.allowed_models = opts.allowed_models;
+        config.turn_limits = opts.turn_limits;
         config.statement_timeout = opts.statement_timeout;
         config.model_windows = opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
         config.upstream = opts.llm_url.map(|base_url| turnlog_core::upstream::UpstreamConfig {

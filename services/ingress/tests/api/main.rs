@@ -16,5 +16,6 @@ mod reads;
 mod sessions;
 mod sizes;
 mod transcript;
+mod turn_caps;
 mod turns;
 mod unavailable;

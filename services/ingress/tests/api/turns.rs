@@ -441,6 +441,36 @@ async fn reattach_replays_after_last_event_id_then_follows_live() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reattach_past_the_turns_last_event_ends_with_the_turn() {
+    let (api, _mock) = with_mock().await;
+    let id = api.create(ALICE, None).await;
+    let stream_path = format!("/v1/sessions/{id}/stream");
+    let running = api
+        .turn_request(
+            Method::POST,
+            &send_path(id),
+            ALICE,
+            Some(json!({"text": "go [mock words=30 delay_ms=20]"})),
+            &[],
+        )
+        .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // An id this turn has not reached (a client's id from an earlier, longer turn).
+    let beyond = [("Last-Event-ID", "1000")];
+    let attached = tokio::time::timeout(WAIT, api.turn(Method::GET, &stream_path, ALICE, None, &beyond))
+        .await
+        .expect("the re-attach ends when the turn does");
+    assert_eq!(attached.status, 200);
+    assert!(attached.events.is_empty(), "nothing past event 1000: {:?}", attached.events);
+    let full = running.bytes_stream().eventsource().collect::<Vec<_>>().await;
+    assert_eq!(full.last().unwrap().as_ref().unwrap().event, "end");
+
+    // The turn is over: no stream to hold open.
+    let after = api.turn(Method::GET, &stream_path, ALICE, None, &beyond).await;
+    assert_eq!(after.status, 204);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_over_the_whole_window_fails_as_context_overflow_without_a_compactor() {
     let (api, mock) =
         with_mock_opts(Options { model_windows: vec![("tiny", 40)], ..Options::default() }).await;

@@ -122,10 +122,12 @@ impl Cluster {
                 ports.push(p);
             }
         }
+        let turn_cap = config.turn_cap_per_owner().to_string();
         for (copy, port) in ports.into_iter().enumerate() {
             let listen = format!("127.0.0.1:{port}");
             let vars = [
                 ("TURNLOG_LISTEN", listen.as_str()),
+                ("TURNLOG_MAX_TURNS_PER_OWNER", turn_cap.as_str()),
                 ("TURNLOG_LLM_URL", llm.as_str()),
                 ("TURNLOG_MODEL_WINDOWS", MODEL_WINDOWS),
                 // A hung model turns into a failed turn this soon.

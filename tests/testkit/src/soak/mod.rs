@@ -110,6 +110,13 @@ impl SoakConfig {
             ..SoakConfig::bench(bin, 1.0)
         }
     }
+
+    /// `TURNLOG_MAX_TURNS_PER_OWNER` of each ingress copy: every client is the one owner
+    /// `local`, and with a copy down all of them (and the probes) use the other, so the cap
+    /// sits well above the clients or their turns would be refused with 429.
+    pub fn turn_cap_per_owner(&self) -> usize {
+        self.clients * 2 + 8
+    }
 }
 
 /// Runs the soak and checks the outcome. Errors only when the system cannot be set up;
@@ -119,9 +126,10 @@ pub async fn run(config: SoakConfig) -> anyhow::Result<SoakReport> {
     let cluster = Arc::new(cluster::Cluster::start(&config).await?);
     let shared = Arc::new(Shared::new(Arc::clone(&config)));
     shared.say(&format!(
-        "soak: {} clients for {:.0} s; ingress {}; logs under {}",
+        "soak: {} clients for {:.0} s; per-owner turn cap {}; ingress {}; logs under {}",
         config.clients,
         config.duration.as_secs_f64(),
+        config.turn_cap_per_owner(),
         cluster.ingress.join(" "),
         crate::process::log_dir().display()
     ));

@@ -86,6 +86,8 @@ pub struct FaultRow {
 pub struct SoakReport {
     pub duration_s: f64,
     pub clients: usize,
+    /// The ingress copies' `TURNLOG_MAX_TURNS_PER_OWNER`.
+    pub turn_cap_per_owner: usize,
     pub faults: usize,
     pub acked: usize,
     pub lost: usize,
@@ -235,6 +237,7 @@ pub(crate) fn build(
     SoakReport {
         duration_s: config.duration.as_secs_f64(),
         clients: config.clients,
+        turn_cap_per_owner: config.turn_cap_per_owner(),
         faults: runs.len(),
         acked: checked.acked.len(),
         lost: violations.iter().filter(|v| v.kind == ViolationKind::Lost).count(),
@@ -320,7 +323,7 @@ impl SoakReport {
         let growth = self.max_rss_growth.map_or("na".to_owned(), |g| format!("{:.1}", g * 100.0));
         format!(
             "RESULT soak faults={} acked={} lost={} duplicated={} max_recovery_s={:.1} max_rss_mb={:.0} \
-             violations={} max_rss_growth_pct={growth} cuts_bounded={}",
+             violations={} max_rss_growth_pct={growth} cuts_bounded={} clients={} turn_cap_per_owner={}",
             self.faults,
             self.acked,
             self.lost,
@@ -328,7 +331,9 @@ impl SoakReport {
             self.max_recovery_s,
             self.max_rss_mb,
             self.violations.len(),
-            self.cuts_bounded
+            self.cuts_bounded,
+            self.clients,
+            self.turn_cap_per_owner
         )
     }
 
@@ -391,8 +396,8 @@ impl SoakReport {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "\nsoak: {:.0} s of load, {} clients, {} faults",
-            self.duration_s, self.clients, self.faults
+            "\nsoak: {:.0} s of load, {} clients (per-owner turn cap {}), {} faults",
+            self.duration_s, self.clients, self.turn_cap_per_owner, self.faults
         );
         for d in &self.details {
             let _ = writeln!(out, "  {d}");
