@@ -2,7 +2,7 @@
 //! work before the upstream call (lease, durable user message, compaction check, context
 //! build), and the relay of each delta (the mock stamps each delta with its send time; the
 //! relay is how much later it arrives through turnlog than directly), at 1 and 50
-//! concurrent streams.
+//! concurrent streams, and 50 turns deep into one session.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -18,6 +18,8 @@ const WORDS: usize = 40;
 const DELAY_MS: u64 = 5;
 /// Turns started together, all of one owner.
 const CONCURRENT: usize = 50;
+/// Turns a session has before the deep figures are taken.
+const DEEP_HISTORY: usize = 50;
 /// `TURNLOG_MAX_TURNS_PER_OWNER` for this bench: above [`CONCURRENT`], or the default cap
 /// (8) would refuse most of them with 429.
 const TURN_CAP_PER_OWNER: u32 = 64;
@@ -144,6 +146,17 @@ pub async fn run() -> anyhow::Result<()> {
     for r in futures::future::join_all(runs).await {
         fifty.push(r?);
     }
+    // Deep in a conversation: turns 51 to 70 of one session, whose history the context
+    // build and the compaction check read every turn.
+    let deep_session = sys.create_session().await?;
+    for i in 0..DEEP_HISTORY {
+        through(&sys, &deep_session, &format!("history {i} [mock words=40]")).await?;
+    }
+    let mut deep = Vec::new();
+    for i in 0..20 {
+        deep.push(through(&sys, &deep_session, &format!("deep {i} {directive}")).await?);
+    }
+    let durable = u8::from(sys.env.durable().await?);
 
     let pre = |ts: &[Through]| ts.iter().map(|t| t.pre_upstream_ms).collect::<Vec<_>>();
     // turnlog's relay: how much later a delta arrives through turnlog than directly.
@@ -153,15 +166,23 @@ pub async fn run() -> anyhow::Result<()> {
     let first = |ts: &[Through]| ts.iter().map(|t| t.first_delta_ms).collect::<Vec<_>>();
     println!("mock directly: delta transit p50 {direct_relay:.3} ms ({WORDS} deltas {DELAY_MS} ms apart)");
     println!("{CONCURRENT} streams of one owner; per-owner turn cap (TURNLOG_MAX_TURNS_PER_OWNER) {TURN_CAP_PER_OWNER}");
-    for (name, ts) in [("1 stream", &single), ("50 streams", &fifty)] {
+    for (name, ts) in [("1 stream", &single), ("50 streams", &fifty), ("turn 51+", &deep)] {
         println!(
             "{name:>10}: before the upstream call p50 {:.2} ms p99 {:.2} ms; relay added per delta p50 {:.3} ms p99 {:.3} ms; first delta p50 {:.2} ms",
             p50(pre(ts)), p99(pre(ts)), p50(relay(ts)), p99(relay(ts)), p50(first(ts))
         );
     }
+    if durable == 0 {
+        println!("WARNING: commits are not durable on this server (RESULT says durable=0); set DATABASE_URL to a durable one");
+    }
     println!(
-        "RESULT ingress pre_upstream_p50_ms={:.2} relay_p50_ms={:.3} relay_p50_ms_50={:.3} pre_upstream_p50_ms_50={:.2} first_delta_p50_ms={:.2} first_delta_p50_ms_50={:.2} turn_cap_per_owner={TURN_CAP_PER_OWNER}",
-        p50(pre(&single)), p50(relay(&single)), p50(relay(&fifty)), p50(pre(&fifty)), p50(first(&single)), p50(first(&fifty))
+        "RESULT ingress pre_upstream_p50_ms={:.2} pre_upstream_p99_ms={:.2} relay_p50_ms={:.3} relay_p99_ms={:.3} \
+         relay_p50_ms_50={:.3} relay_p99_ms_50={:.3} pre_upstream_p50_ms_50={:.2} pre_upstream_p99_ms_50={:.2} \
+         pre_upstream_p50_ms_deep={:.2} pre_upstream_p99_ms_deep={:.2} first_delta_p50_ms={:.2} \
+         first_delta_p50_ms_50={:.2} turn_cap_per_owner={TURN_CAP_PER_OWNER} durable={durable}",
+        p50(pre(&single)), p99(pre(&single)), p50(relay(&single)), p99(relay(&single)),
+        p50(relay(&fifty)), p99(relay(&fifty)), p50(pre(&fifty)), p99(pre(&fifty)),
+        p50(pre(&deep)), p99(pre(&deep)), p50(first(&single)), p50(first(&fifty))
     );
     sys.stop().await;
     Ok(())

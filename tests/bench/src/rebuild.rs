@@ -32,8 +32,9 @@ pub async fn run() -> anyhow::Result<()> {
     .fetch_all(&env.pool)
     .await?;
     println!("postgres: {settings:?}  nats: {}", env.nats_url);
-    if settings.iter().any(|(k, v)| (k == "fsync" || k == "synchronous_commit") && v == "off") {
-        println!("WARNING: commits are not durable on this server; set DATABASE_URL to a durable one");
+    let durable = u8::from(env.durable().await?);
+    if durable == 0 {
+        println!("WARNING: commits are not durable on this server (RESULT says durable=0); set DATABASE_URL to a durable one");
     }
     let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await?;
     bus.ensure_topology(None).await?;
@@ -134,7 +135,7 @@ pub async fn run() -> anyhow::Result<()> {
     drop_database(&env.admin_url, &target).await?;
     env.cleanup().await;
     println!(
-        "RESULT rebuild rebuild_per_s={rebuild_per_s:.0} replay_per_s={replay_per_s:.0} live_writer_per_s={live_per_s:.0} events={}",
+        "RESULT rebuild rebuild_per_s={rebuild_per_s:.0} replay_per_s={replay_per_s:.0} live_writer_per_s={live_per_s:.0} events={} durable={durable}",
         summary.events
     );
     Ok(())

@@ -101,6 +101,18 @@ pub async fn try_test_env_on(
 }
 
 impl TestEnv {
+    /// Whether the database commits durably (`fsync` and `synchronous_commit` on): a
+    /// benchmark's timings mean little for production otherwise, so its RESULT line says
+    /// `durable=0`. The testkit's private server runs with both off.
+    pub async fn durable(&self) -> anyhow::Result<bool> {
+        let mut on = true;
+        for setting in ["fsync", "synchronous_commit"] {
+            let value: String = sqlx::query_scalar(&format!("SHOW {setting}")).fetch_one(&self.pool).await?;
+            on &= value != "off";
+        }
+        Ok(on)
+    }
+
     /// DATABASE_URL, NATS_URL and TURNLOG_BUS_PREFIX for a child process.
     pub fn env_vars(&self) -> Vec<(String, String)> {
         vec![

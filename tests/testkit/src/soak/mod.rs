@@ -156,7 +156,8 @@ pub async fn run(config: SoakConfig) -> anyhow::Result<SoakReport> {
     shared.say("load finished; waiting for the workers, then checking");
 
     let checked = check::check(&cluster, &shared).await;
-    let report = report::build(&config, &shared, runs, checked);
+    let mut report = report::build(&config, &shared, runs, checked);
+    report.durable = cluster.env.durable().await.unwrap_or(false);
     cluster.shutdown().await;
     Ok(report)
 }

@@ -88,6 +88,8 @@ pub struct SoakReport {
     pub clients: usize,
     /// The ingress copies' `TURNLOG_MAX_TURNS_PER_OWNER`.
     pub turn_cap_per_owner: usize,
+    /// Whether the soak's Postgres commits durably (its private server does not: fsync off).
+    pub durable: bool,
     pub faults: usize,
     pub acked: usize,
     pub lost: usize,
@@ -238,6 +240,7 @@ pub(crate) fn build(
         duration_s: config.duration.as_secs_f64(),
         clients: config.clients,
         turn_cap_per_owner: config.turn_cap_per_owner(),
+        durable: false,
         faults: runs.len(),
         acked: checked.acked.len(),
         lost: violations.iter().filter(|v| v.kind == ViolationKind::Lost).count(),
@@ -323,7 +326,7 @@ impl SoakReport {
         let growth = self.max_rss_growth.map_or("na".to_owned(), |g| format!("{:.1}", g * 100.0));
         format!(
             "RESULT soak faults={} acked={} lost={} duplicated={} max_recovery_s={:.1} max_rss_mb={:.0} \
-             violations={} max_rss_growth_pct={growth} cuts_bounded={} clients={} turn_cap_per_owner={}",
+             violations={} max_rss_growth_pct={growth} cuts_bounded={} clients={} turn_cap_per_owner={} durable={}",
             self.faults,
             self.acked,
             self.lost,
@@ -333,7 +336,8 @@ impl SoakReport {
             self.violations.len(),
             self.cuts_bounded,
             self.clients,
-            self.turn_cap_per_owner
+            self.turn_cap_per_owner,
+            u8::from(self.durable)
         )
     }
 
