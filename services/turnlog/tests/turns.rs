@@ -104,6 +104,14 @@ async fn two_copies_share_the_lease_and_serve_stop_and_reattach_for_each_other()
     assert_eq!(running.status(), 200);
     let second = sys.send(&b, &id, "me too").await;
     assert_eq!(second.status(), 409, "the other copy sees the lease");
+    // The turn is past event 3 (meta and two deltas) before anyone re-attaches or stops it,
+    // so a follower from event 2 has something to follow however slow the machine.
+    let mut running = running.bytes_stream().eventsource();
+    let mut original = Vec::new();
+    while original.len() < 3 {
+        let e = running.next().await.unwrap().unwrap();
+        original.push((e.event, serde_json::from_str::<Value>(&e.data).unwrap()));
+    }
 
     // Re-attach on B to the turn A runs, from event 2.
     let attached = sys
@@ -118,7 +126,10 @@ async fn two_copies_share_the_lease_and_serve_stop_and_reattach_for_each_other()
     let stop = sys.http.post(format!("{b}/v1/sessions/{id}/stop")).send().await.unwrap();
     assert_eq!(stop.status(), 202, "B stops A's turn");
 
-    let original = read_all(running).await;
+    while let Some(e) = running.next().await {
+        let e = e.unwrap();
+        original.push((e.event, serde_json::from_str::<Value>(&e.data).unwrap()));
+    }
     let followed = read_all(attached).await;
     assert_eq!(the_end(&original)["status"], "stopped");
     assert_eq!(the_end(&followed), the_end(&original), "the follower saw the same end");
