@@ -94,14 +94,14 @@ pub async fn check_log(env: &TestEnv, bus: &Bus, acked: &Acked) {
     }
 }
 
-/// Every committed event on the feed, by its dedup id; panics on a duplicate.
+/// Every committed event on the feed, by `<session_id>:<seq>`; panics on a duplicate.
 pub async fn feed(env: &TestEnv, bus: &Bus) -> HashMap<String, CommittedEvent> {
     let (out, duplicates) = feed_counting_duplicates(env, bus).await;
     assert!(duplicates == 0, "checker: an event reached the feed twice");
     out
 }
 
-/// Every committed event on the feed, by its dedup id, and how many times an id came again
+/// Every committed event on the feed, by `<session_id>:<seq>`, and how many times one came again
 /// (the feed is at-least-once: a republish outside the duplicate window repeats an event,
 /// which a long soak reports rather than fails on).
 pub async fn feed_counting_duplicates(env: &TestEnv, bus: &Bus) -> (HashMap<String, CommittedEvent>, usize) {
@@ -116,7 +116,7 @@ pub async fn feed_counting_duplicates(env: &TestEnv, bus: &Bus) -> (HashMap<Stri
     let Ok(mut messages) = consumer.messages().await else { return (out, 0) };
     while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(700), messages.next()).await {
         let e: CommittedEvent = serde_json::from_slice(&m.payload).expect("checker: feed event decodes");
-        if out.insert(e.msg_id(), e).is_some() {
+        if out.insert(format!("{}:{}", e.session_id, e.seq), e).is_some() {
             duplicates += 1;
         }
     }
