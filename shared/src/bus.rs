@@ -628,6 +628,42 @@ mod tests {
     }
 
     #[test]
+    fn feed_ids_name_the_session_life_and_bodies_name_their_append_sequence() {
+        let session = SessionId::new();
+        let created: DateTime<Utc> = "2026-12-01T02:03:04.567891Z".parse().unwrap();
+        let event: CommittedEvent = serde_json::from_value(serde_json::json!({
+            "session_id": session, "owner": "alice", "seq": 3, "event_id": Uuid::nil(),
+            "kind": "user_message", "payload": {}, "created_at": created, "stream_seq": 42
+        }))
+        .unwrap();
+        assert_eq!(event.msg_id(created), format!("{session}:3:1796090584567891"));
+        let later = created + chrono::TimeDelta::microseconds(1);
+        assert_ne!(event.msg_id(later), event.msg_id(created), "a session created again is another");
+        // Events published before bodies carried it still decode.
+        let mut old = serde_json::to_value(&event).unwrap();
+        old.as_object_mut().unwrap().remove("stream_seq");
+        assert_eq!(serde_json::from_value::<CommittedEvent>(old).unwrap().stream_seq, None);
+
+        // A writer's dead letter names its APPEND sequence; a worker's holds an event that does.
+        let request = AppendRequest::delete(session, "alice");
+        let writer_letter = DeadLetter {
+            reason: "owner_mismatch".into(),
+            detail: String::new(),
+            stream_seq: Some(7),
+            request: serde_json::to_string(&request).unwrap(),
+        };
+        assert_eq!(writer_letter.append_seq(), Some(7));
+        let undecodable = DeadLetter { request: "{garbage".into(), ..writer_letter.clone() };
+        assert_eq!(undecodable.append_seq(), Some(7));
+        let worker_letter = DeadLetter {
+            stream_seq: Some(1_000),
+            request: serde_json::to_string(&event).unwrap(),
+            ..writer_letter
+        };
+        assert_eq!(worker_letter.append_seq(), Some(42));
+    }
+
+    #[test]
     fn request_wire_shape() {
         let s = SessionId::new();
         let mut r = AppendRequest::append(

@@ -638,7 +638,7 @@ async fn turn_lease_is_exclusive_compare_and_set_and_expires() {
 async fn drain_consumer(
     consumer: &async_nats::jetstream::consumer::Consumer<async_nats::jetstream::consumer::pull::Config>,
 ) -> Vec<(String, Bytes)> {
-    let mut messages = consumer.messages().await.unwrap();
+    let mut messages = consumer.messages().await.expect("the consumer's messages");
     let mut out = Vec::new();
     while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(500), messages.next()).await {
         out.push((m.subject.to_string(), m.payload.clone()));
