@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::jetstream::stream::RawMessageErrorKind;
 use async_nats::jetstream::{self, message::PublishMessage, stream};
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
@@ -26,6 +27,14 @@ pub const MAX_EVENT_BYTES: usize = 768 * 1024;
 pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
 /// The turn lease expires unless renewed within this.
 pub const TURN_LEASE_TTL: Duration = Duration::from_secs(10);
+/// The reason `append_and_wait` reports for a request applied once and then deleted with
+/// its session, when the same request id is sent again within the duplicate window.
+/// JetStream drops the copy as a duplicate, so the writer never sees it, and the first
+/// copy's outcome went with the session: without this the producer could only wait for an
+/// outcome that never comes (a 503 forever). It is an answer, not a write — the database
+/// stays a function of the APPEND stream. After the window the same request is applied
+/// anew (a create makes the session again), as a rebuild would apply it.
+pub const SESSION_DELETED: &str = "session_deleted";
 
 #[derive(Debug, thiserror::Error)]
 pub enum BusError {
@@ -274,12 +283,19 @@ pub struct CommittedEvent {
     pub kind: String,
     pub payload: Value,
     pub created_at: DateTime<Utc>,
+    /// The TURNLOG_APPEND message it was committed from: what a deleted session's purge
+    /// compares with the delete's own sequence. None on events published before it was added.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_seq: Option<u64>,
 }
 
 impl CommittedEvent {
-    /// The feed's dedup id: republishing after a crash is harmless.
-    pub fn msg_id(&self) -> String {
-        format!("{}:{}", self.session_id, self.seq)
+    /// The feed's dedup id, given the creation time of the event's session: the same event
+    /// republished after a crash is dropped as a duplicate, while a session created again
+    /// under a deleted one's id is not mistaken for it (JetStream remembers dedup ids after
+    /// their messages are deleted).
+    pub fn msg_id(&self, session_created_at: DateTime<Utc>) -> String {
+        format!("{}:{}:{}", self.session_id, self.seq, session_created_at.timestamp_micros())
     }
 }
 
@@ -291,6 +307,20 @@ pub struct DeadLetter {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_seq: Option<u64>,
     pub request: String,
+}
+
+impl DeadLetter {
+    /// The TURNLOG_APPEND sequence the letter comes from: a writer's letter names it in
+    /// `stream_seq`; a worker's letter holds a committed event, which carries its own (the
+    /// letter's `stream_seq` is then the event's TURNLOG_EVENTS sequence).
+    pub fn append_seq(&self) -> Option<u64> {
+        if serde_json::from_str::<AppendRequest>(&self.request).is_err() {
+            if let Ok(event) = serde_json::from_str::<CommittedEvent>(&self.request) {
+                return event.stream_seq;
+            }
+        }
+        self.stream_seq
+    }
 }
 
 /// A connection to the bus: core NATS, JetStream and the names.
@@ -529,16 +559,49 @@ pub async fn append_and_wait(
             }
         }
     }
-    // The reply went to an earlier sender (duplicate) or was lost: the database knows.
+    // The reply went to an earlier sender (duplicate) or was lost: the database knows —
+    // unless the request's session was deleted since ([`SESSION_DELETED`]).
     loop {
-        if let Ok(Some(outcome)) = recorded_outcome(pool, req.request_id).await {
-            return Ok(outcome);
+        match recorded_outcome(pool, req.request_id).await {
+            // A delete is answered once its session's messages are gone (as the writer's
+            // reply is), so that nothing of the session is left behind it.
+            Ok(Some(outcome)) if req.op == Op::Delete => {
+                if let Ok(false) = purge_pending(pool, req.session_id).await {
+                    return Ok(outcome);
+                }
+            }
+            Ok(Some(outcome)) => return Ok(outcome),
+            Ok(None) if removed_from_stream(bus, ack.sequence).await => {
+                return Ok(Outcome {
+                    request_id: req.request_id,
+                    status: OutcomeStatus::Rejected,
+                    seq: None,
+                    reason: Some(SESSION_DELETED.to_owned()),
+                });
+            }
+            Ok(None) | Err(_) => {}
         }
         if tokio::time::Instant::now() + Duration::from_millis(25) > deadline {
             return Err(AppendError::OutcomeUnknown(timeout));
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+}
+
+/// Whether TURNLOG_APPEND message `seq` is gone. Only a deleted session's purge removes
+/// messages while they can still be resent (the stream keeps every message at least as long
+/// as its duplicate window), and it removes only messages already applied.
+async fn removed_from_stream(bus: &Bus, seq: u64) -> bool {
+    let Ok(stream) = bus.js.get_stream_no_info(bus.names.append_stream()).await else { return false };
+    matches!(stream.get_raw_message(seq).await, Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound)
+}
+
+/// Whether a deleted session's messages are still being removed from the streams.
+async fn purge_pending(pool: &PgPool, session: SessionId) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pending_purges WHERE session_id = $1)")
+        .bind(session.0)
+        .fetch_one(pool)
+        .await
 }
 
 /// The outcome the writer recorded for a request, if it has applied it.
@@ -583,6 +646,42 @@ mod tests {
         }
         assert!(counts.iter().all(|c| *c > 150), "{counts:?}");
         assert_eq!(partition_of(ids[0], 1), 0);
+    }
+
+    #[test]
+    fn feed_ids_name_the_session_life_and_bodies_name_their_append_sequence() {
+        let session = SessionId::new();
+        let created: DateTime<Utc> = "2026-12-01T02:03:04.567891Z".parse().unwrap();
+        let event: CommittedEvent = serde_json::from_value(serde_json::json!({
+            "session_id": session, "owner": "alice", "seq": 3, "event_id": Uuid::nil(),
+            "kind": "user_message", "payload": {}, "created_at": created, "stream_seq": 42
+        }))
+        .unwrap();
+        assert_eq!(event.msg_id(created), format!("{session}:3:1796090584567891"));
+        let later = created + chrono::TimeDelta::microseconds(1);
+        assert_ne!(event.msg_id(later), event.msg_id(created), "a session created again is another");
+        // Events published before bodies carried it still decode.
+        let mut old = serde_json::to_value(&event).unwrap();
+        old.as_object_mut().unwrap().remove("stream_seq");
+        assert_eq!(serde_json::from_value::<CommittedEvent>(old).unwrap().stream_seq, None);
+
+        // A writer's dead letter names its APPEND sequence; a worker's holds an event that does.
+        let request = AppendRequest::delete(session, "alice");
+        let writer_letter = DeadLetter {
+            reason: "owner_mismatch".into(),
+            detail: String::new(),
+            stream_seq: Some(7),
+            request: serde_json::to_string(&request).unwrap(),
+        };
+        assert_eq!(writer_letter.append_seq(), Some(7));
+        let undecodable = DeadLetter { request: "{garbage".into(), ..writer_letter.clone() };
+        assert_eq!(undecodable.append_seq(), Some(7));
+        let worker_letter = DeadLetter {
+            stream_seq: Some(1_000),
+            request: serde_json::to_string(&event).unwrap(),
+            ..writer_letter
+        };
+        assert_eq!(worker_letter.append_seq(), Some(42));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! 413 before anything is sent; a bus or writer that cannot answer in time is a 503
 //! (resending is safe); a request the writer refused maps to a 4xx.
 
-use turnlog_core::bus::{append_and_wait, AppendRequest, Outcome};
+use turnlog_core::bus::{append_and_wait, AppendRequest, Outcome, SESSION_DELETED};
 
 use crate::error::ApiError;
 use crate::{validate, Ingress};
@@ -33,6 +33,13 @@ fn refusal(reason: &str) -> ApiError {
     match reason {
         // The session went away (deleted) or is another owner's between the check and the write.
         "unknown_session" | "owner_mismatch" => ApiError::session_not_found(),
+        // Applied once, then deleted with its session; a resend within the bus's duplicate
+        // window is not applied again (`turnlog_core::bus::SESSION_DELETED`).
+        SESSION_DELETED => ApiError::Conflict(
+            "the session this request created or wrote to has been deleted since; send a new request \
+             (with a new Idempotency-Key)"
+                .into(),
+        ),
         "too_large" => ApiError::PayloadTooLarge("the event is larger than the log accepts".into()),
         "unstorable_text" => ApiError::bad_request("text must not contain NUL characters"),
         "bad_payload" | "bad_request" => {
@@ -56,6 +63,7 @@ mod tests {
             ("unstorable_text", StatusCode::BAD_REQUEST),
             ("expect_failed", StatusCode::CONFLICT),
             ("session_exists", StatusCode::CONFLICT),
+            (SESSION_DELETED, StatusCode::CONFLICT),
         ] {
             assert_eq!(refusal(reason).status(), status, "{reason}");
         }

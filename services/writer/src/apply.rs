@@ -110,9 +110,22 @@ pub struct SessionRow {
 
 #[derive(Debug, Clone)]
 pub struct EventRow {
+    /// As published, `stream_seq` included.
     pub event: CommittedEvent,
     pub tokens: i32,
-    pub stream_seq: i64,
+    /// Part of the event's feed dedup id ([`CommittedEvent::msg_id`]).
+    pub session_created_at: DateTime<Utc>,
+}
+
+impl EventRow {
+    /// The APPEND sequence it was committed from, as stored.
+    pub fn stream_seq(&self) -> i64 {
+        self.event.stream_seq.and_then(|s| i64::try_from(s).ok()).unwrap_or(i64::MAX)
+    }
+
+    pub fn msg_id(&self) -> String {
+        self.event.msg_id(self.session_created_at)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -454,9 +467,10 @@ fn push_event(
             kind: kind.as_str().to_owned(),
             payload,
             created_at: msg.published,
+            stream_seq: Some(msg.stream_seq),
         },
         tokens,
-        stream_seq: i64::try_from(msg.stream_seq).unwrap_or(i64::MAX),
+        session_created_at: session.created_at,
     });
     session.last_seq
 }

@@ -132,7 +132,7 @@ fn quoted(identifier: &str) -> String {
 pub async fn write_batch(conn: &mut PgConnection, fx: &BatchEffects) -> Result<(), sqlx::Error> {
     let mut tx = conn.begin().await?;
     if let Some(session) = fx.deleted {
-        delete_session(&mut tx, session).await?;
+        delete_session(&mut tx, session, i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX)).await?;
         return tx.commit().await;
     }
     if !fx.created.is_empty() {
@@ -149,7 +149,7 @@ pub async fn write_batch(conn: &mut PgConnection, fx: &BatchEffects) -> Result<(
             rows.text(&event.kind);
             rows.jsonb(&event.payload);
             rows.int4(e.tokens);
-            rows.int8(e.stream_seq);
+            rows.int8(e.stream_seq());
             rows.timestamptz(event.created_at);
         }
         let mut copy = tx
@@ -259,19 +259,19 @@ async fn upsert_sessions(conn: &mut PgConnection, sessions: &[&SessionRow]) -> R
     Ok(())
 }
 
-/// A delete: the session's rows go and a pending purge is recorded. (Its outcomes are
-/// written at the end, from memory, without the session's.)
-async fn delete_session(conn: &mut PgConnection, session: SessionId) -> Result<(), sqlx::Error> {
+/// A delete (at APPEND sequence `through`): the session's rows go and a pending purge is
+/// recorded. (Its outcomes are written at the end, from memory, without the session's.)
+async fn delete_session(
+    conn: &mut PgConnection,
+    session: SessionId,
+    through: i64,
+) -> Result<(), sqlx::Error> {
     sqlx::query("DELETE FROM session_events WHERE session_id = $1")
         .bind(session.0)
         .execute(&mut *conn)
         .await?;
     sqlx::query("DELETE FROM sessions WHERE id = $1").bind(session.0).execute(&mut *conn).await?;
-    sqlx::query("INSERT INTO pending_purges (session_id) VALUES ($1) ON CONFLICT DO NOTHING")
-        .bind(session.0)
-        .execute(&mut *conn)
-        .await?;
-    Ok(())
+    crate::store::record_purge(conn, session, through).await
 }
 
 /// Rows in PostgreSQL's binary COPY format, each value encoded as sqlx encodes it for the

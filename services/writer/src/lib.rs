@@ -18,17 +18,18 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::message::StreamMessage;
 use async_nats::jetstream::stream::RawMessageErrorKind;
 use futures::StreamExt as _;
 use sqlx::{Connection as _, PgConnection, PgPool};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
-use turnlog_core::bus::{partition_of, Bus, CommittedEvent, Outcome, REPLY_HEADER};
+use turnlog_core::bus::{partition_of, Bus, CommittedEvent, DeadLetter, Outcome, REPLY_HEADER};
 use turnlog_core::ids::SessionId;
 use uuid::Uuid;
 
 pub use apply::{apply_batch, Incoming};
-use apply::{first_copy, LoadedState, SessionRow};
+use apply::{first_copy, EventRow, LoadedState, SessionRow};
 pub use rebuild::{rebuild, RebuildProgress, RebuildSummary};
 
 /// Header marking an APPEND message as an operator's redrive of a dead letter (its value is
@@ -142,15 +143,17 @@ async fn serve_partition(
 
     let (applied, published) = store::positions(pool, p).await?;
     tracing::info!(partition, applied, published, "writer active");
+    finish_purges(pool, bus, partition, applied).await?;
     if published < applied {
         let events = store::committed_between(pool, published, applied).await?;
-        let events: Vec<_> =
-            events.into_iter().filter(|e| partition_of(e.session_id, bus.partitions) == partition).collect();
+        let events: Vec<_> = events
+            .into_iter()
+            .filter(|e| partition_of(e.event.session_id, bus.partitions) == partition)
+            .collect();
         tracing::info!(partition, count = events.len(), "republishing events committed before a crash");
         publish_events(bus, &events).await?;
         store::mark_published(pool, p, applied).await?;
     }
-    finish_purges(pool, bus, partition).await?;
 
     // Taken before the consumer exists: a reconnect from here on may have lost it.
     let mut reconnects = bus.reconnects();
@@ -173,9 +176,12 @@ async fn serve_partition(
     let reader = tokio::spawn(read_ahead(messages, Arc::new(Semaphore::new(READ_AHEAD_BYTES)), to_writer));
 
     // Publishing runs behind the next commit: the feed, `published_seq` and the replies of
-    // batch N go out while batch N+1 is applied.
+    // batch N go out while batch N+1 is applied. Deleted sessions' messages are removed
+    // behind the publisher, so that other sessions' replies do not wait for a removal.
+    let (to_purger, from_publisher) = tokio::sync::mpsc::channel(PURGE_QUEUE);
+    let purger = tokio::spawn(purger(pool.clone(), bus.clone(), from_publisher));
     let (to_publisher, from_writer) = tokio::sync::mpsc::channel(8);
-    let publisher = tokio::spawn(publisher(pool.clone(), bus.clone(), p, from_writer));
+    let publisher = tokio::spawn(publisher(pool.clone(), bus.clone(), p, from_writer, to_purger));
     let result = apply_loop(
         p,
         pool,
@@ -192,9 +198,11 @@ async fn serve_partition(
     .await;
     reader.abort();
     // Let the publisher finish what was committed (on error too: anything it misses is
-    // republished by the next writer from `published_seq`).
+    // republished by the next writer from `published_seq`), and the purger the removals
+    // handed to it (any it misses are recorded, and done by the next writer first).
     let published = publisher.await.context("publisher panicked")?;
-    result.and(published)
+    let purged = purger.await.context("purger panicked")?;
+    result.and(published).and(purged)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -262,12 +270,25 @@ async fn apply_loop(
     }
 }
 
+/// Deleted sessions waiting for their messages to be removed (a full queue holds the
+/// publisher back).
+const PURGE_QUEUE: usize = 1024;
+
 /// What a commit leaves to do: feed, position, replies, purge.
 struct Committed {
-    events: Vec<CommittedEvent>,
+    events: Vec<EventRow>,
     replies: Vec<(String, Outcome)>,
     last_stream_seq: i64,
-    deleted: Option<SessionId>,
+    /// The removal a committed delete calls for; its replies wait until it is done.
+    purge: Option<Purge>,
+}
+
+/// A deleted session's stream messages to remove: those whose APPEND sequence is at most
+/// `through`, the delete's own (later ones belong to a session created again under its id).
+#[derive(Debug, Clone, Copy)]
+struct Purge {
+    session: SessionId,
+    through: u64,
 }
 
 async fn publisher(
@@ -275,19 +296,19 @@ async fn publisher(
     bus: Bus,
     partition: i32,
     mut from_writer: tokio::sync::mpsc::Receiver<Committed>,
+    to_purger: tokio::sync::mpsc::Sender<(Purge, Vec<(String, Outcome)>)>,
 ) -> anyhow::Result<()> {
     let mut unmarked: Option<i64> = None;
     let mut batches_unmarked = 0;
     while let Some(first) = from_writer.recv().await {
-        // What was committed meanwhile goes out together (a delete ends the group: its
-        // session is purged before anything after it is published).
+        // What was committed meanwhile goes out together.
         let mut group = vec![first];
-        while group.last().is_some_and(|c| c.deleted.is_none()) {
-            let Ok(next) = from_writer.try_recv() else { break };
+        while let Ok(next) = from_writer.try_recv() {
             group.push(next);
         }
         let started = Instant::now();
-        let events: Vec<&CommittedEvent> = group.iter().flat_map(|c| c.events.iter()).collect();
+        // A deleted session's earlier events are on the feed before its removal starts.
+        let events: Vec<&EventRow> = group.iter().flat_map(|c| c.events.iter()).collect();
         publish_events(&bus, events).await?;
         tracing::debug!(
             partition,
@@ -295,18 +316,15 @@ async fn publisher(
             elapsed_us = started.elapsed().as_micros() as u64,
             "events published"
         );
-        for (reply_to, outcome) in group.iter().flat_map(|c| &c.replies) {
-            // Best effort: a producer that misses it looks the outcome up.
-            let _ = bus.client.publish(reply_to.clone(), serde_json::to_vec(outcome)?.into()).await;
-        }
-        let Some(last) = group.last() else { continue };
-        unmarked = Some(last.last_stream_seq);
+        let Some(last_stream_seq) = group.last().map(|c| c.last_stream_seq) else { continue };
         batches_unmarked += group.len();
-        if let Some(session) = last.deleted {
-            store::mark_published(&pool, partition, last.last_stream_seq).await?;
-            (unmarked, batches_unmarked) = (None, 0);
-            purge_session(&pool, &bus, session).await?;
+        for committed in group {
+            match committed.purge {
+                Some(purge) => to_purger.send((purge, committed.replies)).await.context("purger stopped")?,
+                None => send_replies(&bus, &committed.replies).await?,
+            }
         }
+        unmarked = Some(last_stream_seq);
         // Move `published_seq` when caught up (or every few batches under load).
         if let Some(through) = unmarked.filter(|_| from_writer.is_empty() || batches_unmarked >= 16) {
             store::mark_published(&pool, partition, through).await?;
@@ -315,6 +333,28 @@ async fn publisher(
     }
     if let Some(seq) = unmarked {
         store::mark_published(&pool, partition, seq).await?;
+    }
+    Ok(())
+}
+
+/// Best effort: a producer that misses its reply looks the outcome up.
+async fn send_replies(bus: &Bus, replies: &[(String, Outcome)]) -> anyhow::Result<()> {
+    for (reply_to, outcome) in replies {
+        let _ = bus.client.publish(reply_to.clone(), serde_json::to_vec(outcome)?.into()).await;
+    }
+    Ok(())
+}
+
+/// Removes deleted sessions' messages in the order of their deletes, then answers each
+/// delete (DESIGN §6: a delete is answered once its session is gone from the streams).
+async fn purger(
+    pool: PgPool,
+    bus: Bus,
+    mut purges: tokio::sync::mpsc::Receiver<(Purge, Vec<(String, Outcome)>)>,
+) -> anyhow::Result<()> {
+    while let Some((purge, replies)) = purges.recv().await {
+        purge_session(&pool, &bus, purge).await?;
+        send_replies(&bus, &replies).await?;
     }
     Ok(())
 }
@@ -391,10 +431,10 @@ async fn apply_and_commit(
         cache.remove(&s);
     }
     let committed = Committed {
-        events: fx.events.into_iter().map(|e| e.event).collect(),
+        events: fx.events,
         replies: fx.replies,
         last_stream_seq: i64::try_from(fx.last_stream_seq)?,
-        deleted: fx.deleted,
+        purge: fx.deleted.map(|session| Purge { session, through: fx.last_stream_seq }),
     };
     Ok((fx.consumed, committed))
 }
@@ -446,11 +486,12 @@ fn incoming(m: async_nats::jetstream::Message) -> anyhow::Result<Incoming> {
 
 /// Publishes committed events to TURNLOG_EVENTS and waits for every PubAck (sent all at
 /// once, acknowledged together).
-async fn publish_events(bus: &Bus, events: impl IntoIterator<Item = &CommittedEvent>) -> anyhow::Result<()> {
+async fn publish_events(bus: &Bus, events: impl IntoIterator<Item = &EventRow>) -> anyhow::Result<()> {
     let mut acks = Vec::new();
     for e in events {
-        let subject = bus.names.events_subject(&e.kind, e.session_id);
-        let msg = PublishMessage::build().payload(serde_json::to_vec(e)?.into()).message_id(e.msg_id());
+        let subject = bus.names.events_subject(&e.event.kind, e.event.session_id);
+        let msg =
+            PublishMessage::build().payload(serde_json::to_vec(&e.event)?.into()).message_id(e.msg_id());
         acks.push(bus.js.send_publish(subject, msg).await.context("publishing a committed event")?);
     }
     for ack in acks {
@@ -459,39 +500,76 @@ async fn publish_events(bus: &Bus, events: impl IntoIterator<Item = &CommittedEv
     Ok(())
 }
 
-async fn finish_purges(pool: &PgPool, bus: &Bus, partition: u32) -> anyhow::Result<()> {
-    for session in store::pending_purges(pool).await? {
+/// The removals a previous writer of `partition` left undone. A record from before deletes
+/// named their sequence is bounded by the partition's position: the delete is at or below
+/// it, and nothing above it has been applied yet.
+async fn finish_purges(pool: &PgPool, bus: &Bus, partition: u32, applied: i64) -> anyhow::Result<()> {
+    for (session, through) in store::pending_purges(pool).await? {
         if partition_of(session, bus.partitions) == partition {
-            purge_session(pool, bus, session).await?;
+            let through = u64::try_from(through.unwrap_or(applied)).unwrap_or_default();
+            purge_session(pool, bus, Purge { session, through }).await?;
         }
     }
     Ok(())
 }
 
-/// Removes a deleted session's messages from all three streams, then its purge record.
-/// Message by message rather than by a purge with a subject filter: nats-server before
-/// 2.9.15 moves every consumer of the stream past its last message on such a purge
-/// (nats-server#3838), so this writer, a rebuild or a worker would skip what it had not
-/// read yet. Deleting single messages leaves every consumer where it is.
-async fn purge_session(pool: &PgPool, bus: &Bus, session: SessionId) -> anyhow::Result<()> {
-    let mut removed = 0u64;
-    for (stream, filter) in bus.names.session_filters(bus.partition_of(session), session) {
-        let s = bus.js.get_stream(&stream).await.with_context(|| format!("opening {stream}"))?;
-        let mut next = 1;
-        loop {
-            let m = match s.get_first_raw_message_by_subject(&filter, next).await {
-                Ok(m) => m,
-                Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => break,
-                Err(e) => return Err(e).with_context(|| format!("finding {filter} in {stream}")),
-            };
-            s.delete_message(m.sequence)
-                .await
-                .with_context(|| format!("deleting {stream} {}", m.sequence))?;
-            next = m.sequence + 1;
-            removed += 1;
-        }
-    }
-    store::purge_done(pool, session).await?;
-    tracing::info!(%session, removed, "deleted session purged from the streams");
+/// Removes a deleted session's messages up to its delete from all three streams — APPEND
+/// by its own sequence, EVENTS and DEAD by the APPEND sequence their bodies carry — then
+/// its purge record. Later messages stay: they belong to a session created again under
+/// the same id, whose log a rebuild must find.
+///
+/// One message at a time, never a purge with a subject filter: on nats-server 2.9 such a
+/// purge moves every consumer of the stream past messages it has not read yet, with or
+/// without a sequence bound (nats-server#3838, #5075), so this writer, a rebuild or a worker
+/// would skip other sessions' messages. Deleting single messages leaves consumers be.
+async fn purge_session(pool: &PgPool, bus: &Bus, purge: Purge) -> anyhow::Result<()> {
+    let Purge { session, through } = purge;
+    let [append, events, dead] = bus.names.session_filters(bus.partition_of(session), session);
+    // APPEND sequences only grow along the subject: the first one past the delete ends it.
+    let mut removed = remove_through(bus, append, through, |m| Some(m.sequence), true).await?;
+    removed += remove_through(bus, events, through, |m| event_append_seq(&m.payload), false).await?;
+    removed += remove_through(bus, dead, through, |m| dead_letter_append_seq(&m.payload), false).await?;
+    store::purge_done(pool, session, i64::try_from(through).unwrap_or(i64::MAX)).await?;
+    tracing::info!(%session, through, removed, "deleted session removed from the streams");
     Ok(())
+}
+
+/// Deletes, one by one, the messages of `stream` on `filter` whose APPEND sequence (per
+/// `append_seq`; None counts as old enough) is at most `through`; returns how many. With
+/// `ordered`, the scan ends at the first message past `through`.
+async fn remove_through(
+    bus: &Bus,
+    (stream, filter): (String, String),
+    through: u64,
+    append_seq: fn(&StreamMessage) -> Option<u64>,
+    ordered: bool,
+) -> anyhow::Result<u64> {
+    let s = bus.js.get_stream_no_info(&stream).await.with_context(|| format!("opening {stream}"))?;
+    let (mut next, mut removed) = (1, 0);
+    loop {
+        let m = match s.get_first_raw_message_by_subject(&filter, next).await {
+            Ok(m) => m,
+            Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => return Ok(removed),
+            Err(e) => return Err(e).with_context(|| format!("finding {filter} in {stream}")),
+        };
+        next = m.sequence + 1;
+        if append_seq(&m).is_some_and(|seq| seq > through) {
+            if ordered {
+                return Ok(removed);
+            }
+            continue;
+        }
+        s.delete_message(m.sequence).await.with_context(|| format!("deleting {stream} {}", m.sequence))?;
+        removed += 1;
+    }
+}
+
+/// The APPEND sequence a committed event's body carries.
+fn event_append_seq(payload: &[u8]) -> Option<u64> {
+    serde_json::from_slice::<CommittedEvent>(payload).ok().and_then(|e| e.stream_seq)
+}
+
+/// The APPEND sequence a dead letter stands for.
+fn dead_letter_append_seq(payload: &[u8]) -> Option<u64> {
+    serde_json::from_slice::<DeadLetter>(payload).ok().and_then(|l| l.append_seq())
 }

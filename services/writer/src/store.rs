@@ -9,7 +9,7 @@ use turnlog_core::bus::{CommittedEvent, Outcome, OutcomeStatus};
 use turnlog_core::ids::SessionId;
 use uuid::Uuid;
 
-use crate::apply::{BatchEffects, LoadedState, SessionRow};
+use crate::apply::{BatchEffects, EventRow, LoadedState, SessionRow};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -200,7 +200,7 @@ async fn write_effects(
     .bind(ev.iter().map(|e| e.event.kind.as_str()).collect::<Vec<_>>())
     .bind(ev.iter().map(|e| &e.event.payload).collect::<Vec<_>>())
     .bind(ev.iter().map(|e| e.tokens).collect::<Vec<_>>())
-    .bind(ev.iter().map(|e| e.stream_seq).collect::<Vec<_>>())
+    .bind(ev.iter().map(|e| e.stream_seq()).collect::<Vec<_>>())
     .bind(ev.iter().map(|e| e.event.created_at).collect::<Vec<_>>())
     .bind(outcomes.iter().map(|(o, _)| o.request_id).collect::<Vec<_>>())
     .bind(outcomes.iter().map(|(_, s)| s.map(|s| s.0)).collect::<Vec<_>>())
@@ -223,8 +223,8 @@ async fn write_effects(
 }
 
 /// A delete batch: the session's rows go (its events, its memories by cascade, its
-/// outcomes), a pending purge is recorded, and the delete's own outcome is kept so a
-/// resent delete is answered.
+/// outcomes; both found by index), a pending purge up to the delete's own APPEND sequence
+/// is recorded, and the delete's own outcome is kept so a resent delete is answered.
 async fn write_delete(
     conn: &mut PgConnection,
     partition: i32,
@@ -251,10 +251,7 @@ async fn write_delete(
         .bind(session.0)
         .execute(&mut *tx)
         .await?;
-    sqlx::query("INSERT INTO pending_purges (session_id) VALUES ($1) ON CONFLICT DO NOTHING")
-        .bind(session.0)
-        .execute(&mut *tx)
-        .await?;
+    record_purge(&mut tx, session, i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX)).await?;
     for (o, s) in &fx.outcomes {
         sqlx::query(
             "INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
@@ -274,17 +271,49 @@ async fn write_delete(
     Ok(())
 }
 
-/// session_id, owner, seq, event_id, kind, payload, created_at.
-type CommittedRow = (Uuid, String, i64, Uuid, String, serde_json::Value, chrono::DateTime<chrono::Utc>);
+/// Records that a deleted session's stream messages up to APPEND sequence `through` are
+/// to be removed. A session deleted again (created anew meanwhile) before the first
+/// removal is done keeps one record, of the later delete, which covers both.
+pub async fn record_purge(
+    conn: &mut PgConnection,
+    session: SessionId,
+    through: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO pending_purges (session_id, stream_seq) VALUES ($1, $2)
+         ON CONFLICT (session_id) DO UPDATE SET stream_seq = GREATEST(pending_purges.stream_seq, $2)",
+    )
+    .bind(session.0)
+    .bind(through)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// session_id, owner, seq, event_id, kind, payload, tokens, stream_seq, created_at, and
+/// the session's created_at.
+type CommittedRow = (
+    Uuid,
+    String,
+    i64,
+    Uuid,
+    String,
+    serde_json::Value,
+    i32,
+    i64,
+    chrono::DateTime<chrono::Utc>,
+    chrono::DateTime<chrono::Utc>,
+);
 
 /// Events committed from APPEND messages in `(after, through]`, in commit order.
 pub async fn committed_between(
     pool: &PgPool,
     after: i64,
     through: i64,
-) -> Result<Vec<CommittedEvent>, sqlx::Error> {
+) -> Result<Vec<EventRow>, sqlx::Error> {
     let rows: Vec<CommittedRow> = sqlx::query_as(
-        "SELECT e.session_id, s.owner, e.seq, e.event_id, e.kind, e.payload, e.created_at
+        "SELECT e.session_id, s.owner, e.seq, e.event_id, e.kind, e.payload, e.tokens, e.stream_seq,
+                e.created_at, s.created_at
                FROM session_events e JOIN sessions s ON s.id = e.session_id
               WHERE e.stream_seq > $1 AND e.stream_seq <= $2
               ORDER BY e.stream_seq, e.seq",
@@ -295,15 +324,35 @@ pub async fn committed_between(
     .await?;
     Ok(rows
         .into_iter()
-        .map(|(session_id, owner, seq, event_id, kind, payload, created_at)| CommittedEvent {
-            session_id: SessionId(session_id),
-            owner,
-            seq,
-            event_id,
-            kind,
-            payload,
-            created_at,
-        })
+        .map(
+            |(
+                session_id,
+                owner,
+                seq,
+                event_id,
+                kind,
+                payload,
+                tokens,
+                stream_seq,
+                created_at,
+                session_created_at,
+            )| {
+                EventRow {
+                    event: CommittedEvent {
+                        session_id: SessionId(session_id),
+                        owner,
+                        seq,
+                        event_id,
+                        kind,
+                        payload,
+                        created_at,
+                        stream_seq: u64::try_from(stream_seq).ok(),
+                    },
+                    tokens,
+                    session_created_at,
+                }
+            },
+        )
         .collect())
 }
 
@@ -323,12 +372,23 @@ pub async fn mark_published(pool: &PgPool, partition: i32, through: i64) -> Resu
     Ok(())
 }
 
-pub async fn pending_purges(pool: &PgPool) -> Result<Vec<SessionId>, sqlx::Error> {
-    let rows: Vec<(Uuid,)> = sqlx::query_as("SELECT session_id FROM pending_purges").fetch_all(pool).await?;
-    Ok(rows.into_iter().map(|(id,)| SessionId(id)).collect())
+/// Deleted sessions whose stream messages are still to be removed, each with the APPEND
+/// sequence of its delete (None when recorded before deletes named it).
+pub async fn pending_purges(pool: &PgPool) -> Result<Vec<(SessionId, Option<i64>)>, sqlx::Error> {
+    let rows: Vec<(Uuid, Option<i64>)> =
+        sqlx::query_as("SELECT session_id, stream_seq FROM pending_purges").fetch_all(pool).await?;
+    Ok(rows.into_iter().map(|(id, through)| (SessionId(id), through)).collect())
 }
 
-pub async fn purge_done(pool: &PgPool, session: SessionId) -> Result<(), sqlx::Error> {
-    sqlx::query("DELETE FROM pending_purges WHERE session_id = $1").bind(session.0).execute(pool).await?;
+/// Clears a purge record once its messages through `through` are removed (not one a later
+/// delete of the same id has moved further meanwhile).
+pub async fn purge_done(pool: &PgPool, session: SessionId, through: i64) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "DELETE FROM pending_purges WHERE session_id = $1 AND (stream_seq IS NULL OR stream_seq <= $2)",
+    )
+    .bind(session.0)
+    .bind(through)
+    .execute(pool)
+    .await?;
     Ok(())
 }

@@ -95,7 +95,7 @@ pub async fn check_log(env: &TestEnv, bus: &Bus, acked: &Acked) {
     }
 }
 
-/// Every committed event on the feed, by its dedup id; panics on a duplicate.
+/// Every committed event on the feed, by `<session_id>:<seq>`; panics on a duplicate.
 pub async fn feed(env: &TestEnv, bus: &Bus) -> HashMap<String, CommittedEvent> {
     let scan = scan_feed(env, bus).await;
     assert!(scan.repeats == 0, "checker: an event reached the feed twice");
@@ -104,7 +104,7 @@ pub async fn feed(env: &TestEnv, bus: &Bus) -> HashMap<String, CommittedEvent> {
 
 /// What the committed-event feed holds.
 pub struct FeedScan {
-    /// Every event, by its dedup id (the first copy).
+    /// Every event, by `<session_id>:<seq>` (the first copy).
     pub events: HashMap<String, CommittedEvent>,
     /// How many times an id came again with the same content (the feed is at-least-once: a
     /// republish outside the duplicate window repeats an event, which a long soak reports
@@ -127,7 +127,7 @@ pub async fn scan_feed(env: &TestEnv, bus: &Bus) -> FeedScan {
     let Ok(mut messages) = consumer.messages().await else { return scan };
     while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(700), messages.next()).await {
         let e: CommittedEvent = serde_json::from_slice(&m.payload).expect("checker: feed event decodes");
-        match scan.events.entry(e.msg_id()) {
+        match scan.events.entry(format!("{}:{}", e.session_id, e.seq)) {
             Entry::Vacant(v) => {
                 v.insert(e);
             }

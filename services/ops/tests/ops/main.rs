@@ -5,6 +5,7 @@
 #[path = "../../../compactor/tests/support/mod.rs"]
 mod support;
 
+mod deletes;
 mod history;
 
 use std::time::{Duration, Instant};
