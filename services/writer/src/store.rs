@@ -233,39 +233,48 @@ async fn write_delete(
     session: SessionId,
 ) -> Result<(), StoreError> {
     let mut tx = conn.begin().await?;
-    // The writer's connection keeps generic plans; these deletes are planned for their session.
+    // The writer's connection keeps generic plans; this one is planned for its session.
     sqlx::query("SET LOCAL plan_cache_mode = force_custom_plan").execute(&mut *tx).await?;
-    let moved =
-        sqlx::query("UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2")
-            .bind(partition)
-            .bind(expected)
-            .bind(i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX))
-            .execute(&mut *tx)
-            .await?;
-    if moved.rows_affected() != 1 {
+    // One statement, as for any batch: every other append of the partition waits for it.
+    // The session's outcomes go, except this batch's own, which are written (a statement
+    // must not both delete and upsert one row).
+    let outcomes = &fx.outcomes;
+    let moved: i64 = sqlx::query_scalar(
+        "WITH pos AS (
+             UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1
+         ), e AS (
+             DELETE FROM session_events WHERE session_id = $4 AND EXISTS (SELECT 1 FROM pos)
+         ), s AS (
+             DELETE FROM sessions WHERE id = $4 AND EXISTS (SELECT 1 FROM pos)
+         ), gone AS (
+             DELETE FROM request_outcomes
+              WHERE session_id = $4 AND request_id <> ALL($5) AND EXISTS (SELECT 1 FROM pos)
+         ), purge AS (
+             INSERT INTO pending_purges (session_id, stream_seq) SELECT $4, $3 WHERE EXISTS (SELECT 1 FROM pos)
+             ON CONFLICT (session_id) DO UPDATE SET stream_seq = GREATEST(pending_purges.stream_seq, $3)
+         ), o AS (
+             INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
+             SELECT * FROM UNNEST($5::uuid[], $6::uuid[], $7::text[], $8::int8[], $9::text[])
+              WHERE EXISTS (SELECT 1 FROM pos)
+             ON CONFLICT (request_id) DO UPDATE SET
+                session_id = EXCLUDED.session_id, status = EXCLUDED.status, seq = EXCLUDED.seq,
+                reason = EXCLUDED.reason
+         )
+         SELECT count(*) FROM pos",
+    )
+    .bind(partition)
+    .bind(expected)
+    .bind(i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX))
+    .bind(session.0)
+    .bind(outcomes.iter().map(|(o, _)| o.request_id).collect::<Vec<_>>())
+    .bind(outcomes.iter().map(|(_, s)| s.map(|s| s.0)).collect::<Vec<_>>())
+    .bind(outcomes.iter().map(|(o, _)| o.status.as_str()).collect::<Vec<_>>())
+    .bind(outcomes.iter().map(|(o, _)| o.seq).collect::<Vec<_>>())
+    .bind(outcomes.iter().map(|(o, _)| o.reason.as_deref()).collect::<Vec<_>>())
+    .fetch_one(&mut *tx)
+    .await?;
+    if moved != 1 {
         return Err(StoreError::Fenced { partition, expected });
-    }
-    sqlx::query("DELETE FROM session_events WHERE session_id = $1").bind(session.0).execute(&mut *tx).await?;
-    sqlx::query("DELETE FROM sessions WHERE id = $1").bind(session.0).execute(&mut *tx).await?;
-    sqlx::query("DELETE FROM request_outcomes WHERE session_id = $1")
-        .bind(session.0)
-        .execute(&mut *tx)
-        .await?;
-    record_purge(&mut tx, session, i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX)).await?;
-    for (o, s) in &fx.outcomes {
-        sqlx::query(
-            "INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
-             VALUES ($1, $2, $3, $4, $5)
-             ON CONFLICT (request_id) DO UPDATE SET session_id = EXCLUDED.session_id,
-                status = EXCLUDED.status, seq = EXCLUDED.seq, reason = EXCLUDED.reason",
-        )
-        .bind(o.request_id)
-        .bind(s.map(|s| s.0))
-        .bind(o.status.as_str())
-        .bind(o.seq)
-        .bind(o.reason.as_deref())
-        .execute(&mut *tx)
-        .await?;
     }
     tx.commit().await?;
     Ok(())

@@ -877,11 +877,13 @@ async fn a_create_resent_after_its_session_was_deleted_is_answered_session_delet
 /// Deleting many sessions does not stall the partition. With the tables of a deployment
 /// that has run a while (200,000 outcomes and memories, seeded directly) a delete must
 /// find its session's rows by index, not by reading both tables whole on the serial path.
-/// One session appends at a steady 100/s before, during and after 200 deletes; its p99
-/// with the deletes stays within twice its p99 without (measured before and after, so the
-/// machine's other load falls on both alike).
+/// One session appends at a steady 200/s while 200 sessions are deleted one after another
+/// in every other quarter second; its p99 in the windows with deletes stays within twice
+/// its p99 in the windows without, or 5 ms above it (interleaved, so the machine's other
+/// load falls on both alike).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_200_sessions_keeps_a_steady_appenders_p99_within_twice() {
+    use std::sync::atomic::{AtomicBool, Ordering};
     let h = Harness::start().await;
     let pool = &h.env.pool;
     for sql in [
@@ -896,7 +898,7 @@ async fn deleting_200_sessions_keeps_a_steady_appenders_p99_within_twice() {
     ] {
         sqlx::query(sql).execute(pool).await.unwrap();
     }
-    let doomed: Vec<SessionId> = futures::future::join_all((0..200).map(|_| async {
+    let mut doomed: Vec<SessionId> = futures::future::join_all((0..200).map(|_| async {
         let s = h.create("alice").await;
         h.user(s, "alice", "soon deleted").await;
         s
@@ -904,26 +906,19 @@ async fn deleting_200_sessions_keeps_a_steady_appenders_p99_within_twice() {
     .await;
     let steady = h.create("alice").await;
 
-    // Phases: 3 s without deletes, the deletes (about 5 s), 1 s to settle (not counted),
-    // 3 s without deletes again.
-    const BEFORE: u8 = 0;
-    const DELETING: u8 = 1;
-    const SETTLING: u8 = 2;
-    const AFTER: u8 = 3;
-    const DONE: u8 = 4;
-    let phase = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(BEFORE));
-    let set_phase = |p| phase.store(p, std::sync::atomic::Ordering::Relaxed);
+    let (deleting, done) =
+        (std::sync::Arc::new(AtomicBool::new(false)), std::sync::Arc::new(AtomicBool::new(false)));
     let appender = {
-        let (bus, pool, phase) = (h.bus.clone(), pool.clone(), phase.clone());
+        let (bus, pool, deleting, done) = (h.bus.clone(), pool.clone(), deleting.clone(), done.clone());
         tokio::spawn(async move {
-            let mut ticker = tokio::time::interval(Duration::from_millis(10));
+            let mut ticker = tokio::time::interval(Duration::from_millis(5));
             let mut sends = Vec::new();
             for i in 0.. {
                 ticker.tick().await;
-                let at = phase.load(std::sync::atomic::Ordering::Relaxed);
-                if at == DONE {
+                if done.load(Ordering::Relaxed) {
                     break;
                 }
+                let during = deleting.load(Ordering::Relaxed);
                 let (bus, pool) = (bus.clone(), pool.clone());
                 sends.push(tokio::spawn(async move {
                     let body = EventBody::UserMessage(UserMessage {
@@ -933,7 +928,7 @@ async fn deleting_200_sessions_keeps_a_steady_appenders_p99_within_twice() {
                     let req = AppendRequest::append(steady, "alice", Uuid::now_v7(), &body);
                     let t = std::time::Instant::now();
                     assert!(append_and_wait(&bus, &pool, &req, WAIT).await.unwrap().is_applied());
-                    (at, t.elapsed())
+                    (during, t.elapsed())
                 }));
             }
             let mut out = Vec::new();
@@ -943,37 +938,41 @@ async fn deleting_200_sessions_keeps_a_steady_appenders_p99_within_twice() {
             out
         })
     };
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    set_phase(DELETING);
-    let mut ticker = tokio::time::interval(Duration::from_millis(25));
-    let mut deletes = Vec::new();
-    for s in doomed {
-        ticker.tick().await;
-        let (bus, pool) = (h.bus.clone(), pool.clone());
-        deletes.push(tokio::spawn(async move {
-            append_and_wait(&bus, &pool, &AppendRequest::delete(s, "alice"), WAIT).await.unwrap()
-        }));
+    // A quarter second without deletes, a quarter second with (deletes one after another,
+    // each after the last's answer), and so on until all 200 are deleted: windows short
+    // enough that a burst of other load (another test, a build) falls on both.
+    let window = Duration::from_millis(250);
+    while !doomed.is_empty() {
+        tokio::time::sleep(window).await;
+        deleting.store(true, Ordering::Relaxed);
+        let end = tokio::time::Instant::now() + window;
+        while tokio::time::Instant::now() < end {
+            let Some(s) = doomed.pop() else { break };
+            let o = append_and_wait(&h.bus, pool, &AppendRequest::delete(s, "alice"), WAIT).await.unwrap();
+            assert_eq!(o.status, OutcomeStatus::Committed);
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        tokio::time::sleep_until(end).await;
+        deleting.store(false, Ordering::Relaxed);
     }
-    for d in deletes {
-        assert_eq!(d.await.unwrap().status, OutcomeStatus::Committed);
-    }
-    set_phase(SETTLING);
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    set_phase(AFTER);
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    set_phase(DONE);
+    tokio::time::sleep(window).await;
+    done.store(true, Ordering::Relaxed);
     let latencies = appender.await.unwrap();
 
-    let p99 = |phases: &[u8]| {
-        let mut l: Vec<Duration> =
-            latencies.iter().filter(|(p, _)| phases.contains(p)).map(|(_, l)| *l).collect();
+    let p99 = |during: bool| {
+        let mut l: Vec<Duration> = latencies.iter().filter(|(d, _)| *d == during).map(|(_, l)| *l).collect();
         l.sort_unstable();
         (l[l.len() * 99 / 100], l.len())
     };
-    let ((without, n_without), (with, n_with)) = (p99(&[BEFORE, AFTER]), p99(&[DELETING]));
+    let ((without, n_without), (with, n_with)) = (p99(false), p99(true));
     eprintln!("steady appender p99: {without:?} without deletes ({n_without}), {with:?} with ({n_with})");
-    assert!(n_with >= 400 && n_without >= 500, "{n_with} / {n_without} samples");
-    assert!(with <= without * 2, "p99 {with:?} with deletes, {without:?} without");
+    assert!(n_with >= 1_500 && n_without >= 1_500, "{n_with} / {n_without} samples");
+    // Each delete's own work (its commit on the serial path, the removal of its messages)
+    // delays an append arriving during it by a few milliseconds; at a p99 of ~3 ms on an
+    // idle machine that alone can come near 2×, hence the 5 ms floor. A delete that reads
+    // the tables whole costs seconds here.
+    let bound = (without * 2).max(without + Duration::from_millis(5));
+    assert!(with <= bound, "p99 {with:?} with deletes, {without:?} without");
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM sessions WHERE owner = 'alice'")
         .fetch_one(pool)
         .await
