@@ -64,6 +64,16 @@ impl Incoming {
     pub fn request_id(&self) -> Option<Uuid> {
         self.request.as_ref().ok().map(|r| r.request_id)
     }
+
+    /// Whether the writer may apply this request without looking up an earlier outcome
+    /// (see [`first_copy`]): only a fresh append, whose repeat would collide on its event id.
+    /// Creates, updates and deletes are few and their repeats would not collide with an
+    /// event, so they are always looked up (a repeat is then answered, never applied or
+    /// dead-lettered again); so are redrives.
+    pub fn skips_lookup(&self, duplicate_window: std::time::Duration) -> bool {
+        let Ok(req) = &self.request else { return false };
+        !self.redrive && req.op == Op::Append && first_copy(req.request_id, self.published, duplicate_window)
+    }
 }
 
 /// The event an append carries, if it is one the log can store.

@@ -29,7 +29,7 @@ use turnlog_core::ids::SessionId;
 use uuid::Uuid;
 
 pub use apply::{apply_batch, Incoming};
-use apply::{first_copy, EventRow, LoadedState, SessionRow};
+use apply::{EventRow, LoadedState, SessionRow};
 pub use rebuild::{rebuild, RebuildProgress, RebuildSummary};
 
 /// Header marking an APPEND message as an operator's redrive of a dead letter (its value is
@@ -387,7 +387,7 @@ async fn apply_and_commit(
             }
         }
         match m.request_id() {
-            Some(id) if m.redrive || !first_copy(id, m.published, duplicate_window) => requests.push(id),
+            Some(id) if !m.skips_lookup(duplicate_window) => requests.push(id),
             _ => {}
         }
     }

@@ -705,6 +705,9 @@ async fn a_raw_repeat_never_replaces_the_first_outcome() {
         .unwrap();
     assert_eq!(title.as_deref(), Some("one"));
     assert_eq!(h.seqs(s).await.len(), 0, "the rejected append stayed rejected");
+    // Answered, not applied again: no repeat left a dead letter behind.
+    let mut dead = h.bus.js.get_stream(h.bus.names.dead_stream()).await.unwrap();
+    assert_eq!(dead.info().await.unwrap().state.messages, 0, "a repeat was dead-lettered");
 }
 
 /// Every message a consumer created earlier (and not read from since) delivers now: what a

@@ -99,6 +99,11 @@ pub async fn check_log(env: &TestEnv, bus: &Bus, acked: &Acked) {
 pub async fn feed(env: &TestEnv, bus: &Bus) -> HashMap<String, CommittedEvent> {
     let scan = scan_feed(env, bus).await;
     assert!(scan.repeats == 0, "checker: an event reached the feed twice");
+    assert!(
+        scan.conflicts.is_empty(),
+        "checker: two different events at one seq on the feed: {:?}",
+        scan.conflicts
+    );
     scan.events
 }
 
