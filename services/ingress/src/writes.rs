@@ -3,10 +3,15 @@
 //! 413 before anything is sent; a bus or writer that cannot answer in time is a 503
 //! (resending is safe); a request the writer refused maps to a 4xx.
 
-use turnlog_core::bus::{append_and_wait, AppendRequest, Outcome, SESSION_DELETED};
+use std::time::Duration;
+
+use turnlog_core::bus::{append_and_wait, AppendRequest, Op, Outcome, SESSION_DELETED};
 
 use crate::error::ApiError;
 use crate::{validate, Ingress};
+
+/// The least a delete waits for its outcome.
+const DELETE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Sends `req` and waits for the writer's outcome; only an applied request is Ok.
 #[tracing::instrument(
@@ -18,7 +23,13 @@ pub async fn submit(app: &Ingress, req: &AppendRequest) -> Result<Outcome, ApiEr
     if let (Some(kind), Some(payload)) = (&req.kind, &req.payload) {
         validate::event_size(kind, payload)?;
     }
-    let outcome = append_and_wait(&app.bus, &app.pool, req, app.config.append_timeout).await?;
+    // A delete is answered once its session's stream messages are removed, one at a time
+    // (DESIGN.md §6): a long session takes longer than an append may.
+    let deadline = match req.op {
+        Op::Delete => app.config.append_timeout.max(DELETE_TIMEOUT),
+        _ => app.config.append_timeout,
+    };
+    let outcome = append_and_wait(&app.bus, &app.pool, req, deadline).await?;
     if outcome.is_applied() {
         return Ok(outcome);
     }

@@ -85,8 +85,12 @@ impl Harness {
             .unwrap();
         let mut msgs = consumer.messages().await.unwrap();
         let mut out = vec![];
-        while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(500), msgs.next()).await {
+        while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_secs(2), msgs.next()).await {
+            let last = m.info().is_ok_and(|i| i.pending == 0);
             out.push(m);
+            if last {
+                break;
+            }
         }
         out
     }
@@ -717,8 +721,11 @@ async fn drain_consumer(
 ) -> Vec<(String, Bytes)> {
     let mut messages = consumer.messages().await.expect("the consumer's messages");
     let mut out = Vec::new();
-    while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_millis(500), messages.next()).await {
+    while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_secs(2), messages.next()).await {
         out.push((m.subject.to_string(), m.payload.clone()));
+        if m.info().is_ok_and(|i| i.pending == 0) {
+            break;
+        }
     }
     out
 }
@@ -969,7 +976,8 @@ async fn deleting_200_sessions_keeps_a_steady_appenders_p99_within_twice() {
     };
     let ((without, n_without), (with, n_with)) = (p99(false), p99(true));
     eprintln!("steady appender p99: {without:?} without deletes ({n_without}), {with:?} with ({n_with})");
-    assert!(n_with >= 1_500 && n_without >= 1_500, "{n_with} / {n_without} samples");
+    // At least 5 s of each (at 200/s), however quickly the deletes go.
+    assert!(n_with >= 1_000 && n_without >= 1_000, "{n_with} / {n_without} samples");
     // Each delete's own work (its commit on the serial path, the removal of its messages)
     // delays an append arriving during it by a few milliseconds; at a p99 of ~3 ms on an
     // idle machine that alone can come near 2×, hence the 5 ms floor. A delete that reads

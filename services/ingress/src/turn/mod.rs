@@ -120,8 +120,13 @@ impl TurnHub {
         self.turns.lock().unwrap_or_else(PoisonError::into_inner).insert(turn.session, turn);
     }
 
-    fn remove(&self, session: SessionId) {
-        self.turns.lock().unwrap_or_else(PoisonError::into_inner).remove(&session);
+    /// Unregisters `turn` — only it: the session's next turn may already have taken its
+    /// place (the lease and the slot are given back before the `end`).
+    fn remove(&self, turn: &Arc<ActiveTurn>) {
+        let mut turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
+        if turns.get(&turn.session).is_some_and(|t| Arc::ptr_eq(t, turn)) {
+            turns.remove(&turn.session);
+        }
     }
 
     pub fn active(&self) -> usize {

@@ -60,13 +60,12 @@ pub fn start_turn(app: &Arc<Ingress>, start: TurnStart) -> Arc<ActiveTurn> {
     app.metrics.turns_active(app.turns.active());
     let (app, t) = (Arc::clone(app), Arc::clone(&turn));
     app.turns.tasks.clone().spawn(async move {
-        let session = start.session;
         let serving = remote::serve(&app, &t).await;
         run(&app, &t, start).await;
         if let Some(s) = serving {
             s.abort();
         }
-        app.turns.remove(session);
+        app.turns.remove(&t);
         app.metrics.turns_active(app.turns.active());
     });
     turn

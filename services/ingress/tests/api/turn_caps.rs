@@ -119,7 +119,7 @@ async fn every_ending_gives_the_slot_back() {
     }
 
     // A client that leaves: its turn goes on and holds the slot until it ends.
-    let resp = started(&api, ALICE, id, "[mock words=60 delay_ms=20]").await;
+    let resp = started(&api, ALICE, id, "[mock words=60 delay_ms=60]").await;
     let mut body = resp.bytes_stream();
     body.next().await.unwrap().unwrap();
     drop(body);

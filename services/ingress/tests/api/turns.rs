@@ -450,12 +450,12 @@ async fn a_reattach_past_the_turns_last_event_ends_with_the_turn() {
             Method::POST,
             &send_path(id),
             ALICE,
-            Some(json!({"text": "go [mock words=30 delay_ms=20]"})),
+            Some(json!({"text": "go [mock words=30 delay_ms=100]"})),
             &[],
         )
         .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    // An id this turn has not reached (a client's id from an earlier, longer turn).
+    // An id this turn (3 s long) has not reached (a client's id from an earlier, longer turn).
     let beyond = [("Last-Event-ID", "1000")];
     let attached = tokio::time::timeout(WAIT, api.turn(Method::GET, &stream_path, ALICE, None, &beyond))
         .await
