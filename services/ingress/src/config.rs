@@ -328,7 +328,8 @@ mod tests {
         }
     }
 
-    /// The flags as `turnlog ingress` parses them (the environment left out).
+    /// The flags as `turnlog ingress` parses them (`TURNLOG_API_TOKENS` from the environment
+    /// left out; the other settings' variables still count).
     fn args(flags: &[&str]) -> IngressArgs {
         #[derive(clap::Parser)]
         struct Cli {

@@ -97,13 +97,7 @@ impl Knobs {
         };
         match key {
             "words" => self.words = at_most(MAX_WORDS)?,
-            "breaks" => {
-                let breaks = number(value)? as usize;
-                if breaks > MAX_BREAKS {
-                    return Err(format!("mock directive `{setting}`: at most {MAX_BREAKS} breaks"));
-                }
-                self.breaks = breaks;
-            }
+            "breaks" => self.breaks = at_most(MAX_BREAKS)?,
             "delay_ms" => self.delay_ms = number(value)?,
             "reasoning" => self.reasoning = at_most(MAX_REASONING)?,
             "fail_after" => self.fail_after = Some(number(value)? as usize),
