@@ -2,6 +2,9 @@
 //! vLLM, Ollama, OpenRouter), replayed byte for byte by a tiny HTTP server in small chunks so
 //! lines, CRLF pairs and UTF-8 characters arrive split.
 
+// A failed unwrap in a test is a failed test.
+#![allow(clippy::unwrap_used)]
+
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};

@@ -1,6 +1,9 @@
 //! The compactor against real Postgres, NATS and the mock model, with the writer in-process
 //! and turns simulated on the bus; the long-conversation tests run all three workers.
 
+// A failed unwrap in a test is a failed test.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use std::time::Duration;

@@ -1,6 +1,9 @@
 //! The distiller against real Postgres, NATS and the mock model, with the writer in-process
 //! and turns simulated on the bus.
 
+// A failed unwrap in a test is a failed test.
+#![allow(clippy::unwrap_used)]
+
 #[path = "../../compactor/tests/support/mod.rs"]
 mod support;
 

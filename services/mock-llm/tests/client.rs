@@ -1,6 +1,9 @@
 //! turnlog-core's upstream client against the mock model over real HTTP: every knob, the
 //! worker answers, the prompt cache and the context windows.
 
+// A failed unwrap in a test is a failed test.
+#![allow(clippy::unwrap_used)]
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

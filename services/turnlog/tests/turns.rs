@@ -2,6 +2,9 @@
 //! re-attach work from either copy, and a SIGKILLed copy loses at most the last checkpoint
 //! interval of streamed text, which the next request carries with the interruption note.
 
+// A failed unwrap in a test is a failed test.
+#![allow(clippy::unwrap_used)]
+
 use std::time::Duration;
 
 use eventsource_stream::Eventsource as _;
@@ -211,14 +214,8 @@ async fn a_killed_copy_keeps_the_text_up_to_its_last_checkpoint_and_frees_the_se
     })
     .await;
     assert_eq!(the_end(&read_all(next).await)["status"], "completed");
-    let last_request = sys
-        .mock
-        .log()
-        .entries()
-        .into_iter()
-        .filter(|r| r.path.ends_with("/chat/completions"))
-        .next_back()
-        .unwrap();
+    let last_request =
+        sys.mock.log().entries().into_iter().rfind(|r| r.path.ends_with("/chat/completions")).unwrap();
     let messages = last_request.body["messages"].as_array().unwrap();
     assert!(
         messages

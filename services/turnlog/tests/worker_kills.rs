@@ -2,6 +2,9 @@
 //! restarted: afterwards every turn has its output exactly once. The writer runs in-process,
 //! the mock model answers slowly so the kill lands mid-batch.
 
+// A failed unwrap in a test is a failed test.
+#![allow(clippy::unwrap_used)]
+
 #[path = "../../compactor/tests/support/mod.rs"]
 mod support;
 

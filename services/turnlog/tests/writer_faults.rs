@@ -3,6 +3,9 @@
 //! each, a checker proves every acknowledged append is stored once, with gapless seqs, and
 //! reached the committed-event feed. Fault servers are private instances on fixed ports.
 
+// A failed unwrap in a test is a failed test.
+#![allow(clippy::unwrap_used)]
+
 use std::time::Duration;
 
 use turnlog_core::bus::{append_and_wait, AppendRequest, Bus};

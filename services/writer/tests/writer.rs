@@ -1,6 +1,9 @@
 //! The writer against a real Postgres and nats-server (in-process writer; the
 //! kill-and-restart tests run the `turnlog` binary, in services/turnlog/tests).
 
+// A failed unwrap in a test is a failed test.
+#![allow(clippy::unwrap_used)]
+
 use std::collections::HashMap;
 use std::time::Duration;
 
