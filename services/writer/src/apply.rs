@@ -8,7 +8,7 @@ use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use turnlog_core::bus::{
-    AppendRequest, CommittedEvent, DeadLetter, Op, Outcome, OutcomeStatus, MAX_EVENT_BYTES,
+    json_len, AppendRequest, CommittedEvent, DeadLetter, Op, Outcome, OutcomeStatus, MAX_EVENT_BYTES,
 };
 use turnlog_core::events::{EventBody, EventKind};
 use turnlog_core::ids::{Owner, SessionId};
@@ -88,11 +88,7 @@ fn new_event(req: &AppendRequest, body_len: usize) -> Result<NewEvent, Refusal> 
     }
     let body = EventBody::decode(kind, payload, 0).map_err(|e| refuse("bad_payload", e.to_string()))?;
     // The payload is part of the request body, so only a large body needs measuring.
-    let size = if body_len <= MAX_EVENT_BYTES {
-        body_len
-    } else {
-        serde_json::to_vec(payload).map_or(usize::MAX, |v| v.len())
-    };
+    let size = if body_len <= MAX_EVENT_BYTES { body_len } else { json_len(payload) };
     if size > MAX_EVENT_BYTES {
         return Err(refuse("too_large", format!("event is {size} bytes; the limit is {MAX_EVENT_BYTES}")));
     }
