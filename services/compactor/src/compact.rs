@@ -9,12 +9,12 @@ use std::time::Duration;
 use serde_json::Value;
 use sqlx::PgPool;
 use turnlog_core::budget::{budget_for, history_tokens, request_size};
-use turnlog_core::bus::{append_and_wait, AppendError, AppendRequest, Bus, Expect};
 use turnlog_core::compaction::{plan_compaction_shrunk, CompactionPlan};
 use turnlog_core::events::{CompactionApplied, EventBody};
 use turnlog_core::ids::{EventId, SessionId};
-use turnlog_core::read::{live_tail, ReadError};
-use turnlog_core::upstream::{UpstreamClient, UpstreamError};
+use turnlog_runtime::bus::{append_and_wait, AppendError, AppendRequest, Bus, Expect};
+use turnlog_runtime::read::{live_tail, ReadError};
+use turnlog_runtime::upstream::{UpstreamClient, UpstreamError};
 use uuid::Uuid;
 
 use crate::locks::SessionLocks;

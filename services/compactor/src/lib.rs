@@ -16,12 +16,12 @@ use futures::StreamExt as _;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::bus::{Bus, CommittedEvent};
-pub use turnlog_core::bus::{CompactReply, CompactRequest, CompactStatus};
 use turnlog_core::events::EventKind;
 use turnlog_core::ids::SessionId;
-use turnlog_core::upstream::{UpstreamClient, UpstreamConfig};
-use turnlog_core::worker::{ConsumerSettings, Delivery, HandleError, Handler, Worker, WorkerStats};
+use turnlog_runtime::bus::{Bus, CommittedEvent};
+pub use turnlog_runtime::bus::{CompactReply, CompactRequest, CompactStatus};
+use turnlog_runtime::upstream::{UpstreamClient, UpstreamConfig};
+use turnlog_runtime::worker::{ConsumerSettings, Delivery, HandleError, Handler, Worker, WorkerStats};
 
 pub use compact::{compaction_event_id, Checked, CompactError, Compactor, Settings, REFUSALS_PER_HALVING};
 pub use summary::{max_summary_tokens, SUMMARY_MARKER_TASK};
@@ -83,9 +83,10 @@ pub async fn run(config: CompactorConfig, shutdown: CancellationToken) -> anyhow
     let concurrency = config.consumer.concurrency.max(1);
     // Post-turn and pre-send checks run side by side, each with up to `concurrency`.
     let connections = u32::try_from(2 * concurrency).unwrap_or(u32::MAX).saturating_add(2);
-    let pool = turnlog_core::db::connect_reads(&config.database_url, connections, config.statement_timeout)
-        .await
-        .context("connecting to Postgres")?;
+    let pool =
+        turnlog_runtime::db::connect_reads(&config.database_url, connections, config.statement_timeout)
+            .await
+            .context("connecting to Postgres")?;
     let bus = Bus::connect(&config.nats_url, &config.bus_prefix, config.partitions).await?;
     let upstream = UpstreamClient::new(config.upstream.clone()).context("building the model client")?;
     turnlog_core::tokens::warm_up();

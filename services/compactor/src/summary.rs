@@ -4,7 +4,7 @@
 use turnlog_core::compaction::CompactionPlan;
 use turnlog_core::llm_context::{Source, SUMMARY_MARKER};
 use turnlog_core::message::{ChatMessage, Role};
-use turnlog_core::upstream::{ChatRequest, Completion};
+use turnlog_runtime::upstream::{ChatRequest, Completion};
 
 /// Selects the summary task (the mock model keys on it; a real model ignores it).
 pub const SUMMARY_MARKER_TASK: &str = "[turnlog:summarize]";

@@ -12,8 +12,8 @@ use support::{failing_mock, fast_consumer, filler, upstream_at, Rig, OWNER};
 use turnlog_compactor::{CompactReply, CompactRequest, CompactStatus, CompactorConfig, SUMMARY_MARKER_TASK};
 use turnlog_core::events::{CompactionApplied, MemoryExtracted};
 use turnlog_core::ids::SessionId;
-use turnlog_core::worker::ConsumerSettings;
 use turnlog_mock_llm::MockConfig;
+use turnlog_runtime::worker::ConsumerSettings;
 
 /// No window is known for this model, so TURNLOG_CONTEXT_BUDGET decides.
 const MODEL: &str = "mock-unknown";
@@ -33,7 +33,7 @@ fn compactor_config(rig: &Rig, base_url: &str) -> CompactorConfig {
         facts_wait: Duration::from_secs(2),
         summary_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
+        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     }
 }
 
@@ -52,7 +52,7 @@ fn distiller_config(
         consumer,
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
+        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     }
 }
 
@@ -67,7 +67,7 @@ fn memory_config(rig: &Rig, base_url: &str, consumer: ConsumerSettings) -> turnl
         consumer,
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
+        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     }
 }
 

@@ -24,8 +24,8 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::upstream::redacted_url;
 use turnlog_ingress::IngressArgs;
+use turnlog_runtime::upstream::redacted_url;
 
 use servers::Endpoints;
 use settings::{Backbone, BusArgs, CompactorArgs, ReadArgs, TaskModels, WorkerModels, WorkerTuning};
@@ -189,14 +189,15 @@ async fn run_services(
 ) -> anyhow::Result<()> {
     let configs = service_configs(args, endpoints, llm_url)?;
     let pool =
-        turnlog_core::db::connect(&endpoints.database_url, 2).await.context("connecting to Postgres")?;
-    turnlog_core::db::migrate(&pool).await.context("applying migrations")?;
+        turnlog_runtime::db::connect(&endpoints.database_url, 2).await.context("connecting to Postgres")?;
+    turnlog_runtime::db::migrate(&pool).await.context("applying migrations")?;
     pool.close().await;
     // The streams too, before any service looks for them (a worker that starts first
     // would otherwise retry until the writer has made them).
-    let bus = turnlog_core::bus::Bus::connect(&endpoints.nats_url, &args.bus.bus_prefix, args.bus.partitions)
-        .await
-        .context("connecting to NATS")?;
+    let bus =
+        turnlog_runtime::bus::Bus::connect(&endpoints.nats_url, &args.bus.bus_prefix, args.bus.partitions)
+            .await
+            .context("connecting to NATS")?;
     bus.ensure_topology(args.bus.append_max_age).await.context("creating the bus topology")?;
     drop(bus);
     let addr = listener.local_addr().context("reading the listen address")?;

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use turnlog_core::config::parse_duration;
+use turnlog_runtime::config::parse_duration;
 
 /// How long a worker waits for the writer to apply its append.
 const WORKER_APPEND_TIMEOUT: Duration = Duration::from_secs(15);
@@ -99,12 +99,12 @@ impl WorkerModels {
         }
     }
 
-    fn upstream(&self) -> anyhow::Result<turnlog_core::upstream::UpstreamConfig> {
-        let windows_override = turnlog_core::upstream::parse_model_windows(&self.model_windows)
+    fn upstream(&self) -> anyhow::Result<turnlog_runtime::upstream::UpstreamConfig> {
+        let windows_override = turnlog_runtime::upstream::parse_model_windows(&self.model_windows)
             .map_err(|e| anyhow::anyhow!("TURNLOG_MODEL_WINDOWS: {e}"))?;
         anyhow::ensure!(!self.llm_url.trim().is_empty(), "TURNLOG_LLM_URL is empty");
         anyhow::ensure!(!self.model.trim().is_empty(), "TURNLOG_MODEL must name a model");
-        Ok(turnlog_core::upstream::UpstreamConfig {
+        Ok(turnlog_runtime::upstream::UpstreamConfig {
             base_url: self.llm_url.clone(),
             api_key: self.llm_api_key.clone().filter(|k| !k.is_empty()),
             timeout: self.upstream_timeout,
@@ -140,12 +140,13 @@ pub struct WorkerTuning {
 }
 
 impl WorkerTuning {
-    fn settings(&self) -> turnlog_core::worker::ConsumerSettings {
-        turnlog_core::worker::ConsumerSettings {
+    fn settings(&self) -> turnlog_runtime::worker::ConsumerSettings {
+        turnlog_runtime::worker::ConsumerSettings {
             concurrency: usize::try_from(self.worker_concurrency).unwrap_or(1),
             max_deliver: self.worker_max_deliver,
             ack_wait: self.worker_ack_wait,
             retry_backoff: self.worker_retry_backoff.clone(),
+            replay: None,
         }
     }
 }

@@ -10,15 +10,15 @@ use anyhow::Context as _;
 use serde::Deserialize;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::bus::{append_and_wait, recorded_outcome, AppendRequest, Bus, CommittedEvent, Outcome};
 use turnlog_core::events::{EventBody, EventKind, Failure, TurnMemory};
 use turnlog_core::ids::{EventId, SessionId};
 use turnlog_core::message::{ChatMessage, Role};
-use turnlog_core::upstream::{ChatRequest, UpstreamClient, UpstreamConfig};
-use turnlog_core::worker::{
-    ask_for_json, turn_events, ConsumerSettings, Delivery, HandleError, Handler, TurnMaterial, Worker,
-    WorkerStats,
-};
+use turnlog_core::turn::TurnMaterial;
+use turnlog_runtime::bus::{append_and_wait, recorded_outcome, AppendRequest, Bus, CommittedEvent, Outcome};
+use turnlog_runtime::read::turn_events;
+use turnlog_runtime::upstream::ask_for_json;
+use turnlog_runtime::upstream::{ChatRequest, UpstreamClient, UpstreamConfig};
+use turnlog_runtime::worker::{ConsumerSettings, Delivery, HandleError, Handler, Worker, WorkerStats};
 
 /// Selects the distillation task (the mock model keys on it; a real model ignores it).
 pub const DISTILL_MARKER: &str = "[turnlog:distill]";
@@ -65,9 +65,10 @@ pub struct DistillerConfig {
 /// Distills committed turns until `shutdown`; every copy shares one durable consumer.
 pub async fn run(config: DistillerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     let connections = u32::try_from(config.consumer.concurrency).unwrap_or(u32::MAX).saturating_add(2);
-    let pool = turnlog_core::db::connect_reads(&config.database_url, connections, config.statement_timeout)
-        .await
-        .context("connecting to Postgres")?;
+    let pool =
+        turnlog_runtime::db::connect_reads(&config.database_url, connections, config.statement_timeout)
+            .await
+            .context("connecting to Postgres")?;
     let bus = Bus::connect(&config.nats_url, &config.bus_prefix, config.partitions).await?;
     let upstream = UpstreamClient::new(config.upstream.clone()).context("building the model client")?;
     let distiller = Arc::new(Distiller {
@@ -146,7 +147,7 @@ impl Distiller {
     #[tracing::instrument(skip_all, fields(session_id = %turn.session_id, turn_seq = turn.seq), err)]
     async fn title_session(&self, turn: &CommittedEvent) -> Result<(), HandleError> {
         let request_id = EventId::derived(turn.session_id, turn.seq, "title").0;
-        let state = turnlog_core::read::session_state(&self.pool, &turn.owner, turn.session_id)
+        let state = turnlog_runtime::read::session_state(&self.pool, &turn.owner, turn.session_id)
             .await
             .map_err(|e| HandleError::retry("read_failed", e))?;
         let Some(state) = state else { return Ok(()) };

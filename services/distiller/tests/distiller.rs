@@ -25,7 +25,7 @@ fn config(rig: &Rig, base_url: &str) -> DistillerConfig {
         consumer: fast_consumer(),
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
+        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     }
 }
 

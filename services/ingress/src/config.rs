@@ -12,7 +12,7 @@ use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
 use turnlog_core::budget::DEFAULT_BUDGET;
 use turnlog_core::ids::Owner;
-use turnlog_core::upstream::{parse_model_windows, UpstreamConfig};
+use turnlog_runtime::upstream::{parse_model_windows, UpstreamConfig};
 
 use crate::turn::TurnLimits;
 
@@ -58,10 +58,10 @@ pub struct IngressArgs {
     #[arg(long, env = "TURNLOG_SYSTEM_PROMPT", default_value = "")]
     pub system_prompt: String,
     /// Longest wait for the model's first byte and between two streamed chunks (e.g. 90s).
-    #[arg(long, env = "TURNLOG_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = turnlog_core::config::parse_duration)]
+    #[arg(long, env = "TURNLOG_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = turnlog_runtime::config::parse_duration)]
     pub upstream_timeout: Duration,
     /// How long a turn waits for the compactor's pre-send check (e.g. 30s).
-    #[arg(long, env = "TURNLOG_COMPACT_TIMEOUT", default_value = "30s", value_parser = turnlog_core::config::parse_duration)]
+    #[arg(long, env = "TURNLOG_COMPACT_TIMEOUT", default_value = "30s", value_parser = turnlog_runtime::config::parse_duration)]
     pub compact_timeout: Duration,
     /// Turns one owner may run at once on this copy; more are refused with 429.
     #[arg(long, env = "TURNLOG_MAX_TURNS_PER_OWNER", default_value_t = DEFAULT_MAX_TURNS_PER_OWNER, value_parser = clap::value_parser!(u32).range(1..))]
@@ -125,7 +125,7 @@ impl IngressConfig {
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             compact_timeout: DEFAULT_COMPACT_TIMEOUT,
             turn_limits: TurnLimits::default(),
-            statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
+            statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 

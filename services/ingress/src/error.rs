@@ -8,8 +8,8 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
-use turnlog_core::bus::{AppendError, BusError};
-use turnlog_core::read::ReadError;
+use turnlog_runtime::bus::{AppendError, BusError};
+use turnlog_runtime::read::ReadError;
 use utoipa::ToSchema;
 
 /// What a client is told to wait before retrying a 503 or a 429.
@@ -151,7 +151,7 @@ impl From<sqlx::Error> for ApiError {
             | sqlx::Error::Io(_)
             | sqlx::Error::Tls(_) => Self::Unavailable(format!("Postgres: {e}")),
             // A read ran past TURNLOG_STATEMENT_TIMEOUT (a lock or a load that will pass).
-            e if turnlog_core::db::is_query_canceled(&e) => Self::Unavailable(format!("Postgres: {e}")),
+            e if turnlog_runtime::db::is_query_canceled(&e) => Self::Unavailable(format!("Postgres: {e}")),
             other => Self::Internal(anyhow::Error::new(other).context("reading Postgres")),
         }
     }

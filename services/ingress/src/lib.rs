@@ -30,9 +30,9 @@ use tokio_util::sync::CancellationToken;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
-use turnlog_core::bus::Bus;
-use turnlog_core::lease::TurnLeases;
-use turnlog_core::upstream::{gateway_host, UpstreamClient};
+use turnlog_runtime::bus::Bus;
+use turnlog_runtime::lease::TurnLeases;
+use turnlog_runtime::upstream::{gateway_host, UpstreamClient};
 
 pub use config::{ApiTokens, Backbone, IngressArgs, IngressConfig};
 pub use error::ApiError;
@@ -66,7 +66,7 @@ impl Ingress {
     /// can take requests even before a writer has started).
     pub async fn connect(config: IngressConfig) -> anyhow::Result<AppState> {
         let b = &config.backbone;
-        let pool = turnlog_core::db::connect_reads(&b.database_url, POOL_SIZE, config.statement_timeout)
+        let pool = turnlog_runtime::db::connect_reads(&b.database_url, POOL_SIZE, config.statement_timeout)
             .await
             .context("connecting to Postgres")?;
         let bus = Bus::connect(&b.nats_url, &b.bus_prefix, b.partitions).await?;

@@ -4,7 +4,7 @@
 //! for sizes), never a 5xx.
 
 use serde_json::Value;
-use turnlog_core::bus::{json_len, MAX_EVENT_BYTES};
+use turnlog_runtime::bus::{json_len, MAX_EVENT_BYTES};
 
 use crate::config::IngressConfig;
 use crate::error::ApiError;

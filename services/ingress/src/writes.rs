@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use turnlog_core::bus::{append_and_wait, AppendRequest, Op, Outcome, SESSION_DELETED};
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Op, Outcome, SESSION_DELETED};
 
 use crate::error::ApiError;
 use crate::{validate, Ingress};
@@ -45,7 +45,7 @@ fn refusal(reason: &str) -> ApiError {
         // The session went away (deleted) or is another owner's between the check and the write.
         "unknown_session" | "owner_mismatch" => ApiError::session_not_found(),
         // Applied once, then deleted with its session; a resend within the bus's duplicate
-        // window is not applied again (`turnlog_core::bus::SESSION_DELETED`).
+        // window is not applied again (`turnlog_runtime::bus::SESSION_DELETED`).
         SESSION_DELETED => ApiError::Conflict(
             "the session this request created or wrote to has been deleted since; send a new request \
              (with a new Idempotency-Key)"

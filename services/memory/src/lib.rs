@@ -10,15 +10,15 @@ use anyhow::Context as _;
 use serde::Deserialize;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::bus::{append_and_wait, recorded_outcome, AppendRequest, Bus, CommittedEvent};
 use turnlog_core::events::{EventBody, EventKind, ExtractedMemory, MemoryExtracted};
 use turnlog_core::ids::EventId;
 use turnlog_core::message::{ChatMessage, Role};
-use turnlog_core::upstream::{ChatRequest, UpstreamClient, UpstreamConfig};
-use turnlog_core::worker::{
-    ask_for_json, turn_events, ConsumerSettings, Delivery, HandleError, Handler, TurnMaterial, Worker,
-    WorkerStats,
-};
+use turnlog_core::turn::TurnMaterial;
+use turnlog_runtime::bus::{append_and_wait, recorded_outcome, AppendRequest, Bus, CommittedEvent};
+use turnlog_runtime::read::turn_events;
+use turnlog_runtime::upstream::ask_for_json;
+use turnlog_runtime::upstream::{ChatRequest, UpstreamClient, UpstreamConfig};
+use turnlog_runtime::worker::{ConsumerSettings, Delivery, HandleError, Handler, Worker, WorkerStats};
 use uuid::Uuid;
 
 /// Selects the memory task (the mock model keys on it; a real model ignores it).
@@ -58,9 +58,10 @@ pub struct MemoryConfig {
 /// Extracts memories from committed turns until `shutdown`.
 pub async fn run(config: MemoryConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     let connections = u32::try_from(config.consumer.concurrency).unwrap_or(u32::MAX).saturating_add(2);
-    let pool = turnlog_core::db::connect_reads(&config.database_url, connections, config.statement_timeout)
-        .await
-        .context("connecting to Postgres")?;
+    let pool =
+        turnlog_runtime::db::connect_reads(&config.database_url, connections, config.statement_timeout)
+            .await
+            .context("connecting to Postgres")?;
     let bus = Bus::connect(&config.nats_url, &config.bus_prefix, config.partitions).await?;
     let upstream = UpstreamClient::new(config.upstream.clone()).context("building the model client")?;
     let extractor = Arc::new(Extractor {

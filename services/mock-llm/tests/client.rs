@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use turnlog_core::message::{ChatMessage, Content, ContentPart, Role};
 use turnlog_core::tokens;
-use turnlog_core::upstream::{
+use turnlog_mock_llm::{spawn, MockConfig, MockHandle};
+use turnlog_runtime::upstream::{
     parse_model_windows, ChatRequest, ImageResolver, StreamItem, TimeoutPhase, UpstreamClient,
     UpstreamConfig, UpstreamError, Usage,
 };
-use turnlog_mock_llm::{spawn, MockConfig, MockHandle};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 

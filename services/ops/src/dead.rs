@@ -12,7 +12,7 @@ use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use futures::StreamExt as _;
 use sqlx::PgPool;
-use turnlog_core::bus::{
+use turnlog_runtime::bus::{
     recorded_outcome, AppendRequest, Bus, CommittedEvent, DeadLetter, Outcome, REPLY_HEADER,
 };
 use turnlog_writer::REDRIVE_HEADER;
@@ -197,7 +197,7 @@ pub async fn redrive(
         outcome = outcome_after(pool, partition, append_seq, request.request_id, deadline).await?;
     }
     match &outcome {
-        Some(o) if o.status == turnlog_core::bus::OutcomeStatus::Duplicate => println!(
+        Some(o) if o.status == turnlog_runtime::bus::OutcomeStatus::Duplicate => println!(
             "redrove dead letter {seq} as TURNLOG_APPEND {append_seq}: already applied{} — nothing added",
             o.seq.map(|s| format!(" at seq {s}")).unwrap_or_default()
         ),

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use turnlog_core::bus::Bus;
+use turnlog_runtime::bus::Bus;
 use turnlog_writer::{RebuildProgress, RebuildSummary};
 
 use crate::progress;
@@ -15,7 +15,7 @@ use crate::progress;
 /// Rebuilds into `database_url` from the APPEND stream of `bus`; prints a summary.
 pub async fn rebuild(database_url: &str, bus: &Bus, show_progress: bool) -> anyhow::Result<RebuildSummary> {
     let pool =
-        turnlog_core::db::connect(database_url, 1).await.context("connecting to the target database")?;
+        turnlog_runtime::db::connect(database_url, 1).await.context("connecting to the target database")?;
     // Migrating creates turnlog's tables: only in a database that has none of its own, so a
     // mistyped URL cannot turn another application's database into a rebuild target.
     let tables: Vec<String> =
@@ -30,7 +30,7 @@ pub async fn rebuild(database_url: &str, bus: &Bus, show_progress: bool) -> anyh
         "the target database holds tables that are not turnlog's ({}): rebuild into a new, empty database",
         tables.join(", ")
     );
-    turnlog_core::db::migrate(&pool).await.context("migrating the target database")?;
+    turnlog_runtime::db::migrate(&pool).await.context("migrating the target database")?;
     pool.close().await;
 
     let shown = Arc::new(RebuildProgress::default());

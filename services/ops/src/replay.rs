@@ -1,4 +1,4 @@
-//! `turnlog replay`: a worker's own `run` inside [`replaying`], so its handler goes over
+//! `turnlog replay`: a worker's own `run` in replay mode (`ConsumerSettings::replay`), so its handler goes over
 //! past committed events on a temporary consumer — from a sequence or a time, optionally
 //! one session — through the feed's last event at start, with a progress bar. Handlers are
 //! idempotent, so a replay appends only what is missing.
@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use chrono::{DateTime, Utc};
 use tokio_util::sync::CancellationToken;
 use turnlog_core::ids::SessionId;
-use turnlog_core::worker::{replaying, Replay, ReplayFrom, ReplayProgress};
+use turnlog_runtime::worker::{Replay, ReplayFrom, ReplayProgress};
 
 use crate::progress;
 
@@ -32,7 +32,7 @@ pub struct ReplaySummary {
 }
 
 /// Replays `worker` (its name, for messages) by running `run` — the worker's
-/// `run(config, shutdown)` — in replay mode until through; `shutdown` stops it early.
+/// `run(config, shutdown)` with `replay` set in its consumer settings — until through; `shutdown` stops it early.
 /// Prints a summary; fails when the replay did.
 pub async fn replay<F, Fut>(
     worker: &str,
@@ -43,14 +43,14 @@ pub async fn replay<F, Fut>(
     run: F,
 ) -> anyhow::Result<ReplaySummary>
 where
-    F: FnOnce(CancellationToken) -> Fut,
+    F: FnOnce(Replay, CancellationToken) -> Fut,
     Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
 {
     let shown = Arc::new(ReplayProgress::default());
     let replay = Replay { from, session, progress: shown.clone() };
     // Stops the worker's other duties (the compactor's pre-send checks) once through.
     let stop = shutdown.child_token();
-    let mut work = tokio::spawn(replaying(replay, run(stop.clone())));
+    let mut work = tokio::spawn(run(replay, stop.clone()));
     let bar = progress::bar(show_progress, worker, "events");
     let started = tokio::time::Instant::now();
     let ended = loop {
@@ -106,7 +106,7 @@ pub fn parse_since(s: &str) -> Result<DateTime<Utc>, String> {
     if let Ok(t) = DateTime::parse_from_rfc3339(s.trim()) {
         return Ok(t.with_timezone(&Utc));
     }
-    let ago = turnlog_core::config::parse_duration(s)
+    let ago = turnlog_runtime::config::parse_duration(s)
         .map_err(|_| format!("{s:?} is neither an RFC 3339 time nor a duration like 90m or 2d"))?;
     let ago = chrono::Duration::from_std(ago).map_err(|e| format!("{s:?}: {e}"))?;
     Ok(Utc::now() - ago)

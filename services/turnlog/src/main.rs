@@ -152,7 +152,7 @@ enum DeadCommand {
         /// Asked for the outcome should the writer's reply be lost.
         #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
         database_url: Option<String>,
-        #[arg(long, default_value = "15s", value_parser = turnlog_core::config::parse_duration)]
+        #[arg(long, default_value = "15s", value_parser = turnlog_runtime::config::parse_duration)]
         timeout: std::time::Duration,
     },
 }
@@ -185,8 +185,8 @@ async fn run() -> anyhow::Result<()> {
     match cli.command {
         Command::Writer { backbone: b } => {
             let pool =
-                turnlog_core::db::connect(&b.database_url, 2).await.context("connecting to Postgres")?;
-            turnlog_core::db::migrate(&pool).await.context("applying migrations")?;
+                turnlog_runtime::db::connect(&b.database_url, 2).await.context("connecting to Postgres")?;
+            turnlog_runtime::db::migrate(&pool).await.context("applying migrations")?;
             turnlog_writer::run(b.writer(), shutdown).await
         }
         Command::Distiller { backbone: b, models: m, tuning: t } => {
@@ -206,8 +206,9 @@ async fn run() -> anyhow::Result<()> {
             turnlog_ingress::run(config, listener, shutdown).await
         }
         Command::Migrate { database_url } => {
-            let pool = turnlog_core::db::connect(&database_url, 2).await.context("connecting to Postgres")?;
-            turnlog_core::db::migrate(&pool).await.context("applying migrations")?;
+            let pool =
+                turnlog_runtime::db::connect(&database_url, 2).await.context("connecting to Postgres")?;
+            turnlog_runtime::db::migrate(&pool).await.context("applying migrations")?;
             tracing::info!("migrations applied");
             Ok(())
         }
@@ -235,25 +236,34 @@ async fn run() -> anyhow::Result<()> {
             };
             match worker {
                 ReplayWorker::Distiller => {
-                    let config = b.distiller(&m, &t)?;
-                    let run = |stop| turnlog_distiller::run(config, stop);
+                    let mut config = b.distiller(&m, &t)?;
+                    let run = |replay, stop| {
+                        config.consumer.replay = Some(replay);
+                        turnlog_distiller::run(config, stop)
+                    };
                     turnlog_ops::replay("distiller", from, session, true, shutdown, run).await?;
                 }
                 ReplayWorker::Memory => {
-                    let config = b.memory(&m, &t)?;
-                    let run = |stop| turnlog_memory::run(config, stop);
+                    let mut config = b.memory(&m, &t)?;
+                    let run = |replay, stop| {
+                        config.consumer.replay = Some(replay);
+                        turnlog_memory::run(config, stop)
+                    };
                     turnlog_ops::replay("memory", from, session, true, shutdown, run).await?;
                 }
                 ReplayWorker::Compactor => {
-                    let config = b.compactor(&m, &t, &c)?;
-                    let run = |stop| turnlog_compactor::run(config, stop);
+                    let mut config = b.compactor(&m, &t, &c)?;
+                    let run = |replay, stop| {
+                        config.consumer.replay = Some(replay);
+                        turnlog_compactor::run(config, stop)
+                    };
                     turnlog_ops::replay("compactor", from, session, true, shutdown, run).await?;
                 }
             }
             Ok(())
         }
         Command::Rebuild { database_url, nats_url, bus } => {
-            let bus = turnlog_core::bus::Bus::connect(&nats_url, &bus.bus_prefix, bus.partitions).await?;
+            let bus = turnlog_runtime::bus::Bus::connect(&nats_url, &bus.bus_prefix, bus.partitions).await?;
             turnlog_ops::rebuild(&database_url, &bus, true).await.map(drop)
         }
         Command::Verify { url_a, url_b } => {
@@ -268,15 +278,15 @@ async fn run() -> anyhow::Result<()> {
             std::process::exit(code)
         }
         Command::Dead { command, nats_url, bus } => {
-            let bus = turnlog_core::bus::Bus::connect(&nats_url, &bus.bus_prefix, bus.partitions).await?;
+            let bus = turnlog_runtime::bus::Bus::connect(&nats_url, &bus.bus_prefix, bus.partitions).await?;
             match command {
                 DeadCommand::List => turnlog_ops::dead::list(&bus, |_| {}).await.map(drop),
                 DeadCommand::Show { seq } => turnlog_ops::dead::show(&bus, seq).await.map(drop),
                 DeadCommand::Redrive { seq, database_url, timeout } => {
                     let pool = match database_url {
-                        Some(url) => {
-                            Some(turnlog_core::db::connect(&url, 1).await.context("connecting to Postgres")?)
-                        }
+                        Some(url) => Some(
+                            turnlog_runtime::db::connect(&url, 1).await.context("connecting to Postgres")?,
+                        ),
                         None => None,
                     };
                     let redriven = turnlog_ops::dead::redrive(&bus, pool.as_ref(), seq, timeout).await?;

@@ -10,10 +10,10 @@ use futures::StreamExt as _;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 use turnlog_core::budget::budget_for;
-use turnlog_core::upstream::UpstreamConfig;
-use turnlog_core::worker::ConsumerSettings;
 use turnlog_ingress::{Backbone, IngressConfig};
 use turnlog_mock_llm::MockConfig;
+use turnlog_runtime::upstream::UpstreamConfig;
+use turnlog_runtime::worker::ConsumerSettings;
 use turnlog_testkit::{eventually, test_env};
 
 const TURNS: usize = 120;
@@ -55,7 +55,7 @@ async fn a_long_conversation_stays_within_budget_and_keeps_turn_one_facts() {
         facts_wait: Duration::from_secs(2),
         summary_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
+        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     };
     tokio::spawn(turnlog_compactor::run(compactor, stop.clone()));
     let memory = turnlog_memory::MemoryConfig {
@@ -68,7 +68,7 @@ async fn a_long_conversation_stays_within_budget_and_keeps_turn_one_facts() {
         consumer,
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
+        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     };
     tokio::spawn(turnlog_memory::run(memory, stop.clone()));
 

@@ -8,9 +8,9 @@ mod support;
 use std::process::Output;
 
 use support::{filler, Rig, OWNER};
-use turnlog_core::bus::{append_and_wait, AppendRequest};
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
+use turnlog_runtime::bus::{append_and_wait, AppendRequest};
 use uuid::Uuid;
 
 const BIN: &str = env!("CARGO_BIN_EXE_turnlog");
@@ -68,7 +68,7 @@ async fn dead_rebuild_verify_and_replay_from_the_command_line() {
     let same = turnlog(&rig, &["verify", &rig.env.database_url, &target]).await;
     assert_eq!(same.status.code(), Some(0));
     assert_eq!(stdout(&same).trim(), "identical: 2 sessions, 5 events, 0 memories");
-    let pool = turnlog_core::db::connect(&target, 1).await.unwrap();
+    let pool = turnlog_runtime::db::connect(&target, 1).await.unwrap();
     sqlx::query("UPDATE sessions SET title = 'edited' WHERE id = $1").bind(s.0).execute(&pool).await.unwrap();
     pool.close().await;
     let differs = turnlog(&rig, &["verify", &rig.env.database_url, &target]).await;

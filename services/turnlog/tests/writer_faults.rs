@@ -8,8 +8,8 @@
 
 use std::time::Duration;
 
-use turnlog_core::bus::{append_and_wait, AppendRequest, Bus};
 use turnlog_core::ids::SessionId;
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus};
 use turnlog_testkit::checker::{check_log, produce, Acked};
 use turnlog_testkit::{
     eventually, free_port, private_nats, private_postgres, test_env, test_env_on, TestEnv, TurnlogProcess,

@@ -7,12 +7,12 @@ use std::collections::{HashMap, HashSet};
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use turnlog_core::bus::{
-    json_len, AppendRequest, CommittedEvent, DeadLetter, Op, Outcome, OutcomeStatus, MAX_EVENT_BYTES,
-};
 use turnlog_core::events::{EventBody, EventKind};
 use turnlog_core::ids::{Owner, SessionId};
 use turnlog_core::tokens::event_tokens;
+use turnlog_runtime::bus::{
+    json_len, AppendRequest, CommittedEvent, DeadLetter, Op, Outcome, OutcomeStatus, MAX_EVENT_BYTES,
+};
 use uuid::Uuid;
 
 /// One TURNLOG_APPEND message as the writer received it, decoded.

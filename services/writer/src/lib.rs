@@ -24,8 +24,8 @@ use futures::StreamExt as _;
 use sqlx::{Connection as _, PgConnection, PgPool};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
-use turnlog_core::bus::{partition_of, Bus, CommittedEvent, DeadLetter, Outcome, REPLY_HEADER};
 use turnlog_core::ids::SessionId;
+use turnlog_runtime::bus::{partition_of, Bus, CommittedEvent, DeadLetter, Outcome, REPLY_HEADER};
 use uuid::Uuid;
 
 pub use apply::{apply_batch, Incoming};
@@ -61,7 +61,7 @@ pub struct WriterConfig {
 /// Runs a writer for every partition until `shutdown`; recovers by itself from lost
 /// connections to NATS or Postgres.
 pub async fn run(config: WriterConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let pool = turnlog_core::db::connect(&config.database_url, 4 + config.partitions)
+    let pool = turnlog_runtime::db::connect(&config.database_url, 4 + config.partitions)
         .await
         .context("connecting to Postgres")?;
     let bus = Bus::connect(&config.nats_url, &config.bus_prefix, config.partitions).await?;
@@ -119,7 +119,7 @@ async fn serve_partition(
     // The lock lives on the partition's own connection, held exactly as long as it; every
     // commit goes through it too, planned once (the commit's plan does not depend on its
     // arrays; see `connect_generic_plans`).
-    let mut conn = turnlog_core::db::connect_generic_plans(url, "turnlog-writer")
+    let mut conn = turnlog_runtime::db::connect_generic_plans(url, "turnlog-writer")
         .await
         .context("partition connection")?;
     let mut waiting_logged = false;

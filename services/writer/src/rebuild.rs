@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
 use futures::StreamExt as _;
 use sqlx::PgPool;
-use turnlog_core::bus::{Bus, OutcomeStatus};
+use turnlog_runtime::bus::{Bus, OutcomeStatus};
 
 use crate::apply::{apply_batch, BatchEffects, Incoming, LoadedState};
 use crate::{bulk, incoming};
@@ -69,7 +69,7 @@ pub async fn rebuild(
     bus: &Bus,
     progress: Arc<RebuildProgress>,
 ) -> anyhow::Result<RebuildSummary> {
-    let pool = turnlog_core::db::connect(database_url, bus.partitions.max(2) + 1)
+    let pool = turnlog_runtime::db::connect(database_url, bus.partitions.max(2) + 1)
         .await
         .context("connecting to the target database")?;
     anyhow::ensure!(

@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 
 use sqlx::{Connection as _, PgConnection, PgPool};
-use turnlog_core::bus::{CommittedEvent, Outcome, OutcomeStatus};
 use turnlog_core::ids::SessionId;
+use turnlog_runtime::bus::{CommittedEvent, Outcome, OutcomeStatus};
 use uuid::Uuid;
 
 use crate::apply::{BatchEffects, EventRow, LoadedState, SessionRow};

@@ -12,13 +12,13 @@ use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::bus::{
-    append_and_wait, AppendRequest, Bus, CommittedEvent, DeadLetter, Expect, OutcomeStatus,
-};
 use turnlog_core::events::*;
 use turnlog_core::ids::SessionId;
-use turnlog_core::lease::TurnLeases;
-use turnlog_core::read::{self, Cursor, ListQuery};
+use turnlog_runtime::bus::{
+    append_and_wait, AppendRequest, Bus, CommittedEvent, DeadLetter, Expect, OutcomeStatus,
+};
+use turnlog_runtime::lease::TurnLeases;
+use turnlog_runtime::read::{self, Cursor, ListQuery};
 use turnlog_testkit::{eventually, test_env, TestEnv};
 use turnlog_writer::WriterConfig;
 use uuid::Uuid;
@@ -54,11 +54,11 @@ impl Harness {
         id
     }
 
-    async fn send(&self, req: &AppendRequest) -> turnlog_core::bus::Outcome {
+    async fn send(&self, req: &AppendRequest) -> turnlog_runtime::bus::Outcome {
         append_and_wait(&self.bus, &self.env.pool, req, WAIT).await.unwrap()
     }
 
-    async fn user(&self, session: SessionId, owner: &str, text: &str) -> turnlog_core::bus::Outcome {
+    async fn user(&self, session: SessionId, owner: &str, text: &str) -> turnlog_runtime::bus::Outcome {
         let body = EventBody::UserMessage(UserMessage { text: text.into(), ..Default::default() });
         self.send(&AppendRequest::append(session, owner, Uuid::now_v7(), &body)).await
     }
@@ -330,7 +330,7 @@ async fn poison_requests_are_dead_lettered_and_do_not_block() {
     assert!(letters.iter().all(|l| l.stream_seq.is_some() && !l.detail.is_empty()));
     // Each decodable poison request has a rejected outcome with its reason.
     let outcome =
-        turnlog_core::bus::recorded_outcome(&h.env.pool, not_owner.request_id).await.unwrap().unwrap();
+        turnlog_runtime::bus::recorded_outcome(&h.env.pool, not_owner.request_id).await.unwrap().unwrap();
     assert_eq!(
         (outcome.status, outcome.reason.as_deref()),
         (OutcomeStatus::Rejected, Some("owner_mismatch"))
@@ -508,7 +508,7 @@ async fn a_writer_whose_position_moved_steps_down_and_resumes_from_the_new_posit
     let after = h.user(s, "alice", "after").await;
     assert_eq!(after.seq, Some(3), "the fenced batch was not applied");
     for id in skipped {
-        assert!(turnlog_core::bus::recorded_outcome(&h.env.pool, id).await.unwrap().is_none());
+        assert!(turnlog_runtime::bus::recorded_outcome(&h.env.pool, id).await.unwrap().is_none());
     }
     h.stop().await;
 }
@@ -694,7 +694,7 @@ async fn a_raw_repeat_never_replaces_the_first_outcome() {
         let raw = Bytes::from(serde_json::to_vec(repeat).unwrap());
         h.bus.publish_append_raw(s, &Uuid::now_v7().to_string(), raw, Some(&inbox)).await.unwrap();
         let reply = tokio::time::timeout(WAIT, replies.next()).await.unwrap().unwrap();
-        let reply: turnlog_core::bus::Outcome = serde_json::from_slice(&reply.payload).unwrap();
+        let reply: turnlog_runtime::bus::Outcome = serde_json::from_slice(&reply.payload).unwrap();
         assert_eq!(reply.status, OutcomeStatus::Duplicate, "{:?}: {reply:?}", first.op);
         assert_eq!((reply.seq, reply.reason.clone()), (before.1, before.2.clone()), "{:?}", first.op);
         let after: (String, Option<i64>, Option<String>) =
@@ -877,11 +877,11 @@ async fn a_create_resent_after_its_session_was_deleted_is_answered_session_delet
     let again = h.send(&create).await;
     assert_eq!(
         (again.status, again.seq, again.reason.as_deref()),
-        (OutcomeStatus::Rejected, None, Some(turnlog_core::bus::SESSION_DELETED))
+        (OutcomeStatus::Rejected, None, Some(turnlog_runtime::bus::SESSION_DELETED))
     );
     assert!(started.elapsed() < Duration::from_secs(5), "answered after {:?}", started.elapsed());
     assert!(read::get_session(&h.env.pool, "alice", id).await.unwrap().is_none(), "nothing written");
-    let recorded = turnlog_core::bus::recorded_outcome(&h.env.pool, create.request_id).await.unwrap();
+    let recorded = turnlog_runtime::bus::recorded_outcome(&h.env.pool, create.request_id).await.unwrap();
     assert!(recorded.is_none(), "an answer, not a write: the database stays a function of the APPEND stream");
     assert!(message.is_applied());
     h.stop().await;

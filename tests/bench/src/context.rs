@@ -120,7 +120,7 @@ pub fn run() -> anyhow::Result<()> {
     }
 
     let fixture: serde_json::Value =
-        serde_json::from_str(include_str!("../../../shared/tests/fixtures/token_counts.json"))?;
+        serde_json::from_str(include_str!("../../../shared/core/tests/fixtures/token_counts.json"))?;
     let text: String = fixture["cases"]
         .as_array()
         .into_iter()

@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use sqlx::Connection as _;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::bus::Bus;
-use turnlog_core::upstream::UpstreamConfig;
-use turnlog_core::worker::ConsumerSettings;
 use turnlog_ops::ReplayFrom;
+use turnlog_runtime::bus::Bus;
+use turnlog_runtime::upstream::UpstreamConfig;
+use turnlog_runtime::worker::ConsumerSettings;
 use turnlog_testkit::test_env;
 use turnlog_writer::WriterConfig;
 
@@ -89,7 +89,7 @@ pub async fn run() -> anyhow::Result<()> {
     // answer's handler finding its work done, no model call.
     let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await?;
     let concurrency = 32;
-    let config = turnlog_distiller::DistillerConfig {
+    let mut config = turnlog_distiller::DistillerConfig {
         database_url: env.database_url.clone(),
         nats_url: env.nats_url.clone(),
         bus_prefix: env.bus_prefix.clone(),
@@ -104,9 +104,12 @@ pub async fn run() -> anyhow::Result<()> {
         consumer: ConsumerSettings { concurrency, ..Default::default() },
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
+        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     };
-    let run = |stop| turnlog_distiller::run(config, stop);
+    let run = |replay, stop| {
+        config.consumer.replay = Some(replay);
+        turnlog_distiller::run(config, stop)
+    };
     let replay =
         turnlog_ops::replay("distiller", ReplayFrom::Sequence(1), None, false, CancellationToken::new(), run);
     let replayed = replay.await?;

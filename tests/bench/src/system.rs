@@ -4,11 +4,11 @@
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use turnlog_core::upstream::UpstreamConfig;
-use turnlog_core::worker::ConsumerSettings;
 use turnlog_ingress::turn::TurnLimits;
 use turnlog_ingress::{Backbone, IngressConfig};
 use turnlog_mock_llm::{MockConfig, MockHandle};
+use turnlog_runtime::upstream::UpstreamConfig;
+use turnlog_runtime::worker::ConsumerSettings;
 use turnlog_testkit::{test_env, TestEnv};
 
 pub struct System {
@@ -70,7 +70,7 @@ impl System {
             facts_wait: Duration::from_millis(200),
             summary_deadline: Duration::from_secs(30),
             append_timeout: Duration::from_secs(10),
-            statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
+            statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
         };
         tokio::spawn(turnlog_compactor::run(compactor, stop.clone()));
         let mut config = IngressConfig::new(backbone);

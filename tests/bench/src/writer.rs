@@ -11,9 +11,9 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::bus::{append_and_wait, AppendRequest, Bus, REPLY_HEADER};
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, REPLY_HEADER};
 use turnlog_testkit::{test_env, TestEnv};
 use turnlog_writer::WriterConfig;
 use uuid::Uuid;
@@ -197,7 +197,7 @@ async fn drain(rig: &mut Rig, sessions: &[SessionId], total: usize) -> anyhow::R
 /// The seeds' pattern: per append, its own transaction locking the session row; 16
 /// connections.
 async fn baseline(env: &TestEnv, sessions: &[SessionId], total: usize) -> anyhow::Result<f64> {
-    let pool = turnlog_core::db::connect(&env.database_url, 16).await?;
+    let pool = turnlog_runtime::db::connect(&env.database_url, 16).await?;
     let next = Arc::new(AtomicUsize::new(0));
     let start = Instant::now();
     let mut tasks = Vec::new();
@@ -246,7 +246,7 @@ async fn baseline(env: &TestEnv, sessions: &[SessionId], total: usize) -> anyhow
 /// (tokens counted, payloads built) are made before the clock starts: only the database's
 /// share is timed.
 async fn raw_ceiling(env: &TestEnv, sessions: &[SessionId], total: usize) -> anyhow::Result<f64> {
-    let pool = turnlog_core::db::connect(&env.database_url, 1).await?;
+    let pool = turnlog_runtime::db::connect(&env.database_url, 1).await?;
     let mut seq = vec![1_000_000i64; sessions.len()];
     let mut chunks = Vec::new();
     for chunk in (0..total).collect::<Vec<_>>().chunks(500) {

@@ -7,9 +7,9 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use futures::StreamExt;
-use turnlog_core::bus::{append_and_wait, AppendRequest, Bus, CommittedEvent};
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, CommittedEvent};
 use uuid::Uuid;
 
 use crate::env::TestEnv;

@@ -87,10 +87,10 @@ pub async fn try_test_env_on(
     );
 
     let database_url = with_database(&admin_url, &database);
-    let pool = turnlog_core::db::connect(&database_url, POOL_SIZE)
+    let pool = turnlog_runtime::db::connect(&database_url, POOL_SIZE)
         .await
         .with_context(|| format!("cannot connect to {database_url}"))?;
-    turnlog_core::db::migrate(&pool).await.with_context(|| format!("migrating {database}"))?;
+    turnlog_runtime::db::migrate(&pool).await.with_context(|| format!("migrating {database}"))?;
     // Shown by nextest only for a failing test: where to look.
     eprintln!("turnlog-testkit: database {database_url}, NATS {nats_url}, bus prefix {bus_prefix}");
 
@@ -137,10 +137,10 @@ impl TestEnv {
             create_database(&self.admin_url, &database).await?;
             sweep::record(Some(&self.admin_url), None, &database, &key);
             let url = with_database(&self.admin_url, &database);
-            let pool = turnlog_core::db::connect(&url, 1)
+            let pool = turnlog_runtime::db::connect(&url, 1)
                 .await
                 .with_context(|| format!("cannot connect to {url}"))?;
-            turnlog_core::db::migrate(&pool).await.with_context(|| format!("migrating {database}"))?;
+            turnlog_runtime::db::migrate(&pool).await.with_context(|| format!("migrating {database}"))?;
             pool.close().await;
             anyhow::Ok(url)
         };

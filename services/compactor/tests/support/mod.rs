@@ -13,14 +13,14 @@ use serde_json::Value;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::budget::{history_tokens, request_size};
-use turnlog_core::bus::{append_and_wait, AppendRequest, Bus, DeadLetter, OutcomeStatus};
 use turnlog_core::events::{
     AssistantTurn, Block, BlockType, EventBody, LlmMessage, LlmPart, MessageContent, UiPart, UserMessage,
 };
 use turnlog_core::ids::SessionId;
-use turnlog_core::upstream::UpstreamConfig;
-use turnlog_core::worker::ConsumerSettings;
 use turnlog_mock_llm::{MockConfig, MockHandle};
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, DeadLetter, OutcomeStatus};
+use turnlog_runtime::upstream::UpstreamConfig;
+use turnlog_runtime::worker::ConsumerSettings;
 use turnlog_testkit::{test_env_on, TestEnv};
 use turnlog_writer::WriterConfig;
 use uuid::Uuid;
@@ -36,6 +36,7 @@ pub fn fast_consumer() -> ConsumerSettings {
         max_deliver: 3,
         ack_wait: Duration::from_secs(3),
         retry_backoff: vec![Duration::from_millis(100)],
+        replay: None,
     }
 }
 
@@ -132,7 +133,7 @@ impl Rig {
 
     /// Appends through the writer, resending the same request after a failure (the bus may
     /// be coming back from a restart) as a well-behaved producer does.
-    pub async fn send(&self, request: &AppendRequest) -> turnlog_core::bus::Outcome {
+    pub async fn send(&self, request: &AppendRequest) -> turnlog_runtime::bus::Outcome {
         let deadline = tokio::time::Instant::now() + WAIT;
         let outcome = loop {
             match append_and_wait(&self.bus, &self.env.pool, request, Duration::from_secs(5)).await {
@@ -201,7 +202,7 @@ impl Rig {
 
     /// The session's next request size with no system prompt or extras.
     pub async fn next_request_tokens(&self, session: SessionId) -> u32 {
-        let tail = turnlog_core::read::live_tail(&self.env.pool, OWNER, session)
+        let tail = turnlog_runtime::read::live_tail(&self.env.pool, OWNER, session)
             .await
             .expect("live tail")
             .expect("session");

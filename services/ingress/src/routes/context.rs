@@ -9,8 +9,8 @@ use turnlog_core::budget::{budget_for, history_tokens, request_size};
 use turnlog_core::ids::SessionId;
 use turnlog_core::llm_context::llm_messages;
 use turnlog_core::message::ChatMessage;
-use turnlog_core::read;
 use turnlog_core::request::{reserve_tokens, Extras};
+use turnlog_runtime::read;
 use utoipa::ToSchema;
 
 use crate::auth::Caller;

@@ -5,7 +5,7 @@ use axum::extract::State;
 use axum::Json;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use turnlog_core::read::{self, Memory};
+use turnlog_runtime::read::{self, Memory};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 

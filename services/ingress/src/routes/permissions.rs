@@ -5,10 +5,10 @@
 use axum::extract::State;
 use axum::Json;
 use serde::{Deserialize, Serialize};
-use turnlog_core::bus::AppendRequest;
 use turnlog_core::events::{EventBody, PermissionResolved};
 use turnlog_core::ids::{EventId, SessionId};
-use turnlog_core::read;
+use turnlog_runtime::bus::AppendRequest;
+use turnlog_runtime::read;
 use utoipa::ToSchema;
 
 use crate::auth::Caller;

@@ -7,10 +7,10 @@ use axum::http::StatusCode;
 use axum::Json;
 use chrono::{DateTime, Timelike as _, Utc};
 use serde::{Deserialize, Serialize};
-use turnlog_core::bus::AppendRequest;
 use turnlog_core::ids::SessionId;
-use turnlog_core::read::{self, Cursor, ListQuery, Session, StoredEvent};
 use turnlog_core::ui_transcript::{transcript_item, TranscriptItem};
+use turnlog_runtime::bus::AppendRequest;
+use turnlog_runtime::read::{self, Cursor, ListQuery, Session, StoredEvent};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 

@@ -15,10 +15,10 @@ use axum::Json;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use turnlog_core::bus::{recorded_outcome, AppendRequest};
 use turnlog_core::events::{Document, EventBody, ImageRef, PendingReason, UserMessage};
 use turnlog_core::ids::SessionId;
-use turnlog_core::read;
+use turnlog_runtime::bus::{recorded_outcome, AppendRequest};
+use turnlog_runtime::read;
 use utoipa::ToSchema;
 use uuid::Uuid;
 
@@ -265,7 +265,7 @@ async fn send_turn(
         let _ = app.leases.release(lease).await;
         return Err(ApiError::internal(anyhow::anyhow!("the writer answered without a seq")));
     };
-    if outcome.status == turnlog_core::bus::OutcomeStatus::Duplicate {
+    if outcome.status == turnlog_runtime::bus::OutcomeStatus::Duplicate {
         // The same key raced itself: the first request runs the turn.
         let _ = app.leases.release(lease).await;
         return answer_resend(app, caller, session, user_seq).await;

@@ -7,18 +7,18 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use turnlog_core::budget::{budget_for, history_tokens, request_size};
-use turnlog_core::bus::{
+use turnlog_core::events::*;
+use turnlog_core::ids::{Owner, SessionId};
+use turnlog_core::llm_context::llm_messages;
+use turnlog_core::request::{assemble, reserve_tokens, Extras};
+use turnlog_core::tokens::request_tokens;
+use turnlog_runtime::bus::{
     append_and_wait, json_len, AppendRequest, CompactReply, CompactRequest, CompactStatus, Outcome,
     MAX_EVENT_BYTES,
 };
-use turnlog_core::events::*;
-use turnlog_core::ids::{Owner, SessionId};
-use turnlog_core::lease::Lease;
-use turnlog_core::llm_context::llm_messages;
-use turnlog_core::read;
-use turnlog_core::request::{assemble, reserve_tokens, Extras};
-use turnlog_core::tokens::request_tokens;
-use turnlog_core::upstream::{ChatRequest, StreamItem, UpstreamError};
+use turnlog_runtime::lease::Lease;
+use turnlog_runtime::read;
+use turnlog_runtime::upstream::{ChatRequest, StreamItem, UpstreamError};
 use uuid::Uuid;
 
 use super::{remote, ActiveTurn, TurnSlot};
@@ -169,7 +169,7 @@ struct Turn<'a> {
     /// `text`'s length as stored JSON, escapes included (without the quotes).
     text_json: usize,
     reasoning: String,
-    usage: Option<turnlog_core::upstream::Usage>,
+    usage: Option<turnlog_runtime::upstream::Usage>,
 }
 
 impl Turn<'_> {

@@ -4,9 +4,9 @@
 
 use turnlog_core::events::*;
 use turnlog_core::llm_context::{llm_messages, SUMMARY_MARKER};
-use turnlog_core::read;
 use turnlog_core::request::{assemble, Extras};
 use turnlog_core::tokens::request_tokens;
+use turnlog_runtime::read;
 
 use crate::harness::{Api, Options, ALICE};
 

@@ -8,11 +8,11 @@ use futures::StreamExt as _;
 use reqwest::Method;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::bus::{append_and_wait, AppendRequest, Bus, OutcomeStatus};
 use turnlog_core::events::EventBody;
 use turnlog_core::ids::SessionId;
 use turnlog_ingress::turn::TurnLimits;
 use turnlog_ingress::{ApiTokens, Backbone, IngressConfig};
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, OutcomeStatus};
 use turnlog_testkit::{eventually, test_env, TestEnv};
 use turnlog_writer::WriterConfig;
 use uuid::Uuid;
@@ -52,7 +52,7 @@ impl Default for Options {
             model_windows: Vec::new(),
             allowed_models: None,
             turn_limits: TurnLimits::default(),
-            statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
+            statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 }
@@ -154,7 +154,7 @@ impl Api {
         config.turn_limits = opts.turn_limits;
         config.statement_timeout = opts.statement_timeout;
         config.model_windows = opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
-        config.upstream = opts.llm_url.map(|base_url| turnlog_core::upstream::UpstreamConfig {
+        config.upstream = opts.llm_url.map(|base_url| turnlog_runtime::upstream::UpstreamConfig {
             base_url,
             api_key: None,
             timeout: Duration::from_secs(5),

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use turnlog_core::events::{EventBody, UserMessage};
-use turnlog_core::read::{self, ListQuery};
+use turnlog_runtime::read::{self, ListQuery};
 
 use crate::harness::{Api, Options, ALICE};
 
@@ -43,10 +43,11 @@ async fn a_read_past_the_statement_timeout_is_503_and_the_service_keeps_serving(
 async fn the_read_pool_of_every_service_cancels_a_long_statement() {
     let api = Api::start().await;
     // The pool the ingress and the workers build, with a short limit.
-    let pool =
-        turnlog_core::db::connect_reads(&api.env.database_url, 1, Duration::from_millis(100)).await.unwrap();
+    let pool = turnlog_runtime::db::connect_reads(&api.env.database_url, 1, Duration::from_millis(100))
+        .await
+        .unwrap();
     let err = sqlx::query("SELECT pg_sleep(2)").execute(&pool).await.unwrap_err();
-    assert!(turnlog_core::db::is_query_canceled(&err), "{err}");
+    assert!(turnlog_runtime::db::is_query_canceled(&err), "{err}");
     // The connection is fine afterwards.
     let one: i32 = sqlx::query_scalar("SELECT 1").fetch_one(&pool).await.unwrap();
     assert_eq!(one, 1);
@@ -66,7 +67,7 @@ async fn a_write_through_a_readers_pool_fails() {
     });
     let ingress = turnlog_ingress::Ingress::connect(config).await.unwrap();
     let readers =
-        turnlog_core::db::connect_reads(&api.env.database_url, 1, Duration::from_secs(5)).await.unwrap();
+        turnlog_runtime::db::connect_reads(&api.env.database_url, 1, Duration::from_secs(5)).await.unwrap();
     let write = "INSERT INTO sessions (id, owner, last_seq, created_at, updated_at) \
                  VALUES (gen_random_uuid(), 'mallory', 0, now(), now())";
     for pool in [&ingress.pool, &readers] {
@@ -77,7 +78,7 @@ async fn a_write_through_a_readers_pool_fails() {
         let mut tx = pool.begin().await.unwrap();
         assert!(sqlx::query(write).execute(&mut *tx).await.is_err());
     }
-    let writable = turnlog_core::db::connect(&api.env.database_url, 1).await.unwrap();
+    let writable = turnlog_runtime::db::connect(&api.env.database_url, 1).await.unwrap();
     sqlx::query(write).execute(&writable).await.unwrap();
 }
 

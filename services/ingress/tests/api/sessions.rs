@@ -7,8 +7,8 @@ use reqwest::Method;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::events::*;
-use turnlog_core::lease::TurnLeases;
 use turnlog_ingress::{Backbone, IngressConfig};
+use turnlog_runtime::lease::TurnLeases;
 
 use crate::harness::{Api, Body, Options, ALICE};
 

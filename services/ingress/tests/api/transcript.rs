@@ -8,8 +8,8 @@ use serde_json::{json, Value};
 use turnlog_core::events::*;
 use turnlog_core::ids::{EventId, SessionId};
 use turnlog_core::log_builder::{assistant_turn, LogBuilder};
-use turnlog_core::read;
 use turnlog_core::ui_transcript::{transcript_item, ui_transcript};
+use turnlog_runtime::read;
 
 use crate::harness::{Api, Body, ALICE};
 

@@ -8,10 +8,10 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
 use futures::StreamExt as _;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::bus::{append_and_wait, AppendRequest, Bus, CommittedEvent, Outcome};
 use turnlog_core::events::{EventBody, ExtractedMemory, MemoryExtracted, UserMessage};
 use turnlog_core::ids::SessionId;
 use turnlog_ops::Verdict;
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, CommittedEvent, Outcome};
 use turnlog_testkit::{eventually, test_env, TestEnv};
 use turnlog_writer::WriterConfig;
 use uuid::Uuid;
@@ -151,7 +151,7 @@ async fn a_session_deleted_and_created_again_rebuilds_as_it_is_live() {
     assert_eq!(summary.unread, 0, "{summary:?}");
     let verdict = turnlog_ops::verify(&env.database_url, &target).await.expect("verify");
     assert_eq!(verdict, Verdict::Identical { sessions: 3, events: 8, memories: 1 });
-    let rebuilt = turnlog_core::db::connect(&target, 1).await.expect("target");
+    let rebuilt = turnlog_runtime::db::connect(&target, 1).await.expect("target");
     let title: Option<String> = sqlx::query_scalar("SELECT title FROM sessions WHERE id = $1")
         .bind(queued.0)
         .fetch_one(&rebuilt)

@@ -10,9 +10,9 @@ use std::future::IntoFuture as _;
 use bytes::Bytes;
 use futures::StreamExt as _;
 use serde_json::json;
-use turnlog_core::bus::{AppendRequest, Bus, Expect};
 use turnlog_core::events::*;
 use turnlog_core::ids::{EventId, SessionId};
+use turnlog_runtime::bus::{AppendRequest, Bus, Expect};
 use uuid::Uuid;
 
 pub const OWNER: &str = "alice";
@@ -283,7 +283,7 @@ impl History {
         let first = self.messages.iter().rev().find(|m| m.subject_session == d).map(|m| m.body.clone());
         if let Some(body) = first {
             let req: AppendRequest = serde_json::from_slice(&body).expect("decodes");
-            if req.op == turnlog_core::bus::Op::Append {
+            if req.op == turnlog_runtime::bus::Op::Append {
                 self.push_raw(d, body.to_vec());
             }
         }

@@ -11,12 +11,12 @@ mod history;
 use std::time::{Duration, Instant};
 
 use support::{fast_consumer, filler, upstream_at, Rig, OWNER};
-use turnlog_core::bus::{append_and_wait, AppendRequest, DeadLetter, OutcomeStatus};
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
 use turnlog_distiller::{DistillerConfig, DISTILL_MARKER};
 use turnlog_ops::dead::{self, DeadEntry};
 use turnlog_ops::{ReplayFrom, Verdict};
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, DeadLetter, OutcomeStatus};
 use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -55,7 +55,7 @@ async fn a_rebuild_from_the_append_stream_reproduces_the_live_database() {
     assert_eq!(summary.events, events as u64, "the deleted session is not brought back");
     assert_eq!(summary.dead_lettered, 6, "the poison is refused again");
     assert_eq!(summary.unread, 0, "every request in the stream was applied");
-    let rebuilt = turnlog_core::db::connect(&target, 2).await.expect("target");
+    let rebuilt = turnlog_runtime::db::connect(&target, 2).await.expect("target");
 
     let verdict = turnlog_ops::verify(&rig.env.database_url, &target).await.expect("verify");
     assert_eq!(
@@ -67,8 +67,9 @@ async fn a_rebuild_from_the_append_stream_reproduces_the_live_database() {
     let outcomes = "SELECT count(*) FROM request_outcomes";
     assert_eq!(count(&rebuilt, outcomes).await, count(live, outcomes).await - 1);
     for id in &history.rejected {
-        let o = turnlog_core::bus::recorded_outcome(&rebuilt, *id).await.unwrap().expect("outcome recorded");
-        let l = turnlog_core::bus::recorded_outcome(live, *id).await.unwrap().expect("outcome recorded");
+        let o =
+            turnlog_runtime::bus::recorded_outcome(&rebuilt, *id).await.unwrap().expect("outcome recorded");
+        let l = turnlog_runtime::bus::recorded_outcome(live, *id).await.unwrap().expect("outcome recorded");
         assert_eq!((o.status, &o.reason), (OutcomeStatus::Rejected, &l.reason));
     }
     // The indexes and constraints set aside during the load are all back, as migrated.
@@ -89,7 +90,7 @@ async fn a_rebuild_from_the_append_stream_reproduces_the_live_database() {
     assert!(format!("{refused:#}").contains("not empty"), "{refused:#}");
     // Nor into one an unfinished rebuild left without the events' constraints.
     let damaged = rig.env.extra_database().await;
-    let pool = turnlog_core::db::connect(&damaged, 1).await.expect("damaged");
+    let pool = turnlog_runtime::db::connect(&damaged, 1).await.expect("damaged");
     sqlx::query("ALTER TABLE session_events DROP CONSTRAINT session_events_session_id_event_id_key")
         .execute(&pool)
         .await
@@ -157,7 +158,7 @@ fn distiller(rig: &Rig) -> DistillerConfig {
         consumer: fast_consumer(),
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_core::db::DEFAULT_STATEMENT_TIMEOUT,
+        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     }
 }
 
@@ -166,9 +167,10 @@ async fn replay_distiller(
     from: ReplayFrom,
     session: Option<SessionId>,
 ) -> turnlog_ops::ReplaySummary {
-    let config = distiller(rig);
+    let mut config = distiller(rig);
     let stop = tokio_util::sync::CancellationToken::new();
-    let replay = turnlog_ops::replay("distiller", from, session, false, stop, |stop| {
+    let replay = turnlog_ops::replay("distiller", from, session, false, stop, |replay, stop| {
+        config.consumer.replay = Some(replay);
         turnlog_distiller::run(config, stop)
     });
     tokio::time::timeout(WAIT, replay).await.expect("replay finished in time").expect("replay")

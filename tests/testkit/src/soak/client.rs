@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use eventsource_stream::Eventsource as _;
 use futures::{Stream, StreamExt as _};
 use serde_json::{json, Value};
-use turnlog_core::bus::{append_and_wait, AppendRequest};
 use turnlog_core::ids::SessionId;
+use turnlog_runtime::bus::{append_and_wait, AppendRequest};
 use uuid::Uuid;
 
 use super::cluster::{Cluster, OWNER};

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use tokio::sync::Mutex;
-use turnlog_core::bus::{append_and_wait, AppendRequest, Bus};
 use turnlog_core::ids::SessionId;
 use turnlog_mock_llm::{MockConfig, MockHandle};
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus};
 
 use super::{lock, report::RssSample, Shared, SoakConfig};
 use crate::{

@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde_json::{json, Value};
-use turnlog_core::bus::{append_and_wait, AppendRequest, CompactReply, CompactRequest};
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, CompactReply, CompactRequest};
 use uuid::Uuid;
 
 use super::client::{probe_turn, victim_turn, Client};

@@ -6,9 +6,9 @@ use serde::{Deserialize, Serialize};
 use sqlx::{FromRow as _, PgPool, Row as _};
 use uuid::Uuid;
 
-use crate::budget::CountedEvent;
-use crate::events::{DecodeError, Event, EventKind};
-use crate::ids::{EventId, SessionId};
+use turnlog_core::budget::CountedEvent;
+use turnlog_core::events::{DecodeError, Event, EventKind};
+use turnlog_core::ids::{EventId, SessionId};
 
 /// A session as clients see it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
@@ -430,7 +430,7 @@ pub async fn last_user_message(
     pool: &PgPool,
     owner: &str,
     id: SessionId,
-) -> Result<Option<(i64, crate::events::UserMessage, bool)>, ReadError> {
+) -> Result<Option<(i64, turnlog_core::events::UserMessage, bool)>, ReadError> {
     let row: Option<(i64, serde_json::Value, bool)> = sqlx::query_as(
         "SELECT e.seq, e.payload,
                 EXISTS (SELECT 1 FROM session_events a
@@ -444,8 +444,33 @@ pub async fn last_user_message(
     .fetch_optional(pool)
     .await?;
     let Some((seq, payload, answered)) = row else { return Ok(None) };
-    match crate::events::EventBody::decode(EventKind::UserMessage, &payload, seq)? {
-        crate::events::EventBody::UserMessage(m) => Ok(Some((seq, m, answered))),
+    match turnlog_core::events::EventBody::decode(EventKind::UserMessage, &payload, seq)? {
+        turnlog_core::events::EventBody::UserMessage(m) => Ok(Some((seq, m, answered))),
         _ => Ok(None),
     }
+}
+
+/// The events of the turn a committed `assistant_turn` at `turn_seq` closes: from the
+/// user message it answers (the newest one before it) through the answer, with any tool
+/// executions, checkpoints and failed attempts in between. What distillation and memory
+/// extraction read; at most `limit` events.
+pub async fn turn_events(
+    pool: &PgPool,
+    session: SessionId,
+    turn_seq: i64,
+    limit: i64,
+) -> Result<Vec<Event>, ReadError> {
+    let rows: Vec<StoredEvent> = sqlx::query_as(
+        "SELECT seq, event_id, kind, payload, tokens, created_at FROM session_events
+          WHERE session_id = $1 AND seq <= $2
+            AND seq >= coalesce((SELECT max(seq) FROM session_events
+                                  WHERE session_id = $1 AND kind = 'user_message' AND seq < $2), $2)
+          ORDER BY seq LIMIT $3",
+    )
+    .bind(session.0)
+    .bind(turn_seq)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?)
 }

@@ -6,7 +6,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::{ChatRequest, Completion, ImageResolver, StreamItem, UpstreamError};
-use crate::message::{Content, ContentPart, Role};
+use turnlog_core::message::{Content, ContentPart, Role};
 
 /// How much of an unparsable chunk an error quotes.
 const QUOTE_LIMIT: usize = 300;
@@ -201,7 +201,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::message::ChatMessage;
+    use turnlog_core::message::ChatMessage;
 
     #[test]
     fn body_resolves_images_and_marks_missing_ones() {

@@ -1,8 +1,7 @@
 //! The one consumer loop every worker on the committed-event feed runs — a durable pull
 //! consumer shared by the worker's copies: bounded concurrency, ack after the append is
-//! committed, nak with backoff, dead letters, graceful stop, counters — and what those
-//! workers share besides: a finished turn's material, and asking the mini model for JSON.
-//! The same loop replays history: inside [`replaying`], a worker's `run` consumes a
+//! committed, nak with backoff, dead letters, graceful stop, counters. The same loop
+//! replays history: with `ConsumerSettings::replay` set, a worker's `run` consumes a
 //! temporary consumer from a start point to the feed's end instead of its durable one.
 
 use std::future::Future;
@@ -14,16 +13,12 @@ use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsum
 use async_nats::jetstream::message::{AckKind, PublishMessage};
 use async_nats::jetstream::Message;
 use futures::StreamExt;
-use sqlx::PgPool;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::bus::{Bus, CommittedEvent, DeadLetter};
-use crate::events::{BlockType, Event, EventBody, EventKind};
-use crate::ids::SessionId;
-use crate::message::{ChatMessage, Role};
-use crate::read::StoredEvent;
-use crate::upstream::{ChatRequest, UpstreamClient, UpstreamError};
+use turnlog_core::events::EventKind;
+use turnlog_core::ids::SessionId;
 
 /// How long one pull request waits for messages. Short, because permits freed while a
 /// request is open are used only by the next one, and a stop drains the open request.
@@ -47,7 +42,7 @@ const REPLAY_CONSUMER_INACTIVE: Duration = Duration::from_secs(60);
 const REPLAY_END_POLL: Duration = Duration::from_millis(250);
 
 /// How a worker consumes: the same for every worker, tuned by settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct ConsumerSettings {
     /// Events handled at once by one copy of the worker.
     pub concurrency: usize,
@@ -58,6 +53,9 @@ pub struct ConsumerSettings {
     pub ack_wait: Duration,
     /// Delay before the n-th redelivery after a failure (the last repeats).
     pub retry_backoff: Vec<Duration>,
+    /// Replay mode: `Some` makes [`Worker::run`] go over past events on a temporary
+    /// consumer and return when through, instead of consuming the durable consumer.
+    pub replay: Option<Replay>,
 }
 
 impl Default for ConsumerSettings {
@@ -72,6 +70,7 @@ impl Default for ConsumerSettings {
                 Duration::from_secs(30),
                 Duration::from_secs(60),
             ],
+            replay: None,
         }
     }
 }
@@ -228,19 +227,6 @@ impl ReplayProgress {
     }
 }
 
-tokio::task_local! {
-    static REPLAY: Replay;
-}
-
-/// Runs `work` — a worker's `run(config, shutdown)` — so that its [`Worker::run`] replays
-/// `replay` and returns when through, instead of consuming its durable consumer. Each worker
-/// builds its handler privately; this runs exactly that handler over history without every
-/// worker exposing it. (Task-local: `Worker::run` must be awaited within `work`'s own task,
-/// as every worker's `run` does.)
-pub async fn replaying<F: Future>(replay: Replay, work: F) -> F::Output {
-    REPLAY.scope(replay, work).await
-}
-
 /// One worker's consumer: its name (the durable consumer is `<prefix>-<name>`), the event
 /// kinds it handles, and how it consumes.
 #[derive(Debug, Clone)]
@@ -276,7 +262,7 @@ impl Worker {
     /// Consumes until `shutdown` completes, then stops pulling, hands back events not yet
     /// started (nak, so another copy takes them at once) and waits for those in hand.
     /// Reconnects by itself: a lost bus or a missing stream is retried with backoff.
-    /// Within [`replaying`] it replays instead, counting in the replay's progress.
+    /// In replay mode (`settings.replay`) it replays instead, counting in the replay's progress.
     pub async fn run<H: Handler>(
         &self,
         bus: Bus,
@@ -284,8 +270,8 @@ impl Worker {
         stats: Arc<WorkerStats>,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) {
-        if let Ok(replay) = REPLAY.try_with(Replay::clone) {
-            let result = self.replay(&bus, &handler, &replay, shutdown).await;
+        if let Some(replay) = &self.settings.replay {
+            let result = self.replay(&bus, &handler, replay, shutdown).await;
             if let Err(e) = &result {
                 tracing::error!(worker = %self.name, error = %e, "replay failed");
             }
@@ -683,197 +669,6 @@ impl<H: Handler> Job<H> {
     }
 }
 
-/// The events of the turn a committed `assistant_turn` at `turn_seq` closes: from the
-/// user message it answers (the newest one before it) through the answer, with any tool
-/// executions, checkpoints and failed attempts in between. What distillation and memory
-/// extraction read; at most `limit` events.
-pub async fn turn_events(
-    pool: &PgPool,
-    session: SessionId,
-    turn_seq: i64,
-    limit: i64,
-) -> Result<Vec<Event>, crate::read::ReadError> {
-    let rows: Vec<StoredEvent> = sqlx::query_as(
-        "SELECT seq, event_id, kind, payload, tokens, created_at FROM session_events
-          WHERE session_id = $1 AND seq <= $2
-            AND seq >= coalesce((SELECT max(seq) FROM session_events
-                                  WHERE session_id = $1 AND kind = 'user_message' AND seq < $2), $2)
-          ORDER BY seq LIMIT $3",
-    )
-    .bind(session.0)
-    .bind(turn_seq)
-    .bind(limit)
-    .fetch_all(pool)
-    .await?;
-    Ok(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?)
-}
-
-/// Longest piece of one part of a turn (question, answer, tool log) a worker sends the
-/// mini model; longer ones keep their head and tail, where the substance usually is.
-const MAX_PART_CHARS: usize = 16_000;
-
-/// A finished turn as the workers read it: the question, the answer the user saw, and the
-/// tools run on the way.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct TurnMaterial {
-    pub question: String,
-    pub answer: String,
-    /// One line per tool execution: name, status, arguments, result digest.
-    pub tools: Vec<String>,
-}
-
-impl TurnMaterial {
-    /// From [`turn_events`]; None when the turn at `turn_seq` is not among them (its
-    /// session was deleted).
-    pub fn from_events(events: &[Event], turn_seq: i64) -> Option<Self> {
-        let turn = events.iter().find_map(|e| match &e.body {
-            EventBody::AssistantTurn(t) if e.seq == turn_seq => Some(t),
-            _ => None,
-        })?;
-        let mut material = TurnMaterial::default();
-        for e in events {
-            match &e.body {
-                EventBody::UserMessage(m) => {
-                    let mut q = m.text.clone();
-                    for d in &m.documents {
-                        q.push_str(&format!("\n[attached document {} ({})]", d.id, d.mime));
-                    }
-                    for i in &m.images {
-                        q.push_str(&format!("\n[attached image {} ({})]", i.id, i.mime));
-                    }
-                    material.question = clip(&q);
-                }
-                EventBody::ToolExecution(t) => {
-                    let mut line = format!("{} ({})", t.name, t.status);
-                    if let Some(args) = &t.args {
-                        line.push_str(&format!(" args: {}", clip_to(&args.to_string(), 400)));
-                    }
-                    if let Some(digest) = &t.result_digest {
-                        line.push_str(&format!(" result: {}", clip_to(digest, 800)));
-                    }
-                    material.tools.push(line);
-                }
-                _ => {}
-            }
-        }
-        let mut answer = String::new();
-        for block in &turn.ui.blocks {
-            let text = block.text.clone().or_else(|| block.meta.as_ref().map(|m| m.to_string()));
-            match (block.kind, text) {
-                (BlockType::Text, Some(t)) => answer.push_str(&t),
-                (BlockType::ToolCall, Some(t)) => answer.push_str(&format!("\n[tool call] {t}\n")),
-                _ => {}
-            }
-        }
-        if answer.trim().is_empty() {
-            answer = turn.llm.message.content.as_ref().map(|c| c.text()).unwrap_or_default();
-        }
-        material.answer = clip(&answer);
-        Some(material)
-    }
-
-    /// The turn as one plain-text document for the mini model.
-    pub fn render(&self) -> String {
-        let mut out = format!("the user asked:\n{}\n", self.question.trim());
-        if !self.tools.is_empty() {
-            out.push_str("\ntools run during the turn:\n");
-            for t in &self.tools {
-                out.push_str(&format!("- {t}\n"));
-            }
-        }
-        out.push_str(&format!("\nthe assistant answered:\n{}\n", self.answer.trim()));
-        out
-    }
-}
-
-fn clip(text: &str) -> String {
-    clip_to(text, MAX_PART_CHARS)
-}
-
-/// `text` cut to about `limit` characters, keeping its head and tail.
-fn clip_to(text: &str, limit: usize) -> String {
-    let count = text.chars().count();
-    if count <= limit {
-        return text.to_owned();
-    }
-    let half = limit / 2;
-    let head: String = text.chars().take(half).collect();
-    let tail: String = text.chars().skip(count - half).collect();
-    format!("{head}\n[… {} characters left out …]\n{tail}", count - 2 * half)
-}
-
-/// Why a worker got no usable JSON from the model.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum JsonAnswerError {
-    #[error(transparent)]
-    Upstream(#[from] UpstreamError),
-    /// Two answers in a row did not have the asked-for shape.
-    #[error("the model's answer is not the JSON asked for: {0}")]
-    Invalid(String),
-    #[error("no valid answer within {0:?}")]
-    Deadline(Duration),
-}
-
-impl JsonAnswerError {
-    /// What the log may keep: a failed call as its short public message (no provider body
-    /// or address), anything else as it is.
-    pub fn public_message(&self) -> String {
-        match self {
-            Self::Upstream(e) => e.public_message(),
-            other => other.to_string(),
-        }
-    }
-}
-
-/// Asks the model for a JSON object of shape `T` and checks it with `validate`; when the
-/// answer does not parse or validate, asks once more, showing the model its answer and
-/// why it was refused. `deadline` bounds both calls together.
-pub async fn ask_for_json<T, F>(
-    upstream: &UpstreamClient,
-    request: ChatRequest,
-    deadline: Duration,
-    validate: F,
-) -> Result<T, JsonAnswerError>
-where
-    T: serde::de::DeserializeOwned,
-    F: Fn(T) -> Result<T, String>,
-{
-    let ends = tokio::time::Instant::now() + deadline;
-    let parse = |text: &str| -> Result<T, String> {
-        let object = json_object(text).ok_or("no JSON object in the answer")?;
-        validate(serde_json::from_str::<T>(object).map_err(|e| e.to_string())?)
-    };
-    let call = |request: ChatRequest| async move {
-        let left = ends.saturating_duration_since(tokio::time::Instant::now());
-        if left.is_zero() {
-            return Err(JsonAnswerError::Deadline(deadline));
-        }
-        Ok(upstream.complete(&request, left).await?)
-    };
-    let first = call(request.clone()).await?;
-    let why = match parse(&first.text) {
-        Ok(value) => return Ok(value),
-        Err(why) => why,
-    };
-    tracing::debug!(%why, "refused the model's JSON; asking once more");
-    let mut again = request;
-    again.messages.push(ChatMessage::text(Role::Assistant, first.text));
-    again.messages.push(ChatMessage::text(
-        Role::User,
-        format!("that answer was refused ({why}); answer again with only the json object, nothing else."),
-    ));
-    let second = call(again).await?;
-    parse(&second.text).map_err(JsonAnswerError::Invalid)
-}
-
-/// The JSON object in a model's answer: the whole answer, or the part between its first
-/// `{` and last `}` (models like to wrap JSON in a code fence or a sentence).
-pub fn json_object(text: &str) -> Option<&str> {
-    let start = text.find('{')?;
-    let end = text.rfind('}')?;
-    (start < end).then(|| &text[start..=end])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -889,23 +684,6 @@ mod tests {
         assert_eq!(s.backoff(9), Duration::from_secs(5));
         let none = ConsumerSettings { retry_backoff: vec![], ..Default::default() };
         assert_eq!(none.backoff(3), Duration::ZERO);
-    }
-
-    #[test]
-    fn json_is_found_inside_fences_and_prose() {
-        assert_eq!(json_object("```json\n{\"a\": 1}\n```"), Some("{\"a\": 1}"));
-        assert_eq!(json_object("Here: {\"a\": {\"b\": 2}} done"), Some("{\"a\": {\"b\": 2}}"));
-        assert_eq!(json_object("no json"), None);
-        assert_eq!(json_object("} {"), None);
-    }
-
-    #[test]
-    fn long_parts_keep_head_and_tail() {
-        let text = format!("{}{}", "a".repeat(50), "b".repeat(50));
-        let clipped = clip_to(&text, 20);
-        assert!(clipped.starts_with("aaaaaaaaaa\n") && clipped.ends_with("\nbbbbbbbbbb"), "{clipped}");
-        assert!(clipped.contains("80 characters left out"));
-        assert_eq!(clip_to("short", 20), "short");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! completions for the workers (distillation, memory, summaries, titles), and the models'
 //! context windows that size the compaction budget. Failures are values, never panics.
 
+mod json;
 mod stream;
 mod windows;
 mod wire;
@@ -14,8 +15,9 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio::sync::Mutex;
 
-use crate::message::ChatMessage;
+use turnlog_core::message::ChatMessage;
 
+pub use json::{ask_for_json, JsonAnswerError};
 pub use stream::{ChatStream, StreamItem};
 pub use windows::{parse_model_windows, MODELS_CACHE_TTL};
 pub use wire::Usage;

@@ -6,7 +6,7 @@ use async_nats::jetstream::kv::{self, CreateErrorKind, UpdateErrorKind};
 use bytes::Bytes;
 
 use crate::bus::{Bus, BusError};
-use crate::ids::SessionId;
+use turnlog_core::ids::SessionId;
 
 #[derive(Clone)]
 pub struct TurnLeases {

@@ -15,7 +15,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use crate::ids::SessionId;
+use turnlog_core::ids::SessionId;
 
 /// Header naming the core NATS subject the writer answers a request's outcome on.
 pub const REPLY_HEADER: &str = "Turnlog-Reply-To";
@@ -194,7 +194,12 @@ impl AppendRequest {
         Self { title, ..Self::base(Op::Create, session_id, owner) }
     }
     /// An append of `body`, with `event_id` as the request id.
-    pub fn append(session_id: SessionId, owner: &str, event_id: Uuid, body: &crate::EventBody) -> Self {
+    pub fn append(
+        session_id: SessionId,
+        owner: &str,
+        event_id: Uuid,
+        body: &turnlog_core::EventBody,
+    ) -> Self {
         Self {
             request_id: event_id,
             kind: Some(body.kind().as_str().to_owned()),
@@ -691,7 +696,7 @@ mod tests {
             s,
             "alice",
             Uuid::nil(),
-            &crate::EventBody::TurnFailed(crate::events::TurnFailed::default()),
+            &turnlog_core::EventBody::TurnFailed(turnlog_core::events::TurnFailed::default()),
         );
         r.expect = Some(Expect { compacted_through: None });
         let v = serde_json::to_value(&r).unwrap();

@@ -12,7 +12,7 @@ use sqlx::{Connection as _, PgConnection, PgPool};
 /// as they grow, so every statement is planned for its actual parameters.
 const SESSION_SETTINGS: [(&str, &str); 2] = [("jit", "off"), ("plan_cache_mode", "force_custom_plan")];
 
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
 
 /// How long a read query may run by default (`TURNLOG_STATEMENT_TIMEOUT`).
 pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);

@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use turnlog_core::message::{ChatMessage, Role};
-use turnlog_core::upstream::{
+use turnlog_runtime::upstream::{
     ChatRequest, StreamItem, TimeoutPhase, UpstreamClient, UpstreamConfig, UpstreamError, Usage,
 };
 

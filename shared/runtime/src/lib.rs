@@ -1,0 +1,12 @@
+//! turnlog-runtime: what every turnlog service does over the network and the database —
+//! the bus contract and `append_and_wait`, turn leases, the Postgres pool and the read-side
+//! queries, the upstream model client, the worker consumer loop, and the settings every
+//! service shares. The pure logic it serves lives in `turnlog-core`.
+
+pub mod bus;
+pub mod config;
+pub mod db;
+pub mod lease;
+pub mod read;
+pub mod upstream;
+pub mod worker;
