@@ -147,11 +147,11 @@ impl Distiller {
     #[tracing::instrument(skip_all, fields(session_id = %turn.session_id, turn_seq = turn.seq), err)]
     async fn title_session(&self, turn: &CommittedEvent) -> Result<(), HandleError> {
         let request_id = EventId::derived(turn.session_id, turn.seq, "title").0;
-        let state = turnlog_runtime::read::session_state(&self.pool, &turn.owner, turn.session_id)
+        let state = turnlog_runtime::read::get_session(&self.pool, &turn.owner, turn.session_id)
             .await
             .map_err(|e| HandleError::retry("read_failed", e))?;
         let Some(state) = state else { return Ok(()) };
-        let untitled = state.session.title.as_deref().is_none_or(|t| t.trim().is_empty());
+        let untitled = state.title.as_deref().is_none_or(|t| t.trim().is_empty());
         if !untitled || !self.is_first_turn(turn.session_id, turn.seq).await? {
             return Ok(());
         }

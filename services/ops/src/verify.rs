@@ -10,6 +10,7 @@ use chrono::{DateTime, Utc};
 use futures::TryStreamExt as _;
 use sqlx::postgres::PgRow;
 use sqlx::{Connection as _, PgConnection};
+use turnlog_runtime::read::SessionRow;
 use uuid::Uuid;
 
 /// What a comparison found.
@@ -142,20 +143,6 @@ macro_rules! first_difference {
     };
 }
 
-#[derive(sqlx::FromRow)]
-struct SessionRow {
-    id: Uuid,
-    owner: String,
-    title: Option<String>,
-    archived: bool,
-    last_category: Option<String>,
-    last_seq: i64,
-    compacted_through: Option<i64>,
-    compaction_seq: Option<i64>,
-    created_at: DateTime<Utc>,
-    updated_at: DateTime<Utc>,
-}
-
 /// A session by id.
 #[derive(PartialEq, Eq, PartialOrd, Ord)]
 struct SessionKey(Uuid);
@@ -168,12 +155,11 @@ impl fmt::Display for SessionKey {
 
 impl Compared for SessionRow {
     const QUERY: &'static str =
-        "SELECT id, owner, title, archived, last_category, last_seq, compacted_through,
-                compaction_seq, created_at, updated_at
-           FROM sessions ORDER BY id";
+        "SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq, created_at,
+                updated_at FROM sessions ORDER BY id";
     type Key = SessionKey;
     fn key(&self) -> SessionKey {
-        SessionKey(self.id)
+        SessionKey(self.id.0)
     }
     fn first_difference(&self, other: &Self) -> Option<String> {
         first_difference!(self, other; owner, title, archived, last_category, last_seq, compacted_through,

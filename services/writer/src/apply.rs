@@ -100,19 +100,7 @@ fn new_event(req: &AppendRequest, body_len: usize) -> Result<NewEvent, Refusal> 
 }
 
 /// A session's row as the batch sees and changes it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SessionRow {
-    pub id: SessionId,
-    pub owner: String,
-    pub title: Option<String>,
-    pub archived: bool,
-    pub last_category: Option<String>,
-    pub last_seq: i64,
-    pub compacted_through: Option<i64>,
-    pub compaction_seq: Option<i64>,
-    pub created_at: DateTime<Utc>,
-    pub updated_at: DateTime<Utc>,
-}
+pub use turnlog_runtime::read::SessionRow;
 
 #[derive(Debug, Clone)]
 pub struct EventRow {

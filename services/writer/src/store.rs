@@ -9,6 +9,8 @@ use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::{CommittedEvent, Outcome, OutcomeStatus};
 use uuid::Uuid;
 
+use turnlog_runtime::read::SESSION_COLUMNS;
+
 use crate::apply::{BatchEffects, EventRow, LoadedState, SessionRow};
 
 #[derive(Debug, thiserror::Error)]
@@ -32,20 +34,6 @@ pub async fn positions(pool: &PgPool, partition: i32) -> Result<(i64, i64), sqlx
         .await
 }
 
-#[derive(sqlx::FromRow)]
-struct SessionDb {
-    id: Uuid,
-    owner: String,
-    title: Option<String>,
-    archived: bool,
-    last_category: Option<String>,
-    last_seq: i64,
-    compacted_through: Option<i64>,
-    compaction_seq: Option<i64>,
-    created_at: chrono::DateTime<chrono::Utc>,
-    updated_at: chrono::DateTime<chrono::Utc>,
-}
-
 /// request_id, session_id, status, seq, reason.
 type OutcomeRow = (Uuid, Option<Uuid>, String, Option<i64>, Option<String>);
 
@@ -57,17 +45,13 @@ pub async fn load_state(
     sessions: &[Uuid],
     requests: &[Uuid],
 ) -> Result<LoadedState, sqlx::Error> {
-    let rows: Vec<SessionDb> = if sessions.is_empty() {
+    let rows: Vec<SessionRow> = if sessions.is_empty() {
         Vec::new()
     } else {
-        sqlx::query_as(
-            "SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq,
-                    created_at, updated_at
-               FROM sessions WHERE id = ANY($1)",
-        )
-        .bind(sessions)
-        .fetch_all(pool)
-        .await?
+        sqlx::query_as(&format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = ANY($1)"))
+            .bind(sessions)
+            .fetch_all(pool)
+            .await?
     };
     let outcomes: Vec<OutcomeRow> = if requests.is_empty() {
         Vec::new()
@@ -80,25 +64,7 @@ pub async fn load_state(
         .await?
     };
     Ok(LoadedState {
-        sessions: rows
-            .into_iter()
-            .map(|r| {
-                let id = SessionId(r.id);
-                let row = SessionRow {
-                    id,
-                    owner: r.owner,
-                    title: r.title,
-                    archived: r.archived,
-                    last_category: r.last_category,
-                    last_seq: r.last_seq,
-                    compacted_through: r.compacted_through,
-                    compaction_seq: r.compaction_seq,
-                    created_at: r.created_at,
-                    updated_at: r.updated_at,
-                };
-                (id, row)
-            })
-            .collect(),
+        sessions: rows.into_iter().map(|row| (row.id, row)).collect(),
         outcomes: outcomes
             .into_iter()
             .map(|(id, session, status, seq, reason)| {

@@ -565,7 +565,7 @@ async fn the_writer_merges_full_text_pending_lists_outside_its_commits() {
     eventually(WAIT, || async { (pending_pages().await == 0).then_some(()) }).await;
     let query = ListQuery { limit: 10, q: Some("Lisbon".into()), archived: false, before: None };
     let (found, _) = read::list_sessions(pool, "alice", &query).await.unwrap();
-    assert_eq!(found.iter().map(|f| f.id).collect::<Vec<_>>(), vec![s.0]);
+    assert_eq!(found.iter().map(|f| f.id).collect::<Vec<_>>(), vec![s]);
     h.stop().await;
 }
 
@@ -630,7 +630,7 @@ async fn paging_over_tied_timestamps_loses_and_repeats_nothing() {
     unique.sort();
     unique.dedup();
     assert_eq!((seen.len(), unique.len()), (501, 501), "nothing lost or repeated");
-    assert!(ids.iter().all(|id| seen.contains(&id.0)));
+    assert!(ids.iter().all(|id| seen.contains(id)));
     h.stop().await;
 }
 

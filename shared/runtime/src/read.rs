@@ -2,7 +2,7 @@
 //! workers for a session's live tail). Another owner's session is simply not found.
 
 use chrono::{DateTime, SecondsFormat, Utc};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use sqlx::{FromRow as _, PgPool, Row as _};
 use uuid::Uuid;
 
@@ -10,27 +10,27 @@ use turnlog_core::budget::CountedEvent;
 use turnlog_core::events::{DecodeError, Event, EventKind};
 use turnlog_core::ids::{EventId, SessionId};
 
-/// A session as clients see it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, sqlx::FromRow)]
-pub struct Session {
-    pub id: Uuid,
+/// A `sessions` row: the one declaration every service reads it through (the ingress's
+/// session views, the writer's batch state, `verify`'s comparison).
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct SessionRow {
+    #[sqlx(try_from = "Uuid")]
+    pub id: SessionId,
+    pub owner: String,
     pub title: Option<String>,
     pub archived: bool,
+    /// Category of the newest user message that named one.
     pub last_category: Option<String>,
+    pub last_seq: i64,
+    pub compacted_through: Option<i64>,
+    pub compaction_seq: Option<i64>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
 }
 
-/// A session with the bookkeeping the services need beyond what clients see.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
-pub struct SessionState {
-    #[sqlx(flatten)]
-    pub session: Session,
-    pub owner: String,
-    pub last_seq: i64,
-    pub compacted_through: Option<i64>,
-    pub compaction_seq: Option<i64>,
-}
+/// [`SessionRow`]'s columns, in a `SELECT` of `sessions`.
+pub const SESSION_COLUMNS: &str =
+    "id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq, created_at, updated_at";
 
 /// An event row as stored: kind and payload raw (the `/events` page), decodable.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
@@ -74,14 +74,12 @@ pub enum ReadError {
     Decode(#[from] DecodeError),
 }
 
-const SESSION_COLUMNS: &str = "id, title, archived, last_category, created_at, updated_at, owner, last_seq, \
-                               compacted_through, compaction_seq";
-
-pub async fn session_state(
+/// The owner's session `id`; None when it does not exist or is another owner's.
+pub async fn get_session(
     pool: &PgPool,
     owner: &str,
     id: SessionId,
-) -> Result<Option<SessionState>, sqlx::Error> {
+) -> Result<Option<SessionRow>, sqlx::Error> {
     sqlx::query_as(&format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1 AND owner = $2"))
         .bind(id.0)
         .bind(owner)
@@ -89,21 +87,17 @@ pub async fn session_state(
         .await
 }
 
-pub async fn get_session(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<Session>, sqlx::Error> {
-    Ok(session_state(pool, owner, id).await?.map(|s| s.session))
-}
-
 /// A session's live tail: its newest compaction and every event after that compaction's
 /// boundary — all that the model's context and the next request's size depend on.
 #[derive(Debug, Clone)]
 pub struct LiveTail {
-    pub state: SessionState,
+    pub state: SessionRow,
     pub events: Vec<Event>,
     pub counted: Vec<CountedEvent>,
 }
 
 pub async fn live_tail(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<LiveTail>, ReadError> {
-    let Some(state) = session_state(pool, owner, id).await? else { return Ok(None) };
+    let Some(state) = get_session(pool, owner, id).await? else { return Ok(None) };
     let rows: Vec<StoredEvent> = sqlx::query_as(
         "SELECT seq, event_id, kind, payload, tokens, created_at FROM session_events
           WHERE session_id = $1 AND (seq > $2 OR seq = $3) ORDER BY seq",
@@ -147,7 +141,7 @@ pub async fn events_page(
     .bind(limit)
     .fetch_all(pool)
     .await?;
-    if rows.is_empty() && session_state(pool, owner, id).await?.is_none() {
+    if rows.is_empty() && get_session(pool, owner, id).await?.is_none() {
         return Ok(None);
     }
     Ok(Some(rows))
@@ -216,7 +210,7 @@ pub async fn transcript_page(
         .bind(limit + 1)
         .fetch_all(pool)
         .await?;
-    if rows.is_empty() && session_state(pool, owner, id).await?.is_none() {
+    if rows.is_empty() && get_session(pool, owner, id).await?.is_none() {
         return Ok(None);
     }
     let more = rows.len() as i64 > limit;
@@ -288,7 +282,8 @@ pub struct ListQuery {
 
 /// The owner's sessions of one archive view, newest first from the cursor (`$2`, the
 /// search text, is unused).
-const LIST_SESSIONS: &str = "SELECT id, title, archived, last_category, created_at, updated_at FROM sessions
+const LIST_SESSIONS: &str = "SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq, created_at,
+        updated_at FROM sessions
   WHERE owner = $1 AND archived = $3
     AND ($4::timestamptz IS NULL OR (updated_at, id) < ($4, $5))
   ORDER BY updated_at DESC, id DESC
@@ -299,7 +294,8 @@ const LIST_SESSIONS: &str = "SELECT id, title, archived, last_category, created_
 /// (`sessions_title_fts`, `session_events_user_text_fts`), so Postgres looks the words
 /// up instead of computing a tsvector per row; `$3` is unused here.
 const SEARCH_SESSIONS: &str =
-    "SELECT id, title, archived, last_category, created_at, updated_at FROM sessions
+    "SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq, created_at,
+        updated_at FROM sessions
   WHERE owner = $1
     AND ($4::timestamptz IS NULL OR (updated_at, id) < ($4, $5))
     AND id IN (SELECT t.id FROM sessions t
@@ -340,14 +336,14 @@ pub async fn list_sessions(
     pool: &PgPool,
     owner: &str,
     query: &ListQuery,
-) -> Result<(Vec<Session>, Option<Cursor>), sqlx::Error> {
+) -> Result<(Vec<SessionRow>, Option<Cursor>), sqlx::Error> {
     let limit = query.limit.clamp(1, 1000);
-    let rows: Vec<Session> = list_statement(list_sql(query), owner, query)
-        .try_map(|row| Session::from_row(&row))
+    let rows: Vec<SessionRow> = list_statement(list_sql(query), owner, query)
+        .try_map(|row| SessionRow::from_row(&row))
         .fetch_all(pool)
         .await?;
     let next = (rows.len() as i64 == limit)
-        .then(|| rows.last().map(|s| Cursor { before: s.updated_at, before_id: s.id }))
+        .then(|| rows.last().map(|s| Cursor { before: s.updated_at, before_id: s.id.0 }))
         .flatten();
     Ok((rows, next))
 }

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use turnlog_core::ids::SessionId;
 use turnlog_core::ui_transcript::{transcript_item, TranscriptItem};
 use turnlog_runtime::bus::AppendRequest;
-use turnlog_runtime::read::{self, Cursor, ListQuery, Session, StoredEvent};
+use turnlog_runtime::read::{self, Cursor, ListQuery, SessionRow, StoredEvent};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
@@ -39,10 +39,10 @@ pub struct SessionView {
     pub updated_at: DateTime<Utc>,
 }
 
-impl From<Session> for SessionView {
-    fn from(s: Session) -> Self {
+impl From<SessionRow> for SessionView {
+    fn from(s: SessionRow) -> Self {
         Self {
-            id: s.id,
+            id: s.id.0,
             title: s.title,
             archived: s.archived,
             last_category: s.last_category,
@@ -53,7 +53,7 @@ impl From<Session> for SessionView {
 }
 
 /// The caller's session, or 404 (also when it is another owner's).
-pub async fn owned_session(app: &Ingress, caller: &Caller, id: SessionId) -> Result<Session, ApiError> {
+pub async fn owned_session(app: &Ingress, caller: &Caller, id: SessionId) -> Result<SessionRow, ApiError> {
     read::get_session(&app.pool, caller.as_str(), id).await?.ok_or_else(ApiError::session_not_found)
 }
 
