@@ -241,7 +241,12 @@ mod tests {
         .unwrap();
         assert_eq!(
             r,
-            CompactRequest { session_id: s, owner: "alice".into(), model: None, reserve_tokens: 120 }
+            CompactRequest {
+                session_id: s,
+                owner: turnlog_core::ids::Owner::parse("alice").unwrap(),
+                model: None,
+                reserve_tokens: 120
+            }
         );
     }
 }

@@ -97,7 +97,7 @@ async fn pre_send(
 ) -> CompactReply {
     let request = CompactRequest {
         session_id: session,
-        owner: owner.into(),
+        owner: turnlog_core::ids::Owner::parse(owner).unwrap(),
         model: model.map(Into::into),
         reserve_tokens: reserve,
     };

@@ -4,6 +4,7 @@
 //! for sizes), never a 5xx.
 
 use serde_json::Value;
+use turnlog_core::events::EventKind;
 use turnlog_runtime::bus::{json_len, MAX_EVENT_BYTES};
 
 use crate::config::IngressConfig;
@@ -78,7 +79,7 @@ pub fn documents<'a>(markdowns: impl IntoIterator<Item = &'a str>) -> Result<(),
 /// characters takes two to six times its length as JSON, documents come on top), so every
 /// append is sized here before it is sent: too large is a 413 that names the largest
 /// fields, never a dead letter.
-pub fn event_size(kind: &str, payload: &Value) -> Result<(), ApiError> {
+pub fn event_size(kind: EventKind, payload: &Value) -> Result<(), ApiError> {
     let size = json_len(payload);
     if size <= MAX_EVENT_BYTES {
         return Ok(());
@@ -159,10 +160,10 @@ mod tests {
     #[test]
     fn events_are_sized_as_stored() {
         let plain = serde_json::json!({"text": "x".repeat(MAX_EVENT_BYTES - 20)});
-        assert!(event_size("user_message", &plain).is_ok());
+        assert!(event_size(EventKind::UserMessage, &plain).is_ok());
         // A third of the limit in characters, but each is six bytes as JSON.
         let escaped = serde_json::json!({"text": "\u{1}".repeat(MAX_EVENT_BYTES / 3), "category": "c"});
-        let Err(ApiError::PayloadTooLarge(message)) = event_size("user_message", &escaped) else {
+        let Err(ApiError::PayloadTooLarge(message)) = event_size(EventKind::UserMessage, &escaped) else {
             panic!("an escape-heavy text over the limit is a 413");
         };
         assert!(message.contains("user_message") && message.contains("text: "), "{message}");

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use turnlog_core::events::{EventBody, EventKind};
-use turnlog_core::ids::{Owner, SessionId};
+use turnlog_core::ids::{EventId, Owner, SessionId};
 use turnlog_core::tokens::event_tokens;
 use turnlog_runtime::bus::{
     json_len, AppendRequest, CommittedEvent, DeadLetter, Op, Outcome, OutcomeStatus, MAX_EVENT_BYTES,
@@ -29,7 +29,7 @@ pub struct Incoming {
     pub redrive: bool,
     pub body: Bytes,
     /// The request, or why it does not decode.
-    request: Result<AppendRequest, String>,
+    request: Result<AppendRequest, Refusal>,
     /// An append's event, checked and counted, or why it cannot be stored. Worked out from
     /// the message alone (tokenizing is most of a batch's CPU time), so that the live
     /// writer does it while the batch before commits.
@@ -52,7 +52,7 @@ impl Incoming {
         redrive: bool,
         body: Bytes,
     ) -> Self {
-        let request = serde_json::from_slice::<AppendRequest>(&body).map_err(|e| e.to_string());
+        let request = serde_json::from_slice::<AppendRequest>(&body).map_err(|e| undecodable(&body, e));
         let event = match &request {
             Ok(req) if req.op == Op::Append => Some(new_event(req, body.len())),
             _ => None,
@@ -76,13 +76,25 @@ impl Incoming {
     }
 }
 
+/// Why a request does not decode: an event kind this writer does not know, or anything else.
+fn undecodable(body: &[u8], e: serde_json::Error) -> Refusal {
+    #[derive(serde::Deserialize)]
+    struct KindOnly {
+        kind: Option<String>,
+    }
+    if let Ok(KindOnly { kind: Some(kind) }) = serde_json::from_slice(body) {
+        if let Err(unknown) = kind.parse::<EventKind>() {
+            return refuse("unknown_kind", unknown.to_string());
+        }
+    }
+    refuse("bad_request", format!("request does not decode: {e}"))
+}
+
 /// The event an append carries, if it is one the log can store.
 fn new_event(req: &AppendRequest, body_len: usize) -> Result<NewEvent, Refusal> {
-    let (Some(kind), Some(payload)) = (&req.kind, &req.payload) else {
+    let (Some(kind), Some(payload)) = (req.kind, &req.payload) else {
         return Err(refuse("bad_request", "append needs kind and payload"));
     };
-    let kind: EventKind =
-        kind.parse().map_err(|e: turnlog_core::events::UnknownKind| refuse("unknown_kind", e.to_string()))?;
     if kind == EventKind::SessionStarted {
         return Err(refuse("unknown_kind", "session_started is written by create only"));
     }
@@ -238,13 +250,8 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
         fx.last_stream_seq = msg.stream_seq;
         let req = match &msg.request {
             Ok(r) => r,
-            Err(e) => {
-                dead_letter(
-                    &mut fx,
-                    msg,
-                    None,
-                    refuse("bad_request", format!("request does not decode: {e}")),
-                );
+            Err(refusal) => {
+                dead_letter(&mut fx, msg, None, refusal.clone());
                 continue;
             }
         };
@@ -331,7 +338,7 @@ fn apply_one(
     if msg.subject_session != Some(req.session_id) {
         return Err(refuse("wrong_subject", "the request's session_id is not the one its subject names"));
     }
-    Owner::parse(&req.owner).map_err(|e| refuse("bad_request", e.to_string()))?;
+    let owner = Owner::parse(&req.owner).map_err(|e| refuse("bad_request", e.to_string()))?;
     for text in [&req.title, &req.title_if_empty].into_iter().flatten() {
         if text.contains('\0') {
             return Err(refuse("unstorable_text", "title contains a NUL character"));
@@ -349,7 +356,7 @@ fn apply_one(
         };
         let row = SessionRow {
             id: req.session_id,
-            owner: req.owner.clone(),
+            owner,
             title: req.title.clone(),
             archived: false,
             last_category: None,
@@ -367,7 +374,7 @@ fn apply_one(
     let Some(session) = sessions.get_mut(&req.session_id) else {
         return Err(refuse("unknown_session", format!("no session {}", req.session_id)));
     };
-    if session.owner != req.owner {
+    if *session.owner != *req.owner {
         return Err(refuse(
             "owner_mismatch",
             format!("session belongs to another owner than {:?}", req.owner),
@@ -424,7 +431,7 @@ fn apply_one(
                 EventBody::MemoryExtracted(m) => {
                     fx.memories.extend(m.memories.iter().map(|mem| MemoryRow {
                         id: mem.id,
-                        owner: session.owner.clone(),
+                        owner: session.owner.to_string(),
                         session_id: req.session_id,
                         turn_seq: m.turn_seq,
                         text: mem.text.clone(),
@@ -457,8 +464,8 @@ fn push_event(
             session_id: req.session_id,
             owner: session.owner.clone(),
             seq: session.last_seq,
-            event_id: req.request_id,
-            kind: kind.as_str().to_owned(),
+            event_id: EventId(req.request_id),
+            kind,
             payload,
             created_at: msg.published,
             stream_seq: Some(msg.stream_seq),

@@ -145,8 +145,8 @@ pub async fn write_batch(conn: &mut PgConnection, fx: &BatchEffects) -> Result<(
             rows.tuple(8);
             rows.uuid(event.session_id.0);
             rows.int8(event.seq);
-            rows.uuid(event.event_id);
-            rows.text(&event.kind);
+            rows.uuid(event.event_id.0);
+            rows.text(event.kind.as_str());
             rows.jsonb(&event.payload);
             rows.int4(e.tokens);
             rows.int8(e.stream_seq());

@@ -489,7 +489,7 @@ fn incoming(m: async_nats::jetstream::Message) -> anyhow::Result<Incoming> {
 async fn publish_events(bus: &Bus, events: impl IntoIterator<Item = &EventRow>) -> anyhow::Result<()> {
     let mut acks = Vec::new();
     for e in events {
-        let subject = bus.names.events_subject(&e.event.kind, e.event.session_id);
+        let subject = bus.names.events_subject(e.event.kind.as_str(), e.event.session_id);
         let msg =
             PublishMessage::build().payload(serde_json::to_vec(&e.event)?.into()).message_id(e.msg_id());
         acks.push(bus.js.send_publish(subject, msg).await.context("publishing a committed event")?);

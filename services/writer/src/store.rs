@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 
 use sqlx::{Connection as _, PgConnection, PgPool};
-use turnlog_core::ids::SessionId;
+use turnlog_core::events::UnknownKind;
+use turnlog_core::ids::{EventId, Owner, SessionId};
 use turnlog_runtime::bus::{CommittedEvent, Outcome, OutcomeStatus};
 use uuid::Uuid;
 
@@ -162,7 +163,7 @@ async fn write_effects(
     .bind(sessions.iter().map(|s| s.updated_at).collect::<Vec<_>>())
     .bind(ev.iter().map(|e| e.event.session_id.0).collect::<Vec<_>>())
     .bind(ev.iter().map(|e| e.event.seq).collect::<Vec<_>>())
-    .bind(ev.iter().map(|e| e.event.event_id).collect::<Vec<_>>())
+    .bind(ev.iter().map(|e| e.event.event_id.0).collect::<Vec<_>>())
     .bind(ev.iter().map(|e| e.event.kind.as_str()).collect::<Vec<_>>())
     .bind(ev.iter().map(|e| &e.event.payload).collect::<Vec<_>>())
     .bind(ev.iter().map(|e| e.tokens).collect::<Vec<_>>())
@@ -297,8 +298,7 @@ pub async fn committed_between(
     .bind(through)
     .fetch_all(pool)
     .await?;
-    Ok(rows
-        .into_iter()
+    rows.into_iter()
         .map(
             |(
                 session_id,
@@ -312,23 +312,24 @@ pub async fn committed_between(
                 created_at,
                 session_created_at,
             )| {
-                EventRow {
+                let decode = |e: Box<dyn std::error::Error + Send + Sync>| sqlx::Error::Decode(e);
+                Ok(EventRow {
                     event: CommittedEvent {
                         session_id: SessionId(session_id),
-                        owner,
+                        owner: Owner::parse(&owner).map_err(|e| decode(e.into()))?,
                         seq,
-                        event_id,
-                        kind,
+                        event_id: EventId(event_id),
+                        kind: kind.parse().map_err(|e: UnknownKind| decode(e.into()))?,
                         payload,
                         created_at,
                         stream_seq: u64::try_from(stream_seq).ok(),
                     },
                     tokens,
                     session_created_at,
-                }
+                })
             },
         )
-        .collect())
+        .collect()
 }
 
 /// Moves `published_seq`. Committed without waiting for the WAL flush: it is a hint, and

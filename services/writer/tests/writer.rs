@@ -475,8 +475,8 @@ async fn events_reach_the_feed_in_order_and_a_crash_before_publishing_is_repaire
     let events: Vec<CommittedEvent> =
         feed.iter().map(|m| serde_json::from_slice(&m.payload).unwrap()).collect();
     assert_eq!(events.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
-    assert_eq!(events[0].kind, "session_started");
-    assert_eq!(events[1].owner, "alice");
+    assert_eq!(events[0].kind, EventKind::SessionStarted);
+    assert_eq!(events[1].owner.as_str(), "alice");
     let published: i64 = sqlx::query_scalar("SELECT published_seq FROM writer_positions")
         .fetch_one(&h.env.pool)
         .await
@@ -825,7 +825,7 @@ async fn a_delete_removes_only_messages_up_to_itself_and_moves_no_consumer() {
     let events: Vec<CommittedEvent> =
         feed.iter().map(|m| serde_json::from_slice(&m.payload).unwrap()).collect();
     assert_eq!(
-        events.iter().map(|e| (e.seq, e.event_id)).collect::<Vec<_>>(),
+        events.iter().map(|e| (e.seq, e.event_id.0)).collect::<Vec<_>>(),
         [(1, again.request_id), (2, second.request_id)],
         "the second life's events reached the feed"
     );

@@ -118,6 +118,13 @@ impl From<Owner> for String {
     }
 }
 
+impl std::ops::Deref for Owner {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
 impl fmt::Display for Owner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)

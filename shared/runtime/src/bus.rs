@@ -15,7 +15,8 @@ use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use turnlog_core::ids::SessionId;
+use turnlog_core::events::EventKind;
+use turnlog_core::ids::{EventId, Owner, SessionId};
 
 /// Header naming the core NATS subject the writer answers a request's outcome on.
 pub const REPLY_HEADER: &str = "Turnlog-Reply-To";
@@ -162,7 +163,7 @@ pub struct AppendRequest {
     pub session_id: SessionId,
     pub owner: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kind: Option<String>,
+    pub kind: Option<EventKind>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -202,7 +203,7 @@ impl AppendRequest {
     ) -> Self {
         Self {
             request_id: event_id,
-            kind: Some(body.kind().as_str().to_owned()),
+            kind: Some(body.kind()),
             payload: Some(body.to_payload()),
             ..Self::base(Op::Append, session_id, owner)
         }
@@ -282,10 +283,10 @@ impl Outcome {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CommittedEvent {
     pub session_id: SessionId,
-    pub owner: String,
+    pub owner: Owner,
     pub seq: i64,
-    pub event_id: Uuid,
-    pub kind: String,
+    pub event_id: EventId,
+    pub kind: EventKind,
     pub payload: Value,
     pub created_at: DateTime<Utc>,
     /// The TURNLOG_APPEND message it was committed from: what a deleted session's purge
@@ -295,6 +296,22 @@ pub struct CommittedEvent {
 }
 
 impl CommittedEvent {
+    /// Decodes a feed message; `Ok(None)` for an event of a kind this build does not know
+    /// (a newer writer's), which no worker here handles.
+    pub fn decode(payload: &[u8]) -> Result<Option<Self>, serde_json::Error> {
+        #[derive(Deserialize)]
+        struct KindOnly {
+            kind: String,
+        }
+        match serde_json::from_slice::<Self>(payload) {
+            Ok(event) => Ok(Some(event)),
+            Err(e) => match serde_json::from_slice::<KindOnly>(payload) {
+                Ok(k) if k.kind.parse::<EventKind>().is_err() => Ok(None),
+                _ => Err(e),
+            },
+        }
+    }
+
     /// The feed's dedup id, given the creation time of the event's session: the same event
     /// republished after a crash is dropped as a duplicate, while a session created again
     /// under a deleted one's id is not mistaken for it (JetStream remembers dedup ids after
@@ -485,7 +502,7 @@ impl Bus {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CompactRequest {
     pub session_id: SessionId,
-    pub owner: String,
+    pub owner: Owner,
     /// The model about to be called; its window sets the budget.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,

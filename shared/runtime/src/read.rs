@@ -8,7 +8,7 @@ use uuid::Uuid;
 
 use turnlog_core::budget::CountedEvent;
 use turnlog_core::events::{DecodeError, Event, EventKind};
-use turnlog_core::ids::{EventId, SessionId};
+use turnlog_core::ids::{EventId, Owner, SessionId};
 
 /// A `sessions` row: the one declaration every service reads it through (the ingress's
 /// session views, the writer's batch state, `verify`'s comparison).
@@ -16,7 +16,8 @@ use turnlog_core::ids::{EventId, SessionId};
 pub struct SessionRow {
     #[sqlx(try_from = "Uuid")]
     pub id: SessionId,
-    pub owner: String,
+    #[sqlx(try_from = "String")]
+    pub owner: Owner,
     pub title: Option<String>,
     pub archived: bool,
     /// Category of the newest user message that named one.

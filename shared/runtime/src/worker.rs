@@ -250,8 +250,8 @@ impl Worker {
         }
     }
 
-    fn handles(&self, kind: &str) -> bool {
-        self.kinds.len() == 1 || self.kinds.iter().any(|k| k.as_str() == kind)
+    fn handles(&self, kind: EventKind) -> bool {
+        self.kinds.len() == 1 || self.kinds.contains(&kind)
     }
 
     /// The durable consumer every copy of this worker shares.
@@ -573,11 +573,12 @@ impl<H: Handler> Job<H> {
             return;
         }
         let delivery = Delivery { attempt, max_deliver: self.worker.settings.max_deliver, stream_seq };
-        let decoded = serde_json::from_slice::<CommittedEvent>(&message.payload);
-        let session = decoded.as_ref().ok().map(|e| e.session_id);
+        let decoded = CommittedEvent::decode(&message.payload);
+        let session = decoded.as_ref().ok().and_then(Option::as_ref).map(|e| e.session_id);
         let result = match decoded {
-            Ok(event) if !self.worker.handles(&event.kind) => Ok(()),
-            Ok(event) => self.handle_with_progress(&message, event, delivery).await,
+            Ok(None) => Ok(()),
+            Ok(Some(event)) if !self.worker.handles(event.kind) => Ok(()),
+            Ok(Some(event)) => self.handle_with_progress(&message, event, delivery).await,
             Err(e) => Err(HandleError::poison("bad_event", format!("committed event does not decode: {e}"))),
         };
         let settle = match result {

@@ -84,7 +84,7 @@ pub async fn check_log(env: &TestEnv, bus: &Bus, acked: &Acked) {
             for (event, session, seq) in &rows {
                 let e = feed.get(&format!("{session}:{seq}"));
                 assert_eq!(
-                    e.map(|e| e.event_id),
+                    e.map(|e| e.event_id.0),
                     Some(*event),
                     "checker: event {session}:{seq} missing from the feed"
                 );

@@ -105,7 +105,7 @@ fn validated(app: &Ingress, m: &SendMessage) -> Result<(), ApiError> {
     }
     // Sized here as well as when it is sent, so a chat is refused before it creates a session.
     let message = EventBody::UserMessage(user_message(m));
-    validate::event_size(message.kind().as_str(), &message.to_payload())
+    validate::event_size(message.kind(), &message.to_payload())
 }
 
 /// The `user_message` event a message becomes.

@@ -318,7 +318,7 @@ impl Turn<'_> {
         let app = self.app;
         let req = CompactRequest {
             session_id: self.start.session,
-            owner: self.start.owner.to_string(),
+            owner: self.start.owner.clone(),
             model: Some(self.start.model.clone()),
             reserve_tokens,
         };

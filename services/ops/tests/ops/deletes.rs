@@ -75,7 +75,7 @@ async fn on_the_feed(bus: &Bus, session: SessionId) -> Vec<Uuid> {
     let mut messages = consumer.messages().await.expect("messages");
     let mut out = Vec::new();
     while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_secs(2), messages.next()).await {
-        out.push(serde_json::from_slice::<CommittedEvent>(&m.payload).expect("an event").event_id);
+        out.push(serde_json::from_slice::<CommittedEvent>(&m.payload).expect("an event").event_id.0);
         if m.info().is_ok_and(|i| i.pending == 0) {
             break;
         }

@@ -665,7 +665,7 @@ async fn check_feed(
     let mut missing = 0;
     for (session, rows) in by_session {
         for row in rows {
-            let on_feed = feed.get(&format!("{session}:{}", row.seq)).map(|e| e.event_id);
+            let on_feed = feed.get(&format!("{session}:{}", row.seq)).map(|e| e.event_id.0);
             if on_feed != Some(row.event_id) {
                 missing += 1;
                 if missing <= 10 {

@@ -458,7 +458,7 @@ async fn probe_compactor(cluster: &Cluster, session: Uuid, healed: Instant, cap:
     let bus = &cluster.bus;
     let request = CompactRequest {
         session_id: SessionId(session),
-        owner: OWNER.into(),
+        owner: turnlog_core::ids::Owner::parse(OWNER).ok()?,
         model: Some("mock".into()),
         reserve_tokens: 0,
     };
