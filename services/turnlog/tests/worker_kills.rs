@@ -5,14 +5,11 @@
 // A failed unwrap in a test is a failed test.
 #![allow(clippy::unwrap_used)]
 
-#[path = "../../compactor/tests/support/mod.rs"]
-mod support;
-
 use std::collections::{BTreeSet, HashSet};
 use std::time::Duration;
 
-use support::{filler, Rig};
 use turnlog_core::ids::SessionId;
+use turnlog_e2e::rig::{filler, Rig};
 use turnlog_testkit::{eventually, TurnlogProcess};
 
 const BIN: &str = env!("CARGO_BIN_EXE_turnlog");
