@@ -242,6 +242,24 @@ impl Api {
         TurnReply { status, headers: response_headers, events, json: Value::Null }
     }
 
+    /// `text` sent to session `id` as `token` (`POST /v1/sessions/{id}/messages`), its
+    /// stream read to the end.
+    pub async fn message(&self, id: impl std::fmt::Display, token: &str, text: &str) -> TurnReply {
+        let body = serde_json::json!({ "text": text });
+        self.turn(Method::POST, &format!("/v1/sessions/{id}/messages"), token, Some(body), &[]).await
+    }
+
+    /// The raw response of [`Api::message`], for tests that read part of it.
+    pub async fn message_request(
+        &self,
+        id: impl std::fmt::Display,
+        token: &str,
+        text: &str,
+    ) -> reqwest::Response {
+        let body = serde_json::json!({ "text": text });
+        self.turn_request(Method::POST, &format!("/v1/sessions/{id}/messages"), token, Some(body), &[]).await
+    }
+
     /// The raw response of a turn route, for tests that read part of it.
     pub async fn turn_request(
         &self,

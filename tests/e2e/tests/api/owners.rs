@@ -148,15 +148,7 @@ async fn another_owners_live_turn_is_not_found_on_every_turn_route() {
     let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await.unwrap();
     let api = Api::with(Options { llm_url: Some(mock.base_url()), ..Options::default() }).await;
     let id = api.create(ALICE, None).await;
-    let running = api
-        .turn_request(
-            Method::POST,
-            &format!("/v1/sessions/{id}/messages"),
-            ALICE,
-            Some(json!({"text": "slow one [mock words=40 delay_ms=50]"})),
-            &[],
-        )
-        .await;
+    let running = api.message_request(id, ALICE, "slow one [mock words=40 delay_ms=50]").await;
     assert_eq!(running.status(), 200);
     let live = eventually(WAIT, || async {
         let s = api.get(&format!("/v1/sessions/{id}"), ALICE).await;

@@ -59,15 +59,7 @@ async fn an_answer_too_large_to_store_is_kept_as_its_pending_state() {
     let id = api.create(ALICE, None).await;
     // About 215 KB of text, but over 400 KiB as JSON (a line break takes two bytes), and the
     // answer's event holds it twice.
-    let r = api
-        .turn(
-            Method::POST,
-            &format!("/v1/sessions/{id}/messages"),
-            ALICE,
-            Some(json!({"text": "a long poem [mock words=3200 breaks=64]"})),
-            &[],
-        )
-        .await;
+    let r = api.message(id, ALICE, "a long poem [mock words=3200 breaks=64]").await;
     assert_eq!(r.status, 200);
     let text = r.text();
     assert!(text.len() > 200_000 && text.len() < 300 * 1024, "{}", text.len());

@@ -18,18 +18,9 @@ async fn capped(limits: TurnLimits, opts: Options) -> (Api, MockHandle) {
     (Api::with(opts).await, mock)
 }
 
-fn send_path(id: impl std::fmt::Display) -> String {
-    format!("/v1/sessions/{id}/messages")
-}
-
-async fn send(api: &Api, token: &str, id: impl std::fmt::Display, text: &str) -> TurnReply {
-    api.turn(Method::POST, &send_path(id), token, Some(json!({ "text": text })), &[]).await
-}
-
 /// A turn whose stream has started (headers in), left unread.
 async fn started(api: &Api, token: &str, id: impl std::fmt::Display, text: &str) -> reqwest::Response {
-    let resp =
-        api.turn_request(Method::POST, &send_path(id), token, Some(json!({ "text": text })), &[]).await;
+    let resp = api.message_request(id, token, text).await;
     assert_eq!(resp.status().as_u16(), 200);
     resp
 }
@@ -68,7 +59,7 @@ async fn over_a_cap_a_turn_is_429_appends_nothing_and_other_owners_are_served() 
     let b = started(&api, BOB, b1, "[mock hang]").await;
 
     let before = (api.written().await, user_messages(&api).await);
-    let message = refused(&send(&api, ALICE, s3, "one more").await);
+    let message = refused(&api.message(s3, ALICE, "one more").await);
     assert!(message.contains("this owner's limit is 2"), "{message}");
     refused(&api.turn(Method::POST, "/v1/chat", ALICE, Some(json!({"text": "a new one"})), &[]).await);
     refused(&api.turn(Method::POST, &format!("/v1/sessions/{s1}/retry"), ALICE, None, &[]).await);
@@ -82,7 +73,7 @@ async fn over_a_cap_a_turn_is_429_appends_nothing_and_other_owners_are_served() 
         let body = String::from_utf8(h.bytes().await.unwrap().to_vec()).unwrap();
         assert!(body.contains("event: end"), "{body}");
     }
-    let next = [s1, s2].map(|id| send(&api, ALICE, id, "again [mock words=20 delay_ms=20]"));
+    let next = [s1, s2].map(|id| api.message(id, ALICE, "again [mock words=20 delay_ms=20]"));
     for r in futures::future::join_all(next).await {
         assert_eq!(r.end()["status"], "completed");
     }
@@ -96,9 +87,9 @@ async fn every_ending_gives_the_slot_back() {
     let id = api.create(ALICE, None).await;
     let other = api.create(ALICE, None).await;
 
-    assert_eq!(send(&api, ALICE, id, "boom [mock status=500]").await.end()["status"], "failed");
+    assert_eq!(api.message(id, ALICE, "boom [mock status=500]").await.end()["status"], "failed");
     assert_eq!(
-        send(&api, ALICE, id, "cut [mock words=40 fail_after=5]").await.end()["status"],
+        api.message(id, ALICE, "cut [mock words=40 fail_after=5]").await.end()["status"],
         "interrupted"
     );
 
@@ -122,9 +113,9 @@ async fn every_ending_gives_the_slot_back() {
     let mut body = resp.bytes_stream();
     body.next().await.unwrap().unwrap();
     drop(body);
-    refused(&send(&api, ALICE, other, "while it runs").await);
+    refused(&api.message(other, ALICE, "while it runs").await);
     let after = eventually(WAIT, || async {
-        let r = send(&api, ALICE, other, "after it ended [mock words=5]").await;
+        let r = api.message(other, ALICE, "after it ended [mock words=5]").await;
         (r.status != 429).then_some(r)
     })
     .await;

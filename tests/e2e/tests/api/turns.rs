@@ -60,9 +60,7 @@ fn histories(mock: &MockHandle) -> Vec<Vec<Value>> {
 async fn a_turn_streams_meta_deltas_and_one_end_and_is_stored() {
     let (api, _mock) = with_mock().await;
     let id = api.create(ALICE, None).await;
-    let r = api
-        .turn(Method::POST, &send_path(id), ALICE, Some(json!({"text": "hello there [mock words=30]"})), &[])
-        .await;
+    let r = api.message(id, ALICE, "hello there [mock words=30]").await;
     assert_eq!(r.status, 200);
     assert_eq!(r.headers["x-session-id"], id.to_string().as_str());
     assert_eq!(r.headers["x-accel-buffering"], "no");
@@ -136,15 +134,7 @@ async fn twenty_turns_agree_everywhere_and_extend_the_prompt_byte_for_byte() {
 async fn a_closed_client_does_not_cancel_the_turn() {
     let (api, _mock) = with_mock().await;
     let id = api.create(ALICE, None).await;
-    let resp = api
-        .turn_request(
-            Method::POST,
-            &send_path(id),
-            ALICE,
-            Some(json!({"text": "long one [mock words=40 delay_ms=25]"})),
-            &[],
-        )
-        .await;
+    let resp = api.message_request(id, ALICE, "long one [mock words=40 delay_ms=25]").await;
     let mut body = resp.bytes_stream();
     body.next().await.unwrap().unwrap();
     drop(body);
@@ -166,15 +156,7 @@ async fn upstream_failures_keep_the_partial_or_record_the_failure() {
     let (api, _mock) = with_mock().await;
     let id = api.create(ALICE, None).await;
 
-    let r = api
-        .turn(
-            Method::POST,
-            &send_path(id),
-            ALICE,
-            Some(json!({"text": "break [mock words=50 fail_after=10]"})),
-            &[],
-        )
-        .await;
+    let r = api.message(id, ALICE, "break [mock words=50 fail_after=10]").await;
     let kinds: Vec<&str> = r.events.iter().map(|e| e.event.as_str()).collect();
     assert_eq!(kinds[kinds.len() - 2..], ["error", "end"]);
     assert_eq!(r.end()["status"], "interrupted");
@@ -185,9 +167,7 @@ async fn upstream_failures_keep_the_partial_or_record_the_failure() {
     assert_eq!(cut["text"].as_str(), Some(partial.as_str()));
     assert_eq!(r.end()["pending_seq"], cut["seq"]);
 
-    let r = api
-        .turn(Method::POST, &send_path(id), ALICE, Some(json!({"text": "boom [mock status=500]"})), &[])
-        .await;
+    let r = api.message(id, ALICE, "boom [mock status=500]").await;
     assert_eq!(r.events.iter().filter(|e| e.event == "error").count(), 1);
     assert_eq!(r.end()["status"], "failed");
     assert_eq!(r.events.iter().find(|e| e.event == "error").unwrap().data["code"], "upstream_error");
@@ -196,7 +176,7 @@ async fn upstream_failures_keep_the_partial_or_record_the_failure() {
     assert_eq!(items.last().unwrap()["seq"], r.end()["failed_seq"]);
 
     // The next request carries the partial with the interruption note.
-    let r = api.turn(Method::POST, &send_path(id), ALICE, Some(json!({"text": "again"})), &[]).await;
+    let r = api.message(id, ALICE, "again").await;
     assert_eq!(r.end()["status"], "completed");
     let context = api.get(&format!("/v1/sessions/{id}/context"), ALICE).await.json;
     let texts: Vec<&str> =
@@ -208,8 +188,7 @@ async fn upstream_failures_keep_the_partial_or_record_the_failure() {
 async fn a_hanging_model_times_out_into_a_failed_turn() {
     let (api, _mock) = with_mock().await;
     let id = api.create(ALICE, None).await;
-    let r =
-        api.turn(Method::POST, &send_path(id), ALICE, Some(json!({"text": "wait [mock hang]"})), &[]).await;
+    let r = api.message(id, ALICE, "wait [mock hang]").await;
     assert_eq!(r.end()["status"], "failed");
     assert_eq!(r.events.iter().find(|e| e.event == "error").unwrap().data["code"], "upstream_timeout");
     assert_eq!(count_kind(&api, "turn_failed").await, 1);
@@ -219,17 +198,9 @@ async fn a_hanging_model_times_out_into_a_failed_turn() {
 async fn a_second_send_is_a_conflict_and_appends_nothing() {
     let (api, _mock) = with_mock().await;
     let id = api.create(ALICE, None).await;
-    let first = api
-        .turn_request(
-            Method::POST,
-            &send_path(id),
-            ALICE,
-            Some(json!({"text": "slow [mock words=30 delay_ms=30]"})),
-            &[],
-        )
-        .await;
+    let first = api.message_request(id, ALICE, "slow [mock words=30 delay_ms=30]").await;
     assert_eq!(first.status(), 200);
-    let second = api.turn(Method::POST, &send_path(id), ALICE, Some(json!({"text": "me too"})), &[]).await;
+    let second = api.message(id, ALICE, "me too").await;
     assert_eq!(second.status, 409);
     assert_eq!(second.json["error"]["code"], "conflict");
     let retry = api.turn(Method::POST, &format!("/v1/sessions/{id}/retry"), ALICE, None, &[]).await;
@@ -242,15 +213,7 @@ async fn a_second_send_is_a_conflict_and_appends_nothing() {
 async fn stop_keeps_the_partial_as_stopped_and_the_model_is_told() {
     let (api, _mock) = with_mock().await;
     let id = api.create(ALICE, None).await;
-    let resp = api
-        .turn_request(
-            Method::POST,
-            &send_path(id),
-            ALICE,
-            Some(json!({"text": "story [mock words=200 delay_ms=20]"})),
-            &[],
-        )
-        .await;
+    let resp = api.message_request(id, ALICE, "story [mock words=200 delay_ms=20]").await;
     let mut events = resp.bytes_stream().eventsource();
     let mut text = String::new();
     let mut end = Value::Null;
@@ -297,15 +260,7 @@ async fn stop_keeps_the_partial_as_stopped_and_the_model_is_told() {
 async fn retry_runs_the_question_again_and_the_transcript_shows_both_attempts_once() {
     let (api, mock) = with_mock().await;
     let id = api.create(ALICE, None).await;
-    let r = api
-        .turn(
-            Method::POST,
-            &send_path(id),
-            ALICE,
-            Some(json!({"text": "flaky [mock words=40 fail_after=8]"})),
-            &[],
-        )
-        .await;
+    let r = api.message(id, ALICE, "flaky [mock words=40 fail_after=8]").await;
     assert_eq!(r.end()["status"], "interrupted");
     let partial = r.text();
     let retry = api.turn(Method::POST, &format!("/v1/sessions/{id}/retry"), ALICE, None, &[]).await;
@@ -322,7 +277,7 @@ async fn retry_runs_the_question_again_and_the_transcript_shows_both_attempts_on
     assert_eq!(interrupted, 2, "each attempt's partial shows once: {items:?}");
 
     // A completed turn has nothing to retry.
-    let ok = api.turn(Method::POST, &send_path(id), ALICE, Some(json!({"text": "fine"})), &[]).await;
+    let ok = api.message(id, ALICE, "fine").await;
     assert_eq!(ok.end()["status"], "completed");
     let nothing = api.turn(Method::POST, &format!("/v1/sessions/{id}/retry"), ALICE, None, &[]).await;
     assert_eq!(nothing.status, 409);
@@ -334,9 +289,7 @@ async fn an_interrupted_attempt_then_a_completed_retry_each_show_once() {
     let id = api.create(ALICE, None).await;
     // The mock breaks its next answer off, then answers the same request.
     mock.faults().break_next_chats(1);
-    let r = api
-        .turn(Method::POST, &send_path(id), ALICE, Some(json!({"text": "tell me [mock words=30]"})), &[])
-        .await;
+    let r = api.message(id, ALICE, "tell me [mock words=30]").await;
     assert_ne!(r.end()["status"], "completed");
     let retry = api.turn(Method::POST, &format!("/v1/sessions/{id}/retry"), ALICE, None, &[]).await;
     assert_eq!(retry.end()["status"], "completed");
@@ -351,31 +304,19 @@ async fn a_resent_post_with_the_same_idempotency_key_answers_the_same_turn() {
     let (api, _mock) = with_mock().await;
     let id = api.create(ALICE, None).await;
     let key = [("Idempotency-Key", "k-123")];
-    let first = api.turn(Method::POST, &send_path(id), ALICE, Some(json!({"text": "once"})), &key).await;
-    let again = api.turn(Method::POST, &send_path(id), ALICE, Some(json!({"text": "once"})), &key).await;
+    let path = send_path(id);
+    let once = || api.turn(Method::POST, &path, ALICE, Some(json!({"text": "once"})), &key);
+    let (first, again) = (once().await, once().await);
     assert_eq!(first.end()["assistant_seq"], again.end()["assistant_seq"]);
     assert_eq!(again.end()["status"], "completed");
     assert_eq!(count_kind(&api, "user_message").await, 1);
     assert_eq!(count_kind(&api, "assistant_turn").await, 1);
 
-    let chat1 = api
-        .turn(
-            Method::POST,
-            "/v1/chat",
-            ALICE,
-            Some(json!({"text": "new chat"})),
-            &[("Idempotency-Key", "c-1")],
-        )
-        .await;
-    let chat2 = api
-        .turn(
-            Method::POST,
-            "/v1/chat",
-            ALICE,
-            Some(json!({"text": "new chat"})),
-            &[("Idempotency-Key", "c-1")],
-        )
-        .await;
+    let chat = || {
+        let body = json!({"text": "new chat"});
+        api.turn(Method::POST, "/v1/chat", ALICE, Some(body), &[("Idempotency-Key", "c-1")])
+    };
+    let (chat1, chat2) = (chat().await, chat().await);
     assert_eq!(chat1.headers["x-session-id"], chat2.headers["x-session-id"]);
     assert_eq!(count_kind(&api, "user_message").await, 2);
 }
@@ -416,15 +357,7 @@ async fn reattach_replays_after_last_event_id_then_follows_live() {
     let id = api.create(ALICE, None).await;
     let none = api.turn(Method::GET, &format!("/v1/sessions/{id}/stream"), ALICE, None, &[]).await;
     assert_eq!(none.status, 204);
-    let first = api
-        .turn_request(
-            Method::POST,
-            &send_path(id),
-            ALICE,
-            Some(json!({"text": "go [mock words=30 delay_ms=20]"})),
-            &[],
-        )
-        .await;
+    let first = api.message_request(id, ALICE, "go [mock words=30 delay_ms=20]").await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let attached = api
         .turn(Method::GET, &format!("/v1/sessions/{id}/stream"), ALICE, None, &[("Last-Event-ID", "3")])
@@ -444,15 +377,7 @@ async fn a_reattach_past_the_turns_last_event_ends_with_the_turn() {
     let (api, _mock) = with_mock().await;
     let id = api.create(ALICE, None).await;
     let stream_path = format!("/v1/sessions/{id}/stream");
-    let running = api
-        .turn_request(
-            Method::POST,
-            &send_path(id),
-            ALICE,
-            Some(json!({"text": "go [mock words=30 delay_ms=100]"})),
-            &[],
-        )
-        .await;
+    let running = api.message_request(id, ALICE, "go [mock words=30 delay_ms=100]").await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     // An id this turn (3 s long) has not reached (a client's id from an earlier, longer turn).
     let beyond = [("Last-Event-ID", "1000")];
