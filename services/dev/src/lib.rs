@@ -10,18 +10,17 @@ mod os;
 mod postgres;
 mod servers;
 pub mod settings;
+mod stack;
 
 pub use os::find_executable;
 pub use postgres::PgBins;
+pub use stack::{ServiceConfigs, Stack};
 
-use std::future::Future;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use turnlog_ingress::IngressArgs;
@@ -30,13 +29,6 @@ use turnlog_runtime::upstream::redacted_url;
 use servers::Endpoints;
 use settings::{Backbone, BusArgs, CompactorArgs, ReadArgs, TaskModels, WorkerModels, WorkerTuning};
 
-/// Beyond the ingress's own grace period (open requests finishing), how long its task
-/// gets to return.
-const INGRESS_STOP_MARGIN: Duration = Duration::from_secs(5);
-/// How long the workers get to finish the events in hand; an event cut off is redelivered
-/// on the next start.
-const WORKERS_GRACE: Duration = Duration::from_secs(20);
-const WRITER_GRACE: Duration = Duration::from_secs(15);
 const MOCK_GRACE: Duration = Duration::from_secs(5);
 /// How often the mock model's request log (kept for tests) is emptied, so a long `turnlog
 /// dev` session does not hold every request it ever made.
@@ -97,15 +89,6 @@ impl DevConfig {
     }
 }
 
-/// Every service's config for one set of servers and one model gateway.
-struct ServiceConfigs {
-    writer: turnlog_writer::WriterConfig,
-    ingress: turnlog_ingress::IngressConfig,
-    distiller: turnlog_distiller::DistillerConfig,
-    memory: turnlog_memory::MemoryConfig,
-    compactor: turnlog_compactor::CompactorConfig,
-}
-
 fn service_configs(args: &DevArgs, endpoints: &Endpoints, llm_url: &str) -> anyhow::Result<ServiceConfigs> {
     let backbone = Backbone {
         database_url: endpoints.database_url.clone(),
@@ -117,11 +100,11 @@ fn service_configs(args: &DevArgs, endpoints: &Endpoints, llm_url: &str) -> anyh
     ingress.llm_url = Some(llm_url.to_owned());
     let models = WorkerModels::from_ingress(&ingress, llm_url.to_owned(), args.tasks.clone());
     Ok(ServiceConfigs {
-        writer: backbone.writer(),
+        writer: Some(backbone.writer()),
         ingress: backbone.ingress(ingress)?,
-        distiller: backbone.distiller(&models, &args.tuning)?,
-        memory: backbone.memory(&models, &args.tuning)?,
-        compactor: backbone.compactor(&models, &args.tuning, &args.compactor)?,
+        distiller: Some(backbone.distiller(&models, &args.tuning)?),
+        memory: Some(backbone.memory(&models, &args.tuning)?),
+        compactor: Some(backbone.compactor(&models, &args.tuning, &args.compactor)?),
     })
 }
 
@@ -188,159 +171,31 @@ async fn run_services(
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
     let configs = service_configs(args, endpoints, llm_url)?;
-    let pool =
-        turnlog_runtime::db::connect(&endpoints.database_url, 2).await.context("connecting to Postgres")?;
-    turnlog_runtime::db::migrate(&pool).await.context("applying migrations")?;
-    pool.close().await;
-    // The streams too, before any service looks for them (a worker that starts first
-    // would otherwise retry until the writer has made them).
-    let bus =
-        turnlog_runtime::bus::Bus::connect(&endpoints.nats_url, &args.bus.bus_prefix, args.bus.partitions)
-            .await
-            .context("connecting to NATS")?;
-    bus.ensure_topology(args.bus.append_max_age).await.context("creating the bus topology")?;
-    drop(bus);
-    let addr = listener.local_addr().context("reading the listen address")?;
-    let tokens_required = !configs.ingress.tokens.is_empty();
-    let ingress_grace = configs.ingress.shutdown_grace + INGRESS_STOP_MARGIN;
-    let probe = reqwest::Client::builder().timeout(Duration::from_secs(2)).build()?;
-
-    // Each service on its own task and token; the tokens are not children of `shutdown`,
-    // which would stop everything at once, but are cancelled below in order.
-    let all = CancellationToken::new();
-    let _backstop = all.clone().drop_guard();
-    let (ended_tx, mut ended) = mpsc::unbounded_channel();
-    let ServiceConfigs { writer, ingress, distiller, memory, compactor } = configs;
-    let writer = Service::spawn("writer", &all, &ended_tx, |t| turnlog_writer::run(writer, t));
-    let workers = vec![
-        Service::spawn("distiller", &all, &ended_tx, |t| turnlog_distiller::run(distiller, t)),
-        Service::spawn("memory", &all, &ended_tx, |t| turnlog_memory::run(memory, t)),
-        Service::spawn("compactor", &all, &ended_tx, |t| turnlog_compactor::run(compactor, t)),
-    ];
-    let ingress = Service::spawn("ingress", &all, &ended_tx, |t| turnlog_ingress::run(ingress, listener, t));
-
-    let base = base_url(addr);
+    let mut stack = Stack::start(configs, listener).await?;
     let mut ended_early = None;
     tokio::select! {
         _ = shutdown.cancelled() => {}
-        name = ended.recv() => ended_early = name,
-        () = wait_ready(&probe, &base) => {
-            let llm_url = redacted_url(llm_url);
-            print_banner(&base, endpoints, &llm_url, args.ingress.llm_url.is_none(), tokens_required);
-            tokio::select! {
-                _ = shutdown.cancelled() => {}
-                name = ended.recv() => ended_early = name,
+        ready = stack.ready() => match ready {
+            Err(name) => ended_early = Some(name),
+            Ok(()) => {
+                let llm_url = redacted_url(llm_url);
+                let (base, tokens_required) = (stack.base_url(), stack.tokens_required());
+                print_banner(base, endpoints, &llm_url, args.ingress.llm_url.is_none(), tokens_required);
+                tokio::select! {
+                    _ = shutdown.cancelled() => {}
+                    name = stack.ended() => ended_early = Some(name),
+                }
             }
-        }
+        },
     }
     if let Some(name) = ended_early {
         tracing::error!(service = name, "a service stopped by itself; stopping the others");
     }
-
-    // Ingress first, so its last checkpoints still reach the writer; the workers next (their
-    // appends too); the writer last.
-    let mut errors = Vec::new();
-    tracing::info!("stopping the ingress");
-    errors.extend(stop_group(vec![ingress], ingress_grace).await);
-    tracing::info!("stopping the workers");
-    errors.extend(stop_group(workers, WORKERS_GRACE).await);
-    tracing::info!("stopping the writer");
-    errors.extend(stop_group(vec![writer], WRITER_GRACE).await);
-    for e in &errors {
-        tracing::error!(error = format!("{e:#}"), "service failed");
+    match (ended_early, stack.stop().await) {
+        (_, Err(e)) => Err(e),
+        (Some(name), Ok(())) => Err(anyhow::anyhow!("the {name} service stopped by itself")),
+        (None, Ok(())) => Ok(()),
     }
-    match (ended_early, errors.into_iter().next()) {
-        (_, Some(e)) => Err(e),
-        (Some(name), None) => Err(anyhow::anyhow!("the {name} service stopped by itself")),
-        (None, None) => Ok(()),
-    }
-}
-
-/// One service on its own task, with the token that stops it.
-struct Service {
-    name: &'static str,
-    stop: CancellationToken,
-    task: JoinHandle<anyhow::Result<()>>,
-}
-
-impl Service {
-    /// Spawns `run` with a child token of `all`; `ended` hears the name when it returns.
-    fn spawn<F>(
-        name: &'static str,
-        all: &CancellationToken,
-        ended: &mpsc::UnboundedSender<&'static str>,
-        run: impl FnOnce(CancellationToken) -> F,
-    ) -> Service
-    where
-        F: Future<Output = anyhow::Result<()>> + Send + 'static,
-    {
-        let stop = all.child_token();
-        let service = run(stop.clone());
-        let ended = ended.clone();
-        let task = tokio::spawn(async move {
-            let result = service.await;
-            let _ = ended.send(name);
-            result
-        });
-        Service { name, stop, task }
-    }
-}
-
-/// Stops every service of `group` at once and waits up to `grace` for each; one still
-/// running then is aborted.
-async fn stop_group(group: Vec<Service>, grace: Duration) -> Vec<anyhow::Error> {
-    for service in &group {
-        service.stop.cancel();
-    }
-    let deadline = tokio::time::Instant::now() + grace;
-    let mut errors = Vec::new();
-    for Service { name, mut task, .. } in group {
-        match tokio::time::timeout_at(deadline, &mut task).await {
-            Ok(Ok(Ok(()))) => {}
-            Ok(Ok(Err(e))) => errors.push(e.context(format!("the {name} service failed"))),
-            Ok(Err(e)) => errors.push(anyhow::anyhow!("the {name} service panicked: {e}")),
-            Err(_) => {
-                tracing::warn!(service = name, ?grace, "did not stop in time; abandoning it");
-                task.abort();
-            }
-        }
-    }
-    errors
-}
-
-/// Polls `/readyz` until it answers 200 (Postgres and NATS reachable), saying so now and
-/// then when it takes long.
-async fn wait_ready(probe: &reqwest::Client, base: &str) {
-    let url = format!("{base}/readyz");
-    let started = tokio::time::Instant::now();
-    let mut next_note = Duration::from_secs(15);
-    loop {
-        match probe.get(&url).send().await {
-            Ok(r) if r.status().is_success() => return,
-            answer => {
-                if started.elapsed() >= next_note {
-                    let detail = match answer {
-                        Ok(r) => format!("{} {}", r.status(), r.text().await.unwrap_or_default()),
-                        Err(e) => e.to_string(),
-                    };
-                    tracing::warn!(%url, detail, "the ingress is not ready yet");
-                    next_note += Duration::from_secs(15);
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-/// `http://host:port` a client on this machine uses to reach `addr`.
-fn base_url(addr: SocketAddr) -> String {
-    let host = match addr {
-        SocketAddr::V4(a) if a.ip().is_unspecified() => "127.0.0.1".to_owned(),
-        SocketAddr::V4(a) => a.ip().to_string(),
-        SocketAddr::V6(a) if a.ip().is_unspecified() => "[::1]".to_owned(),
-        SocketAddr::V6(a) => format!("[{}]", a.ip()),
-    };
-    format!("http://{host}:{}", addr.port())
 }
 
 /// Where everything is and how to talk to it, on stdout (the logs go to stderr).
@@ -409,18 +264,5 @@ impl Mock {
             Ok(Err(e)) => tracing::warn!(error = %e, "the mock model panicked"),
             Err(_) => tracing::warn!("the mock model did not stop in time"),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn clients_reach_a_wildcard_listener_on_loopback() {
-        assert_eq!(base_url("0.0.0.0:8080".parse().unwrap()), "http://127.0.0.1:8080");
-        assert_eq!(base_url("127.0.0.1:9".parse().unwrap()), "http://127.0.0.1:9");
-        assert_eq!(base_url("[::]:80".parse().unwrap()), "http://[::1]:80");
-        assert_eq!(base_url("[::1]:80".parse().unwrap()), "http://[::1]:80");
     }
 }

@@ -2,14 +2,11 @@
 //! and `replay` as processes against a live writer (in-process), checking what they print
 //! and their exit codes.
 
-#[path = "../../compactor/tests/support/mod.rs"]
-mod support;
-
 use std::process::Output;
 
-use support::{filler, Rig, OWNER};
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
+use turnlog_e2e::rig::{self, filler, Rig, OWNER};
 use turnlog_runtime::bus::{append_and_wait, AppendRequest};
 use uuid::Uuid;
 
@@ -19,7 +16,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_turnlog");
 async fn turnlog(rig: &Rig, args: &[&str]) -> Output {
     let mut command = tokio::process::Command::new(BIN);
     command.args(args).envs(rig.env.env_vars()).env("RUST_LOG", "warn").kill_on_drop(true);
-    let output = tokio::time::timeout(support::WAIT, command.output()).await.expect("in time").expect("runs");
+    let output = tokio::time::timeout(rig::WAIT, command.output()).await.expect("in time").expect("runs");
     eprintln!(
         "$ turnlog {}\n{}{}",
         args.join(" "),
@@ -41,7 +38,7 @@ async fn dead_rebuild_verify_and_replay_from_the_command_line() {
     let early = SessionId::new();
     let body = EventBody::UserMessage(UserMessage { text: "too early".into(), ..Default::default() });
     let request = AppendRequest::append(early, OWNER, Uuid::now_v7(), &body);
-    append_and_wait(&rig.bus, &rig.env.pool, &request, support::WAIT).await.unwrap();
+    append_and_wait(&rig.bus, &rig.env.pool, &request, rig::WAIT).await.unwrap();
 
     let listed = turnlog(&rig, &["dead", "list"]).await;
     assert!(listed.status.success());

@@ -5,14 +5,11 @@
 // A failed unwrap in a test is a failed test.
 #![allow(clippy::unwrap_used)]
 
-#[path = "../../compactor/tests/support/mod.rs"]
-mod support;
-
 use std::collections::{BTreeSet, HashSet};
 use std::time::Duration;
 
-use support::{filler, Rig};
 use turnlog_core::ids::SessionId;
+use turnlog_e2e::rig::{filler, Rig};
 use turnlog_testkit::{eventually, TurnlogProcess};
 
 const BIN: &str = env!("CARGO_BIN_EXE_turnlog");
@@ -91,6 +88,18 @@ async fn count(rig: &Rig, kind: &str) -> usize {
     n as usize
 }
 
+/// A conversation with `worker` running as a process on a slow model, SIGKILLed mid-batch
+/// while the conversation is still being appended, then restarted until it has handled
+/// everything. Returns the sessions with their turns, and how many `kind` events the worker
+/// had appended at the kill.
+async fn killed_mid_conversation(rig: &Rig, worker: &str, kind: &str) -> (Vec<(SessionId, Vec<i64>)>, usize) {
+    let model = slow_model().await;
+    let mut process = start_worker(rig, worker, &model.base_url());
+    let (sessions, (done, _)) = tokio::join!(converse(rig), kill_mid_batch(rig, &mut process, worker, kind));
+    finish(rig, &mut process, worker).await;
+    (sessions, done)
+}
+
 /// After the restart the worker finishes everything, and stops cleanly on SIGTERM.
 async fn finish(rig: &Rig, process: &mut TurnlogProcess, worker: &str) {
     process.restart().await;
@@ -104,13 +113,8 @@ async fn finish(rig: &Rig, process: &mut TurnlogProcess, worker: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn distiller_killed_mid_batch_distills_every_turn_exactly_once() {
     let rig = Rig::start().await;
-    let model = slow_model().await;
-    let mut distiller = start_worker(&rig, "distiller", &model.base_url());
-    // The kill lands while the conversation is still being appended.
-    let (sessions, (done, _)) =
-        tokio::join!(converse(&rig), kill_mid_batch(&rig, &mut distiller, "distiller", "turn_memory"));
+    let (sessions, done) = killed_mid_conversation(&rig, "distiller", "turn_memory").await;
     assert!(done < SESSIONS * TURNS_PER_SESSION, "the kill came too late to prove anything");
-    finish(&rig, &mut distiller, "distiller").await;
 
     for (s, turns) in &sessions {
         let memories = rig.events_of(*s, "turn_memory").await;
@@ -126,13 +130,8 @@ async fn distiller_killed_mid_batch_distills_every_turn_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_killed_mid_batch_extracts_every_turn_exactly_once() {
     let rig = Rig::start().await;
-    let model = slow_model().await;
-    let mut memory = start_worker(&rig, "memory", &model.base_url());
-    // The kill lands while the conversation is still being appended.
-    let (sessions, (done, _)) =
-        tokio::join!(converse(&rig), kill_mid_batch(&rig, &mut memory, "memory", "memory_extracted"));
+    let (sessions, done) = killed_mid_conversation(&rig, "memory", "memory_extracted").await;
     assert!(done < SESSIONS * TURNS_PER_SESSION, "the kill came too late to prove anything");
-    finish(&rig, &mut memory, "memory").await;
 
     let mut total = 0;
     for (s, turns) in &sessions {
@@ -156,12 +155,7 @@ async fn memory_killed_mid_batch_extracts_every_turn_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compactor_killed_mid_batch_leaves_every_session_within_budget() {
     let rig = Rig::start().await;
-    let model = slow_model().await;
-    let mut compactor = start_worker(&rig, "compactor", &model.base_url());
-    // The kill lands while the conversation is still being appended.
-    let (sessions, _) =
-        tokio::join!(converse(&rig), kill_mid_batch(&rig, &mut compactor, "compactor", "compaction_applied"));
-    finish(&rig, &mut compactor, "compactor").await;
+    let (sessions, _) = killed_mid_conversation(&rig, "compactor", "compaction_applied").await;
 
     for (s, _) in &sessions {
         assert!(rig.next_request_tokens(*s).await <= 1_000, "session {s} over budget after the restart");

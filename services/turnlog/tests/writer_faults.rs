@@ -50,6 +50,17 @@ async fn start_load(env: &TestEnv) -> (Bus, Producers) {
     (bus, producers)
 }
 
+/// A writer process on `env` with load flowing, not yet all applied: a fault injected next
+/// hits while load flows.
+async fn writer_under_load(env: &TestEnv) -> (TurnlogProcess, Bus, Producers) {
+    let writer = TurnlogProcess::start(BIN, env, &["writer"], &[]);
+    let (bus, producers) = start_load(env).await;
+    let before: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM session_events").fetch_one(&env.pool).await.unwrap();
+    assert!(before < (SESSIONS * (PER_SESSION + 1)) as i64, "the fault must hit while load is flowing");
+    (writer, bus, producers)
+}
+
 /// Waits for the producers (bounded) and runs the checker.
 async fn finish_and_check(env: &TestEnv, bus: &Bus, producers: Producers) {
     let mut acked = Acked::new();
@@ -92,11 +103,7 @@ async fn writer_killed_and_restarted_under_load() {
 async fn nats_restart_under_load() {
     let mut nats = private_nats(free_port()).await;
     let env = test_env_on(None, Some(&nats.url())).await;
-    let _writer = TurnlogProcess::start(BIN, &env, &["writer"], &[]);
-    let (bus, producers) = start_load(&env).await;
-    let before: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM session_events").fetch_one(&env.pool).await.unwrap();
-    assert!(before < (SESSIONS * (PER_SESSION + 1)) as i64, "the fault must hit while load is flowing");
+    let (_writer, bus, producers) = writer_under_load(&env).await;
     nats.kill();
     tokio::time::sleep(Duration::from_secs(1)).await;
     nats.restart().await;
@@ -109,11 +116,7 @@ async fn nats_restart_under_load() {
 async fn postgres_restart_under_load() {
     let mut pg = private_postgres(free_port()).await;
     let env = test_env_on(Some(&pg.url()), None).await;
-    let _writer = TurnlogProcess::start(BIN, &env, &["writer"], &[]);
-    let (bus, producers) = start_load(&env).await;
-    let before: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM session_events").fetch_one(&env.pool).await.unwrap();
-    assert!(before < (SESSIONS * (PER_SESSION + 1)) as i64, "the fault must hit while load is flowing");
+    let (_writer, bus, producers) = writer_under_load(&env).await;
     pg.kill();
     tokio::time::sleep(Duration::from_secs(1)).await;
     pg.restart().await;
@@ -124,11 +127,7 @@ async fn postgres_restart_under_load() {
 async fn nats_frozen_for_five_seconds_under_load() {
     let mut nats = private_nats(free_port()).await;
     let env = test_env_on(None, Some(&nats.url())).await;
-    let _writer = TurnlogProcess::start(BIN, &env, &["writer"], &[]);
-    let (bus, producers) = start_load(&env).await;
-    let before: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM session_events").fetch_one(&env.pool).await.unwrap();
-    assert!(before < (SESSIONS * (PER_SESSION + 1)) as i64, "the fault must hit while load is flowing");
+    let (_writer, bus, producers) = writer_under_load(&env).await;
     nats.stop();
     tokio::time::sleep(Duration::from_secs(5)).await;
     nats.cont();

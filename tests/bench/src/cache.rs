@@ -78,7 +78,7 @@ pub async fn run() -> anyhow::Result<()> {
             .await?;
     let max_prompt =
         sys.mock.log().entries().iter().filter(|r| r.body["model"] == "mock").map(|r| r.prompt_tokens).max();
-    sys.stop().await;
+    sys.stop().await?;
 
     // The same conversation by a sliding window, straight to a fresh mock.
     let sys = System::start(Settings {
@@ -112,7 +112,7 @@ pub async fn run() -> anyhow::Result<()> {
         history.push(ChatMessage::text(Role::Assistant, answer));
     }
     let (sliding_cached, _) = cached_share(&sys, "mock");
-    sys.stop().await;
+    sys.stop().await?;
 
     println!("{TURNS} turns, budget {BUDGET} tokens, {ANSWER_WORDS}-word answers; {requests} model requests through turnlog, largest {max_prompt:?} tokens");
     println!("cached share of input tokens: turnlog {turnlog_cached:.3} ({compactions} compactions), sliding window {sliding_cached:.3}");

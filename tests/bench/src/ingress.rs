@@ -184,6 +184,6 @@ pub async fn run() -> anyhow::Result<()> {
         p50(relay(&fifty)), p99(relay(&fifty)), p50(pre(&fifty)), p99(pre(&fifty)),
         p50(pre(&deep)), p99(pre(&deep)), p50(first(&single)), p50(first(&fifty))
     );
-    sys.stop().await;
+    sys.stop().await?;
     Ok(())
 }

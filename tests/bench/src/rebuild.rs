@@ -4,20 +4,16 @@
 //! straight to TURNLOG_APPEND and applied by the live writer first, which also gives the
 //! live drain rate to compare with. Needs a durable Postgres (DATABASE_URL) and a nats-server.
 
-#[path = "../../../services/ops/tests/ops/history.rs"]
-mod history;
-
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use sqlx::Connection as _;
 use tokio_util::sync::CancellationToken;
+use turnlog_e2e::{config, history};
 use turnlog_ops::ReplayFrom;
 use turnlog_runtime::bus::Bus;
-use turnlog_runtime::upstream::UpstreamConfig;
 use turnlog_runtime::worker::ConsumerSettings;
 use turnlog_testkit::test_env;
-use turnlog_writer::WriterConfig;
 
 /// 2,000 sessions of 19 turns: about 206,000 events, 38,000 of them answers.
 const SHAPE: history::Shape = history::Shape { sessions: 2_000, turns: 19, awkward: false };
@@ -49,15 +45,8 @@ pub async fn run() -> anyhow::Result<()> {
     );
 
     // The live writer applies it as it arrives (publishing and applying overlap).
-    let writer_config = WriterConfig {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
-        append_max_age: None,
-    };
     let stop_writer = CancellationToken::new();
-    let writer = tokio::spawn(turnlog_writer::run(writer_config, stop_writer.clone()));
+    let writer = tokio::spawn(turnlog_writer::run(config::writer(&env), stop_writer.clone()));
     let started = Instant::now();
     let last = history::publish(&bus, &history.messages).await;
     let published = started.elapsed();
@@ -90,21 +79,8 @@ pub async fn run() -> anyhow::Result<()> {
     let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await?;
     let concurrency = 32;
     let mut config = turnlog_distiller::DistillerConfig {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
-        upstream: UpstreamConfig {
-            base_url: mock.base_url(),
-            api_key: None,
-            timeout: Duration::from_secs(10),
-            windows_override: Default::default(),
-        },
-        mini_model: "mock-mini".into(),
         consumer: ConsumerSettings { concurrency, ..Default::default() },
-        call_deadline: Duration::from_secs(10),
-        append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
+        ..config::distiller(&env, &mock.base_url())
     };
     let run = |replay, stop| {
         config.consumer.replay = Some(replay);

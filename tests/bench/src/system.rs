@@ -1,11 +1,12 @@
-//! turnlog in one process for the benchmarks: writer, compactor and ingress over the
-//! testkit's fresh database and bus prefix, against the mock model.
+//! turnlog in one process for the benchmarks: the in-process stack `turnlog dev` runs
+//! (writer, compactor, ingress; configs from turnlog-e2e) over the testkit's fresh database
+//! and bus prefix, against the mock model.
 
 use std::time::Duration;
 
-use tokio_util::sync::CancellationToken;
+use turnlog_dev::Stack;
+use turnlog_e2e::config;
 use turnlog_ingress::turn::TurnLimits;
-use turnlog_ingress::{Backbone, IngressConfig};
 use turnlog_mock_llm::{MockConfig, MockHandle};
 use turnlog_runtime::upstream::UpstreamConfig;
 use turnlog_runtime::worker::ConsumerSettings;
@@ -16,7 +17,7 @@ pub struct System {
     pub mock: MockHandle,
     pub base: String,
     pub http: reqwest::Client,
-    stop: CancellationToken,
+    stack: Stack,
 }
 
 pub struct Settings {
@@ -33,63 +34,23 @@ impl System {
     pub async fn start(settings: Settings) -> anyhow::Result<Self> {
         let env = test_env().await;
         let mock = turnlog_mock_llm::spawn(MockConfig::default()).await?;
-        let stop = CancellationToken::new();
-        let windows: std::collections::HashMap<String, u32> =
-            settings.windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
         let upstream = UpstreamConfig {
-            base_url: mock.base_url(),
-            api_key: None,
             timeout: Duration::from_secs(30),
-            windows_override: windows.clone(),
+            windows_override: settings.windows.iter().map(|(m, w)| (m.to_string(), *w)).collect(),
+            ..config::upstream_at(&mock.base_url())
         };
-        let backbone = Backbone {
-            database_url: env.database_url.clone(),
-            nats_url: env.nats_url.clone(),
-            bus_prefix: env.bus_prefix.clone(),
-            partitions: 1,
-            append_max_age: None,
-        };
-        let writer = turnlog_writer::WriterConfig {
-            database_url: env.database_url.clone(),
-            nats_url: env.nats_url.clone(),
-            bus_prefix: env.bus_prefix.clone(),
-            partitions: 1,
-            append_max_age: None,
-        };
-        tokio::spawn(turnlog_writer::run(writer, stop.clone()));
-        let compactor = turnlog_compactor::CompactorConfig {
-            database_url: env.database_url.clone(),
-            nats_url: env.nats_url.clone(),
-            bus_prefix: env.bus_prefix.clone(),
-            partitions: 1,
-            upstream: upstream.clone(),
-            model: settings.model.into(),
-            summary_model: "mock-summary".into(),
-            context_budget: turnlog_core::budget::DEFAULT_BUDGET,
-            consumer: ConsumerSettings::default(),
-            facts_wait: Duration::from_millis(200),
-            summary_deadline: Duration::from_secs(30),
-            append_timeout: Duration::from_secs(10),
-            statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
-        };
-        tokio::spawn(turnlog_compactor::run(compactor, stop.clone()));
-        let mut config = IngressConfig::new(backbone);
-        config.upstream = Some(upstream);
-        config.model = settings.model.into();
-        config.model_windows = windows;
-        config.system_prompt = settings.system_prompt.into();
-        config.turn_limits = settings.turn_limits;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let base = format!("http://{}", listener.local_addr()?);
-        tokio::spawn(turnlog_ingress::run(config, listener, stop.clone()));
-        let http = reqwest::Client::builder().pool_max_idle_per_host(64).build()?;
-        for _ in 0..300 {
-            if http.get(format!("{base}/readyz")).send().await.is_ok_and(|r| r.status().is_success()) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut configs = config::chat_stack(&env, upstream, settings.model);
+        configs.ingress.system_prompt = settings.system_prompt.into();
+        configs.ingress.turn_limits = settings.turn_limits;
+        if let Some(compactor) = &mut configs.compactor {
+            compactor.consumer = ConsumerSettings::default();
+            compactor.facts_wait = Duration::from_millis(200);
+            compactor.summary_deadline = Duration::from_secs(30);
         }
-        Ok(Self { env, mock, base, http, stop })
+        let stack = turnlog_e2e::serve(configs, Duration::from_secs(30)).await?;
+        let base = stack.base_url().to_owned();
+        let http = reqwest::Client::builder().pool_max_idle_per_host(64).build()?;
+        Ok(Self { env, mock, base, http, stack })
     }
 
     pub async fn create_session(&self) -> anyhow::Result<String> {
@@ -104,9 +65,9 @@ impl System {
         r["id"].as_str().map(str::to_owned).ok_or_else(|| anyhow::anyhow!("no session id: {r}"))
     }
 
-    pub async fn stop(self) {
-        self.stop.cancel();
-        tokio::time::sleep(Duration::from_millis(300)).await;
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.stack.stop().await?;
         self.env.cleanup().await;
+        Ok(())
     }
 }

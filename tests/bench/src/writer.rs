@@ -15,7 +15,6 @@ use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, REPLY_HEADER};
 use turnlog_testkit::{test_env, TestEnv};
-use turnlog_writer::WriterConfig;
 use uuid::Uuid;
 
 const OWNER: &str = "bench";
@@ -42,13 +41,7 @@ impl Rig {
     }
 
     fn start_writer(&mut self) {
-        let config = WriterConfig {
-            database_url: self.env.database_url.clone(),
-            nats_url: self.env.nats_url.clone(),
-            bus_prefix: self.env.bus_prefix.clone(),
-            partitions: 1,
-            append_max_age: None,
-        };
+        let config = turnlog_e2e::config::writer(&self.env);
         let token = CancellationToken::new();
         self.writer = Some((token.clone(), tokio::spawn(turnlog_writer::run(config, token))));
     }

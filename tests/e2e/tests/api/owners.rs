@@ -1,0 +1,194 @@
+//! Owner isolation: another owner's session is 404 on every route and absent from every
+//! list and search; requests without a valid token are 401.
+
+use eventsource_stream::Eventsource as _;
+use futures::StreamExt as _;
+use reqwest::Method;
+use serde_json::json;
+use turnlog_core::events::{EventBody, PermissionRequest, UserMessage};
+use uuid::Uuid;
+
+use turnlog_e2e::api::{Api, Body, Options, ALICE, BOB, WAIT};
+use turnlog_testkit::eventually;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owners_cannot_see_or_touch_each_others_sessions() {
+    let api = Api::start().await;
+    let alice_session = api.create(ALICE, Some("alpha secret plans")).await;
+    let bob_session = api.create(BOB, Some("bob's own")).await;
+    let user = EventBody::UserMessage(UserMessage {
+        text: "the zebra password is hunter2".into(),
+        ..Default::default()
+    });
+    api.append(alice_session, "alice", &user).await;
+    let perm = EventBody::PermissionRequest(PermissionRequest {
+        id: "perm-1".into(),
+        call_id: "c1".into(),
+        tool: "shell".into(),
+        danger_level: "high".into(),
+        ..Default::default()
+    });
+    api.append(alice_session, "alice", &perm).await;
+    // A memory of Alice's (the memory worker's output; the test writes it directly).
+    sqlx::query(
+        "INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
+         VALUES ($1, 'alice', $2, 2, 'alice likes zebras', now())",
+    )
+    .bind(Uuid::now_v7())
+    .bind(alice_session.0)
+    .execute(&api.env.pool)
+    .await
+    .unwrap();
+    let before = api.written().await;
+
+    let s = format!("/v1/sessions/{alice_session}");
+    let attempts: Vec<(Method, String, Body)> = vec![
+        (Method::GET, s.clone(), Body::None),
+        (Method::PATCH, s.clone(), Body::Json(json!({"title": "pwned"}))),
+        (Method::PATCH, s.clone(), Body::Json(json!({"archived": true}))),
+        (Method::DELETE, s.clone(), Body::None),
+        (Method::GET, format!("{s}/events"), Body::None),
+        (Method::GET, format!("{s}/context"), Body::None),
+        (Method::POST, format!("{s}/permissions/perm-1"), Body::Json(json!({"decision": "allow"}))),
+    ];
+    for (method, path, body) in attempts {
+        let r = api.call(method.clone(), &path, Some(BOB), body).await;
+        assert_eq!(
+            (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
+            (404, "not_found"),
+            "{method} {path}: {}",
+            r.text
+        );
+    }
+    assert_eq!(api.written().await, before, "Bob's attempts wrote something");
+
+    // Lists and searches.
+    for path in ["/v1/sessions", "/v1/sessions?q=alpha", "/v1/sessions?q=zebra", "/v1/sessions?archived=true"]
+    {
+        let r = api.get(path, BOB).await;
+        assert_eq!(r.status, 200, "{path}: {}", r.text);
+        let ids: Vec<&str> =
+            r.json["sessions"].as_array().unwrap().iter().map(|s| s["id"].as_str().unwrap()).collect();
+        assert!(!ids.contains(&alice_session.to_string().as_str()), "{path} shows Alice's session to Bob");
+    }
+    let r = api.get("/v1/sessions", BOB).await;
+    assert_eq!(r.json["sessions"][0]["id"], bob_session.to_string());
+    for path in ["/v1/memories", "/v1/memories?q=zebras"] {
+        let r = api.get(path, BOB).await;
+        assert_eq!(
+            (r.status, r.json["memories"].as_array().map(Vec::len)),
+            (200, Some(0)),
+            "{path}: {}",
+            r.text
+        );
+    }
+
+    // Alice still sees all of it, untouched.
+    let r = api.get(&s, ALICE).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["session"]["title"], "alpha secret plans");
+    assert_eq!(r.json["session"]["archived"], false);
+    let r = api.get("/v1/sessions?q=zebra", ALICE).await;
+    assert_eq!(r.json["sessions"][0]["id"], alice_session.to_string());
+    let r = api.get("/v1/memories?q=zebras", ALICE).await;
+    assert_eq!(r.json["memories"][0]["text"], "alice likes zebras", "{}", r.text);
+    assert_eq!(r.json["memories"][0]["session_id"], alice_session.to_string());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_or_wrong_tokens_are_401_on_every_data_route() {
+    let api = Api::start().await;
+    let id = api.create(ALICE, None).await;
+    let before = api.written().await;
+    let s = format!("/v1/sessions/{id}");
+    let routes: Vec<(Method, String)> = vec![
+        (Method::POST, "/v1/sessions".into()),
+        (Method::GET, "/v1/sessions".into()),
+        (Method::GET, s.clone()),
+        (Method::PATCH, s.clone()),
+        (Method::DELETE, s.clone()),
+        (Method::GET, format!("{s}/events")),
+        (Method::GET, format!("{s}/context")),
+        (Method::POST, format!("{s}/permissions/p1")),
+        (Method::GET, "/v1/memories".into()),
+        // Auth comes before path validation: a malformed id is still 401.
+        (Method::GET, "/v1/sessions/not-a-uuid".into()),
+    ];
+    let wrong = ["", "alice-token-000", "alice-token-00011", "ALICE-TOKEN-0001", "bob-token-000002x"];
+    for (method, path) in &routes {
+        let r = api.call(method.clone(), path, None, Body::Json(json!({"title": "x"}))).await;
+        assert_eq!(
+            (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
+            (401, "unauthorized"),
+            "{method} {path} without a token"
+        );
+        assert_eq!(r.headers.get("www-authenticate").and_then(|v| v.to_str().ok()), Some("Bearer"));
+        for token in wrong {
+            let r = api.call(method.clone(), path, Some(token), Body::Json(json!({"title": "x"}))).await;
+            assert_eq!(
+                (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
+                (401, "unauthorized"),
+                "{method} {path} with {token:?}"
+            );
+        }
+    }
+    assert_eq!(api.written().await, before);
+    // The operations routes need no token.
+    for path in ["/healthz", "/readyz", "/metrics", "/v1/openapi.json"] {
+        let r = api.call(Method::GET, path, None, Body::None).await;
+        assert_eq!(r.status, 200, "{path}: {}", r.text);
+    }
+}
+
+/// The turn routes with another owner's *live* turn: Bob's re-attach, stop, retry, send and
+/// `/v1/chat {session_id}` are 404, append nothing, reach no model, and Alice's turn runs
+/// to its end untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_owners_live_turn_is_not_found_on_every_turn_route() {
+    let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await.unwrap();
+    let api = Api::with(Options { llm_url: Some(mock.base_url()), ..Options::default() }).await;
+    let id = api.create(ALICE, None).await;
+    let running = api.message_request(id, ALICE, "slow one [mock words=40 delay_ms=50]").await;
+    assert_eq!(running.status(), 200);
+    let live = eventually(WAIT, || async {
+        let s = api.get(&format!("/v1/sessions/{id}"), ALICE).await;
+        (s.json["turn_active"] == true && chat_requests(&mock) == 1).then_some(())
+    });
+    live.await;
+    let requests_before = chat_requests(&mock);
+    let written_before = api.written().await;
+
+    let send = json!({"text": "bob was here"});
+    let chat = json!({"session_id": id.to_string(), "text": "bob was here"});
+    for (method, path, body) in [
+        (Method::GET, format!("/v1/sessions/{id}/stream"), None),
+        (Method::POST, format!("/v1/sessions/{id}/stop"), None),
+        (Method::POST, format!("/v1/sessions/{id}/retry"), None),
+        (Method::POST, format!("/v1/sessions/{id}/messages"), Some(send.clone())),
+        (Method::POST, "/v1/chat".to_owned(), Some(chat.clone())),
+    ] {
+        let r = api.turn(method.clone(), &path, BOB, body, &[]).await;
+        assert_eq!(
+            (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
+            (404, "not_found"),
+            "{method} {path}: {:?}",
+            r.json
+        );
+    }
+    assert_eq!(api.written().await, written_before, "Bob's requests wrote something");
+    assert_eq!(chat_requests(&mock), requests_before, "Bob's requests reached the model");
+
+    // Alice's turn was neither stopped nor joined: it completes with the whole answer.
+    let events: Vec<_> = running.bytes_stream().eventsource().map(|e| e.unwrap()).collect().await;
+    let ends: Vec<_> = events.iter().filter(|e| e.event == "end").collect();
+    assert_eq!(ends.len(), 1, "{events:?}");
+    assert_eq!(events.last().map(|e| e.event.as_str()), Some("end"));
+    let end: serde_json::Value = serde_json::from_str(&ends[0].data).unwrap();
+    assert_eq!(end["status"], "completed", "{end}");
+    assert!(end["assistant_seq"].is_i64(), "{end}");
+}
+
+/// Chat requests the mock model has received.
+fn chat_requests(mock: &turnlog_mock_llm::MockHandle) -> usize {
+    mock.log().entries().iter().filter(|r| r.path.ends_with("/chat/completions")).count()
+}
