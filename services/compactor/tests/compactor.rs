@@ -21,10 +21,7 @@ const BUDGET: u32 = 4_000;
 
 fn compactor_config(rig: &Rig, base_url: &str) -> CompactorConfig {
     CompactorConfig {
-        database_url: rig.env.database_url.clone(),
-        nats_url: rig.env.nats_url.clone(),
-        bus_prefix: rig.env.bus_prefix.clone(),
-        partitions: 1,
+        backbone: rig.env.backbone(),
         upstream: upstream_at(base_url),
         model: MODEL.into(),
         summary_model: "mock-summary".into(),
@@ -33,7 +30,6 @@ fn compactor_config(rig: &Rig, base_url: &str) -> CompactorConfig {
         facts_wait: Duration::from_secs(2),
         summary_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     }
 }
 
@@ -42,33 +38,11 @@ fn distiller_config(
     base_url: &str,
     consumer: ConsumerSettings,
 ) -> turnlog_distiller::DistillerConfig {
-    turnlog_distiller::DistillerConfig {
-        database_url: rig.env.database_url.clone(),
-        nats_url: rig.env.nats_url.clone(),
-        bus_prefix: rig.env.bus_prefix.clone(),
-        partitions: 1,
-        upstream: upstream_at(base_url),
-        mini_model: "mock-mini".into(),
-        consumer,
-        call_deadline: Duration::from_secs(10),
-        append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
-    }
+    support::turn_worker(rig, base_url, consumer)
 }
 
 fn memory_config(rig: &Rig, base_url: &str, consumer: ConsumerSettings) -> turnlog_memory::MemoryConfig {
-    turnlog_memory::MemoryConfig {
-        database_url: rig.env.database_url.clone(),
-        nats_url: rig.env.nats_url.clone(),
-        bus_prefix: rig.env.bus_prefix.clone(),
-        partitions: 1,
-        upstream: upstream_at(base_url),
-        mini_model: "mock-mini".into(),
-        consumer,
-        call_deadline: Duration::from_secs(10),
-        append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
-    }
+    support::turn_worker(rig, base_url, consumer)
 }
 
 /// The user's side of turn `i`: every third one states a fact with a name and a number.

@@ -9,24 +9,13 @@ mod support;
 
 use std::time::Duration;
 
-use support::{failing_mock, fast_consumer, filler, upstream_at, Rig};
+use support::{failing_mock, fast_consumer, filler, turn_worker, Rig};
 use turnlog_core::events::TurnMemory;
 use turnlog_core::ids::EventId;
 use turnlog_distiller::{DistillerConfig, DISTILL_MARKER, TITLE_MARKER};
 
 fn config(rig: &Rig, base_url: &str) -> DistillerConfig {
-    DistillerConfig {
-        database_url: rig.env.database_url.clone(),
-        nats_url: rig.env.nats_url.clone(),
-        bus_prefix: rig.env.bus_prefix.clone(),
-        partitions: 1,
-        upstream: upstream_at(base_url),
-        mini_model: "mock-mini".into(),
-        consumer: fast_consumer(),
-        call_deadline: Duration::from_secs(10),
-        append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
-    }
+    turn_worker(rig, base_url, fast_consumer())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@ use futures::StreamExt as _;
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 use turnlog_core::budget::budget_for;
-use turnlog_ingress::{Backbone, IngressConfig};
+use turnlog_ingress::IngressConfig;
 use turnlog_mock_llm::MockConfig;
 use turnlog_runtime::upstream::UpstreamConfig;
 use turnlog_runtime::worker::ConsumerSettings;
@@ -24,7 +24,7 @@ async fn a_long_conversation_stays_within_budget_and_keeps_turn_one_facts() {
     let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
     let stop = CancellationToken::new();
     let upstream = UpstreamConfig {
-        base_url: mock.base_url(),
+        base_url: mock.base_url().into(),
         api_key: None,
         timeout: Duration::from_secs(10),
         windows_override: Default::default(),
@@ -34,19 +34,10 @@ async fn a_long_conversation_stays_within_budget_and_keeps_turn_one_facts() {
         retry_backoff: vec![Duration::from_millis(200)],
         ..Default::default()
     };
-    let writer = turnlog_writer::WriterConfig {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
-        append_max_age: None,
-    };
+    let writer = turnlog_writer::WriterConfig { backbone: env.backbone() };
     tokio::spawn(turnlog_writer::run(writer, stop.clone()));
     let compactor = turnlog_compactor::CompactorConfig {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
+        backbone: env.backbone(),
         upstream: upstream.clone(),
         model: "mock-small".into(),
         summary_model: "mock".into(),
@@ -55,30 +46,19 @@ async fn a_long_conversation_stays_within_budget_and_keeps_turn_one_facts() {
         facts_wait: Duration::from_secs(2),
         summary_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     };
     tokio::spawn(turnlog_compactor::run(compactor, stop.clone()));
     let memory = turnlog_memory::MemoryConfig {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
+        backbone: env.backbone(),
         upstream: upstream.clone(),
         mini_model: "mock".into(),
         consumer,
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     };
     tokio::spawn(turnlog_memory::run(memory, stop.clone()));
 
-    let mut config = IngressConfig::new(Backbone {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
-        append_max_age: None,
-    });
+    let mut config = IngressConfig::new(env.backbone());
     config.upstream = Some(upstream);
     config.model = "mock-small".into();
     config.system_prompt = "You are a helpful assistant.".into();

@@ -49,13 +49,7 @@ pub async fn run() -> anyhow::Result<()> {
     );
 
     // The live writer applies it as it arrives (publishing and applying overlap).
-    let writer_config = WriterConfig {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
-        append_max_age: None,
-    };
+    let writer_config = WriterConfig { backbone: env.backbone() };
     let stop_writer = CancellationToken::new();
     let writer = tokio::spawn(turnlog_writer::run(writer_config, stop_writer.clone()));
     let started = Instant::now();
@@ -90,12 +84,9 @@ pub async fn run() -> anyhow::Result<()> {
     let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await?;
     let concurrency = 32;
     let mut config = turnlog_distiller::DistillerConfig {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
+        backbone: env.backbone(),
         upstream: UpstreamConfig {
-            base_url: mock.base_url(),
+            base_url: mock.base_url().into(),
             api_key: None,
             timeout: Duration::from_secs(10),
             windows_override: Default::default(),
@@ -104,7 +95,6 @@ pub async fn run() -> anyhow::Result<()> {
         consumer: ConsumerSettings { concurrency, ..Default::default() },
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     };
     let run = |replay, stop| {
         config.consumer.replay = Some(replay);

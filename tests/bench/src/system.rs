@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 use turnlog_ingress::turn::TurnLimits;
-use turnlog_ingress::{Backbone, IngressConfig};
+use turnlog_ingress::IngressConfig;
 use turnlog_mock_llm::{MockConfig, MockHandle};
 use turnlog_runtime::upstream::UpstreamConfig;
 use turnlog_runtime::worker::ConsumerSettings;
@@ -37,31 +37,16 @@ impl System {
         let windows: std::collections::HashMap<String, u32> =
             settings.windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
         let upstream = UpstreamConfig {
-            base_url: mock.base_url(),
+            base_url: mock.base_url().into(),
             api_key: None,
             timeout: Duration::from_secs(30),
             windows_override: windows.clone(),
         };
-        let backbone = Backbone {
-            database_url: env.database_url.clone(),
-            nats_url: env.nats_url.clone(),
-            bus_prefix: env.bus_prefix.clone(),
-            partitions: 1,
-            append_max_age: None,
-        };
-        let writer = turnlog_writer::WriterConfig {
-            database_url: env.database_url.clone(),
-            nats_url: env.nats_url.clone(),
-            bus_prefix: env.bus_prefix.clone(),
-            partitions: 1,
-            append_max_age: None,
-        };
+        let backbone = env.backbone();
+        let writer = turnlog_writer::WriterConfig { backbone: env.backbone() };
         tokio::spawn(turnlog_writer::run(writer, stop.clone()));
         let compactor = turnlog_compactor::CompactorConfig {
-            database_url: env.database_url.clone(),
-            nats_url: env.nats_url.clone(),
-            bus_prefix: env.bus_prefix.clone(),
-            partitions: 1,
+            backbone: env.backbone(),
             upstream: upstream.clone(),
             model: settings.model.into(),
             summary_model: "mock-summary".into(),
@@ -70,7 +55,6 @@ impl System {
             facts_wait: Duration::from_millis(200),
             summary_deadline: Duration::from_secs(30),
             append_timeout: Duration::from_secs(10),
-            statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
         };
         tokio::spawn(turnlog_compactor::run(compactor, stop.clone()));
         let mut config = IngressConfig::new(backbone);

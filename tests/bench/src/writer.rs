@@ -42,13 +42,7 @@ impl Rig {
     }
 
     fn start_writer(&mut self) {
-        let config = WriterConfig {
-            database_url: self.env.database_url.clone(),
-            nats_url: self.env.nats_url.clone(),
-            bus_prefix: self.env.bus_prefix.clone(),
-            partitions: 1,
-            append_max_age: None,
-        };
+        let config = WriterConfig { backbone: self.env.backbone() };
         let token = CancellationToken::new();
         self.writer = Some((token.clone(), tokio::spawn(turnlog_writer::run(config, token))));
     }

@@ -19,6 +19,7 @@ use turnlog_core::events::{
 use turnlog_core::ids::SessionId;
 use turnlog_mock_llm::{MockConfig, MockHandle};
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, DeadLetter, OutcomeStatus};
+use turnlog_runtime::turn_worker::TurnWorkerConfig;
 use turnlog_runtime::upstream::UpstreamConfig;
 use turnlog_runtime::worker::ConsumerSettings;
 use turnlog_testkit::{test_env_on, TestEnv};
@@ -42,10 +43,22 @@ pub fn fast_consumer() -> ConsumerSettings {
 
 pub fn upstream_at(base_url: &str) -> UpstreamConfig {
     UpstreamConfig {
-        base_url: base_url.to_owned(),
+        base_url: base_url.into(),
         api_key: None,
         timeout: Duration::from_secs(10),
         windows_override: Default::default(),
+    }
+}
+
+/// A distiller's or memory extraction's config on `rig`, calling the model at `base_url`.
+pub fn turn_worker(rig: &Rig, base_url: &str, consumer: ConsumerSettings) -> TurnWorkerConfig {
+    TurnWorkerConfig {
+        backbone: rig.env.backbone(),
+        upstream: upstream_at(base_url),
+        mini_model: "mock-mini".into(),
+        consumer,
+        call_deadline: Duration::from_secs(10),
+        append_timeout: Duration::from_secs(10),
     }
 }
 
@@ -78,13 +91,7 @@ impl Rig {
         let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.expect("bus");
         bus.ensure_topology(None).await.expect("topology");
         let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.expect("mock model");
-        let config = WriterConfig {
-            database_url: env.database_url.clone(),
-            nats_url: env.nats_url.clone(),
-            bus_prefix: env.bus_prefix.clone(),
-            partitions: 1,
-            append_max_age: None,
-        };
+        let config = WriterConfig { backbone: env.backbone() };
         let stop = CancellationToken::new();
         let writer = tokio::spawn(turnlog_writer::run(config, stop.clone()));
         Rig { env, bus, mock, writer: Some((stop, writer)), workers: Vec::new() }

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use turnlog_core::events::EventBody;
 use turnlog_core::ids::SessionId;
 use turnlog_ingress::turn::TurnLimits;
-use turnlog_ingress::{ApiTokens, Backbone, IngressConfig};
+use turnlog_ingress::{ApiTokens, IngressConfig};
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, OutcomeStatus};
 use turnlog_testkit::{eventually, test_env, TestEnv};
 use turnlog_writer::WriterConfig;
@@ -136,13 +136,7 @@ impl Api {
     pub async fn with(opts: Options) -> Self {
         let env = test_env().await;
         let shutdown = CancellationToken::new();
-        let backbone = Backbone {
-            database_url: env.database_url.clone(),
-            nats_url: env.nats_url.clone(),
-            bus_prefix: env.bus_prefix.clone(),
-            partitions: 1,
-            append_max_age: None,
-        };
+        let backbone = env.backbone();
         let mut config = IngressConfig::new(backbone);
         if let Some(spec) = opts.tokens {
             config.tokens = ApiTokens::parse(spec).unwrap();
@@ -152,10 +146,10 @@ impl Api {
         config.compact_timeout = opts.compact_timeout;
         config.allowed_models = opts.allowed_models;
         config.turn_limits = opts.turn_limits;
-        config.statement_timeout = opts.statement_timeout;
+        config.backbone.statement_timeout = opts.statement_timeout;
         config.model_windows = opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
         config.upstream = opts.llm_url.map(|base_url| turnlog_runtime::upstream::UpstreamConfig {
-            base_url,
+            base_url: base_url.into(),
             api_key: None,
             timeout: Duration::from_secs(5),
             windows_override: opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect(),
@@ -180,13 +174,7 @@ impl Api {
         let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
         bus.ensure_topology(None).await.unwrap();
         if opts.writer {
-            let config = WriterConfig {
-                database_url: env.database_url.clone(),
-                nats_url: env.nats_url.clone(),
-                bus_prefix: env.bus_prefix.clone(),
-                partitions: 1,
-                append_max_age: None,
-            };
+            let config = WriterConfig { backbone: env.backbone() };
             let token = shutdown.clone();
             tokio::spawn(async move {
                 if let Err(e) = turnlog_writer::run(config, token).await {

@@ -58,13 +58,7 @@ async fn the_read_pool_of_every_service_cancels_a_long_statement() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_through_a_readers_pool_fails() {
     let api = Api::start().await;
-    let config = turnlog_ingress::IngressConfig::new(turnlog_ingress::Backbone {
-        database_url: api.env.database_url.clone(),
-        nats_url: api.env.nats_url.clone(),
-        bus_prefix: api.env.bus_prefix.clone(),
-        partitions: 1,
-        append_max_age: None,
-    });
+    let config = turnlog_ingress::IngressConfig::new(api.env.backbone());
     let ingress = turnlog_ingress::Ingress::connect(config).await.unwrap();
     let readers =
         turnlog_runtime::db::connect_reads(&api.env.database_url, 1, Duration::from_secs(5)).await.unwrap();

@@ -7,7 +7,7 @@ use reqwest::Method;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::events::*;
-use turnlog_ingress::{Backbone, IngressConfig};
+use turnlog_ingress::IngressConfig;
 use turnlog_runtime::lease::TurnLeases;
 
 use crate::harness::{Api, Body, Options, ALICE};
@@ -155,13 +155,7 @@ async fn without_tokens_everyone_is_local_and_only_loopback_is_served() {
     // Any Authorization header is ignored.
     assert_eq!(api.call(Method::GET, "/v1/sessions", Some("whatever"), Body::None).await.status, 200);
 
-    let config = IngressConfig::new(Backbone {
-        database_url: api.env.database_url.clone(),
-        nats_url: api.env.nats_url.clone(),
-        bus_prefix: api.env.bus_prefix.clone(),
-        partitions: 1,
-        append_max_age: None,
-    });
+    let config = IngressConfig::new(api.env.backbone());
     let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
     let run = turnlog_ingress::run(config, listener, CancellationToken::new());
     let err = tokio::time::timeout(Duration::from_secs(5), run).await.expect("refused at once").unwrap_err();

@@ -52,13 +52,7 @@ async fn no_model_call_when_the_message_cannot_be_stored() {
     .await;
     // A writer of its own for the session's creation, then stopped.
     let stop_writer = CancellationToken::new();
-    let config = WriterConfig {
-        database_url: api.env.database_url.clone(),
-        nats_url: api.env.nats_url.clone(),
-        bus_prefix: api.env.bus_prefix.clone(),
-        partitions: 1,
-        append_max_age: None,
-    };
+    let config = WriterConfig { backbone: api.env.backbone() };
     let writer = tokio::spawn(turnlog_writer::run(config, stop_writer.clone()));
     let id = api.create(ALICE, None).await;
     stop_writer.cancel();

@@ -22,13 +22,7 @@ const OWNER: &str = "alice";
 type Writer = (CancellationToken, tokio::task::JoinHandle<anyhow::Result<()>>);
 
 fn start_writer(env: &TestEnv) -> Writer {
-    let config = WriterConfig {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
-        append_max_age: None,
-    };
+    let config = WriterConfig { backbone: env.backbone() };
     let stop = CancellationToken::new();
     (stop.clone(), tokio::spawn(turnlog_writer::run(config, stop)))
 }

@@ -10,7 +10,7 @@ mod history;
 
 use std::time::{Duration, Instant};
 
-use support::{fast_consumer, filler, upstream_at, Rig, OWNER};
+use support::{fast_consumer, filler, Rig, OWNER};
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
 use turnlog_distiller::{DistillerConfig, DISTILL_MARKER};
@@ -148,18 +148,7 @@ async fn memories(pool: &sqlx::PgPool) -> u64 {
 }
 
 fn distiller(rig: &Rig) -> DistillerConfig {
-    DistillerConfig {
-        database_url: rig.env.database_url.clone(),
-        nats_url: rig.env.nats_url.clone(),
-        bus_prefix: rig.env.bus_prefix.clone(),
-        partitions: 1,
-        upstream: upstream_at(&rig.mock.base_url()),
-        mini_model: "mock-mini".into(),
-        consumer: fast_consumer(),
-        call_deadline: Duration::from_secs(10),
-        append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
-    }
+    support::turn_worker(rig, &rig.mock.base_url(), fast_consumer())
 }
 
 async fn replay_distiller(
