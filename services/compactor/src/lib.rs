@@ -20,6 +20,7 @@ use turnlog_core::events::EventKind;
 use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::{Bus, CommittedEvent};
 pub use turnlog_runtime::bus::{CompactReply, CompactRequest, CompactStatus};
+use turnlog_runtime::settings::Backbone;
 use turnlog_runtime::upstream::{UpstreamClient, UpstreamConfig};
 use turnlog_runtime::worker::{ConsumerSettings, Delivery, HandleError, Handler, Worker, WorkerStats};
 
@@ -28,10 +29,7 @@ pub use summary::{max_summary_tokens, SUMMARY_MARKER_TASK};
 
 #[derive(Debug, Clone)]
 pub struct CompactorConfig {
-    pub database_url: String,
-    pub nats_url: String,
-    pub bus_prefix: String,
-    pub partitions: u32,
+    pub backbone: Backbone,
     pub upstream: UpstreamConfig,
     /// `TURNLOG_MODEL`: sizes the budget when neither the request nor the turn names a model.
     pub model: String,
@@ -46,8 +44,6 @@ pub struct CompactorConfig {
     pub summary_deadline: Duration,
     /// How long an append waits for the writer's outcome.
     pub append_timeout: Duration,
-    /// `TURNLOG_STATEMENT_TIMEOUT`: how long one read query may run.
-    pub statement_timeout: Duration,
 }
 
 fn failed_reply(error: impl std::fmt::Display) -> CompactReply {
@@ -83,11 +79,8 @@ pub async fn run(config: CompactorConfig, shutdown: CancellationToken) -> anyhow
     let concurrency = config.consumer.concurrency.max(1);
     // Post-turn and pre-send checks run side by side, each with up to `concurrency`.
     let connections = u32::try_from(2 * concurrency).unwrap_or(u32::MAX).saturating_add(2);
-    let pool =
-        turnlog_runtime::db::connect_reads(&config.database_url, connections, config.statement_timeout)
-            .await
-            .context("connecting to Postgres")?;
-    let bus = Bus::connect(&config.nats_url, &config.bus_prefix, config.partitions).await?;
+    let pool = config.backbone.connect_reads(connections).await.context("connecting to Postgres")?;
+    let bus = config.backbone.connect_bus().await?;
     let upstream = UpstreamClient::new(config.upstream.clone()).context("building the model client")?;
     turnlog_core::tokens::warm_up();
     let compactor = Arc::new(Compactor::new(

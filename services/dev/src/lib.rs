@@ -1,15 +1,13 @@
 //! `turnlog dev`: the whole system in one process, for development. Private Postgres and
 //! nats-server unless DATABASE_URL / NATS_URL name servers, the mock model unless
 //! TURNLOG_LLM_URL names a gateway, migrations, then every service as its own task with its
-//! own shutdown, stopped in order: ingress, workers, writer, then the private servers.
-//!
-//! [`settings`] is also where every other subcommand's flags become its service's config.
+//! own shutdown, stopped in order: ingress, workers, writer, then the private servers. It
+//! takes a plain [`DevConfig`]: the binary's `cli.rs` builds it from the flags.
 
 mod nats;
 mod os;
 mod postgres;
 mod servers;
-pub mod settings;
 mod stack;
 
 pub use os::find_executable;
@@ -23,103 +21,75 @@ use anyhow::Context as _;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use turnlog_ingress::IngressArgs;
+use turnlog_runtime::settings::Secret;
 use turnlog_runtime::upstream::redacted_url;
 
 use servers::Endpoints;
-use settings::{Backbone, BusArgs, CompactorArgs, ReadArgs, TaskModels, WorkerModels, WorkerTuning};
 
 const MOCK_GRACE: Duration = Duration::from_secs(5);
 /// How often the mock model's request log (kept for tests) is emptied, so a long `turnlog
 /// dev` session does not hold every request it ever made.
 const MOCK_LOG_CLEAR_EVERY: Duration = Duration::from_secs(60);
 
-/// The flags of `turnlog dev`: where its private servers live, the servers to use instead,
-/// and every service's settings.
-#[derive(clap::Args, Clone)]
-pub struct DevArgs {
-    /// Where the private Postgres and nats-server keep their data and recorded ports.
-    #[arg(long, env = "TURNLOG_DATA_DIR", default_value = ".turnlog")]
-    pub data_dir: PathBuf,
-    /// A Postgres to use instead of the private one.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    pub database_url: Option<String>,
-    /// A NATS server (JetStream on) to use instead of the private one.
-    #[arg(long, env = "NATS_URL")]
-    pub nats_url: Option<String>,
-    #[command(flatten)]
-    pub bus: BusArgs,
-    #[command(flatten)]
-    pub reads: ReadArgs,
-    #[command(flatten)]
-    pub ingress: IngressArgs,
-    #[command(flatten)]
-    pub tasks: TaskModels,
-    #[command(flatten)]
-    pub tuning: WorkerTuning,
-    #[command(flatten)]
-    pub compactor: CompactorArgs,
-}
-
 /// `turnlog dev`'s settings, checked.
 pub struct DevConfig {
-    args: DevArgs,
+    /// Where the private Postgres and nats-server keep their data and recorded ports.
     /// Absolute, so the cluster's location (a hash of it, as root) does not depend on the
     /// working directory's spelling.
-    data_dir: PathBuf,
+    pub data_dir: PathBuf,
+    /// A Postgres to use instead of the private one.
+    pub database_url: Option<Secret>,
+    /// A NATS server (JetStream on) to use instead of the private one.
+    pub nats_url: Option<String>,
+    /// A model gateway to use instead of the built-in mock.
+    pub llm_url: Option<String>,
+    /// Every service's config, built and checked on stand-in servers and gateway: [`run`]
+    /// points them at the real ones.
+    pub services: ServiceConfigs,
 }
 
-impl DevConfig {
-    /// Checks every setting before anything starts: each service's config is built once,
-    /// by the code that builds it for real later, against stand-in addresses.
-    pub fn from_args(mut args: DevArgs) -> anyhow::Result<Self> {
-        // An empty variable (`DATABASE_URL=`) means "not set", as a shell user expects.
-        args.database_url = args.database_url.filter(|u| !u.trim().is_empty());
-        args.nats_url = args.nats_url.filter(|u| !u.trim().is_empty());
-        args.ingress.llm_url = args.ingress.llm_url.filter(|u| !u.trim().is_empty());
-        let stand_in = Endpoints {
-            database_url: "postgres://stand-in".into(),
-            nats_url: "nats://stand-in".into(),
-            postgres_note: String::new(),
-            nats_note: String::new(),
-        };
-        service_configs(&args, &stand_in, "http://stand-in/v1")?;
-        let data_dir = std::path::absolute(&args.data_dir).context("TURNLOG_DATA_DIR")?;
-        Ok(Self { args, data_dir })
+impl ServiceConfigs {
+    /// The same configs on the servers of `endpoints` and the gateway at `llm_url`.
+    fn on(mut self, endpoints: &Endpoints, llm_url: &str) -> Self {
+        let mut backbone = self.ingress.backbone.clone();
+        backbone.database_url = endpoints.database_url.as_str().into();
+        backbone.nats_url = endpoints.nats_url.clone();
+        self.ingress.backbone = backbone.clone();
+        if let Some(writer) = &mut self.writer {
+            writer.backbone = backbone.clone();
+        }
+        let mut upstreams = Vec::new();
+        if let Some(distiller) = &mut self.distiller {
+            distiller.backbone = backbone.clone();
+            upstreams.push(&mut distiller.upstream);
+        }
+        if let Some(memory) = &mut self.memory {
+            memory.backbone = backbone.clone();
+            upstreams.push(&mut memory.upstream);
+        }
+        if let Some(compactor) = &mut self.compactor {
+            compactor.backbone = backbone;
+            upstreams.push(&mut compactor.upstream);
+        }
+        for upstream in upstreams.into_iter().chain(self.ingress.upstream.as_mut()) {
+            upstream.base_url = llm_url.into();
+        }
+        self
     }
-}
-
-fn service_configs(args: &DevArgs, endpoints: &Endpoints, llm_url: &str) -> anyhow::Result<ServiceConfigs> {
-    let backbone = Backbone {
-        database_url: endpoints.database_url.clone(),
-        nats_url: endpoints.nats_url.clone(),
-        bus: args.bus.clone(),
-        reads: args.reads.clone(),
-    };
-    let mut ingress = args.ingress.clone();
-    ingress.llm_url = Some(llm_url.to_owned());
-    let models = WorkerModels::from_ingress(&ingress, llm_url.to_owned(), args.tasks.clone());
-    Ok(ServiceConfigs {
-        writer: Some(backbone.writer()),
-        ingress: backbone.ingress(ingress)?,
-        distiller: Some(backbone.distiller(&models, &args.tuning)?),
-        memory: Some(backbone.memory(&models, &args.tuning)?),
-        compactor: Some(backbone.compactor(&models, &args.tuning, &args.compactor)?),
-    })
 }
 
 /// Runs everything until `shutdown`, then stops it in order. Returns an error when a
 /// service stops by itself (the others are stopped too) or cannot start.
 pub async fn run(config: DevConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let DevConfig { args, data_dir } = config;
+    let DevConfig { data_dir, database_url, nats_url, llm_url, services } = config;
     // Bound first: a taken port is reported before any server starts.
-    let listen = args.ingress.listen;
+    let listen = services.ingress.listen;
     let listener = TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen} (TURNLOG_LISTEN)"))?;
-    let mock = match &args.ingress.llm_url {
+    let mock = match &llm_url {
         Some(url) => {
-            if args.ingress.model == "mock" {
+            if services.ingress.model == "mock" {
                 tracing::warn!(
                     url = %redacted_url(url),
                     "TURNLOG_LLM_URL names a gateway but TURNLOG_MODEL is still `mock`; \
@@ -131,7 +101,7 @@ pub async fn run(config: DevConfig, shutdown: CancellationToken) -> anyhow::Resu
         None => Some(Mock::start().await?),
     };
 
-    let (database_url, nats_url) = (args.database_url.clone(), args.nats_url.clone());
+    let database_url = database_url.map(|url| url.expose().to_owned());
     let started = tokio::task::spawn_blocking(move || servers::start(&data_dir, database_url, nats_url))
         .await
         .context("starting the servers panicked")
@@ -149,11 +119,12 @@ pub async fn run(config: DevConfig, shutdown: CancellationToken) -> anyhow::Resu
     let result = if shutdown.is_cancelled() {
         Ok(())
     } else {
-        let llm_url = match &mock {
+        let gateway = match &mock {
             Some(m) => m.base_url.clone(),
-            None => args.ingress.llm_url.clone().unwrap_or_default(),
+            None => llm_url.unwrap_or_default(),
         };
-        run_services(&args, &endpoints, &llm_url, listener, &shutdown).await
+        let configs = services.on(&endpoints, &gateway);
+        run_services(configs, &endpoints, &gateway, mock.is_some(), listener, &shutdown).await
     };
     if let Some(mock) = mock {
         mock.stop().await;
@@ -164,13 +135,13 @@ pub async fn run(config: DevConfig, shutdown: CancellationToken) -> anyhow::Resu
 }
 
 async fn run_services(
-    args: &DevArgs,
+    configs: ServiceConfigs,
     endpoints: &Endpoints,
     llm_url: &str,
+    mock: bool,
     listener: TcpListener,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
-    let configs = service_configs(args, endpoints, llm_url)?;
     let mut stack = Stack::start(configs, listener).await?;
     let mut ended_early = None;
     tokio::select! {
@@ -180,7 +151,7 @@ async fn run_services(
             Ok(()) => {
                 let llm_url = redacted_url(llm_url);
                 let (base, tokens_required) = (stack.base_url(), stack.tokens_required());
-                print_banner(base, endpoints, &llm_url, args.ingress.llm_url.is_none(), tokens_required);
+                print_banner(base, endpoints, &llm_url, mock, tokens_required);
                 tokio::select! {
                     _ = shutdown.cancelled() => {}
                     name = stack.ended() => ended_early = Some(name),

@@ -51,17 +51,12 @@ impl Stack {
     /// [`Stack::ready`].
     pub async fn start(configs: ServiceConfigs, listener: TcpListener) -> anyhow::Result<Stack> {
         let backbone = &configs.ingress.backbone;
-        let pool = turnlog_runtime::db::connect(&backbone.database_url, 2)
-            .await
-            .context("connecting to Postgres")?;
+        let pool = backbone.connect_db(2).await.context("connecting to Postgres")?;
         turnlog_runtime::db::migrate(&pool).await.context("applying migrations")?;
         pool.close().await;
         // The streams too, before any service looks for them (a worker that starts first
         // would otherwise retry until the writer has made them).
-        let bus =
-            turnlog_runtime::bus::Bus::connect(&backbone.nats_url, &backbone.bus_prefix, backbone.partitions)
-                .await
-                .context("connecting to NATS")?;
+        let bus = backbone.connect_bus().await.context("connecting to NATS")?;
         bus.ensure_topology(backbone.append_max_age).await.context("creating the bus topology")?;
         drop(bus);
         let addr = listener.local_addr().context("reading the listen address")?;

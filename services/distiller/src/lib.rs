@@ -3,22 +3,15 @@
 //! residue later turns see instead of raw traces; after a session's first turn it also
 //! names the session. Appends go through the writer with deterministic ids.
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use anyhow::Context as _;
 use serde::Deserialize;
-use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::events::{EventBody, EventKind, Failure, TurnMemory};
+use turnlog_core::events::{EventBody, Failure, TurnMemory};
 use turnlog_core::ids::{EventId, SessionId};
 use turnlog_core::message::{ChatMessage, Role};
-use turnlog_core::turn::TurnMaterial;
-use turnlog_runtime::bus::{append_and_wait, recorded_outcome, AppendRequest, Bus, CommittedEvent, Outcome};
-use turnlog_runtime::read::turn_events;
-use turnlog_runtime::upstream::ask_for_json;
-use turnlog_runtime::upstream::{ChatRequest, UpstreamClient, UpstreamConfig};
-use turnlog_runtime::worker::{ConsumerSettings, Delivery, HandleError, Handler, Worker, WorkerStats};
+use turnlog_runtime::bus::{AppendRequest, CommittedEvent, Outcome};
+use turnlog_runtime::turn_worker::{TurnTask, TurnWorker, TurnWorkerConfig};
+use turnlog_runtime::upstream::ChatRequest;
+use turnlog_runtime::worker::{Delivery, HandleError};
 
 /// Selects the distillation task (the mock model keys on it; a real model ignores it).
 pub const DISTILL_MARKER: &str = "[turnlog:distill]";
@@ -41,181 +34,115 @@ const MAX_FAILURES: usize = 10;
 const MAX_FINDINGS: usize = 12;
 const MAX_ENTRY_CHARS: usize = 400;
 const MAX_TITLE_CHARS: usize = 80;
-/// Most events of one turn read for its material (tool-heavy turns have many).
-const MAX_TURN_EVENTS: i64 = 2_000;
 
-#[derive(Debug, Clone)]
-pub struct DistillerConfig {
-    pub database_url: String,
-    pub nats_url: String,
-    pub bus_prefix: String,
-    pub partitions: u32,
-    pub upstream: UpstreamConfig,
-    /// `TURNLOG_MINI_MODEL`: distillation and titles.
-    pub mini_model: String,
-    pub consumer: ConsumerSettings,
-    /// Deadline of one distillation (its retry included) and of one title.
-    pub call_deadline: Duration,
-    /// How long an append waits for the writer's outcome.
-    pub append_timeout: Duration,
-    /// `TURNLOG_STATEMENT_TIMEOUT`: how long one read query may run.
-    pub statement_timeout: Duration,
-}
+/// The distiller's settings: a worker on finished turns, with `TURNLOG_MINI_MODEL` for
+/// distillation and titles, and a `call_deadline` for one distillation (its retry
+/// included) and one title.
+pub type DistillerConfig = TurnWorkerConfig;
 
 /// Distills committed turns until `shutdown`; every copy shares one durable consumer.
 pub async fn run(config: DistillerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let connections = u32::try_from(config.consumer.concurrency).unwrap_or(u32::MAX).saturating_add(2);
-    let pool =
-        turnlog_runtime::db::connect_reads(&config.database_url, connections, config.statement_timeout)
-            .await
-            .context("connecting to Postgres")?;
-    let bus = Bus::connect(&config.nats_url, &config.bus_prefix, config.partitions).await?;
-    let upstream = UpstreamClient::new(config.upstream.clone()).context("building the model client")?;
-    let distiller = Arc::new(Distiller {
-        pool,
-        bus: bus.clone(),
-        upstream,
-        model: config.mini_model.clone(),
-        call_deadline: config.call_deadline,
-        append_timeout: config.append_timeout,
-    });
-    let worker = Worker::new("distiller", &[EventKind::AssistantTurn], config.consumer.clone());
-    tracing::info!(consumer = %worker.consumer_name(&bus), model = %config.mini_model, "distiller running");
-    worker.run(bus, distiller, Arc::new(WorkerStats::default()), shutdown.cancelled_owned()).await;
+    turnlog_runtime::turn_worker::run(
+        "distiller",
+        "distiller running",
+        config,
+        Distiller,
+        shutdown.cancelled_owned(),
+    )
+    .await
+}
+
+struct Distiller;
+
+impl TurnTask for Distiller {
+    async fn handle(
+        &self,
+        w: &TurnWorker,
+        event: CommittedEvent,
+        _delivery: Delivery,
+    ) -> Result<(), HandleError> {
+        distill_turn(w, &event).await?;
+        title_session(w, &event).await
+    }
+}
+
+#[tracing::instrument(skip_all, fields(session_id = %turn.session_id, turn_seq = turn.seq), err)]
+async fn distill_turn(w: &TurnWorker, turn: &CommittedEvent) -> Result<(), HandleError> {
+    let event_id = EventId::derived(turn.session_id, turn.seq, "turn_memory");
+    let Some(material) = w.material_to(turn, event_id, "distill").await? else { return Ok(()) };
+    let residue: Residue = w
+        .ask_json(DISTILL_PROMPT, &material, Residue::validated)
+        .await
+        .map_err(|e| HandleError::retry("distill_failed", e))?;
+    let memory = residue.into_turn_memory(turn.seq);
+    if memory.is_empty() {
+        tracing::debug!("empty residue; nothing appended");
+        return Ok(());
+    }
+    let body = EventBody::TurnMemory(memory);
+    let request = AppendRequest::append(turn.session_id, &turn.owner, event_id.0, &body);
+    let outcome = w.append(&request).await?;
+    log_unapplied(&outcome, "turn_memory");
     Ok(())
 }
 
-struct Distiller {
-    pool: PgPool,
-    bus: Bus,
-    upstream: UpstreamClient,
-    model: String,
-    call_deadline: Duration,
-    append_timeout: Duration,
-}
-
-impl Handler for Distiller {
-    async fn handle(&self, event: CommittedEvent, _delivery: Delivery) -> Result<(), HandleError> {
-        self.distill_turn(&event).await?;
-        self.title_session(&event).await
-    }
-}
-
-impl Distiller {
-    #[tracing::instrument(skip_all, fields(session_id = %turn.session_id, turn_seq = turn.seq), err)]
-    async fn distill_turn(&self, turn: &CommittedEvent) -> Result<(), HandleError> {
-        let event_id = EventId::derived(turn.session_id, turn.seq, "turn_memory");
-        // A redelivered turn that was distilled before costs no model call.
-        if self.already_applied(event_id.0).await? {
-            return Ok(());
-        }
-        let events = turn_events(&self.pool, turn.session_id, turn.seq, MAX_TURN_EVENTS)
-            .await
-            .map_err(|e| HandleError::retry("read_failed", e))?;
-        let Some(material) = TurnMaterial::from_events(&events, turn.seq) else {
-            tracing::info!("turn no longer stored (session deleted); nothing to distill");
-            return Ok(());
-        };
-        let request = ChatRequest {
-            model: self.model.clone(),
-            messages: vec![
-                ChatMessage::text(Role::System, DISTILL_PROMPT),
-                ChatMessage::text(Role::User, material.render()),
-            ],
-            max_tokens: Some(1_500),
-            temperature: Some(0.0),
-            response_format_json: true,
-            ..ChatRequest::default()
-        };
-        let residue: Residue = ask_for_json(&self.upstream, request, self.call_deadline, Residue::validated)
-            .await
-            .map_err(|e| HandleError::retry("distill_failed", e))?;
-        let memory = residue.into_turn_memory(turn.seq);
-        if memory.is_empty() {
-            tracing::debug!("empty residue; nothing appended");
-            return Ok(());
-        }
-        let body = EventBody::TurnMemory(memory);
-        let request = AppendRequest::append(turn.session_id, &turn.owner, event_id.0, &body);
-        let outcome = self.append(&request).await?;
-        log_unapplied(&outcome, "turn_memory");
-        Ok(())
-    }
-
-    /// After the session's first answered turn, a title unless the session has one. The
-    /// `update` carries `title_if_empty`, so a title the user set meanwhile wins.
-    #[tracing::instrument(skip_all, fields(session_id = %turn.session_id, turn_seq = turn.seq), err)]
-    async fn title_session(&self, turn: &CommittedEvent) -> Result<(), HandleError> {
-        let request_id = EventId::derived(turn.session_id, turn.seq, "title").0;
-        let state = turnlog_runtime::read::get_session(&self.pool, &turn.owner, turn.session_id)
-            .await
-            .map_err(|e| HandleError::retry("read_failed", e))?;
-        let Some(state) = state else { return Ok(()) };
-        let untitled = state.title.as_deref().is_none_or(|t| t.trim().is_empty());
-        if !untitled || !self.is_first_turn(turn.session_id, turn.seq).await? {
-            return Ok(());
-        }
-        if self.already_applied(request_id).await? {
-            return Ok(());
-        }
-        let events = turn_events(&self.pool, turn.session_id, turn.seq, MAX_TURN_EVENTS)
-            .await
-            .map_err(|e| HandleError::retry("read_failed", e))?;
-        let Some(material) = TurnMaterial::from_events(&events, turn.seq) else { return Ok(()) };
-        let request = ChatRequest {
-            model: self.model.clone(),
-            messages: vec![
-                ChatMessage::text(Role::System, TITLE_PROMPT),
-                ChatMessage::text(Role::User, material.question.clone()),
-                ChatMessage::text(Role::Assistant, material.answer.clone()),
-                ChatMessage::text(Role::User, "title this conversation."),
-            ],
-            max_tokens: Some(40),
-            temperature: Some(0.0),
-            ..ChatRequest::default()
-        };
-        let completion = self
-            .upstream
-            .complete(&request, self.call_deadline)
-            .await
-            .map_err(|e| HandleError::retry("title_failed", e))?;
-        let Some(title) = clean_title(&completion.text) else {
-            tracing::info!("the model proposed no usable title; the session stays untitled");
-            return Ok(());
-        };
-        let mut update = AppendRequest::update(turn.session_id, &turn.owner);
-        update.request_id = request_id;
-        update.title_if_empty = Some(title);
-        let outcome = self.append(&update).await?;
-        log_unapplied(&outcome, "title");
-        Ok(())
-    }
-
-    async fn is_first_turn(&self, session: SessionId, turn_seq: i64) -> Result<bool, HandleError> {
-        let (earlier,): (bool,) = sqlx::query_as(
-            "SELECT EXISTS (SELECT 1 FROM session_events
-                             WHERE session_id = $1 AND kind = 'assistant_turn' AND seq < $2)",
-        )
-        .bind(session.0)
-        .bind(turn_seq)
-        .fetch_one(&self.pool)
+/// After the session's first answered turn, a title unless the session has one. The
+/// `update` carries `title_if_empty`, so a title the user set meanwhile wins.
+#[tracing::instrument(skip_all, fields(session_id = %turn.session_id, turn_seq = turn.seq), err)]
+async fn title_session(w: &TurnWorker, turn: &CommittedEvent) -> Result<(), HandleError> {
+    let request_id = EventId::derived(turn.session_id, turn.seq, "title").0;
+    let state = turnlog_runtime::read::get_session(&w.pool, &turn.owner, turn.session_id)
         .await
         .map_err(|e| HandleError::retry("read_failed", e))?;
-        Ok(!earlier)
+    let Some(state) = state else { return Ok(()) };
+    let untitled = state.title.as_deref().is_none_or(|t| t.trim().is_empty());
+    if !untitled || !is_first_turn(w, turn.session_id, turn.seq).await? {
+        return Ok(());
     }
+    if w.already_applied(request_id).await? {
+        return Ok(());
+    }
+    let Some(material) = w.material(turn).await? else { return Ok(()) };
+    let request = ChatRequest {
+        model: w.model.clone(),
+        messages: vec![
+            ChatMessage::text(Role::System, TITLE_PROMPT),
+            ChatMessage::text(Role::User, material.question.clone()),
+            ChatMessage::text(Role::Assistant, material.answer.clone()),
+            ChatMessage::text(Role::User, "title this conversation."),
+        ],
+        max_tokens: Some(40),
+        temperature: Some(0.0),
+        ..ChatRequest::default()
+    };
+    let completion = w
+        .upstream
+        .complete(&request, w.call_deadline)
+        .await
+        .map_err(|e| HandleError::retry("title_failed", e))?;
+    let Some(title) = clean_title(&completion.text) else {
+        tracing::info!("the model proposed no usable title; the session stays untitled");
+        return Ok(());
+    };
+    let mut update = AppendRequest::update(turn.session_id, &turn.owner);
+    update.request_id = request_id;
+    update.title_if_empty = Some(title);
+    let outcome = w.append(&update).await?;
+    log_unapplied(&outcome, "title");
+    Ok(())
+}
 
-    async fn already_applied(&self, request_id: uuid::Uuid) -> Result<bool, HandleError> {
-        let outcome = recorded_outcome(&self.pool, request_id)
-            .await
-            .map_err(|e| HandleError::retry("read_failed", e))?;
-        Ok(outcome.is_some())
-    }
-
-    async fn append(&self, request: &AppendRequest) -> Result<Outcome, HandleError> {
-        append_and_wait(&self.bus, &self.pool, request, self.append_timeout)
-            .await
-            .map_err(|e| HandleError::retry("append_failed", e))
-    }
+async fn is_first_turn(w: &TurnWorker, session: SessionId, turn_seq: i64) -> Result<bool, HandleError> {
+    let (earlier,): (bool,) = sqlx::query_as(
+        "SELECT EXISTS (SELECT 1 FROM session_events
+                         WHERE session_id = $1 AND kind = 'assistant_turn' AND seq < $2)",
+    )
+    .bind(session.0)
+    .bind(turn_seq)
+    .fetch_one(&w.pool)
+    .await
+    .map_err(|e| HandleError::retry("read_failed", e))?;
+    Ok(!earlier)
 }
 
 /// The writer refused the request (it dead-lettered it, or the session is gone): retrying

@@ -1,9 +1,7 @@
-//! The ingress's settings: the clap flags (each also an environment variable) that the
-//! `turnlog ingress` subcommand flattens, and the typed, validated [`IngressConfig`] they
-//! become. API tokens are secrets: they never reach a log or a `{:?}`.
+//! The ingress's settings: the typed [`IngressConfig`] the binary's flags become (see
+//! `turnlog`'s `cli.rs`). API tokens are secrets: they never reach a log or a `{:?}`.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -12,7 +10,8 @@ use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
 use turnlog_core::budget::DEFAULT_BUDGET;
 use turnlog_core::ids::Owner;
-use turnlog_runtime::upstream::{parse_model_windows, UpstreamConfig};
+use turnlog_runtime::settings::{Backbone, Secret};
+use turnlog_runtime::upstream::UpstreamConfig;
 
 use crate::turn::TurnLimits;
 
@@ -28,58 +27,6 @@ pub const LOCAL_OWNER: &str = "local";
 pub const DEFAULT_MAX_TURNS_PER_OWNER: u32 = 8;
 /// Turns one ingress copy runs at once, all owners together.
 pub const DEFAULT_MAX_TURNS: u32 = 256;
-
-/// Flags of `turnlog ingress` beyond the backbone (database, NATS, bus prefix, partitions).
-#[derive(clap::Args, Clone)]
-pub struct IngressArgs {
-    /// Address to serve HTTP on. Without API tokens only a loopback address is accepted.
-    #[arg(long, env = "TURNLOG_LISTEN", default_value = "127.0.0.1:8080")]
-    pub listen: SocketAddr,
-    /// `owner:token,...`; unset means no authentication (loopback only, owner `local`).
-    #[arg(long, env = "TURNLOG_API_TOKENS", hide_env_values = true)]
-    pub api_tokens: Option<String>,
-    /// OpenAI-compatible base URL ending in `/v1`.
-    #[arg(long, env = "TURNLOG_LLM_URL")]
-    pub llm_url: Option<String>,
-    #[arg(long, env = "TURNLOG_LLM_API_KEY", hide_env_values = true)]
-    pub llm_api_key: Option<String>,
-    /// The default model turns are sent to.
-    #[arg(long, env = "TURNLOG_MODEL", default_value = "mock")]
-    pub model: String,
-    /// `model,...`: the models a client may ask for; unset or empty means any.
-    #[arg(long, env = "TURNLOG_ALLOWED_MODELS")]
-    pub allowed_models: Option<String>,
-    /// `model=tokens,...`: context windows that win over what the gateway lists.
-    #[arg(long, env = "TURNLOG_MODEL_WINDOWS", default_value = "")]
-    pub model_windows: String,
-    /// Token budget of a request when the model's window is unknown.
-    #[arg(long, env = "TURNLOG_CONTEXT_BUDGET", default_value_t = DEFAULT_BUDGET)]
-    pub context_budget: u32,
-    #[arg(long, env = "TURNLOG_SYSTEM_PROMPT", default_value = "")]
-    pub system_prompt: String,
-    /// Longest wait for the model's first byte and between two streamed chunks (e.g. 90s).
-    #[arg(long, env = "TURNLOG_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = turnlog_runtime::config::parse_duration)]
-    pub upstream_timeout: Duration,
-    /// How long a turn waits for the compactor's pre-send check (e.g. 30s).
-    #[arg(long, env = "TURNLOG_COMPACT_TIMEOUT", default_value = "30s", value_parser = turnlog_runtime::config::parse_duration)]
-    pub compact_timeout: Duration,
-    /// Turns one owner may run at once on this copy; more are refused with 429.
-    #[arg(long, env = "TURNLOG_MAX_TURNS_PER_OWNER", default_value_t = DEFAULT_MAX_TURNS_PER_OWNER, value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_turns_per_owner: u32,
-    /// Turns this copy runs at once, all owners together; more are refused with 429.
-    #[arg(long, env = "TURNLOG_MAX_TURNS", default_value_t = DEFAULT_MAX_TURNS, value_parser = clap::value_parser!(u32).range(1..))]
-    pub max_turns: u32,
-}
-
-/// Where the log and the bus are (the binary's shared backbone flags).
-#[derive(Debug, Clone)]
-pub struct Backbone {
-    pub database_url: String,
-    pub nats_url: String,
-    pub bus_prefix: String,
-    pub partitions: u32,
-    pub append_max_age: Option<Duration>,
-}
 
 /// Everything the ingress runs with, validated.
 #[derive(Debug, Clone)]
@@ -103,8 +50,6 @@ pub struct IngressConfig {
     pub compact_timeout: Duration,
     /// The caps on concurrent turns of this copy (per owner, and in all).
     pub turn_limits: TurnLimits,
-    /// `TURNLOG_STATEMENT_TIMEOUT`: how long any one read query may run.
-    pub statement_timeout: Duration,
 }
 
 impl IngressConfig {
@@ -125,52 +70,7 @@ impl IngressConfig {
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             compact_timeout: DEFAULT_COMPACT_TIMEOUT,
             turn_limits: TurnLimits::default(),
-            statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
         }
-    }
-
-    pub fn from_args(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Self> {
-        let tokens = match args.api_tokens.as_deref() {
-            Some(spec) => ApiTokens::parse(spec).context("TURNLOG_API_TOKENS")?,
-            None => ApiTokens::default(),
-        };
-        let model_windows = parse_model_windows(&args.model_windows)
-            .map_err(anyhow::Error::msg)
-            .context("TURNLOG_MODEL_WINDOWS")?;
-        let upstream = args.llm_url.filter(|u| !u.trim().is_empty()).map(|base_url| UpstreamConfig {
-            base_url,
-            api_key: args.llm_api_key.filter(|k| !k.is_empty()),
-            timeout: args.upstream_timeout,
-            windows_override: model_windows.clone(),
-        });
-        if args.model.trim().is_empty() {
-            bail!("TURNLOG_MODEL must name a model");
-        }
-        let allowed_models = args.allowed_models.as_deref().and_then(parse_allowed_models);
-        if let Some(allowed) = &allowed_models {
-            if !allowed.contains(&args.model) {
-                bail!(
-                    "TURNLOG_MODEL {:?} is not in TURNLOG_ALLOWED_MODELS ({}): allow it, or choose one of those",
-                    args.model,
-                    allowed.join(", ")
-                );
-            }
-        }
-        let config = Self {
-            listen: args.listen,
-            tokens,
-            upstream,
-            model_windows,
-            model: args.model,
-            allowed_models,
-            context_budget: args.context_budget,
-            system_prompt: args.system_prompt,
-            compact_timeout: args.compact_timeout,
-            turn_limits: TurnLimits { per_owner: args.max_turns_per_owner, total: args.max_turns },
-            ..Self::new(backbone)
-        };
-        config.check_listen(args.listen)?;
-        Ok(config)
     }
 
     /// Whether a message may ask for `model`: any model when no list is configured.
@@ -190,34 +90,20 @@ impl IngressConfig {
     }
 }
 
-/// `TURNLOG_ALLOWED_MODELS`: names separated by commas, blanks ignored; None when it names
-/// none (any model is allowed).
-fn parse_allowed_models(spec: &str) -> Option<Vec<String>> {
-    let models: Vec<String> =
-        spec.split(',').map(str::trim).filter(|m| !m.is_empty()).map(str::to_owned).collect();
-    (!models.is_empty()).then_some(models)
-}
-
 /// A bearer token as kept: its SHA-256, never the token, never printed. Presented tokens are
 /// hashed too, so every comparison is of 32 bytes whatever the lengths, and the time taken
 /// tells neither how much of a token was right nor how long the configured one is.
-#[derive(Clone)]
-struct TokenDigest([u8; 32]);
+#[derive(Debug, Clone)]
+struct TokenDigest(Secret<[u8; 32]>);
 
 impl TokenDigest {
     fn of(token: &str) -> Self {
-        Self(Sha256::digest(token.as_bytes()).into())
+        Self(Secret::new(Sha256::digest(token.as_bytes()).into()))
     }
 
     /// Equality in constant time.
     fn matches(&self, other: &Self) -> bool {
-        self.0.ct_eq(&other.0).into()
-    }
-}
-
-impl fmt::Debug for TokenDigest {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("<redacted>")
+        self.0.expose().ct_eq(other.0.expose()).into()
     }
 }
 
@@ -319,43 +205,7 @@ mod tests {
     }
 
     fn backbone() -> Backbone {
-        Backbone {
-            database_url: String::new(),
-            nats_url: String::new(),
-            bus_prefix: "turnlog".into(),
-            partitions: 1,
-            append_max_age: None,
-        }
-    }
-
-    /// The flags as `turnlog ingress` parses them (`TURNLOG_API_TOKENS` from the environment
-    /// left out; the other settings' variables still count).
-    fn args(flags: &[&str]) -> IngressArgs {
-        #[derive(clap::Parser)]
-        struct Cli {
-            #[command(flatten)]
-            ingress: IngressArgs,
-        }
-        let mut args =
-            <Cli as clap::Parser>::try_parse_from(std::iter::once("ingress").chain(flags.iter().copied()))
-                .unwrap()
-                .ingress;
-        args.api_tokens = None;
-        args
-    }
-
-    #[test]
-    fn allowed_models_limit_what_a_message_may_ask_for() {
-        let any = IngressConfig::from_args(backbone(), args(&["--allowed-models", " , "])).unwrap();
-        assert!(any.allowed_models.is_none() && any.allows_model("whatever"));
-        let flags = ["--model", "gpt-small", "--allowed-models", "gpt-small, gpt-large ,"];
-        let c = IngressConfig::from_args(backbone(), args(&flags)).unwrap();
-        assert_eq!(c.allowed_models, Some(vec!["gpt-small".to_owned(), "gpt-large".to_owned()]));
-        assert!(c.allows_model("gpt-large") && !c.allows_model("gpt") && !c.allows_model("mock"));
-        // The default model must itself be allowed.
-        let err = IngressConfig::from_args(backbone(), args(&["--allowed-models", "gpt-small"])).unwrap_err();
-        let err = format!("{err:#}");
-        assert!(err.contains("TURNLOG_ALLOWED_MODELS") && err.contains("\"mock\""), "{err}");
+        Backbone::new("", "", "turnlog")
     }
 
     #[test]

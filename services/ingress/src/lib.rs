@@ -34,7 +34,7 @@ use turnlog_runtime::bus::Bus;
 use turnlog_runtime::lease::TurnLeases;
 use turnlog_runtime::upstream::{gateway_host, UpstreamClient};
 
-pub use config::{ApiTokens, Backbone, IngressArgs, IngressConfig};
+pub use config::{ApiTokens, IngressConfig};
 pub use error::ApiError;
 
 /// Postgres connections of one ingress: reads only, a few per concurrent request.
@@ -66,10 +66,8 @@ impl Ingress {
     /// can take requests even before a writer has started).
     pub async fn connect(config: IngressConfig) -> anyhow::Result<AppState> {
         let b = &config.backbone;
-        let pool = turnlog_runtime::db::connect_reads(&b.database_url, POOL_SIZE, config.statement_timeout)
-            .await
-            .context("connecting to Postgres")?;
-        let bus = Bus::connect(&b.nats_url, &b.bus_prefix, b.partitions).await?;
+        let pool = b.connect_reads(POOL_SIZE).await.context("connecting to Postgres")?;
+        let bus = b.connect_bus().await?;
         bus.ensure_topology(b.append_max_age).await.context("creating the bus topology")?;
         let leases = TurnLeases::open(&bus).await?;
         let upstream = match &config.upstream {
@@ -93,7 +91,7 @@ impl Ingress {
 
     /// Who served a turn, as stored with it: the gateway's host, never its credentials.
     pub fn provider_name(&self) -> String {
-        self.upstream.as_ref().map_or_else(|| "none".into(), |u| gateway_host(&u.config().base_url))
+        self.upstream.as_ref().map_or_else(|| "none".into(), |u| gateway_host(u.config().base_url.expose()))
     }
 
     /// The model's context window: `TURNLOG_MODEL_WINDOWS` first, then the gateway's

@@ -3,22 +3,14 @@
 //! `memory_extracted` event — empty with `error` when the model keeps failing — whose
 //! memories the writer stores for recall across the owner's sessions.
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use anyhow::Context as _;
 use serde::Deserialize;
-use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::events::{EventBody, EventKind, ExtractedMemory, MemoryExtracted};
+use turnlog_core::events::{EventBody, ExtractedMemory, MemoryExtracted};
 use turnlog_core::ids::EventId;
-use turnlog_core::message::{ChatMessage, Role};
 use turnlog_core::turn::TurnMaterial;
-use turnlog_runtime::bus::{append_and_wait, recorded_outcome, AppendRequest, Bus, CommittedEvent};
-use turnlog_runtime::read::turn_events;
-use turnlog_runtime::upstream::ask_for_json;
-use turnlog_runtime::upstream::{ChatRequest, UpstreamClient, UpstreamConfig};
-use turnlog_runtime::worker::{ConsumerSettings, Delivery, HandleError, Handler, Worker, WorkerStats};
+use turnlog_runtime::bus::{AppendRequest, CommittedEvent};
+use turnlog_runtime::turn_worker::{TurnTask, TurnWorker, TurnWorkerConfig};
+use turnlog_runtime::worker::{Delivery, HandleError};
 use uuid::Uuid;
 
 /// Selects the memory task (the mock model keys on it; a real model ignores it).
@@ -35,47 +27,15 @@ const MAX_MEMORIES: usize = 20;
 const MAX_MEMORY_CHARS: usize = 500;
 /// The longest `error` recorded when extraction gives up.
 const MAX_ERROR_CHARS: usize = 500;
-const MAX_TURN_EVENTS: i64 = 2_000;
 
-#[derive(Debug, Clone)]
-pub struct MemoryConfig {
-    pub database_url: String,
-    pub nats_url: String,
-    pub bus_prefix: String,
-    pub partitions: u32,
-    pub upstream: UpstreamConfig,
-    /// `TURNLOG_MINI_MODEL`.
-    pub mini_model: String,
-    pub consumer: ConsumerSettings,
-    /// Deadline of one extraction (its retry included).
-    pub call_deadline: Duration,
-    /// How long an append waits for the writer's outcome.
-    pub append_timeout: Duration,
-    /// `TURNLOG_STATEMENT_TIMEOUT`: how long one read query may run.
-    pub statement_timeout: Duration,
-}
+/// Memory extraction's settings: a worker on finished turns, with `TURNLOG_MINI_MODEL` and a
+/// `call_deadline` for one extraction (its retry included).
+pub type MemoryConfig = TurnWorkerConfig;
 
 /// Extracts memories from committed turns until `shutdown`.
 pub async fn run(config: MemoryConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let connections = u32::try_from(config.consumer.concurrency).unwrap_or(u32::MAX).saturating_add(2);
-    let pool =
-        turnlog_runtime::db::connect_reads(&config.database_url, connections, config.statement_timeout)
-            .await
-            .context("connecting to Postgres")?;
-    let bus = Bus::connect(&config.nats_url, &config.bus_prefix, config.partitions).await?;
-    let upstream = UpstreamClient::new(config.upstream.clone()).context("building the model client")?;
-    let extractor = Arc::new(Extractor {
-        pool,
-        bus: bus.clone(),
-        upstream,
-        model: config.mini_model.clone(),
-        call_deadline: config.call_deadline,
-        append_timeout: config.append_timeout,
-    });
-    let worker = Worker::new("memory", &[EventKind::AssistantTurn], config.consumer.clone());
-    tracing::info!(consumer = %worker.consumer_name(&bus), model = %config.mini_model, "memory extraction running");
-    worker.run(bus, extractor, Arc::new(WorkerStats::default()), shutdown.cancelled_owned()).await;
-    Ok(())
+    let started = "memory extraction running";
+    turnlog_runtime::turn_worker::run("memory", started, config, Extractor, shutdown.cancelled_owned()).await
 }
 
 /// The id of the `i`-th memory of a `memory_extracted` event: the same on every replay, so
@@ -84,33 +44,19 @@ pub fn memory_id(event_id: EventId, index: usize) -> Uuid {
     Uuid::new_v5(&event_id.0, index.to_string().as_bytes())
 }
 
-struct Extractor {
-    pool: PgPool,
-    bus: Bus,
-    upstream: UpstreamClient,
-    model: String,
-    call_deadline: Duration,
-    append_timeout: Duration,
-}
+struct Extractor;
 
-impl Handler for Extractor {
+impl TurnTask for Extractor {
     #[tracing::instrument(skip_all, fields(session_id = %turn.session_id, turn_seq = turn.seq, attempt = delivery.attempt), err)]
-    async fn handle(&self, turn: CommittedEvent, delivery: Delivery) -> Result<(), HandleError> {
+    async fn handle(
+        &self,
+        w: &TurnWorker,
+        turn: CommittedEvent,
+        delivery: Delivery,
+    ) -> Result<(), HandleError> {
         let event_id = EventId::derived(turn.session_id, turn.seq, "memory_extracted");
-        let recorded = recorded_outcome(&self.pool, event_id.0)
-            .await
-            .map_err(|e| HandleError::retry("read_failed", e))?;
-        if recorded.is_some() {
-            return Ok(());
-        }
-        let events = turn_events(&self.pool, turn.session_id, turn.seq, MAX_TURN_EVENTS)
-            .await
-            .map_err(|e| HandleError::retry("read_failed", e))?;
-        let Some(material) = TurnMaterial::from_events(&events, turn.seq) else {
-            tracing::info!("turn no longer stored (session deleted); nothing to extract");
-            return Ok(());
-        };
-        let extracted = match self.extract(&material).await {
+        let Some(material) = w.material_to(&turn, event_id, "extract").await? else { return Ok(()) };
+        let extracted = match extract(w, &material).await {
             Ok(texts) => MemoryExtracted {
                 turn_seq: turn.seq,
                 memories: texts
@@ -134,9 +80,7 @@ impl Handler for Extractor {
         };
         let body = EventBody::MemoryExtracted(extracted);
         let request = AppendRequest::append(turn.session_id, &turn.owner, event_id.0, &body);
-        let outcome = append_and_wait(&self.bus, &self.pool, &request, self.append_timeout)
-            .await
-            .map_err(|e| HandleError::retry("append_failed", e))?;
+        let outcome = w.append(&request).await?;
         if !outcome.is_applied() {
             tracing::warn!(reason = ?outcome.reason, "the writer did not apply memory_extracted");
         }
@@ -144,29 +88,14 @@ impl Handler for Extractor {
     }
 }
 
-impl Extractor {
-    /// The turn's facts, or why the model gave none.
-    async fn extract(&self, material: &TurnMaterial) -> Result<Vec<String>, String> {
-        let request = ChatRequest {
-            model: self.model.clone(),
-            messages: vec![
-                ChatMessage::text(Role::System, MEMORY_PROMPT),
-                ChatMessage::text(Role::User, material.render()),
-            ],
-            max_tokens: Some(1_500),
-            temperature: Some(0.0),
-            response_format_json: true,
-            ..ChatRequest::default()
-        };
-        let answer: Memories = ask_for_json(&self.upstream, request, self.call_deadline, Memories::validated)
-            .await
-            .map_err(|e| {
-                // The details stay in this log; `memory_extracted.error` gets the short message.
-                tracing::info!(error = %e, "no memories from the model");
-                e.public_message()
-            })?;
-        Ok(answer.memories.into_iter().map(|m| m.text).collect())
-    }
+/// The turn's facts, or why the model gave none.
+async fn extract(w: &TurnWorker, material: &TurnMaterial) -> Result<Vec<String>, String> {
+    let answer: Memories = w.ask_json(MEMORY_PROMPT, material, Memories::validated).await.map_err(|e| {
+        // The details stay in this log; `memory_extracted.error` gets the short message.
+        tracing::info!(error = %e, "no memories from the model");
+        e.public_message()
+    })?;
+    Ok(answer.memories.into_iter().map(|m| m.text).collect())
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]

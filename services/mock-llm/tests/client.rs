@@ -21,7 +21,7 @@ const TIMEOUT: Duration = Duration::from_secs(5);
 
 fn client_with(mock: &MockHandle, timeout: Duration, windows: HashMap<String, u32>) -> UpstreamClient {
     UpstreamClient::new(UpstreamConfig {
-        base_url: mock.base_url(),
+        base_url: mock.base_url().into(),
         api_key: Some("sk-test".into()),
         timeout,
         windows_override: windows,
@@ -392,7 +392,7 @@ async fn an_unreachable_models_listing_is_unknown_not_an_error() {
     let addr = listener.local_addr().unwrap();
     drop(listener);
     let client = UpstreamClient::new(UpstreamConfig {
-        base_url: format!("http://{addr}/v1"),
+        base_url: format!("http://{addr}/v1").into(),
         api_key: None,
         timeout: Duration::from_secs(2),
         windows_override: parse_model_windows("pinned=5000").unwrap(),

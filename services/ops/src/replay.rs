@@ -106,7 +106,7 @@ pub fn parse_since(s: &str) -> Result<DateTime<Utc>, String> {
     if let Ok(t) = DateTime::parse_from_rfc3339(s.trim()) {
         return Ok(t.with_timezone(&Utc));
     }
-    let ago = turnlog_runtime::config::parse_duration(s)
+    let ago = turnlog_runtime::settings::parse_duration(s)
         .map_err(|_| format!("{s:?} is neither an RFC 3339 time nor a duration like 90m or 2d"))?;
     let ago = chrono::Duration::from_std(ago).map_err(|e| format!("{s:?}: {e}"))?;
     Ok(Utc::now() - ago)

@@ -1,161 +1,12 @@
 //! turnlog's one binary: each service and tool is a subcommand over its library crate's
 //! `run`, so tests, containers and `turnlog dev` all run the same code.
 
-use std::net::SocketAddr;
+mod cli;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
-use turnlog_dev::settings::{self, Backbone, BusArgs, CompactorArgs, WorkerModels, WorkerTuning};
 
-#[derive(Parser)]
-#[command(name = "turnlog", version, about = "Append-only chat sessions over HTTP/SSE")]
-struct Cli {
-    /// Log lines as readable text (`pretty`) or one JSON object each (`json`); RUST_LOG
-    /// filters them (default `info`).
-    #[arg(long, global = true, env = "TURNLOG_LOG_FORMAT", value_enum, default_value_t = LogFormat::Pretty)]
-    log_format: LogFormat,
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum LogFormat {
-    Pretty,
-    Json,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Apply append requests to Postgres: the only process that writes it.
-    Writer {
-        #[command(flatten)]
-        backbone: Backbone,
-    },
-    /// Distill each finished turn into its turn_memory residue; title new sessions.
-    Distiller {
-        #[command(flatten)]
-        backbone: Backbone,
-        #[command(flatten)]
-        models: WorkerModels,
-        #[command(flatten)]
-        tuning: WorkerTuning,
-    },
-    /// Extract each finished turn's durable facts into memories.
-    Memory {
-        #[command(flatten)]
-        backbone: Backbone,
-        #[command(flatten)]
-        models: WorkerModels,
-        #[command(flatten)]
-        tuning: WorkerTuning,
-    },
-    /// Keep every session's next request within its token budget (post-turn and pre-send).
-    Compactor {
-        #[command(flatten)]
-        backbone: Backbone,
-        #[command(flatten)]
-        models: WorkerModels,
-        #[command(flatten)]
-        tuning: WorkerTuning,
-        #[command(flatten)]
-        compactor: CompactorArgs,
-    },
-    /// Serve the HTTP API: sessions, transcripts, context, memories.
-    Ingress {
-        #[command(flatten)]
-        backbone: Backbone,
-        #[command(flatten)]
-        args: turnlog_ingress::IngressArgs,
-    },
-    /// Apply the database migrations and exit.
-    Migrate {
-        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-        database_url: String,
-    },
-    /// Run everything in one process for development: private Postgres and nats-server
-    /// (unless DATABASE_URL / NATS_URL are set), the mock model (unless TURNLOG_LLM_URL is).
-    Dev {
-        #[command(flatten)]
-        args: Box<turnlog_dev::DevArgs>,
-    },
-    /// Serve the deterministic OpenAI-compatible mock model.
-    MockLlm {
-        #[arg(long, env = "TURNLOG_MOCK_LISTEN", default_value = "127.0.0.1:8090")]
-        listen: SocketAddr,
-    },
-    /// Run a worker again over past committed events, from a feed sequence or a time through
-    /// the feed's end; idempotent, so it appends only what is missing.
-    Replay {
-        /// The worker whose handler runs again.
-        #[arg(long, value_enum)]
-        worker: ReplayWorker,
-        /// The TURNLOG_EVENTS sequence to start at.
-        #[arg(long, required_unless_present = "since", conflicts_with = "since")]
-        from_seq: Option<u64>,
-        /// Start at this time: RFC 3339 (2026-05-01T12:00:00Z) or a duration ago (90m, 2d).
-        #[arg(long, value_parser = turnlog_ops::parse_since)]
-        since: Option<chrono::DateTime<chrono::Utc>>,
-        /// Only this session's events.
-        #[arg(long)]
-        session: Option<turnlog_core::ids::SessionId>,
-        #[command(flatten)]
-        backbone: Backbone,
-        #[command(flatten)]
-        models: WorkerModels,
-        #[command(flatten)]
-        tuning: WorkerTuning,
-        #[command(flatten)]
-        compactor: CompactorArgs,
-    },
-    /// Rebuild the database from TURNLOG_APPEND into an empty one, with the writer's code.
-    Rebuild {
-        /// The empty database to rebuild into (never DATABASE_URL: name it on purpose).
-        #[arg(long)]
-        database_url: String,
-        #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-        nats_url: String,
-        #[command(flatten)]
-        bus: BusArgs,
-    },
-    /// Compare two databases' sessions, events and memories; exit 0 only when identical
-    /// (1 when they differ, 2 when they cannot be compared).
-    Verify { url_a: String, url_b: String },
-    /// Inspect the dead letters (TURNLOG_DEAD) and redrive a writer's once its cause is fixed.
-    Dead {
-        #[command(subcommand)]
-        command: DeadCommand,
-        #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222", global = true)]
-        nats_url: String,
-        #[command(flatten)]
-        bus: BusArgs,
-    },
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum ReplayWorker {
-    Distiller,
-    Memory,
-    Compactor,
-}
-
-#[derive(Subcommand)]
-enum DeadCommand {
-    /// Every dead letter, oldest first: sequence, time, reason, session, detail.
-    List,
-    /// One dead letter whole, with how to redo it.
-    Show { seq: u64 },
-    /// Republish a writer's dead letter to TURNLOG_APPEND and wait for its outcome; it is
-    /// applied once, however often it is redriven.
-    Redrive {
-        seq: u64,
-        /// Asked for the outcome should the writer's reply be lost.
-        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-        database_url: Option<String>,
-        #[arg(long, default_value = "15s", value_parser = turnlog_runtime::config::parse_duration)]
-        timeout: std::time::Duration,
-    },
-}
+use cli::{Cli, Command, DeadCommand, LogFormat, ReplayWorker};
 
 /// glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, so later
 /// large blocks (an 800 KiB append, its parsed copy, its dead letter) come from the heap and
@@ -178,25 +29,20 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run() -> anyhow::Result<()> {
-    let cli: Cli = settings::parse_or_exit();
+    let cli: Cli = cli::parse_or_exit();
     init_logging(cli.log_format)?;
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
     match cli.command {
         Command::Writer { backbone: b } => {
-            let pool =
-                turnlog_runtime::db::connect(&b.database_url, 2).await.context("connecting to Postgres")?;
+            let pool = b.backbone().connect_db(2).await.context("connecting to Postgres")?;
             turnlog_runtime::db::migrate(&pool).await.context("applying migrations")?;
             turnlog_writer::run(b.writer(), shutdown).await
         }
-        Command::Distiller { backbone: b, models: m, tuning: t } => {
-            turnlog_distiller::run(b.distiller(&m, &t)?, shutdown).await
-        }
-        Command::Memory { backbone: b, models: m, tuning: t } => {
-            turnlog_memory::run(b.memory(&m, &t)?, shutdown).await
-        }
-        Command::Compactor { backbone: b, models: m, tuning: t, compactor: c } => {
-            turnlog_compactor::run(b.compactor(&m, &t, &c)?, shutdown).await
+        Command::Distiller { worker } => turnlog_distiller::run(worker.distiller()?, shutdown).await,
+        Command::Memory { worker } => turnlog_memory::run(worker.memory()?, shutdown).await,
+        Command::Compactor { worker, compactor: c } => {
+            turnlog_compactor::run(worker.compactor(&c)?, shutdown).await
         }
         Command::Ingress { backbone: b, args } => {
             let config = b.ingress(args)?;
@@ -206,29 +52,21 @@ async fn run() -> anyhow::Result<()> {
             turnlog_ingress::run(config, listener, shutdown).await
         }
         Command::Migrate { database_url } => {
-            let pool =
-                turnlog_runtime::db::connect(&database_url, 2).await.context("connecting to Postgres")?;
+            let pool = turnlog_runtime::db::connect(database_url.expose(), 2)
+                .await
+                .context("connecting to Postgres")?;
             turnlog_runtime::db::migrate(&pool).await.context("applying migrations")?;
             tracing::info!("migrations applied");
             Ok(())
         }
-        Command::Dev { args } => turnlog_dev::run(turnlog_dev::DevConfig::from_args(*args)?, shutdown).await,
+        Command::Dev { args } => turnlog_dev::run(args.config()?, shutdown).await,
         Command::MockLlm { listen } => {
             let listener = tokio::net::TcpListener::bind(listen)
                 .await
                 .with_context(|| format!("cannot listen on {listen}"))?;
             turnlog_mock_llm::run(listener, turnlog_mock_llm::MockConfig::default(), shutdown).await
         }
-        Command::Replay {
-            worker,
-            from_seq,
-            since,
-            session,
-            backbone: b,
-            models: m,
-            tuning: t,
-            compactor: c,
-        } => {
+        Command::Replay { worker, from_seq, since, session, args: w, compactor: c } => {
             let from = match (from_seq, since) {
                 (Some(seq), _) => turnlog_ops::ReplayFrom::Sequence(seq),
                 (None, Some(time)) => turnlog_ops::ReplayFrom::Time(time),
@@ -236,7 +74,7 @@ async fn run() -> anyhow::Result<()> {
             };
             match worker {
                 ReplayWorker::Distiller => {
-                    let mut config = b.distiller(&m, &t)?;
+                    let mut config = w.distiller()?;
                     let run = |replay, stop| {
                         config.consumer.replay = Some(replay);
                         turnlog_distiller::run(config, stop)
@@ -244,7 +82,7 @@ async fn run() -> anyhow::Result<()> {
                     turnlog_ops::replay("distiller", from, session, true, shutdown, run).await?;
                 }
                 ReplayWorker::Memory => {
-                    let mut config = b.memory(&m, &t)?;
+                    let mut config = w.memory()?;
                     let run = |replay, stop| {
                         config.consumer.replay = Some(replay);
                         turnlog_memory::run(config, stop)
@@ -252,7 +90,7 @@ async fn run() -> anyhow::Result<()> {
                     turnlog_ops::replay("memory", from, session, true, shutdown, run).await?;
                 }
                 ReplayWorker::Compactor => {
-                    let mut config = b.compactor(&m, &t, &c)?;
+                    let mut config = w.compactor(&c)?;
                     let run = |replay, stop| {
                         config.consumer.replay = Some(replay);
                         turnlog_compactor::run(config, stop)
@@ -264,7 +102,7 @@ async fn run() -> anyhow::Result<()> {
         }
         Command::Rebuild { database_url, nats_url, bus } => {
             let bus = turnlog_runtime::bus::Bus::connect(&nats_url, &bus.bus_prefix, bus.partitions).await?;
-            turnlog_ops::rebuild(&database_url, &bus, true).await.map(drop)
+            turnlog_ops::rebuild(database_url.expose(), &bus, true).await.map(drop)
         }
         Command::Verify { url_a, url_b } => {
             let code = match turnlog_ops::verify(&url_a, &url_b).await {
@@ -285,7 +123,9 @@ async fn run() -> anyhow::Result<()> {
                 DeadCommand::Redrive { seq, database_url, timeout } => {
                     let pool = match database_url {
                         Some(url) => Some(
-                            turnlog_runtime::db::connect(&url, 1).await.context("connecting to Postgres")?,
+                            turnlog_runtime::db::connect(url.expose(), 1)
+                                .await
+                                .context("connecting to Postgres")?,
                         ),
                         None => None,
                     };

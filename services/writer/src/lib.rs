@@ -26,6 +26,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::{partition_of, Bus, CommittedEvent, DeadLetter, Outcome, REPLY_HEADER};
+use turnlog_runtime::settings::{Backbone, Secret};
 use uuid::Uuid;
 
 pub use apply::{apply_batch, Incoming};
@@ -51,29 +52,25 @@ const LOCK_BASE: i64 = 0x544C_5752_0000;
 
 #[derive(Debug, Clone)]
 pub struct WriterConfig {
-    pub database_url: String,
-    pub nats_url: String,
-    pub bus_prefix: String,
-    pub partitions: u32,
-    pub append_max_age: Option<Duration>,
+    /// Its statement timeout does not apply: the writer's commits are not bounded.
+    pub backbone: Backbone,
 }
 
 /// Runs a writer for every partition until `shutdown`; recovers by itself from lost
 /// connections to NATS or Postgres.
 pub async fn run(config: WriterConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let pool = turnlog_runtime::db::connect(&config.database_url, 4 + config.partitions)
-        .await
-        .context("connecting to Postgres")?;
-    let bus = Bus::connect(&config.nats_url, &config.bus_prefix, config.partitions).await?;
-    bus.ensure_topology(config.append_max_age).await?;
+    let backbone = &config.backbone;
+    let pool = backbone.connect_db(4 + backbone.partitions).await.context("connecting to Postgres")?;
+    let bus = backbone.connect_bus().await?;
+    bus.ensure_topology(backbone.append_max_age).await?;
     turnlog_core::tokens::warm_up();
 
     let pending = Arc::new(gin::PendingRows::default());
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(gin::merge_pending_lists(pool.clone(), pending.clone(), shutdown.clone()));
-    for partition in 0..config.partitions {
+    for partition in 0..backbone.partitions {
         let (pool, bus, url, shutdown, pending) =
-            (pool.clone(), bus.clone(), config.database_url.clone(), shutdown.clone(), pending.clone());
+            (pool.clone(), bus.clone(), backbone.database_url.clone(), shutdown.clone(), pending.clone());
         tasks.spawn(async move { partition_writer(partition, pool, bus, url, pending, shutdown).await });
     }
     while let Some(res) = tasks.join_next().await {
@@ -87,7 +84,7 @@ async fn partition_writer(
     partition: u32,
     pool: PgPool,
     bus: Bus,
-    url: String,
+    url: Secret,
     pending: Arc<gin::PendingRows>,
     shutdown: CancellationToken,
 ) {
@@ -111,7 +108,7 @@ async fn serve_partition(
     partition: u32,
     pool: &PgPool,
     bus: &Bus,
-    url: &str,
+    url: &Secret,
     pending: &gin::PendingRows,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
@@ -119,7 +116,7 @@ async fn serve_partition(
     // The lock lives on the partition's own connection, held exactly as long as it; every
     // commit goes through it too, planned once (the commit's plan does not depend on its
     // arrays; see `connect_generic_plans`).
-    let mut conn = turnlog_runtime::db::connect_generic_plans(url, "turnlog-writer")
+    let mut conn = turnlog_runtime::db::connect_generic_plans(url.expose(), "turnlog-writer")
         .await
         .context("partition connection")?;
     let mut waiting_logged = false;

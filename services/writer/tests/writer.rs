@@ -100,13 +100,7 @@ impl Harness {
 }
 
 fn spawn_writer(env: &TestEnv) -> (CancellationToken, tokio::task::JoinHandle<anyhow::Result<()>>) {
-    let config = WriterConfig {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
-        append_max_age: None,
-    };
+    let config = WriterConfig { backbone: env.backbone() };
     let shutdown = CancellationToken::new();
     let handle = tokio::spawn(turnlog_writer::run(config, shutdown.clone()));
     (shutdown, handle)

@@ -4,9 +4,10 @@
 //! service shares. The pure logic it serves lives in `turnlog-core`.
 
 pub mod bus;
-pub mod config;
 pub mod db;
 pub mod lease;
 pub mod read;
+pub mod settings;
+pub mod turn_worker;
 pub mod upstream;
 pub mod worker;

@@ -105,7 +105,7 @@ async fn serve(
 
 fn client(base_url: &str, timeout: Duration) -> UpstreamClient {
     UpstreamClient::new(UpstreamConfig {
-        base_url: base_url.to_owned(),
+        base_url: base_url.into(),
         api_key: Some("sk-fixture".into()),
         timeout,
         windows_override: HashMap::new(),

@@ -151,7 +151,7 @@ impl Api {
         config.compact_timeout = opts.compact_timeout;
         config.allowed_models = opts.allowed_models;
         config.turn_limits = opts.turn_limits;
-        config.statement_timeout = opts.statement_timeout;
+        config.backbone.statement_timeout = opts.statement_timeout;
         config.model_windows = opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
         config.upstream = opts.llm_url.map(|base_url| turnlog_runtime::upstream::UpstreamConfig {
             timeout: Duration::from_secs(5),

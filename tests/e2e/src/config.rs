@@ -7,8 +7,10 @@ use std::time::Duration;
 use turnlog_compactor::CompactorConfig;
 use turnlog_dev::ServiceConfigs;
 use turnlog_distiller::DistillerConfig;
-use turnlog_ingress::{Backbone, IngressConfig};
+use turnlog_ingress::IngressConfig;
 use turnlog_memory::MemoryConfig;
+use turnlog_runtime::settings::Backbone;
+use turnlog_runtime::turn_worker::TurnWorkerConfig;
 use turnlog_runtime::upstream::UpstreamConfig;
 use turnlog_runtime::worker::ConsumerSettings;
 use turnlog_testkit::TestEnv;
@@ -28,7 +30,7 @@ pub fn fast_consumer() -> ConsumerSettings {
 /// The model gateway at `base_url` (the mock's), with a 10 s timeout and no window overrides.
 pub fn upstream_at(base_url: &str) -> UpstreamConfig {
     UpstreamConfig {
-        base_url: base_url.to_owned(),
+        base_url: base_url.into(),
         api_key: None,
         timeout: Duration::from_secs(10),
         windows_override: Default::default(),
@@ -36,23 +38,11 @@ pub fn upstream_at(base_url: &str) -> UpstreamConfig {
 }
 
 pub fn backbone(env: &TestEnv) -> Backbone {
-    Backbone {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
-        append_max_age: None,
-    }
+    env.backbone()
 }
 
 pub fn writer(env: &TestEnv) -> WriterConfig {
-    WriterConfig {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
-        append_max_age: None,
-    }
+    WriterConfig { backbone: backbone(env) }
 }
 
 /// The ingress's defaults (no tokens, no gateway) on the environment.
@@ -62,33 +52,23 @@ pub fn ingress(env: &TestEnv) -> IngressConfig {
 
 /// The distiller with `mock-mini` at `base_url` and [`fast_consumer`].
 pub fn distiller(env: &TestEnv, base_url: &str) -> DistillerConfig {
-    DistillerConfig {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
-        upstream: upstream_at(base_url),
-        mini_model: "mock-mini".into(),
-        consumer: fast_consumer(),
-        call_deadline: Duration::from_secs(10),
-        append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
-    }
+    turn_worker(env, base_url)
 }
 
 /// Memory extraction with `mock-mini` at `base_url` and [`fast_consumer`].
 pub fn memory(env: &TestEnv, base_url: &str) -> MemoryConfig {
-    MemoryConfig {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
+    turn_worker(env, base_url)
+}
+
+/// A turn worker's config (the distiller's and memory extraction's are one type).
+fn turn_worker(env: &TestEnv, base_url: &str) -> TurnWorkerConfig {
+    TurnWorkerConfig {
+        backbone: backbone(env),
         upstream: upstream_at(base_url),
         mini_model: "mock-mini".into(),
         consumer: fast_consumer(),
         call_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     }
 }
 
@@ -96,10 +76,7 @@ pub fn memory(env: &TestEnv, base_url: &str) -> MemoryConfig {
 /// default budget and [`fast_consumer`].
 pub fn compactor(env: &TestEnv, base_url: &str, model: &str) -> CompactorConfig {
     CompactorConfig {
-        database_url: env.database_url.clone(),
-        nats_url: env.nats_url.clone(),
-        bus_prefix: env.bus_prefix.clone(),
-        partitions: 1,
+        backbone: backbone(env),
         upstream: upstream_at(base_url),
         model: model.into(),
         summary_model: "mock-summary".into(),
@@ -108,7 +85,6 @@ pub fn compactor(env: &TestEnv, base_url: &str, model: &str) -> CompactorConfig 
         facts_wait: Duration::from_secs(2),
         summary_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
-        statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
     }
 }
 
@@ -127,7 +103,7 @@ pub fn stack(env: &TestEnv) -> ServiceConfigs {
 /// ingress too), with the compactor for that model on the same gateway.
 pub fn chat_stack(env: &TestEnv, upstream: UpstreamConfig, model: &str) -> ServiceConfigs {
     let mut configs = stack(env);
-    let mut compactor = compactor(env, &upstream.base_url, model);
+    let mut compactor = compactor(env, upstream.base_url.expose(), model);
     compactor.upstream = upstream.clone();
     configs.compactor = Some(compactor);
     configs.ingress.model = model.into();

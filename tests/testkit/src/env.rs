@@ -113,6 +113,16 @@ impl TestEnv {
         Ok(on)
     }
 
+    /// Where the test's log and bus are, as every service's config takes it (one partition,
+    /// appends kept forever, the default statement timeout).
+    pub fn backbone(&self) -> turnlog_runtime::settings::Backbone {
+        turnlog_runtime::settings::Backbone::new(
+            self.database_url.as_str(),
+            self.nats_url.as_str(),
+            self.bus_prefix.as_str(),
+        )
+    }
+
     /// DATABASE_URL, NATS_URL and TURNLOG_BUS_PREFIX for a child process.
     pub fn env_vars(&self) -> Vec<(String, String)> {
         vec![

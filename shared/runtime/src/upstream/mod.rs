@@ -17,6 +17,8 @@ use tokio::sync::Mutex;
 
 use turnlog_core::message::ChatMessage;
 
+use crate::settings::Secret;
+
 pub use json::{ask_for_json, JsonAnswerError};
 pub use stream::{ChatStream, StreamItem};
 pub use windows::{parse_model_windows, MODELS_CACHE_TTL};
@@ -29,28 +31,18 @@ pub type ImageResolver = Arc<dyn Fn(&str, &str) -> Option<String> + Send + Sync>
 /// How much of a provider's error body an error keeps: enough for the message, not a page.
 const ERROR_BODY_LIMIT: usize = 2_000;
 
-#[derive(Clone)]
+/// The gateway's address and key are [`Secret`]s: a `{:?}` shows neither the key nor the
+/// credentials a gateway URL can carry.
+#[derive(Debug, Clone)]
 pub struct UpstreamConfig {
     /// Base URL ending in `/v1` (`TURNLOG_LLM_URL`).
-    pub base_url: String,
-    pub api_key: Option<String>,
+    pub base_url: Secret,
+    pub api_key: Option<Secret>,
     /// `TURNLOG_UPSTREAM_TIMEOUT`: the longest wait for the first byte of an answer and
     /// for any later byte of a streamed one.
     pub timeout: Duration,
     /// `TURNLOG_MODEL_WINDOWS`: context windows that win over what `/models` reports.
     pub windows_override: HashMap<String, u32>,
-}
-
-impl fmt::Debug for UpstreamConfig {
-    // The API key must not reach logs through a `{:?}`.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("UpstreamConfig")
-            .field("base_url", &redacted_url(&self.base_url))
-            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
-            .field("timeout", &self.timeout)
-            .field("windows_override", &self.windows_override)
-            .finish()
-    }
 }
 
 /// `url` as it may be printed: without the user name and password a gateway URL can carry
@@ -242,7 +234,7 @@ impl UpstreamClient {
         let call = async {
             let mut get = self.http.get(self.url("models"));
             if let Some(key) = &self.config.api_key {
-                get = get.bearer_auth(key);
+                get = get.bearer_auth(key.expose());
             }
             let response = check_status(get.send().await.map_err(send_error)?, timeout).await?;
             let bytes = response.bytes().await.map_err(|e| UpstreamError::Incomplete(error_chain(&e)))?;
@@ -256,13 +248,13 @@ impl UpstreamClient {
     fn post(&self, body: &serde_json::Value) -> reqwest::RequestBuilder {
         let mut post = self.http.post(self.url("chat/completions")).json(body);
         if let Some(key) = &self.config.api_key {
-            post = post.bearer_auth(key);
+            post = post.bearer_auth(key.expose());
         }
         post
     }
 
     fn url(&self, path: &str) -> String {
-        format!("{}/{path}", self.config.base_url.trim_end_matches('/'))
+        format!("{}/{path}", self.config.base_url.expose().trim_end_matches('/'))
     }
 }
 

@@ -1,0 +1,692 @@
+//! The binary's command line: every subcommand's clap flags (each also an environment
+//! variable) and the one place they become each service's plain config, so `turnlog
+//! <service>` and `turnlog dev` build their services the same way and a setting means the
+//! same everywhere.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use clap::{Parser, Subcommand};
+use turnlog_core::budget::DEFAULT_BUDGET;
+use turnlog_ingress::config::{DEFAULT_MAX_TURNS, DEFAULT_MAX_TURNS_PER_OWNER};
+use turnlog_ingress::{ApiTokens, IngressConfig};
+use turnlog_runtime::settings::{parse_duration, Backbone, Secret};
+use turnlog_runtime::upstream::{parse_model_windows, UpstreamConfig};
+
+/// How long a worker waits for the writer to apply its append.
+const WORKER_APPEND_TIMEOUT: Duration = Duration::from_secs(15);
+
+#[derive(Parser)]
+#[command(name = "turnlog", version, about = "Append-only chat sessions over HTTP/SSE")]
+pub struct Cli {
+    /// Log lines as readable text (`pretty`) or one JSON object each (`json`); RUST_LOG
+    /// filters them (default `info`).
+    #[arg(long, global = true, env = "TURNLOG_LOG_FORMAT", value_enum, default_value_t = LogFormat::Pretty)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum LogFormat {
+    Pretty,
+    Json,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Apply append requests to Postgres: the only process that writes it.
+    Writer {
+        #[command(flatten)]
+        backbone: BackboneArgs,
+    },
+    /// Distill each finished turn into its turn_memory residue; title new sessions.
+    Distiller {
+        #[command(flatten)]
+        worker: WorkerArgs,
+    },
+    /// Extract each finished turn's durable facts into memories.
+    Memory {
+        #[command(flatten)]
+        worker: WorkerArgs,
+    },
+    /// Keep every session's next request within its token budget (post-turn and pre-send).
+    Compactor {
+        #[command(flatten)]
+        worker: WorkerArgs,
+        #[command(flatten)]
+        compactor: CompactorArgs,
+    },
+    /// Serve the HTTP API: sessions, transcripts, context, memories.
+    Ingress {
+        #[command(flatten)]
+        backbone: BackboneArgs,
+        #[command(flatten)]
+        args: IngressArgs,
+    },
+    /// Apply the database migrations and exit.
+    Migrate {
+        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+        database_url: Secret,
+    },
+    /// Run everything in one process for development: private Postgres and nats-server
+    /// (unless DATABASE_URL / NATS_URL are set), the mock model (unless TURNLOG_LLM_URL is).
+    Dev {
+        #[command(flatten)]
+        args: Box<DevArgs>,
+    },
+    /// Serve the deterministic OpenAI-compatible mock model.
+    MockLlm {
+        #[arg(long, env = "TURNLOG_MOCK_LISTEN", default_value = "127.0.0.1:8090")]
+        listen: SocketAddr,
+    },
+    /// Run a worker again over past committed events, from a feed sequence or a time through
+    /// the feed's end; idempotent, so it appends only what is missing.
+    Replay {
+        /// The worker whose handler runs again.
+        #[arg(long, value_enum)]
+        worker: ReplayWorker,
+        /// The TURNLOG_EVENTS sequence to start at.
+        #[arg(long, required_unless_present = "since", conflicts_with = "since")]
+        from_seq: Option<u64>,
+        /// Start at this time: RFC 3339 (2026-05-01T12:00:00Z) or a duration ago (90m, 2d).
+        #[arg(long, value_parser = turnlog_ops::parse_since)]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Only this session's events.
+        #[arg(long)]
+        session: Option<turnlog_core::ids::SessionId>,
+        #[command(flatten)]
+        args: WorkerArgs,
+        #[command(flatten)]
+        compactor: CompactorArgs,
+    },
+    /// Rebuild the database from TURNLOG_APPEND into an empty one, with the writer's code.
+    Rebuild {
+        /// The empty database to rebuild into (never DATABASE_URL: name it on purpose).
+        #[arg(long)]
+        database_url: Secret,
+        #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+        nats_url: String,
+        #[command(flatten)]
+        bus: BusArgs,
+    },
+    /// Compare two databases' sessions, events and memories; exit 0 only when identical
+    /// (1 when they differ, 2 when they cannot be compared).
+    Verify { url_a: String, url_b: String },
+    /// Inspect the dead letters (TURNLOG_DEAD) and redrive a writer's once its cause is fixed.
+    Dead {
+        #[command(subcommand)]
+        command: DeadCommand,
+        #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222", global = true)]
+        nats_url: String,
+        #[command(flatten)]
+        bus: BusArgs,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum ReplayWorker {
+    Distiller,
+    Memory,
+    Compactor,
+}
+
+#[derive(Subcommand)]
+pub enum DeadCommand {
+    /// Every dead letter, oldest first: sequence, time, reason, session, detail.
+    List,
+    /// One dead letter whole, with how to redo it.
+    Show { seq: u64 },
+    /// Republish a writer's dead letter to TURNLOG_APPEND and wait for its outcome; it is
+    /// applied once, however often it is redriven.
+    Redrive {
+        seq: u64,
+        /// Asked for the outcome should the writer's reply be lost.
+        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+        database_url: Option<Secret>,
+        #[arg(long, default_value = "15s", value_parser = parse_duration)]
+        timeout: Duration,
+    },
+}
+
+/// Where the log and the bus are: shared by every subcommand that reaches them.
+#[derive(clap::Args, Clone)]
+pub struct BackboneArgs {
+    /// Postgres, e.g. postgres://user:password@host:5432/turnlog.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Secret,
+    /// NATS with JetStream.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+    #[command(flatten)]
+    pub bus: BusArgs,
+    #[command(flatten)]
+    pub reads: ReadArgs,
+}
+
+/// How the services that only read Postgres (the ingress and the workers) bound their
+/// queries. The writer's commits and `turnlog rebuild` / `verify` are not bounded.
+#[derive(clap::Args, Clone)]
+pub struct ReadArgs {
+    /// Longest run of one read query (e.g. 5s, 800ms): past it Postgres cancels the query,
+    /// a client gets 503 with Retry-After and a worker retries the event later.
+    #[arg(long, env = "TURNLOG_STATEMENT_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub statement_timeout: Duration,
+}
+
+/// How the bus is laid out on the NATS server.
+#[derive(clap::Args, Clone)]
+pub struct BusArgs {
+    /// Prefix of every stream and subject name, so deployments can share a NATS server.
+    #[arg(long, env = "TURNLOG_BUS_PREFIX", default_value = "turnlog")]
+    pub bus_prefix: String,
+    /// Writer partitions (a stable hash of the session id); fixed for a deployment.
+    #[arg(long, env = "TURNLOG_PARTITIONS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub partitions: u32,
+    /// How long TURNLOG_APPEND keeps requests (e.g. 30d); unlimited by default, so the
+    /// database can be rebuilt from it.
+    #[arg(long, env = "TURNLOG_APPEND_MAX_AGE", value_parser = parse_duration)]
+    pub append_max_age: Option<Duration>,
+}
+
+/// A worker's flags: where the log is, its models and its tuning.
+#[derive(clap::Args, Clone)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    pub backbone: BackboneArgs,
+    #[command(flatten)]
+    pub models: WorkerModels,
+    #[command(flatten)]
+    pub tuning: WorkerTuning,
+}
+
+/// The model gateway and the models the workers call.
+#[derive(clap::Args, Clone)]
+pub struct WorkerModels {
+    /// Base URL of the OpenAI-compatible gateway, ending in /v1.
+    #[arg(long, env = "TURNLOG_LLM_URL")]
+    pub llm_url: String,
+    #[arg(long, env = "TURNLOG_LLM_API_KEY", hide_env_values = true)]
+    pub llm_api_key: Option<Secret>,
+    /// The chat model: its window sizes the compaction budget when a turn names none.
+    #[arg(long, env = "TURNLOG_MODEL")]
+    pub model: String,
+    #[command(flatten)]
+    pub tasks: TaskModels,
+    /// Context windows that win over the gateway's /models: `model=tokens,...`.
+    #[arg(long, env = "TURNLOG_MODEL_WINDOWS", default_value = "")]
+    pub model_windows: String,
+    /// The compaction budget when the model's window is unknown.
+    #[arg(long, env = "TURNLOG_CONTEXT_BUDGET", default_value_t = DEFAULT_BUDGET)]
+    pub context_budget: u32,
+    /// Deadline of one worker model call (e.g. 120s).
+    #[arg(long, env = "TURNLOG_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
+    pub upstream_timeout: Duration,
+}
+
+/// The models of the workers' own calls, when they differ from the chat model.
+#[derive(clap::Args, Clone)]
+pub struct TaskModels {
+    /// Distillation, memory extraction and titles (default: TURNLOG_MODEL).
+    #[arg(long, env = "TURNLOG_MINI_MODEL")]
+    pub mini_model: Option<String>,
+    /// Compaction summaries (default: TURNLOG_MODEL).
+    #[arg(long, env = "TURNLOG_SUMMARY_MODEL")]
+    pub summary_model: Option<String>,
+}
+
+/// How a worker consumes the committed-event feed.
+#[derive(clap::Args, Clone)]
+pub struct WorkerTuning {
+    /// Events one copy of the worker handles at once.
+    #[arg(long, env = "TURNLOG_WORKER_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub worker_concurrency: u32,
+    /// Deliveries of an event before it goes to the dead letters.
+    #[arg(long, env = "TURNLOG_WORKER_MAX_DELIVER", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub worker_max_deliver: u32,
+    /// How long an event may go unacknowledged before it is redelivered (workers report
+    /// progress while they work, so this bounds only a dead copy's hold).
+    #[arg(long, env = "TURNLOG_WORKER_ACK_WAIT", default_value = "60s", value_parser = parse_duration)]
+    pub worker_ack_wait: Duration,
+    /// Delays before each redelivery after a failure, the last repeating: `2s,10s,30s,60s`.
+    #[arg(long, env = "TURNLOG_WORKER_RETRY_BACKOFF", default_value = "2s,10s,30s,60s", value_delimiter = ',', value_parser = parse_duration)]
+    pub worker_retry_backoff: Vec<Duration>,
+}
+
+/// The compactor's own settings.
+#[derive(clap::Args, Clone)]
+pub struct CompactorArgs {
+    /// Longest wait for the extracted facts of the turns a summary replaces.
+    #[arg(long, env = "TURNLOG_FACTS_WAIT", default_value = "5s", value_parser = parse_duration)]
+    pub facts_wait: Duration,
+}
+
+/// Flags of `turnlog ingress` beyond the backbone (database, NATS, bus prefix, partitions).
+#[derive(clap::Args, Clone)]
+pub struct IngressArgs {
+    /// Address to serve HTTP on. Without API tokens only a loopback address is accepted.
+    #[arg(long, env = "TURNLOG_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// `owner:token,...`; unset means no authentication (loopback only, owner `local`).
+    #[arg(long, env = "TURNLOG_API_TOKENS", hide_env_values = true)]
+    pub api_tokens: Option<Secret>,
+    /// OpenAI-compatible base URL ending in `/v1`.
+    #[arg(long, env = "TURNLOG_LLM_URL")]
+    pub llm_url: Option<String>,
+    #[arg(long, env = "TURNLOG_LLM_API_KEY", hide_env_values = true)]
+    pub llm_api_key: Option<Secret>,
+    /// The default model turns are sent to.
+    #[arg(long, env = "TURNLOG_MODEL", default_value = "mock")]
+    pub model: String,
+    /// `model,...`: the models a client may ask for; unset or empty means any.
+    #[arg(long, env = "TURNLOG_ALLOWED_MODELS")]
+    pub allowed_models: Option<String>,
+    /// `model=tokens,...`: context windows that win over what the gateway lists.
+    #[arg(long, env = "TURNLOG_MODEL_WINDOWS", default_value = "")]
+    pub model_windows: String,
+    /// Token budget of a request when the model's window is unknown.
+    #[arg(long, env = "TURNLOG_CONTEXT_BUDGET", default_value_t = DEFAULT_BUDGET)]
+    pub context_budget: u32,
+    #[arg(long, env = "TURNLOG_SYSTEM_PROMPT", default_value = "")]
+    pub system_prompt: String,
+    /// Longest wait for the model's first byte and between two streamed chunks (e.g. 90s).
+    #[arg(long, env = "TURNLOG_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
+    pub upstream_timeout: Duration,
+    /// How long a turn waits for the compactor's pre-send check (e.g. 30s).
+    #[arg(long, env = "TURNLOG_COMPACT_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub compact_timeout: Duration,
+    /// Turns one owner may run at once on this copy; more are refused with 429.
+    #[arg(long, env = "TURNLOG_MAX_TURNS_PER_OWNER", default_value_t = DEFAULT_MAX_TURNS_PER_OWNER, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_turns_per_owner: u32,
+    /// Turns this copy runs at once, all owners together; more are refused with 429.
+    #[arg(long, env = "TURNLOG_MAX_TURNS", default_value_t = DEFAULT_MAX_TURNS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_turns: u32,
+}
+
+/// The flags of `turnlog dev`: where its private servers live, the servers to use instead,
+/// and every service's settings.
+#[derive(clap::Args, Clone)]
+pub struct DevArgs {
+    /// Where the private Postgres and nats-server keep their data and recorded ports.
+    #[arg(long, env = "TURNLOG_DATA_DIR", default_value = ".turnlog")]
+    pub data_dir: PathBuf,
+    /// A Postgres to use instead of the private one.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<Secret>,
+    /// A NATS server (JetStream on) to use instead of the private one.
+    #[arg(long, env = "NATS_URL")]
+    pub nats_url: Option<String>,
+    #[command(flatten)]
+    pub bus: BusArgs,
+    #[command(flatten)]
+    pub reads: ReadArgs,
+    #[command(flatten)]
+    pub ingress: IngressArgs,
+    #[command(flatten)]
+    pub tasks: TaskModels,
+    #[command(flatten)]
+    pub tuning: WorkerTuning,
+    #[command(flatten)]
+    pub compactor: CompactorArgs,
+}
+
+impl BackboneArgs {
+    pub fn backbone(&self) -> Backbone {
+        Backbone {
+            database_url: self.database_url.clone(),
+            nats_url: self.nats_url.clone(),
+            bus_prefix: self.bus.bus_prefix.clone(),
+            partitions: self.bus.partitions,
+            append_max_age: self.bus.append_max_age,
+            statement_timeout: self.reads.statement_timeout,
+        }
+    }
+
+    pub fn writer(&self) -> turnlog_writer::WriterConfig {
+        turnlog_writer::WriterConfig { backbone: self.backbone() }
+    }
+
+    pub fn ingress(&self, args: IngressArgs) -> anyhow::Result<IngressConfig> {
+        ingress_config(self.backbone(), args)
+    }
+}
+
+impl WorkerArgs {
+    pub fn distiller(&self) -> anyhow::Result<turnlog_distiller::DistillerConfig> {
+        self.turn_worker()
+    }
+
+    pub fn memory(&self) -> anyhow::Result<turnlog_memory::MemoryConfig> {
+        self.turn_worker()
+    }
+
+    /// The distiller's and memory extraction's config.
+    fn turn_worker(&self) -> anyhow::Result<turnlog_runtime::turn_worker::TurnWorkerConfig> {
+        let models = &self.models;
+        Ok(turnlog_runtime::turn_worker::TurnWorkerConfig {
+            backbone: self.backbone.backbone(),
+            upstream: models.upstream()?,
+            mini_model: models.mini_model(),
+            consumer: self.tuning.settings(),
+            call_deadline: models.upstream_timeout,
+            append_timeout: WORKER_APPEND_TIMEOUT,
+        })
+    }
+
+    pub fn compactor(&self, compactor: &CompactorArgs) -> anyhow::Result<turnlog_compactor::CompactorConfig> {
+        let models = &self.models;
+        Ok(turnlog_compactor::CompactorConfig {
+            backbone: self.backbone.backbone(),
+            upstream: models.upstream()?,
+            summary_model: models.summary_model(),
+            model: models.model.clone(),
+            context_budget: models.context_budget,
+            consumer: self.tuning.settings(),
+            facts_wait: compactor.facts_wait,
+            summary_deadline: models.upstream_timeout,
+            append_timeout: WORKER_APPEND_TIMEOUT,
+        })
+    }
+}
+
+impl WorkerModels {
+    /// The workers' models on the gateway the ingress is given, so `turnlog dev` configures
+    /// the gateway once for every service.
+    pub fn from_ingress(args: &IngressArgs, llm_url: String, tasks: TaskModels) -> Self {
+        Self {
+            llm_url,
+            llm_api_key: args.llm_api_key.clone(),
+            model: args.model.clone(),
+            tasks,
+            model_windows: args.model_windows.clone(),
+            context_budget: args.context_budget,
+            upstream_timeout: args.upstream_timeout,
+        }
+    }
+
+    fn upstream(&self) -> anyhow::Result<UpstreamConfig> {
+        let windows_override = parse_model_windows(&self.model_windows)
+            .map_err(|e| anyhow::anyhow!("TURNLOG_MODEL_WINDOWS: {e}"))?;
+        anyhow::ensure!(!self.llm_url.trim().is_empty(), "TURNLOG_LLM_URL is empty");
+        anyhow::ensure!(!self.model.trim().is_empty(), "TURNLOG_MODEL must name a model");
+        Ok(UpstreamConfig {
+            base_url: self.llm_url.clone().into(),
+            api_key: self.llm_api_key.clone().filter(|k| !k.is_empty()),
+            timeout: self.upstream_timeout,
+            windows_override,
+        })
+    }
+
+    fn mini_model(&self) -> String {
+        self.tasks.mini_model.clone().unwrap_or_else(|| self.model.clone())
+    }
+
+    fn summary_model(&self) -> String {
+        self.tasks.summary_model.clone().unwrap_or_else(|| self.model.clone())
+    }
+}
+
+impl WorkerTuning {
+    fn settings(&self) -> turnlog_runtime::worker::ConsumerSettings {
+        turnlog_runtime::worker::ConsumerSettings {
+            concurrency: usize::try_from(self.worker_concurrency).unwrap_or(1),
+            max_deliver: self.worker_max_deliver,
+            ack_wait: self.worker_ack_wait,
+            retry_backoff: self.worker_retry_backoff.clone(),
+            replay: None,
+        }
+    }
+}
+
+/// The ingress's flags as its validated config on `backbone`.
+fn ingress_config(backbone: Backbone, args: IngressArgs) -> anyhow::Result<IngressConfig> {
+    let tokens = match &args.api_tokens {
+        Some(spec) => ApiTokens::parse(spec.expose()).context("TURNLOG_API_TOKENS")?,
+        None => ApiTokens::default(),
+    };
+    let model_windows = parse_model_windows(&args.model_windows)
+        .map_err(anyhow::Error::msg)
+        .context("TURNLOG_MODEL_WINDOWS")?;
+    let upstream = args.llm_url.filter(|u| !u.trim().is_empty()).map(|base_url| UpstreamConfig {
+        base_url: base_url.into(),
+        api_key: args.llm_api_key.filter(|k| !k.is_empty()),
+        timeout: args.upstream_timeout,
+        windows_override: model_windows.clone(),
+    });
+    if args.model.trim().is_empty() {
+        bail!("TURNLOG_MODEL must name a model");
+    }
+    let allowed_models = args.allowed_models.as_deref().and_then(parse_allowed_models);
+    if let Some(allowed) = &allowed_models {
+        if !allowed.contains(&args.model) {
+            bail!(
+                "TURNLOG_MODEL {:?} is not in TURNLOG_ALLOWED_MODELS ({}): allow it, or choose one of those",
+                args.model,
+                allowed.join(", ")
+            );
+        }
+    }
+    let config = IngressConfig {
+        listen: args.listen,
+        tokens,
+        upstream,
+        model_windows,
+        model: args.model,
+        allowed_models,
+        context_budget: args.context_budget,
+        system_prompt: args.system_prompt,
+        compact_timeout: args.compact_timeout,
+        turn_limits: turnlog_ingress::turn::TurnLimits {
+            per_owner: args.max_turns_per_owner,
+            total: args.max_turns,
+        },
+        ..IngressConfig::new(backbone)
+    };
+    config.check_listen(args.listen)?;
+    Ok(config)
+}
+
+/// `TURNLOG_ALLOWED_MODELS`: names separated by commas, blanks ignored; None when it names
+/// none (any model is allowed).
+fn parse_allowed_models(spec: &str) -> Option<Vec<String>> {
+    let models: Vec<String> =
+        spec.split(',').map(str::trim).filter(|m| !m.is_empty()).map(str::to_owned).collect();
+    (!models.is_empty()).then_some(models)
+}
+
+impl DevArgs {
+    /// `turnlog dev`'s config, checked before anything starts: each service's config is
+    /// built by the code that builds it for the other subcommands, against stand-in
+    /// servers and gateway that `turnlog dev` replaces with the real ones.
+    pub fn config(mut self) -> anyhow::Result<turnlog_dev::DevConfig> {
+        // An empty variable (`DATABASE_URL=`) means "not set", as a shell user expects.
+        self.database_url = self.database_url.filter(|u| !u.expose().trim().is_empty());
+        self.nats_url = self.nats_url.filter(|u| !u.trim().is_empty());
+        self.ingress.llm_url = self.ingress.llm_url.filter(|u| !u.trim().is_empty());
+        let backbone = BackboneArgs {
+            database_url: "postgres://stand-in".into(),
+            nats_url: "nats://stand-in".into(),
+            bus: self.bus.clone(),
+            reads: self.reads.clone(),
+        };
+        let llm_url = "http://stand-in/v1";
+        let mut ingress = self.ingress.clone();
+        ingress.llm_url = Some(llm_url.to_owned());
+        let models = WorkerModels::from_ingress(&ingress, llm_url.to_owned(), self.tasks.clone());
+        let worker = WorkerArgs { backbone: backbone.clone(), models, tuning: self.tuning.clone() };
+        let services = turnlog_dev::ServiceConfigs {
+            writer: Some(backbone.writer()),
+            ingress: backbone.ingress(ingress)?,
+            distiller: Some(worker.distiller()?),
+            memory: Some(worker.memory()?),
+            compactor: Some(worker.compactor(&self.compactor)?),
+        };
+        Ok(turnlog_dev::DevConfig {
+            data_dir: std::path::absolute(&self.data_dir).context("TURNLOG_DATA_DIR")?,
+            database_url: self.database_url,
+            nats_url: self.nats_url,
+            llm_url: self.ingress.llm_url,
+            services,
+        })
+    }
+}
+
+/// Parses the command line and environment into `P`, or exits: clap's own message, plus
+/// (clap names only the flag, `--partitions <PARTITIONS>`) which environment variable
+/// carried a bad value, when one did.
+pub fn parse_or_exit<P: clap::Parser>() -> P {
+    match P::try_parse() {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            let note = env_source(&P::command(), &e);
+            // Nothing more can be reported when stderr itself is gone.
+            let _ = e.print();
+            if let Some(var) = note {
+                eprintln!("note: the value comes from the environment variable {var}");
+            }
+            std::process::exit(e.exit_code());
+        }
+    }
+}
+
+/// The environment variable that supplied the value `err` complains about, if any.
+fn env_source(command: &clap::Command, err: &clap::Error) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue};
+    let ContextValue::String(arg) = err.get(ContextKind::InvalidArg)? else {
+        return None;
+    };
+    let ContextValue::String(value) = err.get(ContextKind::InvalidValue)? else {
+        return None;
+    };
+    let long = arg.strip_prefix("--")?.split([' ', '=']).next()?;
+    let var = env_of(command, long)?;
+    // A list setting (`2s,0s`) is reported one bad element at a time.
+    let set = std::env::var(&var).ok()?;
+    set.contains(value.as_str()).then_some(var)
+}
+
+fn env_of(command: &clap::Command, long: &str) -> Option<String> {
+    command
+        .get_arguments()
+        .find(|a| a.get_long() == Some(long))
+        .and_then(|a| a.get_env())
+        .map(|e| e.to_string_lossy().into_owned())
+        .or_else(|| command.get_subcommands().find_map(|s| env_of(s, long)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: Sub,
+    }
+
+    #[derive(clap::Subcommand)]
+    enum Sub {
+        Writer {
+            #[command(flatten)]
+            backbone: BackboneArgs,
+        },
+    }
+
+    #[test]
+    fn a_bad_value_is_traced_to_its_variable() {
+        let command = <Cli as clap::CommandFactory>::command();
+        let err = match Cli::try_parse_from(["t", "writer", "--database-url", "x", "--partitions", "0"]) {
+            Ok(_) => panic!("0 partitions accepted"),
+            Err(e) => e,
+        };
+        // The value came from a flag, not the environment: no variable is named.
+        assert_eq!(env_source(&command, &err), None);
+        assert_eq!(env_of(&command, "partitions").as_deref(), Some("TURNLOG_PARTITIONS"));
+        assert_eq!(env_of(&command, "no-such-flag"), None);
+    }
+
+    /// A worker's flags: where the log is, its models and tuning.
+    #[derive(Parser)]
+    struct Worker {
+        #[command(flatten)]
+        worker: WorkerArgs,
+        #[command(flatten)]
+        compactor: CompactorArgs,
+    }
+
+    #[derive(Parser)]
+    struct Ingress {
+        #[command(flatten)]
+        args: IngressArgs,
+    }
+
+    #[test]
+    fn the_statement_timeout_reaches_every_reading_service() {
+        let worker = ["t", "--database-url", "x", "--llm-url", "http://m/v1", "--model", "m"];
+        let ingress = || Ingress::try_parse_from(["t"]).unwrap().args;
+        let default = Worker::try_parse_from(worker).unwrap();
+        assert_eq!(default.worker.backbone.reads.statement_timeout, Duration::from_secs(5));
+        let set = Worker::try_parse_from(worker.into_iter().chain(["--statement-timeout", "750ms"])).unwrap();
+        let (w, b) = (&set.worker, &set.worker.backbone);
+        let expected = Duration::from_millis(750);
+        assert_eq!(b.ingress(ingress()).unwrap().backbone.statement_timeout, expected);
+        assert_eq!(w.distiller().unwrap().backbone.statement_timeout, expected);
+        assert_eq!(w.memory().unwrap().backbone.statement_timeout, expected);
+        assert_eq!(w.compactor(&set.compactor).unwrap().backbone.statement_timeout, expected);
+        let command = <Worker as clap::CommandFactory>::command();
+        assert_eq!(env_of(&command, "statement-timeout").as_deref(), Some("TURNLOG_STATEMENT_TIMEOUT"));
+        assert!(Worker::try_parse_from(worker.into_iter().chain(["--statement-timeout", "0s"])).is_err());
+    }
+
+    fn backbone() -> Backbone {
+        Backbone::new("", "", "turnlog")
+    }
+
+    /// The flags as `turnlog ingress` parses them (`TURNLOG_API_TOKENS` from the environment
+    /// left out; the other settings' variables still count).
+    fn args(flags: &[&str]) -> IngressArgs {
+        let mut args =
+            Ingress::try_parse_from(std::iter::once("ingress").chain(flags.iter().copied())).unwrap().args;
+        args.api_tokens = None;
+        args
+    }
+
+    #[test]
+    fn allowed_models_limit_what_a_message_may_ask_for() {
+        let any = ingress_config(backbone(), args(&["--allowed-models", " , "])).unwrap();
+        assert!(any.allowed_models.is_none() && any.allows_model("whatever"));
+        let flags = ["--model", "gpt-small", "--allowed-models", "gpt-small, gpt-large ,"];
+        let c = ingress_config(backbone(), args(&flags)).unwrap();
+        assert_eq!(c.allowed_models, Some(vec!["gpt-small".to_owned(), "gpt-large".to_owned()]));
+        assert!(c.allows_model("gpt-large") && !c.allows_model("gpt") && !c.allows_model("mock"));
+        // The default model must itself be allowed.
+        let err = ingress_config(backbone(), args(&["--allowed-models", "gpt-small"])).unwrap_err();
+        let err = format!("{err:#}");
+        assert!(err.contains("TURNLOG_ALLOWED_MODELS") && err.contains("\"mock\""), "{err}");
+    }
+
+    #[test]
+    fn secrets_parse_from_flags_and_never_print() {
+        let set = Worker::try_parse_from([
+            "t",
+            "--database-url",
+            "postgres://u:pw-1@db/turnlog",
+            "--llm-url",
+            "http://m/v1",
+            "--model",
+            "m",
+            "--llm-api-key",
+            "sk-live-1",
+        ])
+        .unwrap();
+        let config = set.worker.distiller().unwrap();
+        assert_eq!(config.backbone.database_url.expose(), "postgres://u:pw-1@db/turnlog");
+        let shown = format!("{config:?}");
+        assert!(
+            !shown.contains("pw-1") && !shown.contains("sk-live-1") && shown.contains("db/turnlog"),
+            "{shown}"
+        );
+    }
+}

@@ -1,0 +1,175 @@
+//! The settings every service shares: [`Backbone`] (where the log and the bus are, embedded
+//! in every service's config), [`Secret`] (the one type a password or key is kept in) and
+//! the parsers behind the binary's flags, so a setting means the same thing to each service.
+
+use std::fmt;
+use std::time::Duration;
+
+use sqlx::PgPool;
+
+use crate::bus::{Bus, BusError};
+use crate::upstream::redacted_url;
+
+/// Where the log and the bus are, and how the services use them: embedded as `backbone` in
+/// every service's config.
+#[derive(Debug, Clone)]
+pub struct Backbone {
+    /// `DATABASE_URL`.
+    pub database_url: Secret,
+    /// `NATS_URL`.
+    pub nats_url: String,
+    /// `TURNLOG_BUS_PREFIX`: prefix of every stream and subject name.
+    pub bus_prefix: String,
+    /// `TURNLOG_PARTITIONS`: writer partitions; fixed for a deployment.
+    pub partitions: u32,
+    /// `TURNLOG_APPEND_MAX_AGE`: how long TURNLOG_APPEND keeps requests; None is forever.
+    pub append_max_age: Option<Duration>,
+    /// `TURNLOG_STATEMENT_TIMEOUT`: how long one read query of a reading service (the
+    /// ingress, the workers) may run. The writer's commits are not bounded.
+    pub statement_timeout: Duration,
+}
+
+impl Backbone {
+    /// One partition, appends kept forever, the default statement timeout.
+    pub fn new(
+        database_url: impl Into<Secret>,
+        nats_url: impl Into<String>,
+        bus_prefix: impl Into<String>,
+    ) -> Self {
+        Self {
+            database_url: database_url.into(),
+            nats_url: nats_url.into(),
+            bus_prefix: bus_prefix.into(),
+            partitions: 1,
+            append_max_age: None,
+            statement_timeout: crate::db::DEFAULT_STATEMENT_TIMEOUT,
+        }
+    }
+
+    pub async fn connect_bus(&self) -> Result<Bus, BusError> {
+        Bus::connect(&self.nats_url, &self.bus_prefix, self.partitions).await
+    }
+
+    /// A read-only pool whose statements stop at the statement timeout
+    /// ([`crate::db::connect_reads`]).
+    pub async fn connect_reads(&self, max_connections: u32) -> Result<PgPool, sqlx::Error> {
+        crate::db::connect_reads(self.database_url.expose(), max_connections, self.statement_timeout).await
+    }
+
+    /// A pool whose statements run as long as they need ([`crate::db::connect`]).
+    pub async fn connect_db(&self, max_connections: u32) -> Result<PgPool, sqlx::Error> {
+        crate::db::connect(self.database_url.expose(), max_connections).await
+    }
+}
+
+/// A setting that must never be shown: a database URL (its password), an API key, a token
+/// list, a token's digest. `{:?}` and `{}` show a URL without its user name and password
+/// (the host stays visible, e.g. `postgres://db:5432/turnlog`) and anything else as `***`;
+/// the value itself only through [`Secret::expose`].
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secret<T = String>(T);
+
+impl<T> Secret<T> {
+    pub fn new(value: T) -> Self {
+        Self(value)
+    }
+
+    /// The value itself, for the one place that uses it (a connection, a header).
+    pub fn expose(&self) -> &T {
+        &self.0
+    }
+}
+
+impl Secret {
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl From<String> for Secret {
+    fn from(value: String) -> Self {
+        Self(value)
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(value: &str) -> Self {
+        Self(value.to_owned())
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.contains("://") {
+            f.write_str(&redacted_url(&self.0))
+        } else {
+            f.write_str("***")
+        }
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Secret({self})")
+    }
+}
+
+/// A digest (of an API token): shown as `***` too, since a digest of a short token can be
+/// reversed by trying.
+impl fmt::Debug for Secret<[u8; 32]> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// `500ms`, `90s`, `15m`, `12h`, `30d`, or plain seconds; never zero.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: u64 =
+        n.parse().map_err(|_| format!("{s:?} is not a duration like 500ms, 90s, 15m, 12h or 30d"))?;
+    let d = match unit {
+        "ms" => Duration::from_millis(n),
+        "" | "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n.saturating_mul(60)),
+        "h" => Duration::from_secs(n.saturating_mul(3600)),
+        "d" => Duration::from_secs(n.saturating_mul(86_400)),
+        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m, h or d)")),
+    };
+    if d.is_zero() {
+        return Err(format!("{s:?}: a duration here cannot be zero"));
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
+        assert_eq!(parse_duration("30d"), Ok(Duration::from_secs(30 * 86_400)));
+        assert!(
+            parse_duration("0s").is_err() && parse_duration("1w").is_err() && parse_duration("x").is_err()
+        );
+    }
+
+    #[test]
+    fn secrets_never_show_a_password_or_key() {
+        let url = Secret::from("postgres://turnlog:pw-123@db.internal:5432/turnlog");
+        for shown in [format!("{url}"), format!("{url:?}")] {
+            assert!(!shown.contains("pw-123") && shown.contains("db.internal:5432"), "{shown}");
+        }
+        let key = Secret::from("sk-live-123");
+        assert_eq!(format!("{key}"), "***");
+        assert_eq!(format!("{:?}", Some(key.clone())), "Some(Secret(***))");
+        assert_eq!(key.expose(), "sk-live-123");
+        let backbone = Backbone::new(url, "nats://n:4222", "turnlog");
+        assert!(!format!("{backbone:?}").contains("pw-123"));
+    }
+}
