@@ -5,14 +5,9 @@
 //!
 //! [`settings`] is also where every other subcommand's flags become its service's config.
 
-mod nats;
-mod os;
 mod postgres;
 mod servers;
 pub mod settings;
-
-pub use os::find_executable;
-pub use postgres::PgBins;
 
 use std::future::Future;
 use std::net::SocketAddr;

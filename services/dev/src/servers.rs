@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
 
-use crate::nats::{self, NatsServer};
-use crate::os;
+use turnlog_local_servers::{self as local, NatsServer};
+
 use crate::postgres::{self, Cluster};
 
 /// Ports and pids as the last `turnlog dev` on this directory left them.
@@ -53,7 +53,7 @@ impl PrivateServers {
     /// Stops the private servers: Postgres with a fast shutdown, nats-server with SIGTERM.
     pub(crate) fn stop(self) {
         if let Some(nats) = self.nats {
-            tracing::info!(pid = nats.pid, "stopping the private nats-server");
+            tracing::info!(pid = nats.pid(), "stopping the private nats-server");
             nats.stop();
         }
         if let Some(cluster) = self.postgres {
@@ -99,13 +99,13 @@ fn start_each(
     let (nats_url, nats_note) = match nats_url {
         Some(url) => (url.clone(), format!("{url} (NATS_URL)")),
         None => {
-            let bin = nats::find_bin()?;
+            let bin = local::nats_server_bin()?;
             let adopted = state.nats.as_ref().and_then(|n| Some((NatsServer::adopt(n.pid, n.port)?, n.port)));
             let (server, port) = match adopted {
                 Some((server, port)) => {
                     tracing::info!(
                         port,
-                        pid = server.pid,
+                        pid = server.pid(),
                         "adopting the private nats-server a previous run left"
                     );
                     (server, port)
@@ -116,7 +116,7 @@ fn start_each(
                     (server, port)
                 }
             };
-            state.nats = Some(NatsRecord { port, pid: server.pid });
+            state.nats = Some(NatsRecord { port, pid: server.pid() });
             servers.nats = Some(server);
             write_state(data_dir, &state)?;
             let url = format!("nats://127.0.0.1:{port}");
@@ -175,13 +175,13 @@ fn postgres_url_blocking(port: u16) -> anyhow::Result<String> {
 /// a client configured with the old port must change).
 fn reuse_or_free_port(recorded: Option<u16>, what: &str) -> anyhow::Result<u16> {
     match recorded {
-        Some(port) if os::port_is_free(port) => Ok(port),
+        Some(port) if local::port_is_free(port) => Ok(port),
         Some(port) => {
-            let new = os::free_port()?;
+            let new = local::free_port()?;
             tracing::warn!(old = port, new, "the recorded {what} port is taken; using another");
             Ok(new)
         }
-        None => os::free_port(),
+        None => local::free_port(),
     }
 }
 
