@@ -91,7 +91,7 @@ fn start_each(
     database_url: Option<String>,
     nats_url: Option<String>,
 ) -> anyhow::Result<Endpoints> {
-    let mut state = read_state(data_dir);
+    let mut state: State = local::read_record(&data_dir.join("servers.json"));
     let store = data_dir.join("nats");
     // Looked at before nats-server starts, which creates it.
     let stream_store_existed = store.join("jetstream").exists();
@@ -118,7 +118,7 @@ fn start_each(
             };
             state.nats = Some(NatsRecord { port, pid: server.pid() });
             servers.nats = Some(server);
-            write_state(data_dir, &state)?;
+            local::write_record(&data_dir.join("servers.json"), &state)?;
             let url = format!("nats://127.0.0.1:{port}");
             (url.clone(), format!("{url} (private; JetStream store in {})", store.display()))
         }
@@ -156,7 +156,7 @@ fn start_each(
             let data = cluster.data_dir();
             servers.postgres = Some(cluster);
             state.postgres = Some(PgRecord { port, data_dir: data.clone() });
-            write_state(data_dir, &state)?;
+            local::write_record(&data_dir.join("servers.json"), &state)?;
             let url = postgres_url_blocking(port)?;
             let note = format!("{url} (private; data in {})", data.display());
             (url, note)
@@ -186,14 +186,7 @@ fn reuse_or_free_port(recorded: Option<u16>, what: &str) -> anyhow::Result<u16> 
 }
 
 fn lock(data_dir: &Path) -> anyhow::Result<File> {
-    std::fs::create_dir_all(data_dir).with_context(|| format!("cannot create {}", data_dir.display()))?;
-    let path = data_dir.join("lock");
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("cannot open {}", path.display()))?;
+    let file = local::open_lock_file(data_dir)?;
     match file.try_lock() {
         Ok(()) => Ok(file),
         Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!(
@@ -201,22 +194,7 @@ fn lock(data_dir: &Path) -> anyhow::Result<File> {
             data_dir.display()
         ),
         Err(std::fs::TryLockError::Error(e)) => {
-            Err(e).with_context(|| format!("cannot lock {}", path.display()))
+            Err(e).with_context(|| format!("cannot lock {}", data_dir.join("lock").display()))
         }
     }
-}
-
-fn read_state(data_dir: &Path) -> State {
-    // Missing or unreadable means "nothing recorded": new ports are chosen and recorded.
-    std::fs::read(data_dir.join("servers.json"))
-        .ok()
-        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
-        .unwrap_or_default()
-}
-
-fn write_state(data_dir: &Path, state: &State) -> anyhow::Result<()> {
-    let tmp = data_dir.join("servers.json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(state)?)?;
-    std::fs::rename(&tmp, data_dir.join("servers.json"))
-        .with_context(|| format!("cannot write {}", data_dir.join("servers.json").display()))
 }

@@ -3,6 +3,7 @@
 //! it runs as `postgres`, in a directory that user owns and can reach), and a [`Cluster`]:
 //! initdb, `pg_ctl start`/`stop`, the postmaster of a server already running.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -240,53 +241,53 @@ impl Cluster {
     ) -> anyhow::Result<()> {
         // Clears a stale postmaster.pid.
         self.running();
-        let ctl_file = os::append_log(ctl_log)?;
-        let mut command = self.command("pg_ctl");
-        command.arg("-D").arg(&self.data_dir).arg("-l").arg(server_log).args([
-            "-w",
-            "-t",
-            &wait.as_secs().to_string(),
-        ]);
+        let mut args: Vec<OsString> = vec!["-l".into(), server_log.into()];
         if !options.is_empty() {
-            command.arg("-o").arg(options.join(" "));
+            args.extend(["-o".into(), options.join(" ").into()]);
         }
-        let status = command
-            .arg("start")
-            .stdout(ctl_file.try_clone()?)
-            .stderr(ctl_file)
-            .status()
-            .context("cannot run pg_ctl")?;
-        anyhow::ensure!(
-            status.success(),
-            "pg_ctl start failed ({status}); {}:\n{}\n{}:\n{}",
-            ctl_log.display(),
-            os::tail_lines(ctl_log, 10),
-            server_log.display(),
-            os::tail_lines(server_log, 20)
-        );
-        Ok(())
+        args.push("start".into());
+        self.pg_ctl(&args, ctl_log, wait, Some(server_log))
     }
 
     /// Fast shutdown (open sessions are disconnected, a checkpoint is written), waiting up
     /// to `wait`; pg_ctl's output goes to `ctl_log`.
     pub fn stop(&self, ctl_log: &Path, wait: Duration) -> anyhow::Result<()> {
+        self.pg_ctl(&["-m".into(), "fast".into(), "stop".into()], ctl_log, wait, None)
+    }
+
+    /// `pg_ctl -D <data> -w -t <wait> <args>`, its output appended to `ctl_log`; a failure
+    /// quotes the tail of that and of `server_log`.
+    fn pg_ctl(
+        &self,
+        args: &[OsString],
+        ctl_log: &Path,
+        wait: Duration,
+        server_log: Option<&Path>,
+    ) -> anyhow::Result<()> {
         let ctl_file = os::append_log(ctl_log)?;
         let status = self
             .command("pg_ctl")
             .arg("-D")
             .arg(&self.data_dir)
-            .args(["-m", "fast", "-w", "-t", &wait.as_secs().to_string(), "stop"])
+            .args(["-w", "-t", &wait.as_secs().to_string()])
+            .args(args)
             .stdout(ctl_file.try_clone()?)
             .stderr(ctl_file)
             .status()
             .context("cannot run pg_ctl")?;
-        anyhow::ensure!(
-            status.success(),
-            "pg_ctl stop failed ({status}); {}:\n{}",
+        if status.success() {
+            return Ok(());
+        }
+        let action = args.last().map(|a| a.to_string_lossy()).unwrap_or_default();
+        let mut message = format!(
+            "pg_ctl {action} failed ({status}); {}:\n{}",
             ctl_log.display(),
             os::tail_lines(ctl_log, 10)
         );
-        Ok(())
+        if let Some(log) = server_log {
+            message.push_str(&format!("\n{}:\n{}", log.display(), os::tail_lines(log, 20)));
+        }
+        anyhow::bail!(message)
     }
 }
 

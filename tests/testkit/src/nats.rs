@@ -71,37 +71,15 @@ impl PrivateNats {
     /// Starts the server if it is not running, then waits (up to 15 s) until it accepts
     /// connections; nats-server enables JetStream before it accepts clients.
     pub async fn start(&mut self) {
-        if !self.process.is_running() {
-            if let Err(e) = self.process.start() {
-                panic!("turnlog-testkit: {e:#}");
-            }
-        }
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
         let port = self.port;
-        loop {
-            if !self.process.is_running() {
-                panic!(
-                    "turnlog-testkit: private nats-server on port {port} exited while starting \
-                     (port taken?); log {}:\n{}",
-                    self.log_path().display(),
-                    self.process.log_tail(30)
-                );
-            }
-            let up = tokio::task::spawn_blocking(move || accepts(port, Duration::from_millis(250)))
-                .await
-                .unwrap_or(false);
-            if up {
-                return;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                panic!(
-                    "turnlog-testkit: private nats-server on port {port} not accepting after 15 s; log {}:\n{}",
-                    self.log_path().display(),
-                    self.process.log_tail(30)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let what = format!("private nats-server on port {port}");
+        self.process
+            .start_until_ready(&what, Duration::from_secs(15), || async move {
+                tokio::task::spawn_blocking(move || accepts(port, Duration::from_millis(250)))
+                    .await
+                    .unwrap_or(false)
+            })
+            .await;
     }
 
     /// Graceful stop if running (SIGTERM; SIGKILL after 10 s), then a start on the same

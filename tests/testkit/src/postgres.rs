@@ -125,40 +125,23 @@ impl PrivatePostgres {
     /// Starts the server if it is not running and waits (up to 30 s) until it answers a
     /// query; after [`kill`](Self::kill) this runs crash recovery first.
     pub async fn start(&mut self) {
-        if !self.process.is_running() {
-            if let Err(e) = self.process.start() {
-                panic!("turnlog-testkit: {e:#}");
-            }
-        }
         let url = self.url();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            if !self.process.is_running() {
-                panic!(
-                    "turnlog-testkit: private Postgres on port {} exited while starting; log {}:\n{}",
-                    self.port,
-                    self.log_path().display(),
-                    self.process.log_tail(30)
-                );
-            }
-            // Postgres accepts TCP before it can serve ("the database system is starting
-            // up"), so readiness is a completed login.
-            let attempt =
-                tokio::time::timeout(Duration::from_secs(2), sqlx::PgConnection::connect(&url)).await;
-            if let Ok(Ok(conn)) = attempt {
-                let _ = conn.close().await;
-                return;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                panic!(
-                    "turnlog-testkit: private Postgres on port {} not ready after 30 s; log {}:\n{}",
-                    self.port,
-                    self.log_path().display(),
-                    self.process.log_tail(30)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let what = format!("private Postgres on port {}", self.port);
+        self.process
+            .start_until_ready(&what, Duration::from_secs(30), || async {
+                // Postgres accepts TCP before it can serve ("the database system is
+                // starting up"), so readiness is a completed login.
+                let attempt =
+                    tokio::time::timeout(Duration::from_secs(2), sqlx::PgConnection::connect(&url)).await;
+                match attempt {
+                    Ok(Ok(conn)) => {
+                        let _ = conn.close().await;
+                        true
+                    }
+                    _ => false,
+                }
+            })
+            .await;
     }
 
     /// Fast shutdown (SIGINT: sessions are disconnected, a checkpoint is written), then a

@@ -169,6 +169,42 @@ impl ExternalProcess {
         }
     }
 
+    /// Starts the process unless it is running, then polls `ready` every 50 ms for up to
+    /// `timeout`; panics naming `what`, with the log's tail, when the process exits first
+    /// or is not ready in time.
+    pub(crate) async fn start_until_ready<F, Fut>(&mut self, what: &str, timeout: Duration, mut ready: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        if !self.is_running() {
+            if let Err(e) = self.start() {
+                panic!("turnlog-testkit: {e:#}");
+            }
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if !self.is_running() {
+                panic!(
+                    "turnlog-testkit: {what} exited while starting (port taken?); log {}:\n{}",
+                    self.log_path.display(),
+                    self.log_tail(30)
+                );
+            }
+            if ready().await {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                panic!(
+                    "turnlog-testkit: {what} not ready after {timeout:?}; log {}:\n{}",
+                    self.log_path.display(),
+                    self.log_tail(30)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Sends SIGTERM and returns at once; follow with [`wait_exit`](Self::wait_exit).
     pub fn terminate(&mut self) {
         self.signal("TERM");

@@ -51,33 +51,18 @@ pub(crate) struct StateLock {
 pub(crate) fn lock_state() -> anyhow::Result<StateLock> {
     use std::os::unix::fs::PermissionsExt;
     let dir = state_dir();
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let file = local::open_lock_file(&dir)?;
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
-    let path = dir.join("lock");
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("cannot open {}", path.display()))?;
-    file.lock().with_context(|| format!("cannot lock {}", path.display()))?;
+    file.lock().with_context(|| format!("cannot lock {}", dir.join("lock").display()))?;
     Ok(StateLock { _file: file, dir })
 }
 
 fn read_state(dir: &Path) -> State {
-    // A missing or unreadable file means "nothing running yet"; whatever it described is
-    // found dead by the checks below and replaced.
-    std::fs::read(dir.join("servers.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default()
+    local::read_record(&dir.join("servers.json"))
 }
 
 fn write_state(dir: &Path, state: &State) -> anyhow::Result<()> {
-    let tmp = dir.join("servers.json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(state)?)?;
-    std::fs::rename(&tmp, dir.join("servers.json"))?;
-    Ok(())
+    local::write_record(&dir.join("servers.json"), state)
 }
 
 /// URLs of the shared servers this process was asked for (`None` where not asked),
