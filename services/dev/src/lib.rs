@@ -4,14 +4,10 @@
 //! own shutdown, stopped in order: ingress, workers, writer, then the private servers. It
 //! takes a plain [`DevConfig`]: the binary's `cli.rs` builds it from the flags.
 
-mod nats;
-mod os;
 mod postgres;
 mod servers;
 mod stack;
 
-pub use os::find_executable;
-pub use postgres::PgBins;
 pub use stack::{ServiceConfigs, Stack};
 
 use std::path::PathBuf;

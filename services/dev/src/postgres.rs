@@ -1,85 +1,23 @@
-//! The private PostgreSQL of a `turnlog dev` data directory: the server binaries (Debian
-//! keeps them in /usr/lib/postgresql/<v>/bin), a cluster created once and kept, started
-//! with `pg_ctl` and stopped with `pg_ctl stop -m fast`. Postgres refuses to run as root, so
-//! as root it runs as the `postgres` user, in a directory that user owns and can reach.
+//! The private PostgreSQL of a `turnlog dev` data directory: a cluster created once and
+//! kept (with a marker written when complete, and a check that the installed version made
+//! it), its settings in a file of ours included from postgresql.conf, started with
+//! `pg_ctl` and stopped with a fast shutdown. The mechanics are turnlog-local-servers'.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use nix::unistd::{Gid, Uid};
-use sqlx::Connection as _;
-
-use crate::os;
-
-const MISSING: &str = "PostgreSQL server binaries (initdb, pg_ctl, postgres) not found under \
-    /usr/lib/postgresql/<version>/bin or on PATH: install the Debian package `postgresql` \
-    (apt-get install postgresql), or set DATABASE_URL to a server of your own";
+use turnlog_local_servers::{self as local, PgBins};
 
 /// The database `turnlog dev` keeps its log in.
 const DATABASE: &str = "turnlog";
 
-/// Where initdb, pg_ctl and postgres are, and their major version (the testkit's private
-/// servers use it too).
-#[derive(Debug, Clone)]
-pub struct PgBins {
-    pub dir: PathBuf,
-    /// Major version, to notice a data directory made by another one.
-    pub major: String,
-}
-
-impl PgBins {
-    /// The highest version under /usr/lib/postgresql (Debian's layout), else `PATH`.
-    pub fn find() -> anyhow::Result<PgBins> {
-        let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-            .map(|entries| {
-                entries
-                    .filter_map(Result::ok)
-                    .filter_map(|e| Some((e.file_name().to_str()?.parse().ok()?, e.path().join("bin"))))
-                    .filter(|(_, bin)| Self::complete(bin))
-                    .collect()
-            })
-            .unwrap_or_default();
-        versions.sort();
-        if let Some((major, dir)) = versions.pop() {
-            return Ok(PgBins { dir, major: major.to_string() });
-        }
-        let pg_ctl = os::find_executable("pg_ctl").context(MISSING)?;
-        // Debian's /usr/bin/pg_ctl is a wrapper script and /usr/local/bin may hold links:
-        // `postgres` is looked up beside the real binary.
-        let dir = std::fs::canonicalize(&pg_ctl)?.parent().map(Path::to_path_buf).context(MISSING)?;
-        anyhow::ensure!(Self::complete(&dir), "{MISSING}");
-        let out = Command::new(dir.join("postgres")).arg("--version").output()?;
-        // "postgres (PostgreSQL) 15.8 (Debian 15.8-1)" → "15"
-        let version = String::from_utf8_lossy(&out.stdout);
-        let major = version
-            .split_whitespace()
-            .nth(2)
-            .and_then(|v| v.split('.').next())
-            .context("cannot read the version of postgres")?
-            .to_owned();
-        Ok(PgBins { dir, major })
-    }
-
-    fn complete(dir: &Path) -> bool {
-        ["initdb", "pg_ctl", "postgres"].iter().all(|b| os::is_executable(&dir.join(b)))
-    }
-
-    pub fn bin(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
-    }
-}
-
-/// One cluster: its binaries, the user it runs as, and where it lives.
+/// One cluster of a data directory and where its files go.
 pub(crate) struct Cluster {
-    bins: PgBins,
-    /// `Some` when we are root: the `postgres` user's uid and gid.
-    user: Option<(Uid, Gid)>,
+    cluster: local::Cluster,
     /// Owned by the server's user: the data directory, the server log, the settings.
     base: PathBuf,
-    /// Where pg_ctl's own output goes (a file of ours, not a pipe: the server pg_ctl starts
-    /// must hold nothing of this process's).
+    /// Where pg_ctl's own output goes.
     ctl_log: PathBuf,
 }
 
@@ -89,23 +27,21 @@ impl Cluster {
     /// /var/tmp/turnlog-pg-<hash of data_dir>, which survives reboots as the data must.
     pub(crate) fn of(data_dir: &Path) -> anyhow::Result<Cluster> {
         let bins = PgBins::find()?;
-        let (user, base) = if os::is_root() {
-            let user = os::lookup_user("postgres")?.context(
-                "running as root, and Postgres refuses to: there is no `postgres` user to run it as; \
-                 install the Debian package `postgresql` (it creates the user), or set DATABASE_URL",
-            )?;
+        let user = local::postgres_user()?;
+        let base = if user.is_some() {
             let hash =
                 uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, data_dir.as_os_str().as_encoded_bytes());
             let short = hash.simple().to_string();
-            (Some(user), PathBuf::from(format!("/var/tmp/turnlog-pg-{}", &short[..16])))
+            PathBuf::from(format!("/var/tmp/turnlog-pg-{}", &short[..16]))
         } else {
-            (None, data_dir.join("postgres"))
+            data_dir.join("postgres")
         };
-        Ok(Cluster { bins, user, base, ctl_log: data_dir.join("pg_ctl.log") })
+        let cluster = local::Cluster::new(bins, user, base.join("data"));
+        Ok(Cluster { cluster, base, ctl_log: data_dir.join("pg_ctl.log") })
     }
 
     pub(crate) fn data_dir(&self) -> PathBuf {
-        self.base.join("data")
+        self.cluster.data_dir().to_path_buf()
     }
 
     pub(crate) fn log_path(&self) -> PathBuf {
@@ -134,15 +70,14 @@ impl Cluster {
     /// initdb, our settings file included from postgresql.conf, and a note naming the
     /// turnlog data directory it belongs to.
     pub(crate) fn ensure_created(&self, owner_note: &Path) -> anyhow::Result<()> {
+        let major = &self.cluster.bins().major;
         if self.exists() {
-            let version = std::fs::read_to_string(self.data_dir().join("PG_VERSION")).unwrap_or_default();
+            let version = self.cluster.data_version().unwrap_or_default();
             anyhow::ensure!(
-                version.trim() == self.bins.major,
-                "the Postgres data in {} was made by PostgreSQL {}, but {} is installed: upgrade it \
-                 with pg_upgrade, or remove {} (and the turnlog data directory) to start afresh",
+                &version == major,
+                "the Postgres data in {} was made by PostgreSQL {version}, but {major} is installed: \
+                 upgrade it with pg_upgrade, or remove {} (and the turnlog data directory) to start afresh",
                 self.data_dir().display(),
-                version.trim(),
-                self.bins.major,
                 self.base.display()
             );
             return Ok(());
@@ -150,23 +85,11 @@ impl Cluster {
         // No marker: nothing here ever held data (the marker is written before the first
         // start), so a half-made cluster can go.
         self.remove()?;
-        self.make_owned_dir()?;
-        let (dir, version) = (self.data_dir(), &self.bins.major);
-        tracing::info!(dir = %dir.display(), %version, "creating the private Postgres cluster");
-        let initdb_log = self.base.join("initdb.log");
-        let log_file = os::append_log(&initdb_log)?;
-        let status = self
-            .command("initdb")
-            .arg("-D")
-            .arg(self.data_dir())
-            .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C"])
-            .stdin(Stdio::null())
-            .stdout(log_file.try_clone()?)
-            .stderr(log_file)
-            .status()
-            .context("cannot run initdb")?;
-        anyhow::ensure!(status.success(), "initdb failed ({status}):\n{}", os::tail_lines(&initdb_log, 20));
-        let conf = self.data_dir().join("postgresql.conf");
+        local::make_owned_dir(&self.base, self.cluster.user())?;
+        let dir = self.data_dir();
+        tracing::info!(dir = %dir.display(), version = %major, "creating the private Postgres cluster");
+        self.cluster.initdb(&self.base.join("initdb.log"), true)?;
+        let conf = dir.join("postgresql.conf");
         let mut text =
             std::fs::read_to_string(&conf).with_context(|| format!("cannot read {}", conf.display()))?;
         text.push_str("\n# turnlog dev: port, addresses and limits, rewritten at every start.\n");
@@ -178,69 +101,20 @@ impl Cluster {
     }
 
     /// The port of a server already running on this cluster (left by a `turnlog dev` that
-    /// was killed): it is adopted rather than started twice. A stale `postmaster.pid`
-    /// (whose pid may since belong to another process, which would make Postgres refuse
-    /// to start) is removed.
+    /// was killed): it is adopted rather than started twice.
     pub(crate) fn running_port(&self) -> Option<u16> {
-        let pid_file = self.data_dir().join("postmaster.pid");
-        let text = std::fs::read_to_string(&pid_file).ok()?;
-        let mut lines = text.lines();
-        let pid: u32 = lines.next()?.trim().parse().ok()?;
-        if !os::process_alive(pid, "postgres") {
-            let _ = std::fs::remove_file(&pid_file);
-            return None;
-        }
-        // Line 4 of postmaster.pid is the port.
-        lines.nth(2)?.trim().parse().ok()
+        self.cluster.running()?.port
     }
 
     /// Starts the server on `port` (loopback only) and waits until it accepts connections.
     pub(crate) fn start(&self, port: u16) -> anyhow::Result<()> {
         self.write_settings(port)?;
-        let ctl_log = os::append_log(&self.ctl_log)?;
-        let status = self
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(self.data_dir())
-            .arg("-l")
-            .arg(self.log_path())
-            .args(["-w", "-t", "120", "start"])
-            .stdin(Stdio::null())
-            .stdout(ctl_log.try_clone()?)
-            .stderr(ctl_log)
-            .status()
-            .context("cannot run pg_ctl")?;
-        anyhow::ensure!(
-            status.success(),
-            "pg_ctl start failed ({status}); {}:\n{}\n{}:\n{}",
-            self.ctl_log.display(),
-            os::tail_lines(&self.ctl_log, 10),
-            self.log_path().display(),
-            os::tail_lines(&self.log_path(), 20)
-        );
-        Ok(())
+        self.cluster.start(&self.log_path(), &self.ctl_log, Duration::from_secs(120), &[])
     }
 
     /// Fast shutdown: open sessions are disconnected, a checkpoint is written.
     pub(crate) fn stop(&self) -> anyhow::Result<()> {
-        let ctl_log = os::append_log(&self.ctl_log)?;
-        let status = self
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(self.data_dir())
-            .args(["-m", "fast", "-w", "-t", "60", "stop"])
-            .stdin(Stdio::null())
-            .stdout(ctl_log.try_clone()?)
-            .stderr(ctl_log)
-            .status()
-            .context("cannot run pg_ctl")?;
-        anyhow::ensure!(
-            status.success(),
-            "pg_ctl stop failed ({status}); {}:\n{}",
-            self.ctl_log.display(),
-            os::tail_lines(&self.ctl_log, 10)
-        );
-        Ok(())
+        self.cluster.stop(&self.ctl_log, Duration::from_secs(60))
     }
 
     /// Loopback TCP only: no Unix socket, whose directory may be closed to us (the
@@ -256,62 +130,15 @@ impl Cluster {
         );
         let path = self.data_dir().join("turnlog.conf");
         std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
-        self.chown(&path)
-    }
-
-    fn make_owned_dir(&self) -> anyhow::Result<()> {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::create_dir_all(&self.base)
-            .with_context(|| format!("cannot create {}", self.base.display()))?;
-        self.chown(&self.base)?;
-        std::fs::set_permissions(&self.base, std::fs::Permissions::from_mode(0o700))?;
-        Ok(())
-    }
-
-    fn chown(&self, path: &Path) -> anyhow::Result<()> {
-        if let Some((uid, gid)) = self.user {
-            std::os::unix::fs::chown(path, Some(uid.as_raw()), Some(gid.as_raw()))
-                .with_context(|| format!("cannot hand {} to the postgres user", path.display()))?;
-        }
-        Ok(())
-    }
-
-    /// A server binary, run as the server's user from a directory it can enter, in a
-    /// process group of its own so the terminal's Ctrl-C reaches only `turnlog dev`,
-    /// which stops the server itself, last.
-    fn command(&self, name: &str) -> Command {
-        use std::os::unix::process::CommandExt;
-        let mut command = Command::new(self.bins.bin(name));
-        command.current_dir(&self.base).process_group(0);
-        if let Some((uid, gid)) = self.user {
-            // std drops root's supplementary groups before switching.
-            command.uid(uid.as_raw()).gid(gid.as_raw());
-        }
-        command
+        self.cluster.chown(&path)
     }
 }
 
 /// The URL of the turnlog database on the private server at `port`, creating the database
 /// on first use. Retries while the server is still coming up.
 pub(crate) async fn ensure_database(port: u16) -> anyhow::Result<String> {
-    let admin = format!("postgres://postgres@127.0.0.1:{port}/postgres");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let mut conn = loop {
-        match sqlx::PgConnection::connect(&admin).await {
-            Ok(conn) => break conn,
-            Err(e) if tokio::time::Instant::now() >= deadline => {
-                return Err(e).context(format!("cannot connect to the private Postgres on port {port}"));
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-        }
-    };
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
-        .bind(DATABASE)
-        .fetch_one(&mut conn)
-        .await?;
-    if !exists {
-        sqlx::query(&format!("CREATE DATABASE {DATABASE}")).execute(&mut conn).await?;
-    }
-    let _ = conn.close().await;
-    Ok(format!("postgres://postgres@127.0.0.1:{port}/{DATABASE}"))
+    local::ensure_database(&local::local_url(port, "postgres"), DATABASE, Duration::from_secs(30))
+        .await
+        .with_context(|| format!("the private Postgres on port {port}"))?;
+    Ok(local::local_url(port, DATABASE))
 }

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use anyhow::Context as _;
 use serde::{Deserialize, Serialize};
 
-use crate::nats::{self, NatsServer};
-use crate::os;
+use turnlog_local_servers::{self as local, NatsServer};
+
 use crate::postgres::{self, Cluster};
 
 /// Ports and pids as the last `turnlog dev` on this directory left them.
@@ -53,7 +53,7 @@ impl PrivateServers {
     /// Stops the private servers: Postgres with a fast shutdown, nats-server with SIGTERM.
     pub(crate) fn stop(self) {
         if let Some(nats) = self.nats {
-            tracing::info!(pid = nats.pid, "stopping the private nats-server");
+            tracing::info!(pid = nats.pid(), "stopping the private nats-server");
             nats.stop();
         }
         if let Some(cluster) = self.postgres {
@@ -91,7 +91,7 @@ fn start_each(
     database_url: Option<String>,
     nats_url: Option<String>,
 ) -> anyhow::Result<Endpoints> {
-    let mut state = read_state(data_dir);
+    let mut state: State = local::read_record(&data_dir.join("servers.json"));
     let store = data_dir.join("nats");
     // Looked at before nats-server starts, which creates it.
     let stream_store_existed = store.join("jetstream").exists();
@@ -99,13 +99,13 @@ fn start_each(
     let (nats_url, nats_note) = match nats_url {
         Some(url) => (url.clone(), format!("{url} (NATS_URL)")),
         None => {
-            let bin = nats::find_bin()?;
+            let bin = local::nats_server_bin()?;
             let adopted = state.nats.as_ref().and_then(|n| Some((NatsServer::adopt(n.pid, n.port)?, n.port)));
             let (server, port) = match adopted {
                 Some((server, port)) => {
                     tracing::info!(
                         port,
-                        pid = server.pid,
+                        pid = server.pid(),
                         "adopting the private nats-server a previous run left"
                     );
                     (server, port)
@@ -116,9 +116,9 @@ fn start_each(
                     (server, port)
                 }
             };
-            state.nats = Some(NatsRecord { port, pid: server.pid });
+            state.nats = Some(NatsRecord { port, pid: server.pid() });
             servers.nats = Some(server);
-            write_state(data_dir, &state)?;
+            local::write_record(&data_dir.join("servers.json"), &state)?;
             let url = format!("nats://127.0.0.1:{port}");
             (url.clone(), format!("{url} (private; JetStream store in {})", store.display()))
         }
@@ -156,7 +156,7 @@ fn start_each(
             let data = cluster.data_dir();
             servers.postgres = Some(cluster);
             state.postgres = Some(PgRecord { port, data_dir: data.clone() });
-            write_state(data_dir, &state)?;
+            local::write_record(&data_dir.join("servers.json"), &state)?;
             let url = postgres_url_blocking(port)?;
             let note = format!("{url} (private; data in {})", data.display());
             (url, note)
@@ -175,25 +175,18 @@ fn postgres_url_blocking(port: u16) -> anyhow::Result<String> {
 /// a client configured with the old port must change).
 fn reuse_or_free_port(recorded: Option<u16>, what: &str) -> anyhow::Result<u16> {
     match recorded {
-        Some(port) if os::port_is_free(port) => Ok(port),
+        Some(port) if local::port_is_free(port) => Ok(port),
         Some(port) => {
-            let new = os::free_port()?;
+            let new = local::free_port()?;
             tracing::warn!(old = port, new, "the recorded {what} port is taken; using another");
             Ok(new)
         }
-        None => os::free_port(),
+        None => local::free_port(),
     }
 }
 
 fn lock(data_dir: &Path) -> anyhow::Result<File> {
-    std::fs::create_dir_all(data_dir).with_context(|| format!("cannot create {}", data_dir.display()))?;
-    let path = data_dir.join("lock");
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("cannot open {}", path.display()))?;
+    let file = local::open_lock_file(data_dir)?;
     match file.try_lock() {
         Ok(()) => Ok(file),
         Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!(
@@ -201,22 +194,7 @@ fn lock(data_dir: &Path) -> anyhow::Result<File> {
             data_dir.display()
         ),
         Err(std::fs::TryLockError::Error(e)) => {
-            Err(e).with_context(|| format!("cannot lock {}", path.display()))
+            Err(e).with_context(|| format!("cannot lock {}", data_dir.join("lock").display()))
         }
     }
-}
-
-fn read_state(data_dir: &Path) -> State {
-    // Missing or unreadable means "nothing recorded": new ports are chosen and recorded.
-    std::fs::read(data_dir.join("servers.json"))
-        .ok()
-        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
-        .unwrap_or_default()
-}
-
-fn write_state(data_dir: &Path, state: &State) -> anyhow::Result<()> {
-    let tmp = data_dir.join("servers.json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(state)?)?;
-    std::fs::rename(&tmp, data_dir.join("servers.json"))
-        .with_context(|| format!("cannot write {}", data_dir.join("servers.json").display()))
 }

@@ -1,35 +1,13 @@
-//! Running our own nats-server with JetStream: finding the binary, and [`PrivateNats`], a
-//! per-test server on a fixed port whose store survives restarts, for fault tests.
+//! [`PrivateNats`]: a nats-server with JetStream of one test's own, on a fixed port whose
+//! store survives restarts, for fault tests.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::Context;
+use turnlog_local_servers::{accepts, nats_server_args, nats_server_bin};
 
 use crate::process::ExternalProcess;
-use crate::util::{accepts, random_alnum};
-use turnlog_dev::find_executable;
-
-/// The nats-server binary, or a message naming the package that provides it.
-pub(crate) fn nats_server_bin() -> anyhow::Result<PathBuf> {
-    find_executable("nats-server").context(
-        "nats-server not found on PATH or in /usr/sbin: install the Debian package `nats-server` \
-         (apt-get install nats-server), or set NATS_URL to an existing server with JetStream",
-    )
-}
-
-/// Arguments for a JetStream server on 127.0.0.1:`port` keeping its store in `store_dir`.
-pub(crate) fn server_args(port: u16, store_dir: &Path) -> Vec<String> {
-    vec![
-        "-js".to_owned(),
-        "-a".to_owned(),
-        "127.0.0.1".to_owned(),
-        "-p".to_owned(),
-        port.to_string(),
-        "-sd".to_owned(),
-        store_dir.display().to_string(),
-    ]
-}
+use crate::util::random_alnum;
 
 /// A nats-server (JetStream on) of one test's own, on a fixed port with its own store
 /// directory, so it can be restarted, killed or frozen under a running service. Distinct
@@ -58,7 +36,7 @@ pub async fn private_nats(port: u16) -> PrivateNats {
         panic!("turnlog-testkit: cannot create {}: {e}", store_dir.display());
     }
     let process =
-        ExternalProcess::new(&format!("nats-server-{port}"), bin).args(server_args(port, &store_dir));
+        ExternalProcess::new(&format!("nats-server-{port}"), bin).args(nats_server_args(port, &store_dir));
     let mut nats = PrivateNats { port, store_dir, process };
     nats.start().await;
     nats
@@ -93,37 +71,15 @@ impl PrivateNats {
     /// Starts the server if it is not running, then waits (up to 15 s) until it accepts
     /// connections; nats-server enables JetStream before it accepts clients.
     pub async fn start(&mut self) {
-        if !self.process.is_running() {
-            if let Err(e) = self.process.start() {
-                panic!("turnlog-testkit: {e:#}");
-            }
-        }
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
         let port = self.port;
-        loop {
-            if !self.process.is_running() {
-                panic!(
-                    "turnlog-testkit: private nats-server on port {port} exited while starting \
-                     (port taken?); log {}:\n{}",
-                    self.log_path().display(),
-                    self.process.log_tail(30)
-                );
-            }
-            let up = tokio::task::spawn_blocking(move || accepts(port, Duration::from_millis(250)))
-                .await
-                .unwrap_or(false);
-            if up {
-                return;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                panic!(
-                    "turnlog-testkit: private nats-server on port {port} not accepting after 15 s; log {}:\n{}",
-                    self.log_path().display(),
-                    self.process.log_tail(30)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let what = format!("private nats-server on port {port}");
+        self.process
+            .start_until_ready(&what, Duration::from_secs(15), || async move {
+                tokio::task::spawn_blocking(move || accepts(port, Duration::from_millis(250)))
+                    .await
+                    .unwrap_or(false)
+            })
+            .await;
     }
 
     /// Graceful stop if running (SIGTERM; SIGKILL after 10 s), then a start on the same

@@ -1,30 +1,17 @@
-//! Running our own PostgreSQL: finding the server binaries, creating a cluster (as the
-//! `postgres` user when we are root — Postgres refuses to run as root), the settings that
-//! make it fast for tests, and [`PrivatePostgres`], a per-test server on a fixed port.
+//! The testkit's PostgreSQL policy: where its clusters live, the settings that make a
+//! server fast for tests, and [`PrivatePostgres`], a per-test server on a fixed port. The
+//! mechanics (binaries, the `postgres` user when root, initdb) are turnlog-local-servers'.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
-use anyhow::Context;
 use sqlx::Connection;
+use turnlog_local_servers::{
+    current_uid, is_root, local_url, make_owned_dir, postgres_user, Cluster, PgBins,
+};
 
 use crate::process::ExternalProcess;
-use crate::util::{current_uid, is_root, lookup_user, random_alnum, tail_lines};
-
-pub(crate) use turnlog_dev::PgBins;
-
-/// Who runs Postgres: `Some((uid, gid))` of the `postgres` user when we are root, `None`
-/// (ourselves) otherwise.
-pub(crate) fn server_user() -> anyhow::Result<Option<(u32, u32)>> {
-    if !is_root() {
-        return Ok(None);
-    }
-    lookup_user("postgres").map(Some).context(
-        "running as root, and Postgres refuses to: no `postgres` user to run it as; install the \
-         Debian package `postgresql` (it creates the user), or set DATABASE_URL",
-    )
-}
+use crate::util::random_alnum;
 
 /// Where our clusters live: a directory the server's user owns and can reach (a path
 /// under /root would not be reachable by `postgres`).
@@ -34,53 +21,6 @@ pub(crate) fn base_dir() -> PathBuf {
     } else {
         PathBuf::from(format!("/var/tmp/turnlog-testkit-{}/pg", current_uid()))
     }
-}
-
-/// Creates `dir` owned by the server's user, mode 0700.
-pub(crate) fn prepare_owned_dir(dir: &Path, user: Option<(u32, u32)>) -> anyhow::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    if let Some((uid, gid)) = user {
-        std::os::unix::fs::chown(dir, Some(uid), Some(gid))
-            .with_context(|| format!("cannot chown {} to postgres", dir.display()))?;
-    }
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
-    Ok(())
-}
-
-/// A command for one of the server binaries, run as the server's user from a directory it
-/// can enter (the test's own working directory may be closed to it).
-pub(crate) fn pg_command(bins: &PgBins, name: &str, user: Option<(u32, u32)>, cwd: &Path) -> Command {
-    use std::os::unix::process::CommandExt;
-    let mut command = Command::new(bins.bin(name));
-    command.current_dir(cwd);
-    if let Some((uid, gid)) = user {
-        command.uid(uid).gid(gid);
-    }
-    command
-}
-
-/// `initdb` into `data_dir` (which must not exist yet, its parent owned by the server's
-/// user): trust auth, superuser `postgres`, UTF-8, no fsync. Output goes to `log`.
-pub(crate) fn initdb(
-    bins: &PgBins,
-    user: Option<(u32, u32)>,
-    data_dir: &Path,
-    log: &Path,
-) -> anyhow::Result<()> {
-    let parent = data_dir.parent().context("data directory has no parent")?;
-    let log_file = std::fs::OpenOptions::new().create(true).append(true).open(log)?;
-    let status = pg_command(bins, "initdb", user, parent)
-        .arg("-D")
-        .arg(data_dir)
-        .args(["-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"])
-        .stdin(std::process::Stdio::null())
-        .stdout(log_file.try_clone()?)
-        .stderr(log_file)
-        .status()
-        .context("cannot run initdb")?;
-    anyhow::ensure!(status.success(), "initdb failed ({status}):\n{}", tail_lines(log, 20));
-    Ok(())
 }
 
 /// Server settings: loopback only on `port`, the socket in the data directory, and no
@@ -104,11 +44,6 @@ pub(crate) fn server_args(port: u16, data_dir: &Path, crash_safe_commits: bool) 
     args
 }
 
-/// URL of database `database` as superuser `postgres` on 127.0.0.1:`port`.
-pub(crate) fn local_url(port: u16, database: &str) -> String {
-    format!("postgres://postgres@127.0.0.1:{port}/{database}")
-}
-
 /// A Postgres server of one test's own, on a fixed port, for fault tests (restart it under
 /// a running service, crash it). Distinct from the shared once-per-run server; stopped and
 /// its data deleted when dropped. Unlike the shared server, commits are crash-safe (a
@@ -130,35 +65,34 @@ pub struct PrivatePostgres {
 /// Creates a cluster (initdb, about a second) and starts it on `port`, waiting until it
 /// accepts queries. Panics with a clear message when it cannot.
 pub async fn private_postgres(port: u16) -> PrivatePostgres {
-    let (bins, user, data_dir) = match tokio::task::spawn_blocking(move || new_cluster(port)).await {
+    let cluster = match tokio::task::spawn_blocking(move || new_cluster(port)).await {
         Ok(Ok(cluster)) => cluster,
         Ok(Err(e)) => panic!("turnlog-testkit: cannot create a private Postgres: {e:#}"),
         Err(e) => panic!("turnlog-testkit: cannot create a private Postgres: {e}"),
     };
-    let process = ExternalProcess::new(&format!("postgres-{port}"), bins.bin("postgres"))
+    let data_dir = cluster.data_dir().to_path_buf();
+    let process = ExternalProcess::new(&format!("postgres-{port}"), cluster.bins().bin("postgres"))
         .arg("-D")
         .arg(&data_dir)
         .args(server_args(port, &data_dir, true))
-        .current_dir(data_dir.parent().unwrap_or(Path::new("/")))
-        .run_as(user);
+        .current_dir(cluster.base())
+        .run_as(cluster.user());
     let mut pg = PrivatePostgres { port, data_dir, process };
     pg.start().await;
     pg
 }
 
-/// Binaries, the user to run as, and a new cluster's data directory.
-type NewCluster = (PgBins, Option<(u32, u32)>, PathBuf);
-
-fn new_cluster(port: u16) -> anyhow::Result<NewCluster> {
-    let bins = PgBins::find()?;
-    let user = server_user()?;
+/// A new cluster in a directory of its own under [`base_dir`].
+fn new_cluster(port: u16) -> anyhow::Result<Cluster> {
+    let user = postgres_user()?;
     let base = base_dir();
-    prepare_owned_dir(&base, user)?;
+    make_owned_dir(&base, user)?;
     let data_dir = base.join(format!("private-{port}-{}", random_alnum(8)));
+    let cluster = Cluster::new(PgBins::find()?, user, data_dir);
     let log = std::env::temp_dir().join(format!("turnlog-testkit-initdb-{}.log", random_alnum(8)));
-    initdb(&bins, user, &data_dir, &log)?;
+    cluster.initdb(&log, false)?;
     let _ = std::fs::remove_file(&log);
-    Ok((bins, user, data_dir))
+    Ok(cluster)
 }
 
 impl PrivatePostgres {
@@ -191,40 +125,23 @@ impl PrivatePostgres {
     /// Starts the server if it is not running and waits (up to 30 s) until it answers a
     /// query; after [`kill`](Self::kill) this runs crash recovery first.
     pub async fn start(&mut self) {
-        if !self.process.is_running() {
-            if let Err(e) = self.process.start() {
-                panic!("turnlog-testkit: {e:#}");
-            }
-        }
         let url = self.url();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            if !self.process.is_running() {
-                panic!(
-                    "turnlog-testkit: private Postgres on port {} exited while starting; log {}:\n{}",
-                    self.port,
-                    self.log_path().display(),
-                    self.process.log_tail(30)
-                );
-            }
-            // Postgres accepts TCP before it can serve ("the database system is starting
-            // up"), so readiness is a completed login.
-            let attempt =
-                tokio::time::timeout(Duration::from_secs(2), sqlx::PgConnection::connect(&url)).await;
-            if let Ok(Ok(conn)) = attempt {
-                let _ = conn.close().await;
-                return;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                panic!(
-                    "turnlog-testkit: private Postgres on port {} not ready after 30 s; log {}:\n{}",
-                    self.port,
-                    self.log_path().display(),
-                    self.process.log_tail(30)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let what = format!("private Postgres on port {}", self.port);
+        self.process
+            .start_until_ready(&what, Duration::from_secs(30), || async {
+                // Postgres accepts TCP before it can serve ("the database system is
+                // starting up"), so readiness is a completed login.
+                let attempt =
+                    tokio::time::timeout(Duration::from_secs(2), sqlx::PgConnection::connect(&url)).await;
+                match attempt {
+                    Ok(Ok(conn)) => {
+                        let _ = conn.close().await;
+                        true
+                    }
+                    _ => false,
+                }
+            })
+            .await;
     }
 
     /// Fast shutdown (SIGINT: sessions are disconnected, a checkpoint is written), then a

@@ -3,17 +3,17 @@
 //! [`TurnlogProcess`], a `turnlog <subcommand>` wired to a [`TestEnv`].
 
 use std::ffi::{OsStr, OsString};
-use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 
+use turnlog_local_servers::{append_log, current_uid, tail_lines, RunAs, Signal};
+
 use crate::env::TestEnv;
-use crate::util::{current_uid, random_alnum, send_signal, tail_lines};
+use crate::util::random_alnum;
 
 /// How many log lines a failing test prints for each of its processes.
 const TAIL_ON_FAILURE: usize = 40;
@@ -42,8 +42,8 @@ pub struct ExternalProcess {
     args: Vec<OsString>,
     envs: Vec<(OsString, Option<OsString>)>,
     current_dir: Option<PathBuf>,
-    /// uid and gid to run as (Postgres refuses to run as root).
-    user: Option<(u32, u32)>,
+    /// The user to run as (Postgres refuses to run as root).
+    user: Option<RunAs>,
     log_path: PathBuf,
     child: Option<Child>,
     last_pid: u32,
@@ -99,10 +99,8 @@ impl ExternalProcess {
         self
     }
 
-    /// Runs the child as another user (only root may). std drops root's supplementary
-    /// groups before switching, and signals reach the program itself, unlike `runuser`,
-    /// which forks and would leave the program running when it is SIGKILLed.
-    pub(crate) fn run_as(mut self, user: Option<(u32, u32)>) -> ExternalProcess {
+    /// Runs the child as another user (only root may); see [`RunAs::apply`].
+    pub(crate) fn run_as(mut self, user: Option<RunAs>) -> ExternalProcess {
         self.user = user;
         self
     }
@@ -113,7 +111,7 @@ impl ExternalProcess {
         if self.is_running() {
             anyhow::bail!("{} is already running (pid {})", self.name, self.last_pid);
         }
-        let mut log = open_log(&self.log_path)?;
+        let mut log = append_log(&self.log_path)?;
         let command_line = std::iter::once(self.program.as_os_str())
             .chain(self.args.iter().map(OsString::as_os_str))
             .map(|a| a.to_string_lossy().into_owned())
@@ -130,8 +128,8 @@ impl ExternalProcess {
         if let Some(dir) = &self.current_dir {
             command.current_dir(dir);
         }
-        if let Some((uid, gid)) = self.user {
-            command.uid(uid).gid(gid);
+        if let Some(user) = self.user {
+            user.apply(&mut command);
         }
         let child = command.spawn().with_context(|| format!("cannot start {}: {command_line}", self.name))?;
         self.last_pid = child.id();
@@ -171,6 +169,42 @@ impl ExternalProcess {
         }
     }
 
+    /// Starts the process unless it is running, then polls `ready` every 50 ms for up to
+    /// `timeout`; panics naming `what`, with the log's tail, when the process exits first
+    /// or is not ready in time.
+    pub(crate) async fn start_until_ready<F, Fut>(&mut self, what: &str, timeout: Duration, mut ready: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        if !self.is_running() {
+            if let Err(e) = self.start() {
+                panic!("turnlog-testkit: {e:#}");
+            }
+        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if !self.is_running() {
+                panic!(
+                    "turnlog-testkit: {what} exited while starting (port taken?); log {}:\n{}",
+                    self.log_path.display(),
+                    self.log_tail(30)
+                );
+            }
+            if ready().await {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                panic!(
+                    "turnlog-testkit: {what} not ready after {timeout:?}; log {}:\n{}",
+                    self.log_path.display(),
+                    self.log_tail(30)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Sends SIGTERM and returns at once; follow with [`wait_exit`](Self::wait_exit).
     pub fn terminate(&mut self) {
         self.signal("TERM");
@@ -190,7 +224,11 @@ impl ExternalProcess {
     /// Only an unreaped child is signalled, so a recycled pid is never hit.
     pub fn signal(&mut self, name: &str) {
         if self.is_running() {
-            if let Err(e) = send_signal(self.last_pid, name) {
+            let sent = format!("SIG{name}")
+                .parse::<Signal>()
+                .map_err(|e| anyhow::anyhow!("no signal {name}: {e}"))
+                .and_then(|signal| turnlog_local_servers::signal(self.last_pid, signal));
+            if let Err(e) = sent {
                 panic!("turnlog-testkit: signalling {} failed: {e:#}", self.name);
             }
         }
@@ -266,30 +304,8 @@ impl Drop for ExternalProcess {
     }
 }
 
-fn open_log(path: &Path) -> anyhow::Result<File> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    }
-    OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .with_context(|| format!("cannot open log {}", path.display()))
-}
-
 fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
-
-/// Spawns a server meant to outlive this test process: its own process group (so the test
-/// runner's signals to the test's group miss it), no stdio tied to the test (so nextest
-/// does not wait on it as a leak), output appended to `log_path`. Returns its pid; the
-/// `Child` is dropped, which in std neither kills nor waits.
-pub(crate) fn spawn_detached(mut command: Command, log_path: &Path) -> anyhow::Result<u32> {
-    let log = open_log(log_path)?;
-    command.process_group(0).stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
-    let child = command.spawn().with_context(|| format!("cannot spawn {:?}", command.get_program()))?;
-    Ok(child.id())
 }
 
 /// A `turnlog <subcommand> [args]` child process running against a [`TestEnv`]: the

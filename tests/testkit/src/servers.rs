@@ -4,18 +4,16 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
-
-use crate::nats;
-use crate::postgres::{self, PgBins};
-use crate::process::spawn_detached;
-use crate::util::{
-    current_uid, free_port, port_is_free, process_alive, send_signal, tail_lines, wait_accepting,
+use turnlog_local_servers::{
+    self as local, current_uid, free_port, kill_postmaster, local_url, make_owned_dir, nats_server_bin,
+    port_is_free, postgres_user, process_alive, wait_accepting, Cluster, NatsServer, PgBins,
 };
+
+use crate::postgres;
 
 /// Everything the testkit keeps between test processes: the lock, `servers.json`, the
 /// shared nats-server's store and log, and the sweep's records.
@@ -53,33 +51,18 @@ pub(crate) struct StateLock {
 pub(crate) fn lock_state() -> anyhow::Result<StateLock> {
     use std::os::unix::fs::PermissionsExt;
     let dir = state_dir();
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let file = local::open_lock_file(&dir)?;
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
-    let path = dir.join("lock");
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("cannot open {}", path.display()))?;
-    file.lock().with_context(|| format!("cannot lock {}", path.display()))?;
+    file.lock().with_context(|| format!("cannot lock {}", dir.join("lock").display()))?;
     Ok(StateLock { _file: file, dir })
 }
 
 fn read_state(dir: &Path) -> State {
-    // A missing or unreadable file means "nothing running yet"; whatever it described is
-    // found dead by the checks below and replaced.
-    std::fs::read(dir.join("servers.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default()
+    local::read_record(&dir.join("servers.json"))
 }
 
 fn write_state(dir: &Path, state: &State) -> anyhow::Result<()> {
-    let tmp = dir.join("servers.json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(state)?)?;
-    std::fs::rename(&tmp, dir.join("servers.json"))?;
-    Ok(())
+    local::write_record(&dir.join("servers.json"), state)
 }
 
 /// URLs of the shared servers this process was asked for (`None` where not asked),
@@ -96,7 +79,7 @@ pub(crate) fn ensure(
     let postgres = if need_postgres {
         let port = ensure_postgres(&mut state).context("shared private Postgres")?;
         write_state(&lock.dir, &state)?;
-        Some(postgres::local_url(port, "postgres"))
+        Some(local_url(port, "postgres"))
     } else {
         None
     };
@@ -111,168 +94,98 @@ pub(crate) fn ensure(
 }
 
 fn ensure_postgres(state: &mut State) -> anyhow::Result<u16> {
-    let bins = PgBins::find()?;
-    let user = postgres::server_user()?;
     let base = postgres::base_dir();
-    let data_dir = base.join("shared");
+    let cluster = Cluster::new(PgBins::find()?, postgres_user()?, base.join("shared"));
     if let Some(pg) = &state.postgres {
         if process_alive(pg.pid, "postgres") {
-            if wait_accepting(pg.port, Duration::from_secs(10)) {
+            let pid = pg.pid;
+            if wait_accepting(pg.port, Duration::from_secs(10), || !process_alive(pid, "postgres")) {
                 return Ok(pg.port);
             }
             // Alive but not accepting for 10 s: wedged. Stop it and start afresh.
-            let _ = send_signal(pg.pid, "QUIT");
-            wait_gone(pg.pid, "postgres", Duration::from_secs(10));
-            let _ = send_signal(pg.pid, "KILL");
+            kill_postmaster(pid);
         }
     }
     let preferred = state.postgres.as_ref().map(|pg| pg.port).filter(|p| port_is_free(*p));
-    let port = preferred.unwrap_or_else(free_port);
-    postgres::prepare_owned_dir(&base, user)?;
+    let port = match preferred {
+        Some(port) => port,
+        None => free_port()?,
+    };
+    make_owned_dir(&base, cluster.user())?;
     // The server's log is opened by pg_ctl as the server's user, so that user must own it.
     let log = base.join("shared.log");
-    std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
-    if let Some((uid, gid)) = user {
-        std::os::unix::fs::chown(&log, Some(uid), Some(gid))?;
-    }
+    local::append_log(&log)?;
+    cluster.chown(&log)?;
     let initdb_log = base.join("initdb.log");
-    let reuse_data = cluster_usable(&bins, &data_dir);
+    let ctl_log = base.join("pg_ctl.log");
+    let options = postgres::server_args(port, cluster.data_dir(), false);
+    let start = || cluster.start(&log, &ctl_log, Duration::from_secs(60), &options);
+    let reuse_data = cluster_usable(&cluster);
     if !reuse_data {
-        fresh_cluster(&bins, user, &data_dir, &initdb_log)?;
+        fresh_cluster(&cluster, &initdb_log)?;
     }
-    let started = pg_ctl_start(&bins, user, &base, &data_dir, &log, port);
-    if let Err(e) = started {
+    if let Err(e) = start() {
         if !reuse_data {
             return Err(e);
         }
         // A cluster that will not start (corrupt after a host crash, say) holds only
         // disposable test databases: start over once.
         eprintln!("turnlog-testkit: shared Postgres would not start on its old data ({e:#}); recreating it");
-        fresh_cluster(&bins, user, &data_dir, &initdb_log)?;
-        pg_ctl_start(&bins, user, &base, &data_dir, &log, port)?;
+        fresh_cluster(&cluster, &initdb_log)?;
+        start()?;
     }
-    let pid = postmaster_pid(&data_dir).context("postmaster.pid unreadable after start")?;
-    state.postgres = Some(PgState { port, pid, data_dir });
+    let pid = cluster.running().context("postmaster.pid unreadable after start")?.pid;
+    state.postgres = Some(PgState { port, pid, data_dir: cluster.data_dir().to_path_buf() });
     Ok(port)
 }
 
-/// Whether `data_dir` holds a cluster we finished creating, for this server version.
-fn cluster_usable(bins: &PgBins, data_dir: &Path) -> bool {
-    let complete = data_dir.with_extension("initialized").exists();
-    let version = std::fs::read_to_string(data_dir.join("PG_VERSION")).unwrap_or_default();
-    complete && version.trim() == bins.major
+/// Whether the cluster is one we finished creating, for this server version.
+fn cluster_usable(cluster: &Cluster) -> bool {
+    let complete = cluster.data_dir().with_extension("initialized").exists();
+    complete && cluster.data_version().as_ref() == Some(&cluster.bins().major)
 }
 
-fn fresh_cluster(bins: &PgBins, user: Option<(u32, u32)>, data_dir: &Path, log: &Path) -> anyhow::Result<()> {
+fn fresh_cluster(cluster: &Cluster, log: &Path) -> anyhow::Result<()> {
+    let data_dir = cluster.data_dir();
     let marker = data_dir.with_extension("initialized");
     let _ = std::fs::remove_file(&marker);
     if data_dir.exists() {
         std::fs::remove_dir_all(data_dir).with_context(|| format!("cannot remove {}", data_dir.display()))?;
     }
-    postgres::initdb(bins, user, data_dir, log)?;
+    cluster.initdb(log, false)?;
     // Written only after initdb succeeded, so an interrupted initdb is redone.
     std::fs::write(&marker, b"")?;
     Ok(())
 }
 
-fn pg_ctl_start(
-    bins: &PgBins,
-    user: Option<(u32, u32)>,
-    base: &Path,
-    data_dir: &Path,
-    log: &Path,
-    port: u16,
-) -> anyhow::Result<()> {
-    // A postmaster.pid left by a server killed without cleanup names a pid that may since
-    // belong to another process, which would make Postgres refuse to start.
-    if let Some(pid) = postmaster_pid(data_dir) {
-        if !process_alive(pid, "postgres") {
-            let _ = std::fs::remove_file(data_dir.join("postmaster.pid"));
-        }
-    }
-    let ctl_log = base.join("pg_ctl.log");
-    let ctl_log_file = std::fs::OpenOptions::new().create(true).append(true).open(&ctl_log)?;
-    // pg_ctl's own output goes to a file, not a pipe: the server it forks must hold
-    // nothing of the test process's, or the test runner would wait for it.
-    let status = postgres::pg_command(bins, "pg_ctl", user, base)
-        .arg("-D")
-        .arg(data_dir)
-        .arg("-l")
-        .arg(log)
-        .args(["-w", "-t", "60", "-o"])
-        .arg(postgres::server_args(port, data_dir, false).join(" "))
-        .arg("start")
-        .stdin(std::process::Stdio::null())
-        .stdout(ctl_log_file.try_clone()?)
-        .stderr(ctl_log_file)
-        .status()
-        .context("cannot run pg_ctl")?;
-    anyhow::ensure!(
-        status.success(),
-        "pg_ctl start failed ({status}); {}:\n{}\n{}:\n{}",
-        ctl_log.display(),
-        tail_lines(&ctl_log, 10),
-        log.display(),
-        tail_lines(log, 20)
-    );
-    Ok(())
-}
-
-fn postmaster_pid(data_dir: &Path) -> Option<u32> {
-    let text = std::fs::read_to_string(data_dir.join("postmaster.pid")).ok()?;
-    text.lines().next()?.trim().parse().ok()
-}
-
 fn ensure_nats(dir: &Path, state: &mut State) -> anyhow::Result<u16> {
     if let Some(n) = &state.nats {
-        if process_alive(n.pid, "nats-server") {
-            if wait_accepting(n.port, Duration::from_secs(10)) {
-                return Ok(n.port);
-            }
-            let _ = send_signal(n.pid, "KILL");
-            wait_gone(n.pid, "nats-server", Duration::from_secs(5));
+        if NatsServer::adopt(n.pid, n.port).is_some() {
+            return Ok(n.port);
         }
     }
-    let bin = nats::nats_server_bin()?;
+    let bin = nats_server_bin()?;
     let preferred = state.nats.as_ref().map(|n| n.port).filter(|p| port_is_free(*p));
-    let port = preferred.unwrap_or_else(free_port);
+    let port = match preferred {
+        Some(port) => port,
+        None => free_port()?,
+    };
     let store = dir.join("nats");
     let log = dir.join("nats.log");
-    let start = |store: &Path| -> anyhow::Result<u32> {
-        std::fs::create_dir_all(store)?;
-        let mut command = Command::new(&bin);
-        command.args(nats::server_args(port, store));
-        let pid = spawn_detached(command, &log)?;
-        if !wait_accepting(port, Duration::from_secs(15)) {
-            let _ = send_signal(pid, "KILL");
-            anyhow::bail!(
-                "nats-server not accepting on port {port}; {}:\n{}",
-                log.display(),
-                tail_lines(&log, 20)
-            );
-        }
-        Ok(pid)
-    };
-    let pid = match start(&store) {
-        Ok(pid) => pid,
+    // Left running when dropped: later test processes and runs use it too.
+    let server = match NatsServer::start(&bin, port, &store, &log) {
+        Ok(server) => server,
         Err(e) => {
             // As with Postgres: a store that will not load holds only test streams.
             eprintln!(
                 "turnlog-testkit: shared nats-server would not start ({e:#}); retrying with a new store"
             );
             let _ = std::fs::remove_dir_all(&store);
-            start(&store)?
+            NatsServer::start(&bin, port, &store, &log)?
         }
     };
-    state.nats = Some(NatsState { port, pid });
+    state.nats = Some(NatsState { port, pid: server.pid() });
     Ok(port)
-}
-
-fn wait_gone(pid: u32, comm: &str, timeout: Duration) {
-    let deadline = std::time::Instant::now() + timeout;
-    while process_alive(pid, comm) && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// Stops the shared private Postgres and nats-server of this user (if running) and deletes
@@ -285,31 +198,19 @@ pub fn stop_private_servers() -> anyhow::Result<()> {
     if let Some(pg) = &state.postgres {
         if process_alive(pg.pid, "postgres") {
             let stopped = PgBins::find().and_then(|bins| {
-                let user = postgres::server_user()?;
-                let status = postgres::pg_command(&bins, "pg_ctl", user, &postgres::base_dir())
-                    .arg("-D")
-                    .arg(&pg.data_dir)
-                    .args(["-m", "fast", "-w", "-t", "30", "stop"])
-                    .stdout(std::process::Stdio::null())
-                    .status()?;
-                anyhow::ensure!(status.success(), "pg_ctl stop failed: {status}");
-                Ok(())
+                let cluster = Cluster::new(bins, postgres_user()?, pg.data_dir.clone());
+                cluster.stop(&lock.dir.join("pg_ctl.log"), Duration::from_secs(30))
             });
             if let Err(e) = stopped {
                 eprintln!("turnlog-testkit: {e:#}; killing Postgres (pid {})", pg.pid);
-                let _ = send_signal(pg.pid, "QUIT");
-                wait_gone(pg.pid, "postgres", Duration::from_secs(10));
+                kill_postmaster(pg.pid);
             }
             println!("stopped the shared private Postgres on port {}", pg.port);
         }
     }
     if let Some(n) = &state.nats {
-        if process_alive(n.pid, "nats-server") {
-            let _ = send_signal(n.pid, "TERM");
-            wait_gone(n.pid, "nats-server", Duration::from_secs(10));
-            if process_alive(n.pid, "nats-server") {
-                let _ = send_signal(n.pid, "KILL");
-            }
+        if let Some(server) = NatsServer::existing(n.pid) {
+            server.stop();
             println!("stopped the shared private nats-server on port {}", n.port);
         }
     }

@@ -10,9 +10,11 @@ use futures::TryStreamExt;
 use serde::{Deserialize, Serialize};
 use sqlx::Connection;
 
+use turnlog_local_servers::Postmaster;
+
 use crate::process::log_dir;
 use crate::servers::{lock_state, state_dir};
-use crate::util::{file_age, process_alive};
+use crate::util::file_age;
 
 /// At most one sweep per this interval, across all test processes of this user.
 const SWEEP_EVERY: Duration = Duration::from_secs(120);
@@ -232,10 +234,7 @@ pub(crate) async fn delete_streams(
 fn remove_stale_private_servers() {
     for (path, age) in aged_files(&crate::postgres::base_dir()) {
         let is_private = path.file_name().is_some_and(|n| n.to_string_lossy().starts_with("private-"));
-        let running = std::fs::read_to_string(path.join("postmaster.pid"))
-            .ok()
-            .and_then(|text| text.lines().next()?.trim().parse().ok())
-            .is_some_and(|pid| process_alive(pid, "postgres"));
+        let running = Postmaster::read(&path).is_some_and(|postmaster| postmaster.alive());
         if is_private && !running && age >= ENV_MAX_AGE {
             let _ = std::fs::remove_dir_all(path);
         }
