@@ -38,7 +38,7 @@ impl PromptCache {
                 .iter()
                 .fold(hash, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3));
             let len = i + 1;
-            if len >= MIN_CACHED && (len - MIN_CACHED) % STEP == 0 {
+            if len >= MIN_CACHED && (len - MIN_CACHED).is_multiple_of(STEP) {
                 boundaries.push((len, hash));
             }
         }

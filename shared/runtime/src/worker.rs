@@ -535,7 +535,7 @@ async fn watch_lag(
         }
         ticks = ticks.wrapping_add(1);
         let now = stats.snapshot();
-        if ticks % STATS_LOG_EVERY == 0 && now != logged {
+        if ticks.is_multiple_of(STATS_LOG_EVERY) && now != logged {
             tracing::info!(%worker, processed = now.processed, failed = now.failed,
                 dead_lettered = now.dead_lettered, lag = now.lag, in_flight = now.in_flight, "worker progress");
             logged = now;

@@ -108,14 +108,14 @@ impl History {
                 1 + n % 28,
                 n % 40
             ),
-            category: (n % 4 == 0).then(|| ["code", "travel", "finance"][n % 3].to_owned()),
-            model_hint: (n % 9 == 0).then(|| "mock-large".to_owned()),
-            images: if n % 11 == 0 {
+            category: n.is_multiple_of(4).then(|| ["code", "travel", "finance"][n % 3].to_owned()),
+            model_hint: n.is_multiple_of(9).then(|| "mock-large".to_owned()),
+            images: if n.is_multiple_of(11) {
                 vec![ImageRef { id: format!("img-{n}"), mime: "image/png".into() }]
             } else {
                 vec![]
             },
-            documents: if n % 13 == 0 {
+            documents: if n.is_multiple_of(13) {
                 vec![Document {
                     id: format!("doc-{n}"),
                     mime: "text/markdown".into(),
@@ -135,7 +135,7 @@ impl History {
             "The plan stays as agreed and we keep going with it while waiting for the numbers. ".repeat(1 + n % 3)
         );
         let attempt = format!("attempt-{i}-{turn}");
-        if turn % 3 == 0 {
+        if turn.is_multiple_of(3) {
             let partial = PendingState {
                 partial: answer[..40].to_owned(),
                 attempt_id: Some(attempt.clone()),
@@ -203,7 +203,7 @@ impl History {
             finish_reason: Some("stop".into()),
         };
         let turn_seq = self.append(s, Uuid::now_v7(), &EventBody::AssistantTurn(assistant));
-        if turn == 0 && i % 3 != 0 {
+        if turn == 0 && !i.is_multiple_of(3) {
             // The distiller's title for an untitled session, under the id it derives.
             let mut title = AppendRequest::update(s, OWNER);
             title.request_id = EventId::derived(s, turn_seq, "title").0;

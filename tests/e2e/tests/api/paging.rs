@@ -61,7 +61,7 @@ async fn paging_over_tied_timestamps_loses_and_repeats_nothing() {
     let mut sorted = seen.clone();
     sorted.sort_by(|a, b| b.cmp(a));
     assert_eq!(seen, sorted);
-    assert_eq!(pages, SESSIONS.div_ceil(7) + usize::from(SESSIONS % 7 == 0));
+    assert_eq!(pages, SESSIONS.div_ceil(7) + usize::from(SESSIONS.is_multiple_of(7)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
