@@ -11,6 +11,6 @@ mod verify;
 
 pub use rebuild::rebuild;
 pub use replay::{parse_since, replay, ReplaySummary};
-pub use turnlog_runtime::worker::ReplayFrom;
+pub use turnlog_runtime::worker::{Replay, ReplayFrom};
 pub use turnlog_writer::RebuildSummary;
 pub use verify::{verify, Verdict};

@@ -5,14 +5,12 @@
 
 use std::future::Future;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use chrono::{DateTime, Utc};
 use tokio_util::sync::CancellationToken;
-use turnlog_core::ids::SessionId;
-use turnlog_runtime::worker::{Replay, ReplayFrom, ReplayProgress};
+use turnlog_runtime::worker::{Replay, ReplayFrom};
 
 use crate::progress;
 
@@ -32,25 +30,23 @@ pub struct ReplaySummary {
 }
 
 /// Replays `worker` (its name, for messages) by running `run` — the worker's
-/// `run(config, shutdown)` with `replay` set in its consumer settings — until through; `shutdown` stops it early.
-/// Prints a summary; fails when the replay did.
+/// `run(config, shutdown)`, `replay` set in its consumer settings — until through;
+/// `shutdown` stops it early. Prints a summary; fails when the replay did.
 pub async fn replay<F, Fut>(
     worker: &str,
-    from: ReplayFrom,
-    session: Option<SessionId>,
+    replay: &Replay,
     show_progress: bool,
     shutdown: CancellationToken,
     run: F,
 ) -> anyhow::Result<ReplaySummary>
 where
-    F: FnOnce(Replay, CancellationToken) -> Fut,
+    F: FnOnce(CancellationToken) -> Fut,
     Fut: Future<Output = anyhow::Result<()>> + Send + 'static,
 {
-    let shown = Arc::new(ReplayProgress::default());
-    let replay = Replay { from, session, progress: shown.clone() };
+    let shown = replay.progress.clone();
     // Stops the worker's other duties (the compactor's pre-send checks) once through.
     let stop = shutdown.child_token();
-    let mut work = tokio::spawn(run(replay, stop.clone()));
+    let mut work = tokio::spawn(run(stop.clone()));
     let bar = progress::bar(show_progress, worker, "events");
     let started = tokio::time::Instant::now();
     let ended = loop {
@@ -82,8 +78,8 @@ where
         through_seq: shown.through_seq.load(Ordering::Relaxed),
         elapsed: started.elapsed(),
     };
-    let scope = session.map(|s| format!(" of session {s}")).unwrap_or_default();
-    let start = match from {
+    let scope = replay.session.map(|s| format!(" of session {s}")).unwrap_or_default();
+    let start = match replay.from {
         ReplayFrom::Sequence(seq) => format!("sequence {seq}"),
         ReplayFrom::Time(t) => t.to_rfc3339(),
     };

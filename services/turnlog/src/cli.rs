@@ -429,7 +429,7 @@ impl WorkerModels {
 }
 
 impl WorkerTuning {
-    fn settings(&self) -> turnlog_runtime::worker::ConsumerSettings {
+    pub fn settings(&self) -> turnlog_runtime::worker::ConsumerSettings {
         turnlog_runtime::worker::ConsumerSettings {
             concurrency: usize::try_from(self.worker_concurrency).unwrap_or(1),
             max_deliver: self.worker_max_deliver,

@@ -5,6 +5,9 @@ mod cli;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
+use turnlog_compactor::CompactorConfig;
+use turnlog_runtime::turn_worker::TurnWorkerConfig;
+use turnlog_runtime::worker::ConsumerSettings;
 
 use cli::{Cli, Command, DeadCommand, LogFormat, ReplayWorker};
 
@@ -72,32 +75,29 @@ async fn run() -> anyhow::Result<()> {
                 (None, Some(time)) => turnlog_ops::ReplayFrom::Time(time),
                 (None, None) => anyhow::bail!("--from-seq or --since is required"),
             };
+            let replay = turnlog_ops::Replay::new(from, session);
+            let consumer = ConsumerSettings { replay: Some(replay.clone()), ..w.tuning.settings() };
             match worker {
                 ReplayWorker::Distiller => {
-                    let mut config = w.distiller()?;
-                    let run = |replay, stop| {
-                        config.consumer.replay = Some(replay);
-                        turnlog_distiller::run(config, stop)
-                    };
-                    turnlog_ops::replay("distiller", from, session, true, shutdown, run).await?;
+                    let config = TurnWorkerConfig { consumer, ..w.distiller()? };
+                    turnlog_ops::replay("distiller", &replay, true, shutdown, |s| {
+                        turnlog_distiller::run(config, s)
+                    })
+                    .await?
                 }
                 ReplayWorker::Memory => {
-                    let mut config = w.memory()?;
-                    let run = |replay, stop| {
-                        config.consumer.replay = Some(replay);
-                        turnlog_memory::run(config, stop)
-                    };
-                    turnlog_ops::replay("memory", from, session, true, shutdown, run).await?;
+                    let config = TurnWorkerConfig { consumer, ..w.memory()? };
+                    turnlog_ops::replay("memory", &replay, true, shutdown, |s| turnlog_memory::run(config, s))
+                        .await?
                 }
                 ReplayWorker::Compactor => {
-                    let mut config = w.compactor(&c)?;
-                    let run = |replay, stop| {
-                        config.consumer.replay = Some(replay);
-                        turnlog_compactor::run(config, stop)
-                    };
-                    turnlog_ops::replay("compactor", from, session, true, shutdown, run).await?;
+                    let config = CompactorConfig { consumer, ..w.compactor(&c)? };
+                    turnlog_ops::replay("compactor", &replay, true, shutdown, |s| {
+                        turnlog_compactor::run(config, s)
+                    })
+                    .await?
                 }
-            }
+            };
             Ok(())
         }
         Command::Rebuild { database_url, nats_url, bus } => {

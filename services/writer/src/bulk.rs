@@ -12,6 +12,7 @@ use turnlog_core::ids::SessionId;
 use uuid::Uuid;
 
 use crate::apply::{BatchEffects, LoadedState, SessionRow};
+use crate::store::bind_sessions;
 
 /// Sessions per statement of the final update.
 const SESSIONS_PER_UPDATE: usize = 5_000;
@@ -233,27 +234,19 @@ pub async fn write_final(
 }
 
 async fn upsert_sessions(conn: &mut PgConnection, sessions: &[&SessionRow]) -> Result<(), sqlx::Error> {
-    let s = sessions;
-    sqlx::query(
-        "INSERT INTO sessions (id, owner, title, archived, last_category, last_seq, compacted_through,
-                               compaction_seq, created_at, updated_at)
-         SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bool[], $5::text[], $6::int8[],
-                              $7::int8[], $8::int8[], $9::timestamptz[], $10::timestamptz[])
-         ON CONFLICT (id) DO UPDATE SET
-            title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
-            last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
-            compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at",
+    bind_sessions!(
+        sqlx::query(
+            "INSERT INTO sessions (id, owner, title, archived, last_category, last_seq, compacted_through,
+                                   compaction_seq, created_at, updated_at)
+             SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bool[], $5::text[], $6::int8[],
+                                  $7::int8[], $8::int8[], $9::timestamptz[], $10::timestamptz[])
+             ON CONFLICT (id) DO UPDATE SET
+                title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
+                last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
+                compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at",
+        ),
+        sessions
     )
-    .bind(s.iter().map(|r| r.id.0).collect::<Vec<_>>())
-    .bind(s.iter().map(|r| r.owner.as_str()).collect::<Vec<_>>())
-    .bind(s.iter().map(|r| r.title.as_deref()).collect::<Vec<_>>())
-    .bind(s.iter().map(|r| r.archived).collect::<Vec<_>>())
-    .bind(s.iter().map(|r| r.last_category.as_deref()).collect::<Vec<_>>())
-    .bind(s.iter().map(|r| r.last_seq).collect::<Vec<_>>())
-    .bind(s.iter().map(|r| r.compacted_through).collect::<Vec<_>>())
-    .bind(s.iter().map(|r| r.compaction_seq).collect::<Vec<_>>())
-    .bind(s.iter().map(|r| r.created_at).collect::<Vec<_>>())
-    .bind(s.iter().map(|r| r.updated_at).collect::<Vec<_>>())
     .execute(conn)
     .await?;
     Ok(())

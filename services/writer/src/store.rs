@@ -23,6 +23,26 @@ pub enum StoreError {
     Fenced { partition: i32, expected: i64 },
 }
 
+/// Binds the ten `sessions` columns of `$rows` (`&SessionRow`s) as arrays, in the order
+/// of every `INSERT INTO sessions … SELECT * FROM UNNEST(…)` here and in the bulk load.
+macro_rules! bind_sessions {
+    ($query:expr, $rows:expr) => {{
+        let rows: &[&SessionRow] = $rows;
+        $query
+            .bind(rows.iter().map(|s| s.id.0).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| s.owner.as_str()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| s.title.as_deref()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| s.archived).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| s.last_category.as_deref()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| s.last_seq).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| s.compacted_through).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| s.compaction_seq).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| s.created_at).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| s.updated_at).collect::<Vec<_>>())
+    }};
+}
+pub(crate) use bind_sessions;
+
 /// (applied, published) stream sequences of a partition, creating its row at 0.
 pub async fn positions(pool: &PgPool, partition: i32) -> Result<(i64, i64), sqlx::Error> {
     sqlx::query("INSERT INTO writer_positions (partition) VALUES ($1) ON CONFLICT DO NOTHING")
@@ -108,59 +128,52 @@ async fn write_effects(
     let ev = &fx.events;
     let outcomes = &fx.outcomes;
     let m = &fx.memories;
-    let moved: i64 = sqlx::query_scalar(
-        "WITH pos AS (
-             UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1
-         ), s AS (
-             INSERT INTO sessions (id, owner, title, archived, last_category, last_seq, compacted_through,
-                                   compaction_seq, created_at, updated_at)
-             SELECT * FROM UNNEST($4::uuid[], $5::text[], $6::text[], $7::bool[], $8::text[], $9::int8[],
-                                  $10::int8[], $11::int8[], $12::timestamptz[], $13::timestamptz[])
-              WHERE EXISTS (SELECT 1 FROM pos)
-             ON CONFLICT (id) DO UPDATE SET
-                title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
-                last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
-                compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at
-         ), e AS (
-             INSERT INTO session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
-             SELECT * FROM UNNEST($14::uuid[], $15::int8[], $16::uuid[], $17::text[], $18::jsonb[], $19::int4[],
-                                  $20::int8[], $21::timestamptz[])
-              WHERE EXISTS (SELECT 1 FROM pos)
-         ), oi AS (
-             SELECT * FROM UNNEST($22::uuid[], $23::uuid[], $24::text[], $25::int8[], $26::text[])
-                 AS u(request_id, session_id, status, seq, reason)
-              WHERE EXISTS (SELECT 1 FROM pos)
-         ), o AS (
-             INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
-             SELECT * FROM oi WHERE NOT (request_id = ANY($33::uuid[]))
-         ), r AS (
-             INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
-             SELECT * FROM oi WHERE request_id = ANY($33::uuid[])
-             ON CONFLICT (request_id) DO UPDATE SET
-                session_id = EXCLUDED.session_id, status = EXCLUDED.status, seq = EXCLUDED.seq,
-                reason = EXCLUDED.reason
-         ), m AS (
-             INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
-             SELECT * FROM UNNEST($27::uuid[], $28::text[], $29::uuid[], $30::int8[], $31::text[],
-                                  $32::timestamptz[])
-              WHERE EXISTS (SELECT 1 FROM pos)
-             ON CONFLICT (id) DO NOTHING
-         )
-         SELECT count(*) FROM pos",
+    let moved: i64 = bind_sessions!(
+        sqlx::query_scalar(
+            "WITH pos AS (
+                 UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1
+             ), s AS (
+                 INSERT INTO sessions (id, owner, title, archived, last_category, last_seq, compacted_through,
+                                       compaction_seq, created_at, updated_at)
+                 SELECT * FROM UNNEST($4::uuid[], $5::text[], $6::text[], $7::bool[], $8::text[], $9::int8[],
+                                      $10::int8[], $11::int8[], $12::timestamptz[], $13::timestamptz[])
+                  WHERE EXISTS (SELECT 1 FROM pos)
+                 ON CONFLICT (id) DO UPDATE SET
+                    title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
+                    last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
+                    compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at
+             ), e AS (
+                 INSERT INTO session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
+                 SELECT * FROM UNNEST($14::uuid[], $15::int8[], $16::uuid[], $17::text[], $18::jsonb[], $19::int4[],
+                                      $20::int8[], $21::timestamptz[])
+                  WHERE EXISTS (SELECT 1 FROM pos)
+             ), oi AS (
+                 SELECT * FROM UNNEST($22::uuid[], $23::uuid[], $24::text[], $25::int8[], $26::text[])
+                     AS u(request_id, session_id, status, seq, reason)
+                  WHERE EXISTS (SELECT 1 FROM pos)
+             ), o AS (
+                 INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
+                 SELECT * FROM oi WHERE NOT (request_id = ANY($33::uuid[]))
+             ), r AS (
+                 INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
+                 SELECT * FROM oi WHERE request_id = ANY($33::uuid[])
+                 ON CONFLICT (request_id) DO UPDATE SET
+                    session_id = EXCLUDED.session_id, status = EXCLUDED.status, seq = EXCLUDED.seq,
+                    reason = EXCLUDED.reason
+             ), m AS (
+                 INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
+                 SELECT * FROM UNNEST($27::uuid[], $28::text[], $29::uuid[], $30::int8[], $31::text[],
+                                      $32::timestamptz[])
+                  WHERE EXISTS (SELECT 1 FROM pos)
+                 ON CONFLICT (id) DO NOTHING
+             )
+             SELECT count(*) FROM pos",
+        )
+        .bind(partition)
+        .bind(expected)
+        .bind(i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX)),
+        &sessions
     )
-    .bind(partition)
-    .bind(expected)
-    .bind(i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX))
-    .bind(sessions.iter().map(|s| s.id.0).collect::<Vec<_>>())
-    .bind(sessions.iter().map(|s| s.owner.as_str()).collect::<Vec<_>>())
-    .bind(sessions.iter().map(|s| s.title.as_deref()).collect::<Vec<_>>())
-    .bind(sessions.iter().map(|s| s.archived).collect::<Vec<_>>())
-    .bind(sessions.iter().map(|s| s.last_category.as_deref()).collect::<Vec<_>>())
-    .bind(sessions.iter().map(|s| s.last_seq).collect::<Vec<_>>())
-    .bind(sessions.iter().map(|s| s.compacted_through).collect::<Vec<_>>())
-    .bind(sessions.iter().map(|s| s.compaction_seq).collect::<Vec<_>>())
-    .bind(sessions.iter().map(|s| s.created_at).collect::<Vec<_>>())
-    .bind(sessions.iter().map(|s| s.updated_at).collect::<Vec<_>>())
     .bind(ev.iter().map(|e| e.event.session_id.0).collect::<Vec<_>>())
     .bind(ev.iter().map(|e| e.event.seq).collect::<Vec<_>>())
     .bind(ev.iter().map(|e| e.event.event_id.0).collect::<Vec<_>>())

@@ -195,6 +195,12 @@ pub struct Replay {
     pub progress: Arc<ReplayProgress>,
 }
 
+impl Replay {
+    pub fn new(from: ReplayFrom, session: Option<SessionId>) -> Self {
+        Self { from, session, progress: Arc::default() }
+    }
+}
+
 /// How far a replay got; shared with whoever shows it.
 #[derive(Debug, Default)]
 pub struct ReplayProgress {

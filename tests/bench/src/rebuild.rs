@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use sqlx::Connection as _;
 use tokio_util::sync::CancellationToken;
 use turnlog_e2e::{config, history};
-use turnlog_ops::ReplayFrom;
+use turnlog_ops::{Replay, ReplayFrom};
 use turnlog_runtime::bus::Bus;
 use turnlog_runtime::worker::ConsumerSettings;
 use turnlog_testkit::test_env;
@@ -78,16 +78,13 @@ pub async fn run() -> anyhow::Result<()> {
     // answer's handler finding its work done, no model call.
     let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await?;
     let concurrency = 32;
-    let mut config = turnlog_distiller::DistillerConfig {
-        consumer: ConsumerSettings { concurrency, ..Default::default() },
+    let replay = Replay::new(ReplayFrom::Sequence(1), None);
+    let config = turnlog_distiller::DistillerConfig {
+        consumer: ConsumerSettings { concurrency, replay: Some(replay.clone()), ..Default::default() },
         ..config::distiller(&env, &mock.base_url())
     };
-    let run = |replay, stop| {
-        config.consumer.replay = Some(replay);
-        turnlog_distiller::run(config, stop)
-    };
-    let replay =
-        turnlog_ops::replay("distiller", ReplayFrom::Sequence(1), None, false, CancellationToken::new(), run);
+    let run = |stop| turnlog_distiller::run(config, stop);
+    let replay = turnlog_ops::replay("distiller", &replay, false, CancellationToken::new(), run);
     let replayed = replay.await?;
     let handled = replayed.handled + replayed.dead_lettered;
     let replay_per_s = handled as f64 / replayed.elapsed.as_secs_f64();

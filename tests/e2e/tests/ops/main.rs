@@ -149,12 +149,12 @@ async fn replay_distiller(
     from: ReplayFrom,
     session: Option<SessionId>,
 ) -> turnlog_ops::ReplaySummary {
+    let replay = turnlog_ops::Replay::new(from, session);
     let mut config = turnlog_e2e::config::distiller(&rig.env, &rig.mock.base_url());
+    config.consumer.replay = Some(replay.clone());
     let stop = tokio_util::sync::CancellationToken::new();
-    let replay = turnlog_ops::replay("distiller", from, session, false, stop, |replay, stop| {
-        config.consumer.replay = Some(replay);
-        turnlog_distiller::run(config, stop)
-    });
+    let replay =
+        turnlog_ops::replay("distiller", &replay, false, stop, |stop| turnlog_distiller::run(config, stop));
     tokio::time::timeout(WAIT, replay).await.expect("replay finished in time").expect("replay")
 }
 
