@@ -143,13 +143,13 @@ macro_rules! first_difference {
     };
 }
 
-/// A session by id.
+/// A row by id, named by what it is (`session`, `memory`).
 #[derive(PartialEq, Eq, PartialOrd, Ord)]
-struct SessionKey(Uuid);
+struct IdKey(&'static str, Uuid);
 
-impl fmt::Display for SessionKey {
+impl fmt::Display for IdKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "session {}", self.0)
+        write!(f, "{} {}", self.0, self.1)
     }
 }
 
@@ -157,9 +157,9 @@ impl Compared for SessionRow {
     const QUERY: &'static str =
         "SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq, created_at,
                 updated_at FROM sessions ORDER BY id";
-    type Key = SessionKey;
-    fn key(&self) -> SessionKey {
-        SessionKey(self.id.0)
+    type Key = IdKey;
+    fn key(&self) -> IdKey {
+        IdKey("session", self.id.0)
     }
     fn first_difference(&self, other: &Self) -> Option<String> {
         first_difference!(self, other; owner, title, archived, last_category, last_seq, compacted_through,
@@ -225,22 +225,12 @@ struct MemoryRow {
     created_at: DateTime<Utc>,
 }
 
-/// A memory by id.
-#[derive(PartialEq, Eq, PartialOrd, Ord)]
-struct MemoryKey(Uuid);
-
-impl fmt::Display for MemoryKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "memory {}", self.0)
-    }
-}
-
 impl Compared for MemoryRow {
     const QUERY: &'static str =
         "SELECT id, owner, session_id, turn_seq, text, created_at FROM memories ORDER BY id";
-    type Key = MemoryKey;
-    fn key(&self) -> MemoryKey {
-        MemoryKey(self.id)
+    type Key = IdKey;
+    fn key(&self) -> IdKey {
+        IdKey("memory", self.id)
     }
     fn first_difference(&self, other: &Self) -> Option<String> {
         first_difference!(self, other; owner, session_id, turn_seq, text, created_at);

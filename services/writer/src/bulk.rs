@@ -12,7 +12,7 @@ use turnlog_core::ids::SessionId;
 use uuid::Uuid;
 
 use crate::apply::{BatchEffects, LoadedState, SessionRow};
-use crate::store::bind_sessions;
+use crate::store::{bind_memories, bind_sessions};
 
 /// Sessions per statement of the final update.
 const SESSIONS_PER_UPDATE: usize = 5_000;
@@ -165,17 +165,14 @@ pub async fn write_batch(conn: &mut PgConnection, fx: &BatchEffects) -> Result<(
     if !fx.memories.is_empty() {
         let m = &fx.memories;
         // A memory id seen before keeps its first row, as in the live writer.
-        sqlx::query(
-            "INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
-             SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::uuid[], $4::int8[], $5::text[], $6::timestamptz[])
-             ON CONFLICT (id) DO NOTHING",
+        bind_memories!(
+            sqlx::query(
+                "INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
+                 SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::uuid[], $4::int8[], $5::text[], $6::timestamptz[])
+                 ON CONFLICT (id) DO NOTHING",
+            ),
+            m
         )
-        .bind(m.iter().map(|r| r.id).collect::<Vec<_>>())
-        .bind(m.iter().map(|r| r.owner.as_str()).collect::<Vec<_>>())
-        .bind(m.iter().map(|r| r.session_id.0).collect::<Vec<_>>())
-        .bind(m.iter().map(|r| r.turn_seq).collect::<Vec<_>>())
-        .bind(m.iter().map(|r| r.text.as_str()).collect::<Vec<_>>())
-        .bind(m.iter().map(|r| r.created_at).collect::<Vec<_>>())
         .execute(&mut *tx)
         .await?;
     }

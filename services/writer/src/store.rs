@@ -27,7 +27,7 @@ pub enum StoreError {
 /// of every `INSERT INTO sessions … SELECT * FROM UNNEST(…)` here and in the bulk load.
 macro_rules! bind_sessions {
     ($query:expr, $rows:expr) => {{
-        let rows: &[&SessionRow] = $rows;
+        let rows: &[&crate::apply::SessionRow] = $rows;
         $query
             .bind(rows.iter().map(|s| s.id.0).collect::<Vec<_>>())
             .bind(rows.iter().map(|s| s.owner.as_str()).collect::<Vec<_>>())
@@ -42,6 +42,22 @@ macro_rules! bind_sessions {
     }};
 }
 pub(crate) use bind_sessions;
+
+/// Binds the six `memories` columns of `$rows` (`MemoryRow`s) as arrays, in the order of
+/// every `INSERT INTO memories … SELECT * FROM UNNEST(…)` here and in the bulk load.
+macro_rules! bind_memories {
+    ($query:expr, $rows:expr) => {{
+        let rows: &[crate::apply::MemoryRow] = $rows;
+        $query
+            .bind(rows.iter().map(|r| r.id).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.owner.as_str()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.session_id.0).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.turn_seq).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.text.as_str()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.created_at).collect::<Vec<_>>())
+    }};
+}
+pub(crate) use bind_memories;
 
 /// (applied, published) stream sequences of a partition, creating its row at 0.
 pub async fn positions(pool: &PgPool, partition: i32) -> Result<(i64, i64), sqlx::Error> {
@@ -128,74 +144,64 @@ async fn write_effects(
     let ev = &fx.events;
     let outcomes = &fx.outcomes;
     let m = &fx.memories;
-    let moved: i64 = bind_sessions!(
-        sqlx::query_scalar(
-            "WITH pos AS (
-                 UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1
-             ), s AS (
-                 INSERT INTO sessions (id, owner, title, archived, last_category, last_seq, compacted_through,
-                                       compaction_seq, created_at, updated_at)
-                 SELECT * FROM UNNEST($4::uuid[], $5::text[], $6::text[], $7::bool[], $8::text[], $9::int8[],
-                                      $10::int8[], $11::int8[], $12::timestamptz[], $13::timestamptz[])
-                  WHERE EXISTS (SELECT 1 FROM pos)
-                 ON CONFLICT (id) DO UPDATE SET
-                    title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
-                    last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
-                    compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at
-             ), e AS (
-                 INSERT INTO session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
-                 SELECT * FROM UNNEST($14::uuid[], $15::int8[], $16::uuid[], $17::text[], $18::jsonb[], $19::int4[],
-                                      $20::int8[], $21::timestamptz[])
-                  WHERE EXISTS (SELECT 1 FROM pos)
-             ), oi AS (
-                 SELECT * FROM UNNEST($22::uuid[], $23::uuid[], $24::text[], $25::int8[], $26::text[])
-                     AS u(request_id, session_id, status, seq, reason)
-                  WHERE EXISTS (SELECT 1 FROM pos)
-             ), o AS (
-                 INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
-                 SELECT * FROM oi WHERE NOT (request_id = ANY($33::uuid[]))
-             ), r AS (
-                 INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
-                 SELECT * FROM oi WHERE request_id = ANY($33::uuid[])
-                 ON CONFLICT (request_id) DO UPDATE SET
-                    session_id = EXCLUDED.session_id, status = EXCLUDED.status, seq = EXCLUDED.seq,
-                    reason = EXCLUDED.reason
-             ), m AS (
-                 INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
-                 SELECT * FROM UNNEST($27::uuid[], $28::text[], $29::uuid[], $30::int8[], $31::text[],
-                                      $32::timestamptz[])
-                  WHERE EXISTS (SELECT 1 FROM pos)
-                 ON CONFLICT (id) DO NOTHING
-             )
-             SELECT count(*) FROM pos",
-        )
-        .bind(partition)
-        .bind(expected)
-        .bind(i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX)),
-        &sessions
+    let query = sqlx::query_scalar(
+        "WITH pos AS (
+             UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1
+         ), s AS (
+             INSERT INTO sessions (id, owner, title, archived, last_category, last_seq, compacted_through,
+                                   compaction_seq, created_at, updated_at)
+             SELECT * FROM UNNEST($4::uuid[], $5::text[], $6::text[], $7::bool[], $8::text[], $9::int8[],
+                                  $10::int8[], $11::int8[], $12::timestamptz[], $13::timestamptz[])
+              WHERE EXISTS (SELECT 1 FROM pos)
+             ON CONFLICT (id) DO UPDATE SET
+                title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
+                last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
+                compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at
+         ), e AS (
+             INSERT INTO session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
+             SELECT * FROM UNNEST($14::uuid[], $15::int8[], $16::uuid[], $17::text[], $18::jsonb[], $19::int4[],
+                                  $20::int8[], $21::timestamptz[])
+              WHERE EXISTS (SELECT 1 FROM pos)
+         ), oi AS (
+             SELECT * FROM UNNEST($22::uuid[], $23::uuid[], $24::text[], $25::int8[], $26::text[])
+                 AS u(request_id, session_id, status, seq, reason)
+              WHERE EXISTS (SELECT 1 FROM pos)
+         ), o AS (
+             INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
+             SELECT * FROM oi WHERE NOT (request_id = ANY($33::uuid[]))
+         ), r AS (
+             INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
+             SELECT * FROM oi WHERE request_id = ANY($33::uuid[])
+             ON CONFLICT (request_id) DO UPDATE SET
+                session_id = EXCLUDED.session_id, status = EXCLUDED.status, seq = EXCLUDED.seq,
+                reason = EXCLUDED.reason
+         ), m AS (
+             INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
+             SELECT * FROM UNNEST($27::uuid[], $28::text[], $29::uuid[], $30::int8[], $31::text[],
+                                  $32::timestamptz[])
+              WHERE EXISTS (SELECT 1 FROM pos)
+             ON CONFLICT (id) DO NOTHING
+         )
+         SELECT count(*) FROM pos",
     )
-    .bind(ev.iter().map(|e| e.event.session_id.0).collect::<Vec<_>>())
-    .bind(ev.iter().map(|e| e.event.seq).collect::<Vec<_>>())
-    .bind(ev.iter().map(|e| e.event.event_id.0).collect::<Vec<_>>())
-    .bind(ev.iter().map(|e| e.event.kind.as_str()).collect::<Vec<_>>())
-    .bind(ev.iter().map(|e| &e.event.payload).collect::<Vec<_>>())
-    .bind(ev.iter().map(|e| e.tokens).collect::<Vec<_>>())
-    .bind(ev.iter().map(|e| e.stream_seq()).collect::<Vec<_>>())
-    .bind(ev.iter().map(|e| e.event.created_at).collect::<Vec<_>>())
-    .bind(outcomes.iter().map(|(o, _)| o.request_id).collect::<Vec<_>>())
-    .bind(outcomes.iter().map(|(_, s)| s.map(|s| s.0)).collect::<Vec<_>>())
-    .bind(outcomes.iter().map(|(o, _)| o.status.as_str()).collect::<Vec<_>>())
-    .bind(outcomes.iter().map(|(o, _)| o.seq).collect::<Vec<_>>())
-    .bind(outcomes.iter().map(|(o, _)| o.reason.as_deref()).collect::<Vec<_>>())
-    .bind(m.iter().map(|r| r.id).collect::<Vec<_>>())
-    .bind(m.iter().map(|r| r.owner.as_str()).collect::<Vec<_>>())
-    .bind(m.iter().map(|r| r.session_id.0).collect::<Vec<_>>())
-    .bind(m.iter().map(|r| r.turn_seq).collect::<Vec<_>>())
-    .bind(m.iter().map(|r| r.text.as_str()).collect::<Vec<_>>())
-    .bind(m.iter().map(|r| r.created_at).collect::<Vec<_>>())
-    .bind(&fx.redriven)
-    .fetch_one(&mut *conn)
-    .await?;
+    .bind(partition)
+    .bind(expected)
+    .bind(i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX));
+    let query = bind_sessions!(query, &sessions)
+        .bind(ev.iter().map(|e| e.event.session_id.0).collect::<Vec<_>>())
+        .bind(ev.iter().map(|e| e.event.seq).collect::<Vec<_>>())
+        .bind(ev.iter().map(|e| e.event.event_id.0).collect::<Vec<_>>())
+        .bind(ev.iter().map(|e| e.event.kind.as_str()).collect::<Vec<_>>())
+        .bind(ev.iter().map(|e| &e.event.payload).collect::<Vec<_>>())
+        .bind(ev.iter().map(|e| e.tokens).collect::<Vec<_>>())
+        .bind(ev.iter().map(|e| e.stream_seq()).collect::<Vec<_>>())
+        .bind(ev.iter().map(|e| e.event.created_at).collect::<Vec<_>>())
+        .bind(outcomes.iter().map(|(o, _)| o.request_id).collect::<Vec<_>>())
+        .bind(outcomes.iter().map(|(_, s)| s.map(|s| s.0)).collect::<Vec<_>>())
+        .bind(outcomes.iter().map(|(o, _)| o.status.as_str()).collect::<Vec<_>>())
+        .bind(outcomes.iter().map(|(o, _)| o.seq).collect::<Vec<_>>())
+        .bind(outcomes.iter().map(|(o, _)| o.reason.as_deref()).collect::<Vec<_>>());
+    let moved: i64 = bind_memories!(query, m).bind(&fx.redriven).fetch_one(&mut *conn).await?;
     if moved != 1 {
         return Err(StoreError::Fenced { partition, expected });
     }

@@ -62,3 +62,16 @@ pub fn assistant_turn(text: &str, attempt_id: Option<&str>) -> AssistantTurn {
         ..Default::default()
     }
 }
+
+/// A `permission_request` `id` for the tool `shell` (call `call-<id>`, arguments
+/// `{"cmd": "ls"}`) at `danger_level`.
+pub fn permission_request(id: &str, danger_level: &str) -> EventBody {
+    EventBody::PermissionRequest(PermissionRequest {
+        id: id.into(),
+        call_id: format!("call-{id}"),
+        tool: "shell".into(),
+        args: serde_json::json!({"cmd": "ls"}),
+        danger_level: danger_level.into(),
+        rationale: String::new(),
+    })
+}

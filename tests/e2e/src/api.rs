@@ -104,6 +104,12 @@ impl TurnReply {
     pub fn text(&self) -> String {
         self.events.iter().filter(|e| e.event == "delta").filter_map(|e| e.data["text"].as_str()).collect()
     }
+
+    /// Asserts the error shape (the route answered JSON) and returns the code.
+    #[track_caller]
+    pub fn error_code(&self) -> &str {
+        error_code(self.status, &self.json)
+    }
 }
 
 #[derive(Debug)]
@@ -119,16 +125,20 @@ impl Reply {
     /// Asserts the error shape and returns the code.
     #[track_caller]
     pub fn error_code(&self) -> &str {
-        let code = self.json["error"]["code"].as_str();
-        let message = self.json["error"]["message"].as_str();
-        assert!(
-            code.is_some() && message.is_some_and(|m| !m.is_empty()),
-            "not the error shape (status {}): {}",
-            self.status,
-            self.text
-        );
-        code.unwrap_or_default()
+        error_code(self.status, &self.json)
     }
+}
+
+/// The code of an error body `{error: {code, message}}`, asserting that shape.
+#[track_caller]
+fn error_code(status: u16, json: &Value) -> &str {
+    let code = json["error"]["code"].as_str();
+    let message = json["error"]["message"].as_str();
+    assert!(
+        code.is_some() && message.is_some_and(|m| !m.is_empty()),
+        "not the error shape (status {status}): {json}"
+    );
+    code.unwrap_or_default()
 }
 
 impl Api {
@@ -213,7 +223,14 @@ impl Api {
         body: Option<Value>,
         headers: &[(&str, &str)],
     ) -> TurnReply {
-        let resp = self.turn_request(method, path, token, body, headers).await;
+        let mut req = self.request(method, path).bearer_auth(token);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req.send().await.unwrap_or_else(|e| panic!("{path}: {e:#}"));
         let status = resp.status().as_u16();
         let response_headers = resp.headers().clone();
         if !resp
@@ -256,27 +273,17 @@ impl Api {
         token: &str,
         text: &str,
     ) -> reqwest::Response {
-        let body = serde_json::json!({ "text": text });
-        self.turn_request(Method::POST, &format!("/v1/sessions/{id}/messages"), token, Some(body), &[]).await
+        let path = format!("/v1/sessions/{id}/messages");
+        let req =
+            self.request(Method::POST, &path).bearer_auth(token).json(&serde_json::json!({ "text": text }));
+        req.send().await.unwrap_or_else(|e| panic!("{path}: {e:#}"))
     }
 
-    /// The raw response of a turn route, for tests that read part of it.
-    pub async fn turn_request(
-        &self,
-        method: Method,
-        path: &str,
-        token: &str,
-        body: Option<Value>,
-        headers: &[(&str, &str)],
-    ) -> reqwest::Response {
-        let mut req = self.http.request(method, format!("{}{path}", self.base)).bearer_auth(token);
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        if let Some(b) = body {
-            req = req.json(&b);
-        }
-        req.send().await.unwrap_or_else(|e| panic!("{path}: {e:#}"))
+    /// Alice's `decision` on permission request `permission` of session `id`.
+    pub async fn decide(&self, id: SessionId, permission: &str, decision: &str) -> Reply {
+        let path = format!("/v1/sessions/{id}/permissions/{permission}");
+        self.call(Method::POST, &path, Some(ALICE), Body::Json(serde_json::json!({ "decision": decision })))
+            .await
     }
 
     pub async fn get(&self, path: &str, token: &str) -> Reply {

@@ -3,7 +3,7 @@
 
 use reqwest::Method;
 use serde_json::json;
-use turnlog_core::events::{EventBody, PermissionRequest};
+use turnlog_core::log_builder::permission_request;
 use turnlog_e2e::api::{Api, Body, ALICE};
 use uuid::Uuid;
 
@@ -15,13 +15,7 @@ fn raw(s: &str) -> Body {
 async fn bad_inputs_are_4xx_with_the_error_shape_and_write_nothing() {
     let api = Api::start().await;
     let id = api.create(ALICE, Some("target")).await;
-    let perm = EventBody::PermissionRequest(PermissionRequest {
-        id: "p1".into(),
-        call_id: "c1".into(),
-        tool: "shell".into(),
-        danger_level: "low".into(),
-        ..Default::default()
-    });
+    let perm = permission_request("p1", "low");
     api.append(id, "alice", &perm).await;
     let s = format!("/v1/sessions/{id}");
     let unknown = format!("/v1/sessions/{}", Uuid::now_v7());

@@ -5,7 +5,8 @@ use eventsource_stream::Eventsource as _;
 use futures::StreamExt as _;
 use reqwest::Method;
 use serde_json::json;
-use turnlog_core::events::{EventBody, PermissionRequest, UserMessage};
+use turnlog_core::events::{EventBody, UserMessage};
+use turnlog_core::log_builder::permission_request;
 use uuid::Uuid;
 
 use turnlog_e2e::api::{Api, Body, Options, ALICE, BOB, WAIT};
@@ -21,13 +22,7 @@ async fn owners_cannot_see_or_touch_each_others_sessions() {
         ..Default::default()
     });
     api.append(alice_session, "alice", &user).await;
-    let perm = EventBody::PermissionRequest(PermissionRequest {
-        id: "perm-1".into(),
-        call_id: "c1".into(),
-        tool: "shell".into(),
-        danger_level: "high".into(),
-        ..Default::default()
-    });
+    let perm = permission_request("perm-1", "high");
     api.append(alice_session, "alice", &perm).await;
     // A memory of Alice's (the memory worker's output; the test writes it directly).
     sqlx::query(
@@ -53,12 +48,7 @@ async fn owners_cannot_see_or_touch_each_others_sessions() {
     ];
     for (method, path, body) in attempts {
         let r = api.call(method.clone(), &path, Some(BOB), body).await;
-        assert_eq!(
-            (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
-            (404, "not_found"),
-            "{method} {path}: {}",
-            r.text
-        );
+        assert_eq!((r.status, r.error_code()), (404, "not_found"), "{method} {path}: {}", r.text);
     }
     assert_eq!(api.written().await, before, "Bob's attempts wrote something");
 
@@ -117,19 +107,11 @@ async fn missing_or_wrong_tokens_are_401_on_every_data_route() {
     let wrong = ["", "alice-token-000", "alice-token-00011", "ALICE-TOKEN-0001", "bob-token-000002x"];
     for (method, path) in &routes {
         let r = api.call(method.clone(), path, None, Body::Json(json!({"title": "x"}))).await;
-        assert_eq!(
-            (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
-            (401, "unauthorized"),
-            "{method} {path} without a token"
-        );
+        assert_eq!((r.status, r.error_code()), (401, "unauthorized"), "{method} {path} without a token");
         assert_eq!(r.headers.get("www-authenticate").and_then(|v| v.to_str().ok()), Some("Bearer"));
         for token in wrong {
             let r = api.call(method.clone(), path, Some(token), Body::Json(json!({"title": "x"}))).await;
-            assert_eq!(
-                (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
-                (401, "unauthorized"),
-                "{method} {path} with {token:?}"
-            );
+            assert_eq!((r.status, r.error_code()), (401, "unauthorized"), "{method} {path} with {token:?}");
         }
     }
     assert_eq!(api.written().await, before);
@@ -168,12 +150,7 @@ async fn another_owners_live_turn_is_not_found_on_every_turn_route() {
         (Method::POST, "/v1/chat".to_owned(), Some(chat.clone())),
     ] {
         let r = api.turn(method.clone(), &path, BOB, body, &[]).await;
-        assert_eq!(
-            (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
-            (404, "not_found"),
-            "{method} {path}: {:?}",
-            r.json
-        );
+        assert_eq!((r.status, r.error_code()), (404, "not_found"), "{method} {path}: {:?}", r.json);
     }
     assert_eq!(api.written().await, written_before, "Bob's requests wrote something");
     assert_eq!(chat_requests(&mock), requests_before, "Bob's requests reached the model");

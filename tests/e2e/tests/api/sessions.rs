@@ -7,6 +7,7 @@ use reqwest::Method;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::events::*;
+use turnlog_core::log_builder::permission_request;
 use turnlog_e2e::api::{Api, Body, Options, ALICE};
 use turnlog_runtime::lease::TurnLeases;
 
@@ -73,18 +74,8 @@ async fn session_lifecycle() {
 async fn permissions_resolve_once() {
     let api = Api::start().await;
     let id = api.create(ALICE, None).await;
-    let request = |pid: &str| {
-        EventBody::PermissionRequest(PermissionRequest {
-            id: pid.into(),
-            call_id: format!("call-{pid}"),
-            tool: "shell".into(),
-            args: json!({"cmd": "rm -rf build"}),
-            danger_level: "high".into(),
-            rationale: "clean the build".into(),
-        })
-    };
-    api.append(id, "alice", &request("p1")).await;
-    api.append(id, "alice", &request("p2")).await;
+    api.append(id, "alice", &permission_request("p1", "high")).await;
+    api.append(id, "alice", &permission_request("p2", "high")).await;
     let items = api.get(&format!("/v1/sessions/{id}"), ALICE).await.json["items"].clone();
     assert_eq!(items.as_array().unwrap().len(), 2, "both requests pending: {items}");
 
@@ -102,14 +93,7 @@ async fn permissions_resolve_once() {
     let r = api.call(Method::POST, &p1, Some(ALICE), Body::Json(json!({"decision": "deny"}))).await;
     assert_eq!((r.status, r.error_code()), (409, "conflict"), "{}", r.text);
 
-    let r = api
-        .call(
-            Method::POST,
-            &format!("/v1/sessions/{id}/permissions/p2"),
-            Some(ALICE),
-            Body::Json(json!({"decision": "deny"})),
-        )
-        .await;
+    let r = api.decide(id, "p2", "deny").await;
     assert_eq!((r.status, &r.json["seq"]), (200, &json!(5)), "{}", r.text);
     let events = api.get(&format!("/v1/sessions/{id}/events"), ALICE).await.json["events"].clone();
     let resolved: Vec<_> =

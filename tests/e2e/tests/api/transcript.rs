@@ -7,7 +7,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 use turnlog_core::events::*;
 use turnlog_core::ids::{EventId, SessionId};
-use turnlog_core::log_builder::{assistant_turn, LogBuilder};
+use turnlog_core::log_builder::{assistant_turn, permission_request, LogBuilder};
 use turnlog_core::ui_transcript::{transcript_item, ui_transcript};
 use turnlog_e2e::api::{Api, Body, ALICE};
 use turnlog_runtime::read;
@@ -21,14 +21,7 @@ fn pending(partial: &str, attempt: Option<&str>, reason: Option<PendingReason>) 
 }
 
 fn permission(id: &str) -> EventBody {
-    EventBody::PermissionRequest(PermissionRequest {
-        id: id.into(),
-        call_id: format!("call-{id}"),
-        tool: "shell".into(),
-        args: json!({"cmd": "ls"}),
-        danger_level: "low".into(),
-        rationale: String::new(),
-    })
+    permission_request(id, "low")
 }
 
 fn resolved(id: &str) -> EventBody {
@@ -313,14 +306,7 @@ async fn a_page_and_a_permission_answer_read_only_the_events_they_need() {
     let seqs: Vec<i64> =
         r.json["items"].as_array().unwrap().iter().map(|i| i["seq"].as_i64().unwrap()).collect();
     assert_eq!((seqs, &r.json["earlier"]), (vec![5, 6, 7], &json!({"before": 5})));
-    let answer = api
-        .call(
-            Method::POST,
-            &format!("/v1/sessions/{id}/permissions/p1"),
-            Some(ALICE),
-            Body::Json(json!({"decision": "allow"})),
-        )
-        .await;
+    let answer = api.decide(id, "p1", "allow").await;
     assert_eq!((answer.status, &answer.json["seq"]), (200, &json!(8)), "{}", answer.text);
     let r = api.get(&format!("/v1/sessions/{id}?limit=1"), ALICE).await;
     assert_eq!(r.json["items"][0]["text"], "q3", "the answered request left the transcript");

@@ -324,15 +324,8 @@ async fn a_resent_post_with_the_same_idempotency_key_answers_the_same_turn() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_creates_a_session_and_names_it_before_any_body_byte() {
     let (api, _mock) = with_mock().await;
-    let resp = api
-        .turn_request(
-            Method::POST,
-            "/v1/chat",
-            ALICE,
-            Some(json!({"text": "hi [mock words=5 delay_ms=50]"})),
-            &[],
-        )
-        .await;
+    let chat = api.request(Method::POST, "/v1/chat").bearer_auth(ALICE);
+    let resp = chat.json(&json!({"text": "hi [mock words=5 delay_ms=50]"})).send().await.unwrap();
     let sid = resp.headers()["x-session-id"].to_str().unwrap().to_owned();
     let r = api
         .turn(Method::POST, "/v1/chat", ALICE, Some(json!({"session_id": sid, "text": "and again"})), &[])

@@ -18,12 +18,7 @@ async fn writes_are_503_with_retry_after_when_no_writer_runs() {
     .await;
     let started = Instant::now();
     let r = api.call(Method::POST, "/v1/sessions", Some(ALICE), Body::Json(json!({"title": "lost?"}))).await;
-    assert_eq!(
-        (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
-        (503, "unavailable"),
-        "{}",
-        r.text
-    );
+    assert_eq!((r.status, r.error_code()), (503, "unavailable"), "{}", r.text);
     let retry_after: u64 = r.headers["retry-after"].to_str().unwrap().parse().unwrap();
     assert!(retry_after >= 1);
     assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
@@ -61,12 +56,7 @@ async fn no_model_call_when_the_message_cannot_be_stored() {
         ("/v1/chat".to_owned(), json!({"session_id": id.to_string(), "text": "are you there?"})),
     ] {
         let r = api.turn(Method::POST, &path, ALICE, Some(body), &[]).await;
-        assert_eq!(
-            (r.status, r.json["error"]["code"].as_str().unwrap_or_default()),
-            (503, "unavailable"),
-            "{path}: {:?}",
-            r.json
-        );
+        assert_eq!((r.status, r.error_code()), (503, "unavailable"), "{path}: {:?}", r.json);
         assert!(r.headers.contains_key("retry-after"));
     }
     assert_eq!(chat_requests(&mock), 0, "the model was called before the message was stored");

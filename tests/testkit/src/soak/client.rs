@@ -30,8 +30,9 @@ const IDLE: Duration = Duration::from_secs(40);
 const TURNS_PER_SESSION: usize = 40;
 
 /// Why a client ran a turn; the checker judges some outcomes by it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) enum Purpose {
+    #[default]
     Chat,
     /// Leaves after a few deltas, then re-attaches through the other copy.
     Leave,
@@ -46,7 +47,7 @@ pub(crate) enum Purpose {
 }
 
 /// One turn as a client saw it (a send with its resends, or a retry).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct TurnRecord {
     pub client: usize,
     pub purpose: Purpose,
@@ -82,29 +83,7 @@ pub(crate) struct TurnRecord {
 
 impl TurnRecord {
     fn new(client: usize, purpose: Purpose, session: Option<Uuid>, text: &str) -> TurnRecord {
-        TurnRecord {
-            client,
-            purpose,
-            session,
-            text: text.to_owned(),
-            started: now_s(),
-            user_seq: None,
-            acked_at: 0.0,
-            received: String::new(),
-            marks: Vec::new(),
-            deltas: 0,
-            last_id: 0,
-            end: None,
-            end_at: 0.0,
-            end_from_log: false,
-            cut_at: None,
-            broke_at: None,
-            cut_reason: String::new(),
-            id_gap: false,
-            after_end: Vec::new(),
-            open_after_end: false,
-            gave_up: false,
-        }
+        TurnRecord { client, purpose, session, text: text.to_owned(), started: now_s(), ..Default::default() }
     }
 
     pub fn status(&self) -> Option<&str> {
