@@ -45,7 +45,9 @@ pub struct DevConfig {
 }
 
 impl ServiceConfigs {
-    /// The same configs on the servers of `endpoints` and the gateway at `llm_url`.
+    /// The same configs on the servers of `endpoints` and the gateway at `llm_url`. Every
+    /// service gets the ingress's backbone (bus prefix, partitions, timeouts): `turnlog dev`
+    /// builds them all from one set of flags.
     fn on(mut self, endpoints: &Endpoints, llm_url: &str) -> Self {
         let mut backbone = self.ingress.backbone.clone();
         backbone.database_url = endpoints.database_url.as_str().into();

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use turnlog_runtime::bus::{append_and_wait, AppendRequest, Op, Outcome, SESSION_DELETED};
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Op, Outcome, RequestKind, SESSION_DELETED};
 
 use crate::error::ApiError;
 use crate::{validate, Ingress};
@@ -20,7 +20,7 @@ const DELETE_TIMEOUT: Duration = Duration::from_secs(60);
     err(Display, level = "debug")
 )]
 pub async fn submit(app: &Ingress, req: &AppendRequest) -> Result<Outcome, ApiError> {
-    if let (Some(kind), Some(payload)) = (&req.kind, &req.payload) {
+    if let (Some(RequestKind::Known(kind)), Some(payload)) = (&req.kind, &req.payload) {
         validate::event_size(*kind, payload)?;
     }
     // A delete is answered once its session's stream messages are removed, one at a time

@@ -12,9 +12,8 @@ use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use futures::StreamExt as _;
 use sqlx::PgPool;
-use turnlog_runtime::bus::{
-    recorded_outcome, AppendRequest, Bus, CommittedEvent, DeadLetter, Outcome, REPLY_HEADER,
-};
+use turnlog_runtime::bus::{AppendRequest, Bus, CommittedEvent, DeadLetter, Outcome, REPLY_HEADER};
+use turnlog_runtime::read::recorded_outcome;
 use turnlog_writer::REDRIVE_HEADER;
 
 /// One dead letter as stored.

@@ -11,7 +11,8 @@ use turnlog_core::events::{EventBody, EventKind};
 use turnlog_core::ids::{EventId, Owner, SessionId};
 use turnlog_core::tokens::event_tokens;
 use turnlog_runtime::bus::{
-    json_len, AppendRequest, CommittedEvent, DeadLetter, Op, Outcome, OutcomeStatus, MAX_EVENT_BYTES,
+    json_len, AppendRequest, CommittedEvent, DeadLetter, Op, Outcome, OutcomeStatus, RequestKind,
+    MAX_EVENT_BYTES,
 };
 use uuid::Uuid;
 
@@ -52,7 +53,8 @@ impl Incoming {
         redrive: bool,
         body: Bytes,
     ) -> Self {
-        let request = serde_json::from_slice::<AppendRequest>(&body).map_err(|e| undecodable(&body, e));
+        let request = serde_json::from_slice::<AppendRequest>(&body)
+            .map_err(|e| refuse("bad_request", format!("request does not decode: {e}")));
         let event = match &request {
             Ok(req) if req.op == Op::Append => Some(new_event(req, body.len())),
             _ => None,
@@ -76,24 +78,16 @@ impl Incoming {
     }
 }
 
-/// Why a request does not decode: an event kind this writer does not know, or anything else.
-fn undecodable(body: &[u8], e: serde_json::Error) -> Refusal {
-    #[derive(serde::Deserialize)]
-    struct KindOnly {
-        kind: Option<String>,
-    }
-    if let Ok(KindOnly { kind: Some(kind) }) = serde_json::from_slice(body) {
-        if let Err(unknown) = kind.parse::<EventKind>() {
-            return refuse("unknown_kind", unknown.to_string());
-        }
-    }
-    refuse("bad_request", format!("request does not decode: {e}"))
-}
-
 /// The event an append carries, if it is one the log can store.
 fn new_event(req: &AppendRequest, body_len: usize) -> Result<NewEvent, Refusal> {
-    let (Some(kind), Some(payload)) = (req.kind, &req.payload) else {
+    let (Some(kind), Some(payload)) = (&req.kind, &req.payload) else {
         return Err(refuse("bad_request", "append needs kind and payload"));
+    };
+    let kind = match kind {
+        RequestKind::Known(kind) => *kind,
+        RequestKind::Unknown(name) => name
+            .parse()
+            .map_err(|e: turnlog_core::events::UnknownKind| refuse("unknown_kind", e.to_string()))?,
     };
     if kind == EventKind::SessionStarted {
         return Err(refuse("unknown_kind", "session_started is written by create only"));

@@ -321,10 +321,12 @@ async fn poison_requests_are_dead_lettered_and_do_not_block() {
     let reasons: Vec<&str> = letters.iter().map(|l| l.reason.as_str()).collect();
     assert_eq!(reasons, poison.iter().map(|p| p.0).collect::<Vec<_>>());
     assert!(dead.last().unwrap().subject.ends_with(".unknown_session.none"));
+    // An unknown kind is refused like any request that decodes: filed under its session.
+    assert!(dead[3].subject.ends_with(&format!(".unknown_kind.{s}")), "{}", dead[3].subject);
     assert!(letters.iter().all(|l| l.stream_seq.is_some() && !l.detail.is_empty()));
     // Each decodable poison request has a rejected outcome with its reason.
     let outcome =
-        turnlog_runtime::bus::recorded_outcome(&h.env.pool, not_owner.request_id).await.unwrap().unwrap();
+        turnlog_runtime::read::recorded_outcome(&h.env.pool, not_owner.request_id).await.unwrap().unwrap();
     assert_eq!(
         (outcome.status, outcome.reason.as_deref()),
         (OutcomeStatus::Rejected, Some("owner_mismatch"))
@@ -502,7 +504,7 @@ async fn a_writer_whose_position_moved_steps_down_and_resumes_from_the_new_posit
     let after = h.user(s, "alice", "after").await;
     assert_eq!(after.seq, Some(3), "the fenced batch was not applied");
     for id in skipped {
-        assert!(turnlog_runtime::bus::recorded_outcome(&h.env.pool, id).await.unwrap().is_none());
+        assert!(turnlog_runtime::read::recorded_outcome(&h.env.pool, id).await.unwrap().is_none());
     }
     h.stop().await;
 }
@@ -875,7 +877,7 @@ async fn a_create_resent_after_its_session_was_deleted_is_answered_session_delet
     );
     assert!(started.elapsed() < Duration::from_secs(5), "answered after {:?}", started.elapsed());
     assert!(read::get_session(&h.env.pool, "alice", id).await.unwrap().is_none(), "nothing written");
-    let recorded = turnlog_runtime::bus::recorded_outcome(&h.env.pool, create.request_id).await.unwrap();
+    let recorded = turnlog_runtime::read::recorded_outcome(&h.env.pool, create.request_id).await.unwrap();
     assert!(recorded.is_none(), "an answer, not a write: the database stays a function of the APPEND stream");
     assert!(message.is_applied());
     h.stop().await;

@@ -83,9 +83,17 @@ pub struct IdError {
 
 /// The owner a session belongs to (an API token maps to one). Non-empty, at most 128
 /// bytes, printable ASCII without whitespace so it can travel in subjects and logs.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub struct Owner(String);
+
+/// As its text (`"alice"`), the way logs and `turnlog verify` showed owners before they
+/// were typed.
+impl fmt::Debug for Owner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
 
 impl Owner {
     pub const MAX_LEN: usize = 128;

@@ -1,7 +1,8 @@
 //! turnlog-core: the pure heart of turnlog — the event model, the two projections of a
 //! session's log (what the model sees, what the user sees), compaction planning, token
-//! budgeting, request assembly and a finished turn's material. No I/O, no clock, no async
-//! runtime: everything here is a function of its arguments.
+//! budgeting, request assembly and a finished turn's material. No I/O and no async
+//! runtime; the projections, planning and budget are functions of their arguments (only
+//! new ids read the clock: `SessionId::new`, `EventId::new` are time-ordered v7 UUIDs).
 
 pub mod budget;
 pub mod compaction;

@@ -154,6 +154,16 @@ pub struct Expect {
     pub compacted_through: Option<i64>,
 }
 
+/// An append's event kind as it arrives: one this build knows, or another name — which
+/// the writer refuses as `unknown_kind` (an outcome the producer hears of), not as a
+/// request that does not decode.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum RequestKind {
+    Known(EventKind),
+    Unknown(String),
+}
+
 /// A request to the writer, the body of a TURNLOG_APPEND message.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AppendRequest {
@@ -163,7 +173,7 @@ pub struct AppendRequest {
     pub session_id: SessionId,
     pub owner: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kind: Option<EventKind>,
+    pub kind: Option<RequestKind>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -203,7 +213,7 @@ impl AppendRequest {
     ) -> Self {
         Self {
             request_id: event_id,
-            kind: Some(body.kind()),
+            kind: Some(RequestKind::Known(body.kind())),
             payload: Some(body.to_payload()),
             ..Self::base(Op::Append, session_id, owner)
         }
@@ -584,11 +594,11 @@ pub async fn append_and_wait(
     // The reply went to an earlier sender (duplicate) or was lost: the database knows —
     // unless the request's session was deleted since ([`SESSION_DELETED`]).
     loop {
-        match recorded_outcome(pool, req.request_id).await {
+        match crate::read::recorded_outcome(pool, req.request_id).await {
             // A delete is answered once its session's messages are gone (as the writer's
             // reply is), so that nothing of the session is left behind it.
             Ok(Some(outcome)) if req.op == Op::Delete => {
-                if let Ok(false) = purge_pending(pool, req.session_id).await {
+                if let Ok(false) = crate::read::purge_pending(pool, req.session_id).await {
                     return Ok(outcome);
                 }
             }
@@ -616,29 +626,6 @@ pub async fn append_and_wait(
 async fn removed_from_stream(bus: &Bus, seq: u64) -> bool {
     let Ok(stream) = bus.js.get_stream_no_info(bus.names.append_stream()).await else { return false };
     matches!(stream.get_raw_message(seq).await, Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound)
-}
-
-/// Whether a deleted session's messages are still being removed from the streams.
-async fn purge_pending(pool: &PgPool, session: SessionId) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pending_purges WHERE session_id = $1)")
-        .bind(session.0)
-        .fetch_one(pool)
-        .await
-}
-
-/// The outcome the writer recorded for a request, if it has applied it.
-pub async fn recorded_outcome(pool: &PgPool, request_id: Uuid) -> Result<Option<Outcome>, sqlx::Error> {
-    let row: Option<(String, Option<i64>, Option<String>)> =
-        sqlx::query_as("SELECT status, seq, reason FROM request_outcomes WHERE request_id = $1")
-            .bind(request_id)
-            .fetch_optional(pool)
-            .await?;
-    Ok(row.map(|(status, seq, reason)| Outcome {
-        request_id,
-        status: if status == "committed" { OutcomeStatus::Committed } else { OutcomeStatus::Rejected },
-        seq,
-        reason,
-    }))
 }
 
 #[cfg(test)]

@@ -10,6 +10,8 @@ use turnlog_core::budget::CountedEvent;
 use turnlog_core::events::{DecodeError, Event, EventKind};
 use turnlog_core::ids::{EventId, Owner, SessionId};
 
+use crate::bus::{Outcome, OutcomeStatus};
+
 /// A `sessions` row: the one declaration every service reads it through (the ingress's
 /// session views, the writer's batch state, `verify`'s comparison).
 #[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
@@ -470,4 +472,27 @@ pub async fn turn_events(
     .fetch_all(pool)
     .await?;
     Ok(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?)
+}
+
+/// Whether a deleted session's messages are still being removed from the streams.
+pub async fn purge_pending(pool: &PgPool, session: SessionId) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pending_purges WHERE session_id = $1)")
+        .bind(session.0)
+        .fetch_one(pool)
+        .await
+}
+
+/// The outcome the writer recorded for a request, if it has applied it.
+pub async fn recorded_outcome(pool: &PgPool, request_id: Uuid) -> Result<Option<Outcome>, sqlx::Error> {
+    let row: Option<(String, Option<i64>, Option<String>)> =
+        sqlx::query_as("SELECT status, seq, reason FROM request_outcomes WHERE request_id = $1")
+            .bind(request_id)
+            .fetch_optional(pool)
+            .await?;
+    Ok(row.map(|(status, seq, reason)| Outcome {
+        request_id,
+        status: if status == "committed" { OutcomeStatus::Committed } else { OutcomeStatus::Rejected },
+        seq,
+        reason,
+    }))
 }

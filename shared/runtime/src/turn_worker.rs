@@ -16,8 +16,8 @@ use turnlog_core::message::{ChatMessage, Role};
 use turnlog_core::turn::TurnMaterial;
 use uuid::Uuid;
 
-use crate::bus::{append_and_wait, recorded_outcome, AppendRequest, Bus, CommittedEvent, Outcome};
-use crate::read::turn_events;
+use crate::bus::{append_and_wait, AppendRequest, Bus, CommittedEvent, Outcome};
+use crate::read::{recorded_outcome, turn_events};
 use crate::settings::Backbone;
 use crate::upstream::{ask_for_json, ChatRequest, JsonAnswerError, UpstreamClient, UpstreamConfig};
 use crate::worker::{ConsumerSettings, Delivery, HandleError, Handler, Worker, WorkerStats};

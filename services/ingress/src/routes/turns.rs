@@ -17,8 +17,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use turnlog_core::events::{Document, EventBody, ImageRef, PendingReason, UserMessage};
 use turnlog_core::ids::SessionId;
-use turnlog_runtime::bus::{recorded_outcome, AppendRequest};
+use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read;
+use turnlog_runtime::read::recorded_outcome;
 use utoipa::ToSchema;
 use uuid::Uuid;
 

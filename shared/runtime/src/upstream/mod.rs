@@ -46,10 +46,18 @@ pub struct UpstreamConfig {
 }
 
 /// `url` as it may be printed: without the user name and password a gateway URL can carry
-/// (`https://user:pw@gw/v1`; reqwest sends them as Basic auth, nothing else may show them).
+/// (`https://user:pw@gw/v1`; reqwest sends them as Basic auth, nothing else may show them),
+/// and with its query shown as `?…` (`postgres://db/turnlog?password=…` is a valid
+/// database URL).
 pub fn redacted_url(url: &str) -> String {
     let (before, host, after) = split_authority(url);
-    format!("{before}{host}{after}")
+    match after.split_once('?') {
+        Some((path, query)) => {
+            let fragment = query.find('#').map_or("", |i| &query[i..]);
+            format!("{before}{host}{path}?…{fragment}")
+        }
+        None => format!("{before}{host}{after}"),
+    }
 }
 
 /// The gateway's host, with its port when the URL names one: who served a turn, as stored
@@ -344,7 +352,8 @@ mod tests {
         for (url, shown, host) in [
             ("https://user:pw@gw/v1", "https://gw/v1", "gw"),
             ("http://key@10.0.0.5:8000/v1/", "http://10.0.0.5:8000/v1/", "10.0.0.5:8000"),
-            ("https://u:p@ss@gw.example?x=@y", "https://gw.example?x=@y", "gw.example"),
+            ("https://u:p@ss@gw.example?x=@y", "https://gw.example?…", "gw.example"),
+            ("postgres://db:5432/t?password=pw#f", "postgres://db:5432/t?…#f", "db:5432"),
             ("http://127.0.0.1:9/v1", "http://127.0.0.1:9/v1", "127.0.0.1:9"),
             ("http://[::1]:9/v1", "http://[::1]:9/v1", "[::1]:9"),
             ("gw:8000/v1", "gw:8000/v1", "gw:8000"),

@@ -65,8 +65,8 @@ async fn a_rebuild_from_the_append_stream_reproduces_the_live_database() {
     assert_eq!(count(&rebuilt, outcomes).await, count(live, outcomes).await - 1);
     for id in &history.rejected {
         let o =
-            turnlog_runtime::bus::recorded_outcome(&rebuilt, *id).await.unwrap().expect("outcome recorded");
-        let l = turnlog_runtime::bus::recorded_outcome(live, *id).await.unwrap().expect("outcome recorded");
+            turnlog_runtime::read::recorded_outcome(&rebuilt, *id).await.unwrap().expect("outcome recorded");
+        let l = turnlog_runtime::read::recorded_outcome(live, *id).await.unwrap().expect("outcome recorded");
         assert_eq!((o.status, &o.reason), (OutcomeStatus::Rejected, &l.reason));
     }
     // The indexes and constraints set aside during the load are all back, as migrated.
