@@ -97,7 +97,7 @@ fn start_each(
     let stream_store_existed = store.join("jetstream").exists();
 
     let (nats_url, nats_note) = match nats_url {
-        Some(url) => (url.clone(), format!("{url} (NATS_URL)")),
+        Some(url) => (url.clone(), format!("{} (NATS_URL)", turnlog_runtime::upstream::redacted_url(&url))),
         None => {
             let bin = local::nats_server_bin()?;
             let adopted = state.nats.as_ref().and_then(|n| Some((NatsServer::adopt(n.pid, n.port)?, n.port)));
