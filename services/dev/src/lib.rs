@@ -51,7 +51,7 @@ impl ServiceConfigs {
     fn on(mut self, endpoints: &Endpoints, llm_url: &str) -> Self {
         let mut backbone = self.ingress.backbone.clone();
         backbone.database_url = endpoints.database_url.as_str().into();
-        backbone.nats_url = endpoints.nats_url.clone();
+        backbone.nats_url = endpoints.nats_url.as_str().into();
         self.ingress.backbone = backbone.clone();
         if let Some(writer) = &mut self.writer {
             writer.backbone = backbone.clone();

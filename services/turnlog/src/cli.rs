@@ -159,7 +159,7 @@ pub struct BackboneArgs {
     pub database_url: Secret,
     /// NATS with JetStream.
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
-    pub nats_url: String,
+    pub nats_url: Secret,
     #[command(flatten)]
     pub bus: BusArgs,
     #[command(flatten)]

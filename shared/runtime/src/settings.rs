@@ -16,8 +16,8 @@ use crate::upstream::redacted_url;
 pub struct Backbone {
     /// `DATABASE_URL`.
     pub database_url: Secret,
-    /// `NATS_URL`.
-    pub nats_url: String,
+    /// `NATS_URL` (it may carry a user and password, or a token).
+    pub nats_url: Secret,
     /// `TURNLOG_BUS_PREFIX`: prefix of every stream and subject name.
     pub bus_prefix: String,
     /// `TURNLOG_PARTITIONS`: writer partitions; fixed for a deployment.
@@ -33,7 +33,7 @@ impl Backbone {
     /// One partition, appends kept forever, the default statement timeout.
     pub fn new(
         database_url: impl Into<Secret>,
-        nats_url: impl Into<String>,
+        nats_url: impl Into<Secret>,
         bus_prefix: impl Into<String>,
     ) -> Self {
         Self {
@@ -47,7 +47,7 @@ impl Backbone {
     }
 
     pub async fn connect_bus(&self) -> Result<Bus, BusError> {
-        Bus::connect(&self.nats_url, &self.bus_prefix, self.partitions).await
+        Bus::connect(self.nats_url.expose(), &self.bus_prefix, self.partitions).await
     }
 
     /// A read-only pool whose statements stop at the statement timeout
@@ -169,7 +169,8 @@ mod tests {
         assert_eq!(format!("{key}"), "***");
         assert_eq!(format!("{:?}", Some(key.clone())), "Some(Secret(***))");
         assert_eq!(key.expose(), "sk-live-123");
-        let backbone = Backbone::new(url, "nats://n:4222", "turnlog");
-        assert!(!format!("{backbone:?}").contains("pw-123"));
+        let backbone = Backbone::new(url, "nats://user:nats-pw@n:4222", "turnlog");
+        let shown = format!("{backbone:?}");
+        assert!(!shown.contains("pw-123") && !shown.contains("nats-pw"), "{shown}");
     }
 }
