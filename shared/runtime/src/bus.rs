@@ -157,11 +157,31 @@ pub struct Expect {
 /// An append's event kind as it arrives: one this build knows, or another name — which
 /// the writer refuses as `unknown_kind` (an outcome the producer hears of), not as a
 /// request that does not decode.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RequestKind {
     Known(EventKind),
     Unknown(String),
+}
+
+impl Serialize for RequestKind {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Known(kind) => serializer.serialize_str(kind.as_str()),
+            Self::Unknown(name) => serializer.serialize_str(name),
+        }
+    }
+}
+
+/// Read as a string and looked up once (not `untagged`, which buffers the value and tries
+/// each variant in turn on every append).
+impl<'de> Deserialize<'de> for RequestKind {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        Ok(match name.parse() {
+            Ok(kind) => Self::Known(kind),
+            Err(_) => Self::Unknown(name),
+        })
+    }
 }
 
 /// A request to the writer, the body of a TURNLOG_APPEND message.
@@ -631,6 +651,18 @@ async fn removed_from_stream(bus: &Bus, seq: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_request_kind_reads_known_and_unknown_names_alike() {
+        for (json, kind) in [
+            ("\"user_message\"", RequestKind::Known(EventKind::UserMessage)),
+            ("\"user_msg\"", RequestKind::Unknown("user_msg".into())),
+        ] {
+            assert_eq!(serde_json::from_str::<RequestKind>(json).unwrap(), kind);
+            assert_eq!(serde_json::to_string(&kind).unwrap(), json);
+        }
+        assert!(serde_json::from_str::<RequestKind>("42").is_err());
+    }
 
     #[test]
     fn names_follow_the_prefix() {
