@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use sqlx::PgPool;
+use turnlog_core::branch::{first_own_seq, owner_of_seq, Segment};
 use turnlog_core::budget::{budget_for, history_tokens, request_size};
 use turnlog_core::compaction::{plan_compaction_shrunk, CompactionPlan};
 use turnlog_core::events::{CompactionApplied, EventBody};
@@ -147,7 +148,9 @@ impl Compactor {
                 return Ok(checked);
             }
             summaries += 1;
-            let attempt = match self.compact(session, owner, &plan, budget, facts_deadline).await {
+            let lineage = tail.state.lineage();
+            let attempt = match self.compact((session, &lineage), owner, &plan, budget, facts_deadline).await
+            {
                 Ok(attempt) => attempt,
                 // What was committed stays committed: report it rather than the failure.
                 Err(e) if compacted_through.is_some() => {
@@ -191,13 +194,13 @@ impl Compactor {
     /// One compaction of `plan`: facts first, then the summary, then the conditional append.
     async fn compact(
         &self,
-        session: SessionId,
+        (session, lineage): (SessionId, &[Segment]),
         owner: &str,
         plan: &CompactionPlan,
         budget: u32,
         facts_deadline: tokio::time::Instant,
     ) -> Result<Attempt, CompactError> {
-        let facts = self.facts_of(session, &plan.turn_seqs, facts_deadline).await?;
+        let facts = self.facts_of(session, lineage, &plan.turn_seqs, facts_deadline).await?;
         let request = summary::request(&self.settings.summary_model, plan, budget);
         let completion = self.upstream.complete(&request, self.settings.summary_deadline).await?;
         if let Some(why) = summary::refusal(&completion) {
@@ -220,24 +223,29 @@ impl Compactor {
         }
     }
 
-    /// The memory ids extracted from the span's turns. Waits until `deadline` for a
-    /// `memory_extracted` of every turn, then takes what exists: a slow or failing
-    /// extractor delays compaction a little, never blocks it.
+    /// The memory ids extracted from the span's turns, each looked up in the session that
+    /// owns the turn (DESIGN §10: a fork's inherited turns belong to its ancestors). Waits
+    /// until `deadline` for a `memory_extracted` of every own turn, then takes what exists:
+    /// a slow or failing extractor delays compaction a little, never blocks it. Inherited
+    /// turns are not waited for: their facts were extracted in the parent, or never will be.
     async fn facts_of(
         &self,
         session: SessionId,
+        lineage: &[Segment],
         turn_seqs: &[i64],
         deadline: tokio::time::Instant,
     ) -> Result<Vec<Uuid>, CompactError> {
-        let wanted: HashSet<i64> = turn_seqs.iter().copied().collect();
+        let owners: Vec<Uuid> = turn_seqs.iter().map(|seq| owner_of_seq(session, lineage, *seq).0).collect();
+        let wanted: HashSet<i64> =
+            turn_seqs.iter().copied().filter(|seq| *seq >= first_own_seq(lineage)).collect();
         loop {
             let rows: Vec<(Option<i64>, Value)> = sqlx::query_as(
                 "SELECT (payload->>'turn_seq')::bigint, payload FROM session_events
-                  WHERE session_id = $1 AND kind = 'memory_extracted'
-                    AND (payload->>'turn_seq')::bigint = ANY($2)
+                  WHERE session_id = ANY($1) AND kind = 'memory_extracted'
+                    AND (session_id, (payload->>'turn_seq')::bigint) IN (SELECT * FROM UNNEST($1::uuid[], $2::int8[]))
                   ORDER BY seq",
             )
-            .bind(session.0)
+            .bind(&owners)
             .bind(turn_seqs)
             .fetch_all(&self.pool)
             .await?;

@@ -133,15 +133,10 @@ async fn title_session(w: &TurnWorker, turn: &CommittedEvent) -> Result<(), Hand
 }
 
 async fn is_first_turn(w: &TurnWorker, session: SessionId, turn_seq: i64) -> Result<bool, HandleError> {
-    let (earlier,): (bool,) = sqlx::query_as(
-        "SELECT EXISTS (SELECT 1 FROM session_events
-                         WHERE session_id = $1 AND kind = 'assistant_turn' AND seq < $2)",
-    )
-    .bind(session.0)
-    .bind(turn_seq)
-    .fetch_one(&w.pool)
-    .await
-    .map_err(|e| HandleError::retry("read_failed", e))?;
+    // Over the branch log: a fork's first own turn follows its parent's.
+    let earlier = turnlog_runtime::read::answered_before(&w.pool, session, turn_seq)
+        .await
+        .map_err(|e| HandleError::retry("read_failed", e))?;
     Ok(!earlier)
 }
 

@@ -53,6 +53,17 @@ fn refusal(reason: &str) -> ApiError {
         ),
         "too_large" => ApiError::PayloadTooLarge("the event is larger than the log accepts".into()),
         "unstorable_text" => ApiError::bad_request("text must not contain NUL characters"),
+        // A fork's checks (DESIGN §10): the route checked them first, so these follow a
+        // change of the parent between the check and the write.
+        "bad_fork_point" => ApiError::bad_request("through_seq is past the end of the session's log"),
+        "too_deep" => ApiError::bad_request(format!(
+            "forks nest at most {} deep: fork an ancestor instead",
+            turnlog_core::branch::MAX_FORK_DEPTH
+        )),
+        // The ingress draws fork ids on the parent's partition: this is its own bug.
+        "wrong_partition" => {
+            ApiError::internal(anyhow::anyhow!("a fork id was drawn on the wrong partition"))
+        }
         "bad_payload" | "bad_request" => {
             ApiError::bad_request(format!("the log refused the request ({reason})"))
         }

@@ -156,14 +156,16 @@ impl fmt::Display for IdKey {
 impl Compared for SessionRow {
     const QUERY: &'static str =
         "SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq, created_at,
-                updated_at FROM sessions ORDER BY id";
+                updated_at, forked_from, forked_through, lineage, lineage_through, hidden_seq
+           FROM sessions ORDER BY id";
     type Key = IdKey;
     fn key(&self) -> IdKey {
         IdKey("session", self.id.0)
     }
     fn first_difference(&self, other: &Self) -> Option<String> {
         first_difference!(self, other; owner, title, archived, last_category, last_seq, compacted_through,
-            compaction_seq, created_at, updated_at);
+            compaction_seq, created_at, updated_at, forked_from, forked_through, lineage, lineage_through,
+            hidden_seq);
         None
     }
 }

@@ -7,12 +7,13 @@ use std::collections::{HashMap, HashSet};
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use turnlog_core::events::{EventBody, EventKind};
+use turnlog_core::branch::{fork_lineage, Segment, MAX_FORK_DEPTH};
+use turnlog_core::events::{EventBody, EventKind, ForkPoint, SessionStarted};
 use turnlog_core::ids::{EventId, Owner, SessionId};
 use turnlog_core::tokens::event_tokens;
 use turnlog_runtime::bus::{
-    json_len, AppendRequest, CommittedEvent, DeadLetter, Op, Outcome, OutcomeStatus, RequestKind,
-    MAX_EVENT_BYTES,
+    json_len, partition_of, AppendRequest, CommittedEvent, DeadLetter, Op, Outcome, OutcomeStatus,
+    RequestKind, MAX_EVENT_BYTES,
 };
 use uuid::Uuid;
 
@@ -64,7 +65,12 @@ impl Incoming {
 
     /// The request's id, when it decodes.
     pub fn request_id(&self) -> Option<Uuid> {
-        self.request.as_ref().ok().map(|r| r.request_id)
+        self.request().map(|r| r.request_id)
+    }
+
+    /// The request, when it decodes.
+    pub fn request(&self) -> Option<&AppendRequest> {
+        self.request.as_ref().ok()
     }
 
     /// Whether the writer may apply this request without looking up an earlier outcome
@@ -153,6 +159,9 @@ pub struct BatchEffects {
     pub memories: Vec<MemoryRow>,
     /// The session a delete batch removes (a delete is always alone in its batch).
     pub deleted: Option<SessionId>,
+    /// What that delete removes: the session and any hidden ancestor no surviving fork
+    /// inherits from any more, each wholly or above what forks still inherit (DESIGN §10).
+    pub removals: Vec<Removal>,
     pub dead: Vec<(Option<SessionId>, DeadLetter)>,
     /// Outcomes to send after the commit.
     pub replies: Vec<(String, Outcome)>,
@@ -160,6 +169,15 @@ pub struct BatchEffects {
     pub last_stream_seq: u64,
     /// How many of the incoming messages this batch consumed (the rest wait for the next).
     pub consumed: usize,
+}
+
+/// One session a delete removes, wholly or down to the prefix forks inherit.
+#[derive(Debug, Clone)]
+pub struct Removal {
+    pub session: SessionId,
+    /// None: the session goes wholly. Some: it stays, hidden, as this row, keeping its
+    /// events (and their memories) through `row.last_seq`.
+    pub kept: Option<SessionRow>,
 }
 
 /// A request that cannot be applied: its dead-letter reason and detail.
@@ -181,19 +199,53 @@ pub struct LoadedState {
     pub sessions: HashMap<SessionId, SessionRow>,
     /// Recorded outcomes by request id, with the session each names.
     pub outcomes: HashMap<Uuid, (Outcome, Option<SessionId>)>,
+    /// The deployment's partition count (0 counts as 1): a fork must hash to its parent's.
+    pub partitions: u32,
+    /// For a session, the stored sessions whose lineage names it — the forks that inherit
+    /// some of its events. Complete for the family of a session a delete removes.
+    pub inheritors: HashMap<SessionId, HashSet<SessionId>>,
+    /// A session's compactions as (seq, replaces_through_seq), in seq order. Complete for
+    /// the sessions whose events a fork of the batch inherits.
+    pub compactions: HashMap<SessionId, Vec<(i64, i64)>>,
 }
 
 impl LoadedState {
-    /// After a delete batch: the session and its outcomes are gone, the delete's own
-    /// outcome stays — as `store::write_delete` leaves the database.
+    /// After a delete batch: the removed sessions' outcomes are gone (a hidden one keeps
+    /// those of the events it keeps), the delete's own outcome stays — as
+    /// `store::write_delete` leaves the database. (`apply_batch` already moved the rows.)
     pub fn forget_deleted(&mut self, fx: &BatchEffects) {
-        let Some(deleted) = fx.deleted else { return };
-        self.sessions.remove(&deleted);
-        self.outcomes.retain(|_, (_, session)| *session != Some(deleted));
+        for removal in &fx.removals {
+            let id = removal.session;
+            let kept = removal.kept.as_ref().map(|row| row.last_seq);
+            self.outcomes
+                .retain(|_, (o, session)| *session != Some(id) || kept.is_some_and(|k| kept_outcome(o, k)));
+        }
         for (outcome, session) in &fx.outcomes {
             self.outcomes.insert(outcome.request_id, (outcome.clone(), *session));
         }
     }
+
+    /// Marks the session of `row` as an inheritor of each ancestor its lineage names.
+    pub fn add_inheritor(&mut self, row: &SessionRow) {
+        for ancestor in &row.lineage {
+            self.inheritors.entry(SessionId(*ancestor)).or_default().insert(row.id);
+        }
+    }
+
+    /// The newest compaction at or below `through` in a branch log made of `lineage`
+    /// (the fork's own lineage, which ends at its fork point): (replaces_through, seq).
+    fn compaction_at(&self, lineage: &[Segment]) -> Option<(i64, i64)> {
+        lineage.iter().rev().find_map(|seg| {
+            let list = self.compactions.get(&seg.session)?;
+            list.iter().rev().find(|(seq, _)| *seq <= seg.through).map(|(seq, through)| (*through, *seq))
+        })
+    }
+}
+
+/// Whether a hidden session keeping its events through `kept` keeps this outcome: that of
+/// one of those events.
+pub fn kept_outcome(outcome: &Outcome, kept: i64) -> bool {
+    outcome.status == OutcomeStatus::Committed && outcome.seq.is_some_and(|seq| seq <= kept)
 }
 
 /// Whether the stream can hold no earlier copy of this request, so that its outcome need
@@ -262,7 +314,7 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
             fx.redriven.push(req.request_id);
         }
         let known = state.sessions.contains_key(&req.session_id).then_some(req.session_id);
-        let result = apply_one(req, msg, &mut state.sessions, &mut fx);
+        let result = apply_one(req, msg, state, &mut fx);
         let outcome = match result {
             Ok(Applied { seq, rejected }) => Outcome {
                 request_id: req.request_id,
@@ -326,7 +378,7 @@ struct Applied {
 fn apply_one(
     req: &AppendRequest,
     msg: &Incoming,
-    sessions: &mut HashMap<SessionId, SessionRow>,
+    state: &mut LoadedState,
     fx: &mut BatchEffects,
 ) -> Result<Applied, Refusal> {
     if msg.subject_session != Some(req.session_id) {
@@ -341,31 +393,24 @@ fn apply_one(
     let now = msg.published;
 
     if req.op == Op::Create {
-        if sessions.contains_key(&req.session_id) {
+        if state.sessions.contains_key(&req.session_id) {
             return Err(refuse("session_exists", "create for a session that already exists"));
         }
-        let payload = match &req.title {
-            Some(t) => serde_json::json!({ "title": t }),
-            None => serde_json::json!({}),
-        };
-        let row = SessionRow {
-            id: req.session_id,
-            owner,
-            title: req.title.clone(),
-            archived: false,
-            last_category: None,
-            last_seq: 0,
-            compacted_through: None,
-            compaction_seq: None,
-            created_at: now,
-            updated_at: now,
-        };
-        sessions.insert(req.session_id, row);
-        let seq = push_event(sessions, fx, req, msg, EventKind::SessionStarted, payload, 0);
+        let mut row = SessionRow::new(req.session_id, owner, req.title.clone(), now);
+        if let Some(from) = req.forked_from {
+            fork_row(state, &mut row, from)?;
+        }
+        let started = SessionStarted { title: req.title.clone(), forked_from: req.forked_from };
+        if !row.lineage.is_empty() {
+            state.add_inheritor(&row);
+        }
+        state.sessions.insert(req.session_id, row);
+        let payload = EventBody::SessionStarted(started).to_payload();
+        let seq = push_event(&mut state.sessions, fx, req, msg, EventKind::SessionStarted, payload, 0);
         return Ok(Applied { seq: Some(seq), rejected: None });
     }
 
-    let Some(session) = sessions.get_mut(&req.session_id) else {
+    let Some(session) = state.sessions.get_mut(&req.session_id).filter(|s| s.hidden_seq.is_none()) else {
         return Err(refuse("unknown_session", format!("no session {}", req.session_id)));
     };
     if *session.owner != *req.owner {
@@ -377,7 +422,12 @@ fn apply_one(
 
     match req.op {
         // (create returned above)
-        Op::Create | Op::Delete => Ok(Applied { seq: None, rejected: None }),
+        Op::Create => Ok(Applied { seq: None, rejected: None }),
+        Op::Delete => {
+            let at = i64::try_from(msg.stream_seq).unwrap_or(i64::MAX);
+            fx.removals = plan_delete(state, req.session_id, at, now);
+            Ok(Applied { seq: None, rejected: None })
+        }
         Op::Update => {
             if let Some(t) = &req.title {
                 session.title = Some(t.clone());
@@ -421,6 +471,7 @@ fn apply_one(
                     }
                     session.compacted_through = Some(c.replaces_through_seq);
                     session.compaction_seq = Some(seq);
+                    state.compactions.entry(req.session_id).or_default().push((seq, c.replaces_through_seq));
                 }
                 EventBody::MemoryExtracted(m) => {
                     fx.memories.extend(m.memories.iter().map(|mem| MemoryRow {
@@ -435,10 +486,110 @@ fn apply_one(
                 _ => {}
             }
             let payload = req.payload.clone().unwrap_or_default();
-            let seq = push_event(sessions, fx, req, msg, *kind, payload, *tokens);
+            let seq = push_event(&mut state.sessions, fx, req, msg, *kind, payload, *tokens);
             Ok(Applied { seq: Some(seq), rejected: None })
         }
     }
+}
+
+/// Makes `row` a fork of `from` after the writer's checks (DESIGN §10): the parent is a
+/// live session of the same owner on the same partition, the fork point is in its branch
+/// log, forks nest at most [`MAX_FORK_DEPTH`] deep. The fork inherits the parent's branch
+/// log through the fork point, and the newest compaction in it.
+fn fork_row(state: &LoadedState, row: &mut SessionRow, from: ForkPoint) -> Result<(), Refusal> {
+    let Some(parent) = state.sessions.get(&from.session_id).filter(|p| p.hidden_seq.is_none()) else {
+        return Err(refuse("unknown_session", format!("no session {} to fork", from.session_id)));
+    };
+    if parent.owner != row.owner {
+        return Err(refuse("owner_mismatch", "a fork's parent belongs to another owner"));
+    }
+    if partition_of(from.session_id, state.partitions) != partition_of(row.id, state.partitions) {
+        return Err(refuse(
+            "wrong_partition",
+            format!("fork {} does not hash to its parent {}'s partition", row.id, from.session_id),
+        ));
+    }
+    if from.through_seq < 1 || from.through_seq > parent.last_seq {
+        return Err(refuse(
+            "bad_fork_point",
+            format!("through_seq {} is not in the parent's log (1..={})", from.through_seq, parent.last_seq),
+        ));
+    }
+    let lineage = fork_lineage(parent.id, &parent.lineage(), from.through_seq);
+    if lineage.len() > MAX_FORK_DEPTH {
+        return Err(refuse("too_deep", format!("forks nest at most {MAX_FORK_DEPTH} deep")));
+    }
+    let (compacted_through, compaction_seq) = match parent.compaction_seq {
+        Some(seq) if seq <= from.through_seq => (parent.compacted_through, Some(seq)),
+        _ => state.compaction_at(&lineage).map_or((None, None), |(through, seq)| (Some(through), Some(seq))),
+    };
+    row.compacted_through = compacted_through;
+    row.compaction_seq = compaction_seq;
+    row.forked_from = Some(from.session_id.0);
+    row.forked_through = Some(from.through_seq);
+    row.last_seq = from.through_seq;
+    row.set_lineage(&lineage);
+    Ok(())
+}
+
+/// What deleting `deleted` (by the APPEND message at `at`) removes: the session itself,
+/// then each hidden ancestor it inherited from, nearest first. Each keeps what a live
+/// session still inherits from it — the highest fork point on it in any live session's
+/// lineage — hidden, and goes wholly when no live session inherits from it. A live
+/// ancestor ends the walk: it keeps everything, so everything above it stays as it is.
+/// Moves `state` accordingly.
+fn plan_delete(state: &mut LoadedState, deleted: SessionId, at: i64, now: DateTime<Utc>) -> Vec<Removal> {
+    let Some(row) = state.sessions.get(&deleted) else { return Vec::new() };
+    let chain: Vec<SessionId> =
+        std::iter::once(deleted).chain(row.lineage.iter().rev().map(|id| SessionId(*id))).collect();
+    let mut removals = Vec::new();
+    for (i, id) in chain.into_iter().enumerate() {
+        let Some(row) = state.sessions.get(&id) else { break };
+        if i > 0 && row.hidden_seq.is_none() {
+            break;
+        }
+        let inherited = state
+            .inheritors
+            .get(&id)
+            .into_iter()
+            .flatten()
+            .filter(|v| **v != deleted)
+            .filter_map(|v| state.sessions.get(v))
+            .filter(|v| v.hidden_seq.is_none())
+            .filter_map(|v| v.lineage.iter().position(|a| *a == id.0).map(|i| v.lineage_through[i]))
+            .max();
+        match inherited {
+            None => {
+                let Some(row) = state.sessions.remove(&id) else { break };
+                for ancestor in &row.lineage {
+                    if let Some(set) = state.inheritors.get_mut(&SessionId(*ancestor)) {
+                        set.remove(&id);
+                    }
+                }
+                state.inheritors.remove(&id);
+                state.compactions.remove(&id);
+                removals.push(Removal { session: id, kept: None });
+            }
+            Some(kept) => {
+                let Some(row) = state.sessions.get_mut(&id) else { break };
+                // Nothing of a hidden session is shown; its row keeps only what the prefix
+                // needs, the same however often it was cut.
+                row.hidden_seq = Some(row.hidden_seq.unwrap_or(at));
+                row.title = None;
+                row.archived = false;
+                row.last_category = None;
+                row.compacted_through = None;
+                row.compaction_seq = None;
+                row.last_seq = kept;
+                row.updated_at = now;
+                if let Some(list) = state.compactions.get_mut(&id) {
+                    list.retain(|(seq, _)| *seq <= kept);
+                }
+                removals.push(Removal { session: id, kept: Some(row.clone()) });
+            }
+        }
+    }
+    removals
 }
 
 fn push_event(

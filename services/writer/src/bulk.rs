@@ -5,14 +5,15 @@
 //! The events' unique constraint and secondary indexes are set aside during the load and
 //! made again after it, as PostgreSQL advises for populating a database.
 
+use std::sync::LazyLock;
+
 use chrono::{DateTime, Utc};
 use serde_json::Value;
 use sqlx::{Connection as _, PgConnection, PgPool};
-use turnlog_core::ids::SessionId;
 use uuid::Uuid;
 
 use crate::apply::{BatchEffects, LoadedState, SessionRow};
-use crate::store::{bind_memories, bind_sessions};
+use crate::store::{bind_memories, bind_sessions, delete_statement, run_delete, upsert_sessions_sql};
 
 /// Sessions per statement of the final update.
 const SESSIONS_PER_UPDATE: usize = 5_000;
@@ -132,8 +133,13 @@ fn quoted(identifier: &str) -> String {
 /// for a delete, the session's rows and a pending purge, as the live writer leaves them.
 pub async fn write_batch(conn: &mut PgConnection, fx: &BatchEffects) -> Result<(), sqlx::Error> {
     let mut tx = conn.begin().await?;
-    if let Some(session) = fx.deleted {
-        delete_session(&mut tx, session, i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX)).await?;
+    if fx.deleted.is_some() {
+        // The live writer's statement, with no position to move (the rebuild writes it at
+        // the end) and the outcomes written then, from memory.
+        static STATEMENT: LazyLock<String> = LazyLock::new(|| {
+            delete_statement("SELECT 1 WHERE $1::int4 IS NOT NULL AND $2::int8 IS NOT NULL")
+        });
+        run_delete(&mut tx, &STATEMENT, (0, 0), fx, &[]).await?;
         return tx.commit().await;
     }
     if !fx.created.is_empty() {
@@ -231,37 +237,9 @@ pub async fn write_final(
 }
 
 async fn upsert_sessions(conn: &mut PgConnection, sessions: &[&SessionRow]) -> Result<(), sqlx::Error> {
-    bind_sessions!(
-        sqlx::query(
-            "INSERT INTO sessions (id, owner, title, archived, last_category, last_seq, compacted_through,
-                                   compaction_seq, created_at, updated_at)
-             SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::bool[], $5::text[], $6::int8[],
-                                  $7::int8[], $8::int8[], $9::timestamptz[], $10::timestamptz[])
-             ON CONFLICT (id) DO UPDATE SET
-                title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
-                last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
-                compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at",
-        ),
-        sessions
-    )
-    .execute(conn)
-    .await?;
+    static STATEMENT: LazyLock<String> = LazyLock::new(|| upsert_sessions_sql(1, ""));
+    bind_sessions!(sqlx::query(STATEMENT.as_str()), sessions).execute(conn).await?;
     Ok(())
-}
-
-/// A delete (at APPEND sequence `through`): the session's rows go and a pending purge is
-/// recorded. (Its outcomes are written at the end, from memory, without the session's.)
-async fn delete_session(
-    conn: &mut PgConnection,
-    session: SessionId,
-    through: i64,
-) -> Result<(), sqlx::Error> {
-    sqlx::query("DELETE FROM session_events WHERE session_id = $1")
-        .bind(session.0)
-        .execute(&mut *conn)
-        .await?;
-    sqlx::query("DELETE FROM sessions WHERE id = $1").bind(session.0).execute(&mut *conn).await?;
-    crate::store::record_purge(conn, session, through).await
 }
 
 /// Rows in PostgreSQL's binary COPY format, each value encoded as sqlx encodes it for the

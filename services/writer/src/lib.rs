@@ -25,7 +25,7 @@ use sqlx::{Connection as _, PgConnection, PgPool};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use turnlog_core::ids::SessionId;
-use turnlog_runtime::bus::{partition_of, Bus, CommittedEvent, DeadLetter, Outcome, REPLY_HEADER};
+use turnlog_runtime::bus::{partition_of, Bus, CommittedEvent, DeadLetter, Op, Outcome, REPLY_HEADER};
 use turnlog_runtime::settings::{Backbone, Secret};
 use uuid::Uuid;
 
@@ -276,8 +276,8 @@ struct Committed {
     events: Vec<EventRow>,
     replies: Vec<(String, Outcome)>,
     last_stream_seq: i64,
-    /// The removal a committed delete calls for; its replies wait until it is done.
-    purge: Option<Purge>,
+    /// The removals a committed delete calls for; its replies wait until they are done.
+    purges: Vec<Purge>,
 }
 
 /// A deleted session's stream messages to remove: those whose APPEND sequence is at most
@@ -288,12 +288,15 @@ struct Purge {
     through: u64,
 }
 
+/// A committed delete's removals and the replies that wait for them.
+type DeleteDone = (Vec<Purge>, Vec<(String, Outcome)>);
+
 async fn publisher(
     pool: PgPool,
     bus: Bus,
     partition: i32,
     mut from_writer: tokio::sync::mpsc::Receiver<Committed>,
-    to_purger: tokio::sync::mpsc::Sender<(Purge, Vec<(String, Outcome)>)>,
+    to_purger: tokio::sync::mpsc::Sender<DeleteDone>,
 ) -> anyhow::Result<()> {
     let mut unmarked: Option<i64> = None;
     let mut batches_unmarked = 0;
@@ -316,9 +319,10 @@ async fn publisher(
         let Some(last_stream_seq) = group.last().map(|c| c.last_stream_seq) else { continue };
         batches_unmarked += group.len();
         for committed in group {
-            match committed.purge {
-                Some(purge) => to_purger.send((purge, committed.replies)).await.context("purger stopped")?,
-                None => send_replies(&bus, &committed.replies).await?,
+            if committed.purges.is_empty() {
+                send_replies(&bus, &committed.replies).await?;
+            } else {
+                to_purger.send((committed.purges, committed.replies)).await.context("purger stopped")?;
             }
         }
         unmarked = Some(last_stream_seq);
@@ -347,10 +351,12 @@ async fn send_replies(bus: &Bus, replies: &[(String, Outcome)]) -> anyhow::Resul
 async fn purger(
     pool: PgPool,
     bus: Bus,
-    mut purges: tokio::sync::mpsc::Receiver<(Purge, Vec<(String, Outcome)>)>,
+    mut purges: tokio::sync::mpsc::Receiver<DeleteDone>,
 ) -> anyhow::Result<()> {
-    while let Some((purge, replies)) = purges.recv().await {
-        purge_session(&pool, &bus, purge).await?;
+    while let Some((removals, replies)) = purges.recv().await {
+        for purge in removals {
+            purge_session(&pool, &bus, purge).await?;
+        }
         send_replies(&bus, &replies).await?;
     }
     Ok(())
@@ -395,6 +401,11 @@ async fn apply_and_commit(
     let t_load = t0.elapsed();
     state.sessions.extend(loaded.sessions);
     state.outcomes = loaded.outcomes;
+    state.partitions = bus.partitions;
+    let (parents, deleted) = fork_parents_and_delete(batch);
+    if !parents.is_empty() || deleted.is_some() {
+        store::load_family(pool, &mut state, &parents, deleted).await?;
+    }
     let fx = apply_batch(batch, &mut state);
     let t_apply = t0.elapsed();
 
@@ -424,16 +435,38 @@ async fn apply_and_commit(
     for row in fx.created.iter().chain(&fx.updated) {
         cache.insert(row.id, row.clone());
     }
-    if let Some(s) = fx.deleted {
-        cache.remove(&s);
+    for removal in &fx.removals {
+        match &removal.kept {
+            Some(row) => cache.insert(removal.session, row.clone()),
+            None => cache.remove(&removal.session),
+        };
     }
     let committed = Committed {
         events: fx.events,
         replies: fx.replies,
         last_stream_seq: i64::try_from(fx.last_stream_seq)?,
-        purge: fx.deleted.map(|session| Purge { session, through: fx.last_stream_seq }),
+        purges: fx
+            .removals
+            .iter()
+            .map(|r| Purge { session: r.session, through: fx.last_stream_seq })
+            .collect(),
     };
     Ok((fx.consumed, committed))
+}
+
+/// The parents of the batch's forks, and the session a delete in it names (a delete is
+/// the first request of its batch when it is applied).
+fn fork_parents_and_delete(batch: &[Incoming]) -> (Vec<Uuid>, Option<SessionId>) {
+    let mut parents: Vec<Uuid> = batch
+        .iter()
+        .filter_map(|m| m.request().and_then(|r| r.forked_from))
+        .map(|f| f.session_id.0)
+        .collect();
+    parents.sort_unstable();
+    parents.dedup();
+    let deleted =
+        batch.first().and_then(Incoming::request).filter(|r| r.op == Op::Delete).map(|r| r.session_id);
+    (parents, deleted)
 }
 
 fn is_unique_violation(e: &anyhow::Error) -> bool {
@@ -513,7 +546,9 @@ async fn finish_purges(pool: &PgPool, bus: &Bus, partition: u32, applied: i64) -
 /// Removes a deleted session's messages up to its delete from all three streams — APPEND
 /// by its own sequence, EVENTS and DEAD by the APPEND sequence their bodies carry — then
 /// its purge record. Later messages stay: they belong to a session created again under
-/// the same id, whose log a rebuild must find.
+/// the same id, whose log a rebuild must find. A session kept hidden for its forks keeps
+/// the APPEND messages (and feed messages) of the events it keeps, and the delete that hid
+/// it, so a rebuild reproduces it (DESIGN §10).
 ///
 /// One message at a time, never a purge with a subject filter: on nats-server 2.9 such a
 /// purge moves every consumer of the stream past messages it has not read yet, with or
@@ -521,24 +556,29 @@ async fn finish_purges(pool: &PgPool, bus: &Bus, partition: u32, applied: i64) -
 /// would skip other sessions' messages. Deleting single messages leaves consumers be.
 async fn purge_session(pool: &PgPool, bus: &Bus, purge: Purge) -> anyhow::Result<()> {
     let Purge { session, through } = purge;
+    let kept = store::kept_messages(pool, session).await?;
+    let keep = |seq: Option<u64>| seq.is_some_and(|s| kept.contains(&s));
     let [append, events, dead] = bus.names.session_filters(bus.partition_of(session), session);
     // APPEND sequences only grow along the subject: the first one past the delete ends it.
-    let mut removed = remove_through(bus, append, through, |m| Some(m.sequence), true).await?;
-    removed += remove_through(bus, events, through, |m| event_append_seq(&m.payload), false).await?;
-    removed += remove_through(bus, dead, through, |m| dead_letter_append_seq(&m.payload), false).await?;
+    let mut removed = remove_through(bus, append, through, |m| Some(m.sequence), &keep, true).await?;
+    removed += remove_through(bus, events, through, |m| event_append_seq(&m.payload), &keep, false).await?;
+    removed +=
+        remove_through(bus, dead, through, |m| dead_letter_append_seq(&m.payload), &|_| false, false).await?;
     store::purge_done(pool, session, i64::try_from(through).unwrap_or(i64::MAX)).await?;
-    tracing::info!(%session, through, removed, "deleted session removed from the streams");
+    tracing::info!(%session, through, removed, kept = kept.len(), "deleted session removed from the streams");
     Ok(())
 }
 
 /// Deletes, one by one, the messages of `stream` on `filter` whose APPEND sequence (per
-/// `append_seq`; None counts as old enough) is at most `through`; returns how many. With
-/// `ordered`, the scan ends at the first message past `through`.
+/// `append_seq`; None counts as old enough) is at most `through`, except those `keep`
+/// names; returns how many. With `ordered`, the scan ends at the first message past
+/// `through`.
 async fn remove_through(
     bus: &Bus,
     (stream, filter): (String, String),
     through: u64,
     append_seq: fn(&StreamMessage) -> Option<u64>,
+    keep: &(dyn Fn(Option<u64>) -> bool + Sync),
     ordered: bool,
 ) -> anyhow::Result<u64> {
     let s = bus.js.get_stream_no_info(&stream).await.with_context(|| format!("opening {stream}"))?;
@@ -550,10 +590,14 @@ async fn remove_through(
             Err(e) => return Err(e).with_context(|| format!("finding {filter} in {stream}")),
         };
         next = m.sequence + 1;
-        if append_seq(&m).is_some_and(|seq| seq > through) {
+        let seq = append_seq(&m);
+        if seq.is_some_and(|seq| seq > through) {
             if ordered {
                 return Ok(removed);
             }
+            continue;
+        }
+        if keep(seq) {
             continue;
         }
         s.delete_message(m.sequence).await.with_context(|| format!("deleting {stream} {}", m.sequence))?;

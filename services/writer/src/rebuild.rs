@@ -177,7 +177,7 @@ async fn rebuild_partition(
     });
     let (to_writer, from_applier) = tokio::sync::mpsc::channel(WRITE_QUEUE);
     let writer = tokio::spawn(write_batches(pool.clone(), p, from_applier, progress.clone()));
-    let mut state = LoadedState::default();
+    let mut state = LoadedState { partitions: bus.partitions, ..LoadedState::default() };
     let mut carry: Vec<Incoming> = Vec::new();
     'chunks: while let Some(chunk) = from_reader.recv().await {
         carry.extend(chunk);

@@ -2,7 +2,8 @@
 //! in one transaction (the position moves by compare-and-set, because an advisory lock is
 //! not a fence), and reading back what was committed but not yet published.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::LazyLock;
 
 use sqlx::{Connection as _, PgConnection, PgPool};
 use turnlog_core::events::UnknownKind;
@@ -23,7 +24,7 @@ pub enum StoreError {
     Fenced { partition: i32, expected: i64 },
 }
 
-/// Binds the ten `sessions` columns of `$rows` (`&SessionRow`s) as arrays, in the order
+/// Binds the fifteen `sessions` columns of `$rows` (`&SessionRow`s) as arrays, in the order
 /// of every `INSERT INTO sessions … SELECT * FROM UNNEST(…)` here and in the bulk load.
 macro_rules! bind_sessions {
     ($query:expr, $rows:expr) => {{
@@ -39,6 +40,11 @@ macro_rules! bind_sessions {
             .bind(rows.iter().map(|s| s.compaction_seq).collect::<Vec<_>>())
             .bind(rows.iter().map(|s| s.created_at).collect::<Vec<_>>())
             .bind(rows.iter().map(|s| s.updated_at).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| s.forked_from).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| s.forked_through).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| crate::store::uuid_array(&s.lineage)).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| crate::store::int8_array(&s.lineage_through)).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| s.hidden_seq).collect::<Vec<_>>())
     }};
 }
 pub(crate) use bind_sessions;
@@ -58,6 +64,56 @@ macro_rules! bind_memories {
     }};
 }
 pub(crate) use bind_memories;
+
+/// `INSERT INTO sessions … ON CONFLICT (id) DO UPDATE …` of the rows [`bind_sessions!`]
+/// binds from parameter `$first` on, with `filter` after the `SELECT` (e.g. a `WHERE`).
+/// A lineage travels as the text of a Postgres array (an array of arrays would have to be
+/// rectangular); it is set at create and never changes.
+pub(crate) fn upsert_sessions_sql(first: usize, filter: &str) -> String {
+    let types = [
+        "uuid",
+        "text",
+        "text",
+        "bool",
+        "text",
+        "int8",
+        "int8",
+        "int8",
+        "timestamptz",
+        "timestamptz",
+        "uuid",
+        "int8",
+        "text",
+        "text",
+        "int8",
+    ];
+    let params: Vec<String> =
+        types.iter().enumerate().map(|(i, t)| format!("${}::{t}[]", first + i)).collect();
+    format!(
+        "INSERT INTO sessions ({SESSION_COLUMNS})
+         SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq,
+                created_at, updated_at, forked_from, forked_through, lineage::uuid[], lineage_through::int8[],
+                hidden_seq
+           FROM UNNEST({}) AS u({SESSION_COLUMNS})
+         {filter}
+         ON CONFLICT (id) DO UPDATE SET
+            title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
+            last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
+            compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at,
+            hidden_seq = EXCLUDED.hidden_seq",
+        params.join(", ")
+    )
+}
+
+/// A Postgres array literal of uuids (`{…}`), for [`upsert_sessions_sql`].
+pub(crate) fn uuid_array(ids: &[Uuid]) -> String {
+    format!("{{{}}}", ids.iter().map(Uuid::to_string).collect::<Vec<_>>().join(","))
+}
+
+/// A Postgres array literal of integers, for [`upsert_sessions_sql`].
+pub(crate) fn int8_array(values: &[i64]) -> String {
+    format!("{{{}}}", values.iter().map(i64::to_string).collect::<Vec<_>>().join(","))
+}
 
 /// (applied, published) stream sequences of a partition, creating its row at 0.
 pub async fn positions(pool: &PgPool, partition: i32) -> Result<(i64, i64), sqlx::Error> {
@@ -101,6 +157,9 @@ pub async fn load_state(
         .await?
     };
     Ok(LoadedState {
+        partitions: 0,
+        inheritors: HashMap::new(),
+        compactions: HashMap::new(),
         sessions: rows.into_iter().map(|row| (row.id, row)).collect(),
         outcomes: outcomes
             .into_iter()
@@ -113,6 +172,55 @@ pub async fn load_state(
     })
 }
 
+/// What a batch's forks and its delete need beyond the sessions it names (DESIGN §10):
+/// for each fork, its parent's row and the compactions of every session its branch log
+/// reads (its inherited compaction point is found among them); for a delete, the deleted
+/// session's ancestors and every session that inherits from it or from any of them.
+pub async fn load_family(
+    pool: &PgPool,
+    state: &mut LoadedState,
+    parents: &[Uuid],
+    deleted: Option<SessionId>,
+) -> Result<(), sqlx::Error> {
+    let rows = |sql: String, ids: Vec<Uuid>| async move {
+        sqlx::query_as::<_, SessionRow>(&sql).bind(ids).fetch_all(pool).await
+    };
+    if !parents.is_empty() {
+        for row in
+            rows(format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = ANY($1)"), parents.to_vec())
+                .await?
+        {
+            state.sessions.insert(row.id, row);
+        }
+        let mut read: Vec<Uuid> = parents.to_vec();
+        for p in parents {
+            if let Some(row) = state.sessions.get(&SessionId(*p)) {
+                read.extend(&row.lineage);
+            }
+        }
+        let compactions: Vec<(Uuid, i64, i64)> = sqlx::query_as(
+            "SELECT session_id, seq, (payload ->> 'replaces_through_seq')::int8 FROM session_events
+              WHERE session_id = ANY($1) AND kind = 'compaction_applied' ORDER BY session_id, seq",
+        )
+        .bind(&read)
+        .fetch_all(pool)
+        .await?;
+        for (session, seq, through) in compactions {
+            state.compactions.entry(SessionId(session)).or_default().push((seq, through));
+        }
+    }
+    if let Some(deleted) = deleted.and_then(|d| state.sessions.get(&d)) {
+        let family: Vec<Uuid> =
+            std::iter::once(deleted.id.0).chain(deleted.lineage.iter().copied()).collect();
+        let sql = format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = ANY($1) OR lineage && $1");
+        for row in rows(sql, family).await? {
+            state.add_inheritor(&row);
+            state.sessions.insert(row.id, row);
+        }
+    }
+    Ok(())
+}
+
 /// Writes a batch (a delete through [`write_delete`], anything else through
 /// [`write_effects`]) with the partition's new position.
 pub async fn commit(
@@ -122,7 +230,7 @@ pub async fn commit(
     fx: &BatchEffects,
 ) -> Result<(), StoreError> {
     match fx.deleted {
-        Some(session) => write_delete(conn, partition, expected, fx, session).await,
+        Some(_) => write_delete(conn, partition, expected, fx).await,
         None => write_effects(conn, partition, expected, fx).await,
     }
 }
@@ -144,49 +252,45 @@ async fn write_effects(
     let ev = &fx.events;
     let outcomes = &fx.outcomes;
     let m = &fx.memories;
-    let query = sqlx::query_scalar(
-        "WITH pos AS (
+    static STATEMENT: LazyLock<String> = LazyLock::new(|| {
+        let upsert = upsert_sessions_sql(4, "WHERE EXISTS (SELECT 1 FROM pos)");
+        format!(
+            "WITH pos AS (
              UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1
          ), s AS (
-             INSERT INTO sessions (id, owner, title, archived, last_category, last_seq, compacted_through,
-                                   compaction_seq, created_at, updated_at)
-             SELECT * FROM UNNEST($4::uuid[], $5::text[], $6::text[], $7::bool[], $8::text[], $9::int8[],
-                                  $10::int8[], $11::int8[], $12::timestamptz[], $13::timestamptz[])
-              WHERE EXISTS (SELECT 1 FROM pos)
-             ON CONFLICT (id) DO UPDATE SET
-                title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
-                last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
-                compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at
+             {upsert}
          ), e AS (
              INSERT INTO session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
-             SELECT * FROM UNNEST($14::uuid[], $15::int8[], $16::uuid[], $17::text[], $18::jsonb[], $19::int4[],
-                                  $20::int8[], $21::timestamptz[])
+             SELECT * FROM UNNEST($19::uuid[], $20::int8[], $21::uuid[], $22::text[], $23::jsonb[], $24::int4[],
+                                  $25::int8[], $26::timestamptz[])
               WHERE EXISTS (SELECT 1 FROM pos)
          ), oi AS (
-             SELECT * FROM UNNEST($22::uuid[], $23::uuid[], $24::text[], $25::int8[], $26::text[])
+             SELECT * FROM UNNEST($27::uuid[], $28::uuid[], $29::text[], $30::int8[], $31::text[])
                  AS u(request_id, session_id, status, seq, reason)
               WHERE EXISTS (SELECT 1 FROM pos)
          ), o AS (
              INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
-             SELECT * FROM oi WHERE NOT (request_id = ANY($33::uuid[]))
+             SELECT * FROM oi WHERE NOT (request_id = ANY($38::uuid[]))
          ), r AS (
              INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
-             SELECT * FROM oi WHERE request_id = ANY($33::uuid[])
+             SELECT * FROM oi WHERE request_id = ANY($38::uuid[])
              ON CONFLICT (request_id) DO UPDATE SET
                 session_id = EXCLUDED.session_id, status = EXCLUDED.status, seq = EXCLUDED.seq,
                 reason = EXCLUDED.reason
          ), m AS (
              INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
-             SELECT * FROM UNNEST($27::uuid[], $28::text[], $29::uuid[], $30::int8[], $31::text[],
-                                  $32::timestamptz[])
+             SELECT * FROM UNNEST($32::uuid[], $33::text[], $34::uuid[], $35::int8[], $36::text[],
+                                  $37::timestamptz[])
               WHERE EXISTS (SELECT 1 FROM pos)
              ON CONFLICT (id) DO NOTHING
          )
-         SELECT count(*) FROM pos",
-    )
-    .bind(partition)
-    .bind(expected)
-    .bind(i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX));
+         SELECT count(*) FROM pos"
+        )
+    });
+    let query = sqlx::query_scalar(STATEMENT.as_str())
+        .bind(partition)
+        .bind(expected)
+        .bind(i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX));
     let query = bind_sessions!(query, &sessions)
         .bind(ev.iter().map(|e| e.event.session_id.0).collect::<Vec<_>>())
         .bind(ev.iter().map(|e| e.event.seq).collect::<Vec<_>>())
@@ -208,57 +312,25 @@ async fn write_effects(
     Ok(())
 }
 
-/// A delete batch: the session's rows go (its events, its memories by cascade, its
-/// outcomes; both found by index), a pending purge up to the delete's own APPEND sequence
-/// is recorded, and the delete's own outcome is kept so a resent delete is answered.
+/// A delete batch (DESIGN §10): each removal's rows go — wholly, or above what forks still
+/// inherit, with the memories of the events that go, the session kept hidden — a pending
+/// purge up to the delete's own APPEND sequence is recorded for each, and the delete's own
+/// outcome is kept so a resent delete is answered.
 async fn write_delete(
     conn: &mut PgConnection,
     partition: i32,
     expected: i64,
     fx: &BatchEffects,
-    session: SessionId,
 ) -> Result<(), StoreError> {
+    static STATEMENT: LazyLock<String> = LazyLock::new(|| {
+        delete_statement(
+            "UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1",
+        )
+    });
     let mut tx = conn.begin().await?;
-    // The writer's connection keeps generic plans; this one is planned for its session.
+    // The writer's connection keeps generic plans; this one is planned for its sessions.
     sqlx::query("SET LOCAL plan_cache_mode = force_custom_plan").execute(&mut *tx).await?;
-    // One statement, as for any batch: every other append of the partition waits for it.
-    // The session's outcomes go, except this batch's own, which are written (a statement
-    // must not both delete and upsert one row).
-    let outcomes = &fx.outcomes;
-    let moved: i64 = sqlx::query_scalar(
-        "WITH pos AS (
-             UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1
-         ), e AS (
-             DELETE FROM session_events WHERE session_id = $4 AND EXISTS (SELECT 1 FROM pos)
-         ), s AS (
-             DELETE FROM sessions WHERE id = $4 AND EXISTS (SELECT 1 FROM pos)
-         ), gone AS (
-             DELETE FROM request_outcomes
-              WHERE session_id = $4 AND request_id <> ALL($5) AND EXISTS (SELECT 1 FROM pos)
-         ), purge AS (
-             INSERT INTO pending_purges (session_id, stream_seq) SELECT $4, $3 WHERE EXISTS (SELECT 1 FROM pos)
-             ON CONFLICT (session_id) DO UPDATE SET stream_seq = GREATEST(pending_purges.stream_seq, $3)
-         ), o AS (
-             INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
-             SELECT * FROM UNNEST($5::uuid[], $6::uuid[], $7::text[], $8::int8[], $9::text[])
-              WHERE EXISTS (SELECT 1 FROM pos)
-             ON CONFLICT (request_id) DO UPDATE SET
-                session_id = EXCLUDED.session_id, status = EXCLUDED.status, seq = EXCLUDED.seq,
-                reason = EXCLUDED.reason
-         )
-         SELECT count(*) FROM pos",
-    )
-    .bind(partition)
-    .bind(expected)
-    .bind(i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX))
-    .bind(session.0)
-    .bind(outcomes.iter().map(|(o, _)| o.request_id).collect::<Vec<_>>())
-    .bind(outcomes.iter().map(|(_, s)| s.map(|s| s.0)).collect::<Vec<_>>())
-    .bind(outcomes.iter().map(|(o, _)| o.status.as_str()).collect::<Vec<_>>())
-    .bind(outcomes.iter().map(|(o, _)| o.seq).collect::<Vec<_>>())
-    .bind(outcomes.iter().map(|(o, _)| o.reason.as_deref()).collect::<Vec<_>>())
-    .fetch_one(&mut *tx)
-    .await?;
+    let moved = run_delete(&mut tx, &STATEMENT, (partition, expected), fx, &fx.outcomes).await?;
     if moved != 1 {
         return Err(StoreError::Fenced { partition, expected });
     }
@@ -266,23 +338,71 @@ async fn write_delete(
     Ok(())
 }
 
-/// Records that a deleted session's stream messages up to APPEND sequence `through` are
-/// to be removed. A session deleted again (created anew meanwhile) before the first
-/// removal is done keeps one record, of the later delete, which covers both.
-pub async fn record_purge(
-    conn: &mut PgConnection,
-    session: SessionId,
-    through: i64,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO pending_purges (session_id, stream_seq) VALUES ($1, $2)
-         ON CONFLICT (session_id) DO UPDATE SET stream_seq = GREATEST(pending_purges.stream_seq, $2)",
+/// The one statement of a delete batch, its position step given as `pos` (a CTE body
+/// returning one row when the batch may be written; it may use `$1`, `$2`, `$3`). Every
+/// other append of the partition waits for it, so it is one round trip. The removed
+/// sessions' outcomes go, except this batch's own (a statement must not both delete and
+/// upsert one row) and, for a hidden session, those of the events it keeps.
+pub(crate) fn delete_statement(pos: &str) -> String {
+    let upsert = upsert_sessions_sql(11, "WHERE EXISTS (SELECT 1 FROM pos)");
+    format!(
+        "WITH pos AS ({pos}),
+         r AS (SELECT * FROM UNNEST($4::uuid[], $5::int8[]) AS r(id, kept)),
+         mem AS (
+             DELETE FROM memories m USING r, session_events ev
+              WHERE r.kept IS NOT NULL AND ev.session_id = r.id AND ev.seq > r.kept
+                AND ev.kind = 'memory_extracted' AND m.session_id = r.id
+                AND m.id IN (SELECT (x ->> 'id')::uuid FROM jsonb_array_elements(ev.payload -> 'memories') x)
+                AND EXISTS (SELECT 1 FROM pos)
+         ), e AS (
+             DELETE FROM session_events ev USING r
+              WHERE ev.session_id = r.id AND ev.seq > coalesce(r.kept, 0) AND EXISTS (SELECT 1 FROM pos)
+         ), s AS (
+             DELETE FROM sessions WHERE id IN (SELECT id FROM r WHERE kept IS NULL) AND EXISTS (SELECT 1 FROM pos)
+         ), h AS (
+             {upsert}
+         ), gone AS (
+             DELETE FROM request_outcomes o USING r
+              WHERE o.session_id = r.id AND o.request_id <> ALL($6)
+                AND NOT (r.kept IS NOT NULL AND o.status = 'committed' AND o.seq <= r.kept)
+                AND EXISTS (SELECT 1 FROM pos)
+         ), purge AS (
+             INSERT INTO pending_purges (session_id, stream_seq) SELECT id, $3 FROM r WHERE EXISTS (SELECT 1 FROM pos)
+             ON CONFLICT (session_id) DO UPDATE SET stream_seq = GREATEST(pending_purges.stream_seq, $3)
+         ), o AS (
+             INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
+             SELECT * FROM UNNEST($6::uuid[], $7::uuid[], $8::text[], $9::int8[], $10::text[])
+              WHERE EXISTS (SELECT 1 FROM pos)
+             ON CONFLICT (request_id) DO UPDATE SET
+                session_id = EXCLUDED.session_id, status = EXCLUDED.status, seq = EXCLUDED.seq,
+                reason = EXCLUDED.reason
+         )
+         SELECT count(*) FROM pos"
     )
-    .bind(session.0)
-    .bind(through)
-    .execute(conn)
-    .await?;
-    Ok(())
+}
+
+/// Runs a [`delete_statement`] for the batch `fx`, writing `outcomes`; returns how many
+/// rows `pos` gave.
+pub(crate) async fn run_delete(
+    conn: &mut PgConnection,
+    statement: &str,
+    (partition, expected): (i32, i64),
+    fx: &BatchEffects,
+    outcomes: &[(Outcome, Option<SessionId>)],
+) -> Result<i64, sqlx::Error> {
+    let kept: Vec<&SessionRow> = fx.removals.iter().filter_map(|r| r.kept.as_ref()).collect();
+    let query = sqlx::query_scalar(statement)
+        .bind(partition)
+        .bind(expected)
+        .bind(i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX))
+        .bind(fx.removals.iter().map(|r| r.session.0).collect::<Vec<_>>())
+        .bind(fx.removals.iter().map(|r| r.kept.as_ref().map(|row| row.last_seq)).collect::<Vec<_>>())
+        .bind(outcomes.iter().map(|(o, _)| o.request_id).collect::<Vec<_>>())
+        .bind(outcomes.iter().map(|(_, s)| s.map(|s| s.0)).collect::<Vec<_>>())
+        .bind(outcomes.iter().map(|(o, _)| o.status.as_str()).collect::<Vec<_>>())
+        .bind(outcomes.iter().map(|(o, _)| o.seq).collect::<Vec<_>>())
+        .bind(outcomes.iter().map(|(o, _)| o.reason.as_deref()).collect::<Vec<_>>());
+    bind_sessions!(query, &kept).fetch_one(conn).await
 }
 
 /// session_id, owner, seq, event_id, kind, payload, tokens, stream_seq, created_at, and
@@ -373,6 +493,20 @@ pub async fn pending_purges(pool: &PgPool) -> Result<Vec<(SessionId, Option<i64>
     let rows: Vec<(Uuid, Option<i64>)> =
         sqlx::query_as("SELECT session_id, stream_seq FROM pending_purges").fetch_all(pool).await?;
     Ok(rows.into_iter().map(|(id, through)| (SessionId(id), through)).collect())
+}
+
+/// The APPEND sequences of a session's messages a purge keeps: those of the events still
+/// stored (a hidden session's inherited prefix) and of the delete that hid it. Empty for a
+/// session that is gone.
+pub async fn kept_messages(pool: &PgPool, session: SessionId) -> Result<HashSet<u64>, sqlx::Error> {
+    let seqs: Vec<i64> = sqlx::query_scalar(
+        "SELECT stream_seq FROM session_events WHERE session_id = $1
+         UNION SELECT hidden_seq FROM sessions WHERE id = $1 AND hidden_seq IS NOT NULL",
+    )
+    .bind(session.0)
+    .fetch_all(pool)
+    .await?;
+    Ok(seqs.into_iter().filter_map(|s| u64::try_from(s).ok()).collect())
 }
 
 /// Clears a purge record once its messages through `through` are removed (not one a later

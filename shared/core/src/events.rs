@@ -86,6 +86,17 @@ impl FromStr for EventKind {
 pub struct SessionStarted {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub title: Option<String>,
+    /// Set on a fork: the branch log it continues (DESIGN §10).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<ForkPoint>,
+}
+
+/// Where a fork branches off: its parent and the last seq of the parent's branch log it
+/// inherits. The fork's own events start at `through_seq + 1`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForkPoint {
+    pub session_id: crate::ids::SessionId,
+    pub through_seq: i64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -4,6 +4,7 @@
 //! runtime; the projections, planning and budget are functions of their arguments (only
 //! new ids read the clock: `SessionId::new`, `EventId::new` are time-ordered v7 UUIDs).
 
+pub mod branch;
 pub mod budget;
 pub mod compaction;
 pub mod events;

@@ -15,7 +15,7 @@ use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-use turnlog_core::events::EventKind;
+use turnlog_core::events::{EventKind, ForkPoint};
 use turnlog_core::ids::{EventId, Owner, SessionId};
 
 /// Header naming the core NATS subject the writer answers a request's outcome on.
@@ -204,6 +204,9 @@ pub struct AppendRequest {
     pub archived: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub title_if_empty: Option<String>,
+    /// On a `create`: the session is a fork of this branch point (DESIGN §10).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<ForkPoint>,
 }
 
 impl AppendRequest {
@@ -219,10 +222,16 @@ impl AppendRequest {
             title: None,
             archived: None,
             title_if_empty: None,
+            forked_from: None,
         }
     }
     pub fn create(session_id: SessionId, owner: &str, title: Option<String>) -> Self {
         Self { title, ..Self::base(Op::Create, session_id, owner) }
+    }
+    /// A `create` of `session_id` as a fork of `from`; its id must hash to the parent's
+    /// partition ([`partition_of`]), or the writer dead-letters it.
+    pub fn fork(session_id: SessionId, owner: &str, title: Option<String>, from: ForkPoint) -> Self {
+        Self { title, forked_from: Some(from), ..Self::base(Op::Create, session_id, owner) }
     }
     /// An append of `body`, with `event_id` as the request id.
     pub fn append(

@@ -6,8 +6,9 @@ use serde::Serialize;
 use sqlx::{FromRow as _, PgPool, Row as _};
 use uuid::Uuid;
 
+use turnlog_core::branch::Segment;
 use turnlog_core::budget::CountedEvent;
-use turnlog_core::events::{DecodeError, Event, EventKind};
+use turnlog_core::events::{DecodeError, Event, EventKind, ForkPoint};
 use turnlog_core::ids::{EventId, Owner, SessionId};
 
 use crate::bus::{Outcome, OutcomeStatus};
@@ -29,15 +30,80 @@ pub struct SessionRow {
     pub compaction_seq: Option<i64>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+    /// The parent and fork point a fork was created from (DESIGN §10).
+    pub forked_from: Option<Uuid>,
+    pub forked_through: Option<i64>,
+    /// The ancestors the branch log reads, root first, and the last seq read from each
+    /// (`turnlog_core::branch`); empty for a session that is not a fork.
+    pub lineage: Vec<Uuid>,
+    pub lineage_through: Vec<i64>,
+    /// Set when the session was deleted while forks inherit its prefix: the APPEND
+    /// sequence of that delete. A hidden session is not found by any route.
+    pub hidden_seq: Option<i64>,
+}
+
+impl SessionRow {
+    /// A new session's row (a fork's lineage and fork point set by the caller).
+    pub fn new(id: SessionId, owner: Owner, title: Option<String>, now: DateTime<Utc>) -> Self {
+        Self {
+            id,
+            owner,
+            title,
+            archived: false,
+            last_category: None,
+            last_seq: 0,
+            compacted_through: None,
+            compaction_seq: None,
+            created_at: now,
+            updated_at: now,
+            forked_from: None,
+            forked_through: None,
+            lineage: Vec::new(),
+            lineage_through: Vec::new(),
+            hidden_seq: None,
+        }
+    }
+
+    /// The ancestor segments of the session's branch log, root first.
+    pub fn lineage(&self) -> Vec<Segment> {
+        self.lineage
+            .iter()
+            .zip(&self.lineage_through)
+            .map(|(id, through)| Segment { session: SessionId(*id), through: *through })
+            .collect()
+    }
+
+    pub fn set_lineage(&mut self, lineage: &[Segment]) {
+        self.lineage = lineage.iter().map(|s| s.session.0).collect();
+        self.lineage_through = lineage.iter().map(|s| s.through).collect();
+    }
+
+    /// Where this fork branched off, or None for a session that is not a fork.
+    pub fn fork_point(&self) -> Option<ForkPoint> {
+        Some(ForkPoint { session_id: SessionId(self.forked_from?), through_seq: self.forked_through? })
+    }
+
+    /// The first seq of the session's own events (1 unless it is a fork).
+    pub fn first_own_seq(&self) -> i64 {
+        self.lineage_through.last().map_or(1, |t| t + 1)
+    }
 }
 
 /// [`SessionRow`]'s columns, in a `SELECT` of `sessions`.
-pub const SESSION_COLUMNS: &str =
-    "id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq, created_at, updated_at";
+macro_rules! session_columns {
+    () => {
+        "id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq, created_at, \
+         updated_at, forked_from, forked_through, lineage, lineage_through, hidden_seq"
+    };
+}
+pub const SESSION_COLUMNS: &str = session_columns!();
 
 /// An event row as stored: kind and payload raw (the `/events` page), decodable.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
 pub struct StoredEvent {
+    /// The session the event belongs to: on a fork's branch log, an ancestor for the
+    /// inherited events (DESIGN §10).
+    pub session_id: Uuid,
     pub seq: i64,
     #[serde(skip)]
     pub event_id: Uuid,
@@ -77,17 +143,46 @@ pub enum ReadError {
     Decode(#[from] DecodeError),
 }
 
-/// The owner's session `id`; None when it does not exist or is another owner's.
+/// A statement over a session's *branch log* (DESIGN §10): `WITH branch(sid, upto)` lists
+/// its segments — each ancestor of its lineage with the last seq read from it, then the
+/// session itself — for session `$1`; with an owner in `$2`, only when the session is that
+/// owner's and not hidden (none otherwise), with `$2` NULL, any session's (the workers'
+/// reads of a committed turn). Events are joined per segment
+/// (`e.session_id = b.sid AND e.seq <= b.upto`), each segment a range of the primary key,
+/// so no read loads an ancestor whole; seqs are disjoint across segments.
+macro_rules! branch_sql {
+    ($($rest:expr),+ $(,)?) => {
+        concat!(
+            "WITH branch AS (
+                 SELECT b.sid, b.upto FROM sessions s,
+                        unnest(s.lineage || s.id, s.lineage_through || 9223372036854775807::int8) AS b(sid, upto)
+                  WHERE s.id = $1 AND ($2::text IS NULL OR (s.owner = $2 AND s.hidden_seq IS NULL))
+             ) ",
+            $($rest),+
+        )
+    };
+}
+
+/// [`StoredEvent`]'s columns, from `session_events e`.
+macro_rules! event_columns {
+    () => {
+        "e.session_id, e.seq, e.event_id, e.kind, e.payload, e.tokens, e.created_at"
+    };
+}
+
+/// The owner's session `id`; None when it does not exist, is another owner's or hidden.
 pub async fn get_session(
     pool: &PgPool,
     owner: &str,
     id: SessionId,
 ) -> Result<Option<SessionRow>, sqlx::Error> {
-    sqlx::query_as(&format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1 AND owner = $2"))
-        .bind(id.0)
-        .bind(owner)
-        .fetch_optional(pool)
-        .await
+    sqlx::query_as(&format!(
+        "SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1 AND owner = $2 AND hidden_seq IS NULL"
+    ))
+    .bind(id.0)
+    .bind(owner)
+    .fetch_optional(pool)
+    .await
 }
 
 /// A session's live tail: its newest compaction and every event after that compaction's
@@ -101,11 +196,14 @@ pub struct LiveTail {
 
 pub async fn live_tail(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<LiveTail>, ReadError> {
     let Some(state) = get_session(pool, owner, id).await? else { return Ok(None) };
-    let rows: Vec<StoredEvent> = sqlx::query_as(
-        "SELECT seq, event_id, kind, payload, tokens, created_at FROM session_events
-          WHERE session_id = $1 AND (seq > $2 OR seq = $3) ORDER BY seq",
-    )
+    let rows: Vec<StoredEvent> = sqlx::query_as(branch_sql!(
+        "SELECT ",
+        event_columns!(),
+        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
+          WHERE e.seq > $3 OR e.seq = $4 ORDER BY e.seq"
+    ))
     .bind(id.0)
+    .bind(owner)
     .bind(state.compacted_through.unwrap_or(0))
     .bind(state.compaction_seq.unwrap_or(0))
     .fetch_all(pool)
@@ -132,12 +230,16 @@ pub async fn events_page(
     after: i64,
     limit: i64,
 ) -> Result<Option<Vec<StoredEvent>>, sqlx::Error> {
-    let rows: Vec<StoredEvent> = sqlx::query_as(
-        "SELECT e.seq, e.event_id, e.kind, e.payload, e.tokens, e.created_at
-           FROM session_events e JOIN sessions s ON s.id = e.session_id
-          WHERE e.session_id = $1 AND s.owner = $2 AND e.seq > $3
-          ORDER BY e.seq LIMIT $4",
-    )
+    // Each segment gives at most `limit` rows, read in seq order by index.
+    let rows: Vec<StoredEvent> = sqlx::query_as(branch_sql!(
+        "SELECT x.* FROM branch b, LATERAL (
+             SELECT ",
+        event_columns!(),
+        " FROM session_events e
+              WHERE e.session_id = b.sid AND e.seq <= b.upto AND e.seq > $3
+              ORDER BY e.seq LIMIT $4) x
+          ORDER BY x.seq LIMIT $4"
+    ))
     .bind(id.0)
     .bind(owner)
     .bind(after)
@@ -160,7 +262,8 @@ pub struct TranscriptPage {
 }
 
 /// The newest `limit` events the transcript shows with seq < `before`, scanning back from
-/// `before` and never reading the rest of the log. Visibility is `ui_transcript`'s rule,
+/// `before` in each segment of the branch log and never reading the rest of it; every
+/// lookup below is over the branch log too. Visibility is `ui_transcript`'s rule,
 /// asked of the events after each candidate through indexed lookups
 /// (`session_events_attempt`, `session_events_permission`, the primary key):
 /// - a permission request is hidden once any event resolves it;
@@ -170,30 +273,35 @@ pub struct TranscriptPage {
 ///   (user message, failure, answer, or a final checkpoint without an id, which closes
 ///   its own run): it is hidden when the next such event is an answer or another
 ///   checkpoint without an id, and a final one is always shown.
-const TRANSCRIPT_PAGE: &str = "SELECT e.seq, e.event_id, e.kind, e.payload, e.tokens, e.created_at
-   FROM session_events e JOIN sessions s ON s.id = e.session_id
-  WHERE e.session_id = $1 AND s.owner = $2 AND e.seq < $3
+const TRANSCRIPT_PAGE: &str = branch_sql!(
+    "SELECT x.* FROM branch b, LATERAL (
+     SELECT ",
+    event_columns!(),
+    " FROM session_events e
+  WHERE e.session_id = b.sid AND e.seq <= b.upto AND e.seq < $3
     AND (e.kind IN ('user_message', 'assistant_turn', 'tool_execution', 'compaction_applied', 'turn_failed')
          OR (e.kind = 'permission_request'
-             AND NOT EXISTS (SELECT 1 FROM session_events r
-                              WHERE r.session_id = e.session_id AND r.kind = 'permission_resolved'
+             AND NOT EXISTS (SELECT 1 FROM branch rb JOIN session_events r ON r.session_id = rb.sid AND r.seq <= rb.upto
+                              WHERE r.kind = 'permission_resolved'
                                 AND r.payload ->> 'id' = e.payload ->> 'id'))
          OR (e.kind = 'pending_state' AND e.payload ->> 'attempt_id' IS NOT NULL
-             AND NOT EXISTS (SELECT 1 FROM session_events a
-                              WHERE a.session_id = e.session_id
-                                AND a.kind IN ('pending_state', 'assistant_turn')
+             AND NOT EXISTS (SELECT 1 FROM branch ab JOIN session_events a ON a.session_id = ab.sid AND a.seq <= ab.upto
+                              WHERE a.kind IN ('pending_state', 'assistant_turn')
                                 AND a.payload ->> 'attempt_id' = e.payload ->> 'attempt_id'
                                 AND (a.kind = 'assistant_turn' OR a.seq > e.seq)))
          OR (e.kind = 'pending_state' AND e.payload ->> 'attempt_id' IS NULL
              AND (e.payload ->> 'reason' IS NOT NULL
-                  OR coalesce((SELECT n.kind FROM session_events n
-                                WHERE n.session_id = e.session_id AND n.seq > e.seq
+                  OR coalesce((SELECT n.kind FROM branch nb JOIN session_events n ON n.session_id = nb.sid AND n.seq <= nb.upto
+                                WHERE n.seq > e.seq
                                   AND (n.kind IN ('user_message', 'turn_failed', 'assistant_turn')
                                        OR (n.kind = 'pending_state' AND n.payload ->> 'attempt_id' IS NULL))
                                 ORDER BY n.seq LIMIT 1), 'user_message')
                      IN ('user_message', 'turn_failed'))))
   ORDER BY e.seq DESC
-  LIMIT $4";
+  LIMIT $4) x
+  ORDER BY x.seq DESC
+  LIMIT $4"
+);
 
 /// The newest `limit` visible events before `before` (seq order) and the cursor of the
 /// older ones, or None when the session is not the owner's.
@@ -240,17 +348,18 @@ pub async fn permission_status(
     id: SessionId,
     perm_id: &str,
 ) -> Result<Option<PermissionStatus>, sqlx::Error> {
-    let row: Option<(Option<i64>, Option<i64>, Option<String>)> = sqlx::query_as(
-        "SELECT (SELECT q.seq FROM session_events q
-                  WHERE q.session_id = s.id AND q.kind = 'permission_request' AND q.payload ->> 'id' = $3
+    let row: Option<(Option<i64>, Option<i64>, Option<String>)> = sqlx::query_as(branch_sql!(
+        "SELECT (SELECT q.seq FROM branch qb JOIN session_events q ON q.session_id = qb.sid AND q.seq <= qb.upto
+                  WHERE q.kind = 'permission_request' AND q.payload ->> 'id' = $3
                   ORDER BY q.seq LIMIT 1),
                 r.seq, r.payload ->> 'decision'
-           FROM sessions s
-           LEFT JOIN LATERAL (SELECT seq, payload FROM session_events
-                               WHERE session_id = s.id AND kind = 'permission_resolved' AND payload ->> 'id' = $3
-                               ORDER BY seq LIMIT 1) r ON true
-          WHERE s.id = $1 AND s.owner = $2",
-    )
+           FROM (SELECT 1) one
+           LEFT JOIN LATERAL (SELECT e.seq, e.payload
+                                FROM branch rb JOIN session_events e ON e.session_id = rb.sid AND e.seq <= rb.upto
+                               WHERE e.kind = 'permission_resolved' AND e.payload ->> 'id' = $3
+                               ORDER BY e.seq LIMIT 1) r ON true
+          WHERE EXISTS (SELECT 1 FROM branch)"
+    ))
     .bind(id.0)
     .bind(owner)
     .bind(perm_id)
@@ -285,21 +394,25 @@ pub struct ListQuery {
 
 /// The owner's sessions of one archive view, newest first from the cursor (`$2`, the
 /// search text, is unused).
-const LIST_SESSIONS: &str = "SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq, created_at,
-        updated_at FROM sessions
-  WHERE owner = $1 AND archived = $3
+const LIST_SESSIONS: &str = concat!(
+    "SELECT ",
+    session_columns!(),
+    " FROM sessions
+  WHERE owner = $1 AND archived = $3 AND hidden_seq IS NULL
     AND ($4::timestamptz IS NULL OR (updated_at, id) < ($4, $5))
   ORDER BY updated_at DESC, id DESC
-  LIMIT $6";
+  LIMIT $6"
+);
 
 /// The owner's sessions whose title or any user message matches `$2`, archived or not.
 /// Each text is matched by the very expression its GIN index is built on
 /// (`sessions_title_fts`, `session_events_user_text_fts`), so Postgres looks the words
 /// up instead of computing a tsvector per row; `$3` is unused here.
-const SEARCH_SESSIONS: &str =
-    "SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq, created_at,
-        updated_at FROM sessions
-  WHERE owner = $1
+const SEARCH_SESSIONS: &str = concat!(
+    "SELECT ",
+    session_columns!(),
+    " FROM sessions
+  WHERE owner = $1 AND hidden_seq IS NULL
     AND ($4::timestamptz IS NULL OR (updated_at, id) < ($4, $5))
     AND id IN (SELECT t.id FROM sessions t
                 WHERE t.owner = $1
@@ -309,7 +422,8 @@ const SEARCH_SESSIONS: &str =
                 WHERE e.kind = 'user_message'
                   AND to_tsvector('simple', e.payload ->> 'text') @@ plainto_tsquery('simple', $2))
   ORDER BY updated_at DESC, id DESC
-  LIMIT $6";
+  LIMIT $6"
+);
 
 /// [`list_sessions`]'s statement for `query`, its parameters bound.
 fn list_statement<'q>(
@@ -430,14 +544,16 @@ pub async fn last_user_message(
     owner: &str,
     id: SessionId,
 ) -> Result<Option<(i64, turnlog_core::events::UserMessage, bool)>, ReadError> {
-    let row: Option<(i64, serde_json::Value, bool)> = sqlx::query_as(
-        "SELECT e.seq, e.payload,
-                EXISTS (SELECT 1 FROM session_events a
-                         WHERE a.session_id = e.session_id AND a.kind = 'assistant_turn' AND a.seq > e.seq)
-           FROM session_events e JOIN sessions s ON s.id = e.session_id
-          WHERE e.session_id = $1 AND s.owner = $2 AND e.kind = 'user_message'
-          ORDER BY e.seq DESC LIMIT 1",
-    )
+    let row: Option<(i64, serde_json::Value, bool)> = sqlx::query_as(branch_sql!(
+        "SELECT u.seq, u.payload,
+                EXISTS (SELECT 1 FROM branch ab JOIN session_events a ON a.session_id = ab.sid AND a.seq <= ab.upto
+                         WHERE a.kind = 'assistant_turn' AND a.seq > u.seq)
+           FROM (SELECT x.* FROM branch b, LATERAL (
+                     SELECT e.seq, e.payload FROM session_events e
+                      WHERE e.session_id = b.sid AND e.seq <= b.upto AND e.kind = 'user_message'
+                      ORDER BY e.seq DESC LIMIT 1) x
+                  ORDER BY x.seq DESC LIMIT 1) u"
+    ))
     .bind(id.0)
     .bind(owner)
     .fetch_optional(pool)
@@ -459,19 +575,39 @@ pub async fn turn_events(
     turn_seq: i64,
     limit: i64,
 ) -> Result<Vec<Event>, ReadError> {
-    let rows: Vec<StoredEvent> = sqlx::query_as(
-        "SELECT seq, event_id, kind, payload, tokens, created_at FROM session_events
-          WHERE session_id = $1 AND seq <= $2
-            AND seq >= coalesce((SELECT max(seq) FROM session_events
-                                  WHERE session_id = $1 AND kind = 'user_message' AND seq < $2), $2)
-          ORDER BY seq LIMIT $3",
-    )
+    let rows: Vec<StoredEvent> = sqlx::query_as(branch_sql!(
+        "SELECT ",
+        event_columns!(),
+        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
+          WHERE e.seq <= $3
+            AND e.seq >= coalesce((SELECT max(x.seq) FROM branch xb, LATERAL (
+                                       SELECT u.seq FROM session_events u
+                                        WHERE u.session_id = xb.sid AND u.seq <= xb.upto AND u.seq < $3
+                                          AND u.kind = 'user_message'
+                                        ORDER BY u.seq DESC LIMIT 1) x), $3)
+          ORDER BY e.seq LIMIT $4"
+    ))
     .bind(session.0)
+    .bind(None::<&str>)
     .bind(turn_seq)
     .bind(limit)
     .fetch_all(pool)
     .await?;
     Ok(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?)
+}
+
+/// Whether the branch log of `session` has an answer before seq `before`: a turn at
+/// `before` is its first when it has none (the distiller titles a session after it).
+pub async fn answered_before(pool: &PgPool, session: SessionId, before: i64) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(branch_sql!(
+        "SELECT EXISTS (SELECT 1 FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
+                         WHERE e.kind = 'assistant_turn' AND e.seq < $3)"
+    ))
+    .bind(session.0)
+    .bind(None::<&str>)
+    .bind(before)
+    .fetch_one(pool)
+    .await
 }
 
 /// Whether a deleted session's messages are still being removed from the streams.
@@ -495,4 +631,38 @@ pub async fn recorded_outcome(pool: &PgPool, request_id: Uuid) -> Result<Option<
         seq,
         reason,
     }))
+}
+
+/// A session's forks as its detail lists them: the live sessions created from it.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct ForkSummary {
+    pub id: Uuid,
+    pub title: Option<String>,
+    pub through_seq: i64,
+    pub created_at: DateTime<Utc>,
+}
+
+/// The owner's live forks of session `id`, oldest first.
+pub async fn forks_of(pool: &PgPool, owner: &str, id: SessionId) -> Result<Vec<ForkSummary>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, title, forked_through AS through_seq, created_at FROM sessions
+          WHERE forked_from = $1 AND owner = $2 AND hidden_seq IS NULL
+          ORDER BY created_at, id LIMIT 1000",
+    )
+    .bind(id.0)
+    .bind(owner)
+    .fetch_all(pool)
+    .await
+}
+
+/// The event at `seq` of the owner's session's branch log, or None (no such seq, or not
+/// the owner's session).
+pub async fn event_at(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+    seq: i64,
+) -> Result<Option<StoredEvent>, sqlx::Error> {
+    let rows = events_page(pool, owner, id, seq - 1, 1).await?.unwrap_or_default();
+    Ok(rows.into_iter().find(|e| e.seq == seq))
 }

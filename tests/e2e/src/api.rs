@@ -40,6 +40,8 @@ pub struct Options {
     pub turn_limits: TurnLimits,
     /// `TURNLOG_STATEMENT_TIMEOUT`.
     pub statement_timeout: Duration,
+    /// `TURNLOG_PARTITIONS` of the writer, the ingress and the harness's own bus.
+    pub partitions: u32,
 }
 
 impl Default for Options {
@@ -55,6 +57,7 @@ impl Default for Options {
             allowed_models: None,
             turn_limits: TurnLimits::default(),
             statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
+            partitions: 1,
         }
     }
 }
@@ -152,6 +155,10 @@ impl Api {
         if !opts.writer {
             configs.writer = None;
         }
+        if let Some(writer) = &mut configs.writer {
+            writer.backbone.partitions = opts.partitions;
+        }
+        configs.ingress.backbone.partitions = opts.partitions;
         let config = &mut configs.ingress;
         if let Some(spec) = opts.tokens {
             config.tokens = ApiTokens::parse(spec).unwrap();
@@ -173,10 +180,11 @@ impl Api {
 
     /// The harness over a stack of the caller's `configs` on `env`.
     pub async fn on(env: TestEnv, configs: ServiceConfigs) -> Self {
+        let partitions = configs.ingress.backbone.partitions;
         let stack = crate::serve(configs, WAIT).await.unwrap_or_else(|e| panic!("{e:#}"));
         let base = stack.base_url().to_owned();
         let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
-        let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
+        let bus = Bus::connect(&env.nats_url, &env.bus_prefix, partitions).await.unwrap();
         Self { env, base, bus, http, stack }
     }
 

@@ -3,6 +3,7 @@
 //! chat, stop, retry, re-attach) join here from their own modules.
 
 pub mod context;
+pub mod forks;
 pub mod memories;
 pub mod ops;
 pub mod permissions;
@@ -22,6 +23,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(sessions::create, sessions::list))
         .routes(routes!(sessions::get, sessions::patch, sessions::delete))
         .routes(routes!(sessions::events))
+        .routes(routes!(forks::fork))
         .routes(routes!(context::context))
         .routes(routes!(turns::send))
         .routes(routes!(turns::chat))

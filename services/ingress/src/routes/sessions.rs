@@ -7,10 +7,11 @@ use axum::http::StatusCode;
 use axum::Json;
 use chrono::{DateTime, Timelike as _, Utc};
 use serde::{Deserialize, Serialize};
+use turnlog_core::events::ForkPoint;
 use turnlog_core::ids::SessionId;
 use turnlog_core::ui_transcript::{transcript_item, TranscriptItem};
 use turnlog_runtime::bus::AppendRequest;
-use turnlog_runtime::read::{self, Cursor, ListQuery, SessionRow, StoredEvent};
+use turnlog_runtime::read::{self, Cursor, ForkSummary, ListQuery, SessionRow, StoredEvent};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
@@ -37,11 +38,16 @@ pub struct SessionView {
     pub last_category: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+    /// Set on a fork: the session and seq it branched from (DESIGN §10).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub forked_from: Option<ForkPoint>,
 }
 
 impl From<SessionRow> for SessionView {
     fn from(s: SessionRow) -> Self {
         Self {
+            forked_from: s.fork_point(),
             id: s.id.0,
             title: s.title,
             archived: s.archived,
@@ -187,6 +193,9 @@ pub struct SessionDetail {
     pub earlier: Option<EarlierCursor>,
     /// Whether a turn is running on the session right now.
     pub turn_active: bool,
+    /// The session's forks (live ones), oldest first: `{id, title, through_seq, created_at}`.
+    #[schema(value_type = Vec<Object>)]
+    pub forks: Vec<ForkSummary>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -227,11 +236,13 @@ pub async fn get(
     let turn_active = tokio::time::timeout(BUS_READ_TIMEOUT, app.leases.is_held(id))
         .await
         .map_err(|_| ApiError::Unavailable("turn lease lookup timed out".into()))??;
+    let forks = read::forks_of(&app.pool, caller.as_str(), id).await?;
     Ok(Json(SessionDetail {
         session: session.into(),
         items: page.events.iter().filter_map(transcript_item).collect(),
         earlier: page.earlier.map(|before| EarlierCursor { before }),
         turn_active,
+        forks,
     }))
 }
 
@@ -275,7 +286,8 @@ pub async fn patch(
     Ok(Json(owned_session(&app, &caller, id).await?.into()))
 }
 
-/// Delete a session: its log, its memories and its bus messages (DESIGN.md §2).
+/// Delete a session: its log, its memories and its bus messages (DESIGN.md §2). What a
+/// surviving fork inherits stays, hidden (DESIGN.md §10).
 #[utoipa::path(
     delete, path = "/v1/sessions/{id}", tag = "sessions", security(("bearer" = [])),
     params(("id" = Uuid, Path, description = "Session id")),
@@ -307,6 +319,8 @@ pub struct EventsParams {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct EventView {
+    /// The session the event belongs to: a fork's inherited events are its ancestors'.
+    pub session_id: Uuid,
     pub seq: i64,
     pub kind: String,
     /// The payload as stored (DESIGN.md §2).
@@ -317,7 +331,13 @@ pub struct EventView {
 
 impl From<StoredEvent> for EventView {
     fn from(e: StoredEvent) -> Self {
-        Self { seq: e.seq, kind: e.kind, payload: e.payload, created_at: e.created_at }
+        Self {
+            session_id: e.session_id,
+            seq: e.seq,
+            kind: e.kind,
+            payload: e.payload,
+            created_at: e.created_at,
+        }
     }
 }
 

@@ -15,7 +15,7 @@ use axum::Json;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use turnlog_core::events::{Document, EventBody, ImageRef, PendingReason, UserMessage};
+use turnlog_core::events::{Document, EventBody, EventKind, ImageRef, PendingReason, UserMessage};
 use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read;
@@ -26,6 +26,7 @@ use uuid::Uuid;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath};
+use crate::routes::forks::{create_fork, fork_request};
 use crate::routes::sessions::owned_session;
 use crate::turn::{remote_stop, remote_stream, start_turn, ActiveTurn, TurnEvent, TurnSlot, TurnStart};
 use crate::writes::submit;
@@ -57,6 +58,21 @@ pub struct SendMessage {
     #[serde(default)]
     #[schema(value_type = Vec<Object>)]
     pub documents: Vec<Document>,
+    /// Edit: the seq of a user message of this session. The message is sent instead into a
+    /// new fork through the seq before it (DESIGN §10); the stream's `meta` names the fork.
+    #[serde(default)]
+    pub edit_of: Option<i64>,
+}
+
+/// `POST /v1/sessions/{id}/retry`: without `of`, run the last user message again after an
+/// interrupted or failed turn; with `of`, regenerate that answer in a new fork.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RetryRequest {
+    /// Regenerate: the seq of an answer (`assistant_turn`) of this session. Its user
+    /// message runs again in a fork through that message (DESIGN §10).
+    #[serde(default)]
+    pub of: Option<i64>,
 }
 
 /// `POST /v1/chat`: a message to a session, or to a new one when `session_id` is absent.
@@ -120,7 +136,7 @@ fn user_message(m: &SendMessage) -> UserMessage {
     }
 }
 
-fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+pub(crate) fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     let Some(v) = headers.get(IDEMPOTENCY_HEADER) else { return Ok(None) };
     let key = v.to_str().map_err(|_| ApiError::bad_request("Idempotency-Key must be visible ASCII"))?;
     if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY {
@@ -129,7 +145,8 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     Ok(Some(key.to_owned()))
 }
 
-fn derived(owner: &str, purpose: &str, key: &str) -> Uuid {
+/// An id derived from an `Idempotency-Key` for one purpose, so a resend names the same thing.
+pub(crate) fn derived(owner: &str, purpose: &str, key: &str) -> Uuid {
     Uuid::new_v5(&IDEMPOTENCY_NS, format!("{owner}\n{purpose}\n{key}").as_bytes())
 }
 
@@ -148,7 +165,7 @@ fn derived(owner: &str, purpose: &str, key: &str) -> Uuid {
         (status = 503, body = ErrorBody),
     )
 )]
-#[tracing::instrument(skip_all, fields(session_id = %id), err(Display, level = "debug"))]
+#[tracing::instrument(skip_all, fields(session_id = %id, fork_id), err(Display, level = "debug"))]
 pub async fn send(
     State(app): State<AppState>,
     caller: Caller,
@@ -158,8 +175,18 @@ pub async fn send(
 ) -> Result<Response, ApiError> {
     validated(&app, &body)?;
     let key = idempotency_key(&headers)?;
-    owned_session(&app, &caller, id).await?;
-    send_turn(&app, &caller, id, body, key, None).await
+    let session = owned_session(&app, &caller, id).await?;
+    let Some(edit_of) = body.edit_of else { return send_turn(&app, &caller, id, body, key, None).await };
+    let edited = read::event_at(&app.pool, caller.as_str(), id, edit_of).await?;
+    if edited.is_none_or(|e| e.kind != "user_message") {
+        return Err(ApiError::bad_request(format!(
+            "edit_of must be the seq of a user message of this session; {edit_of} is not"
+        )));
+    }
+    let create = fork_request(&app, &caller, &session, edit_of - 1, key.as_deref(), "edit").await?;
+    let fork = create.session_id;
+    tracing::Span::current().record("fork_id", tracing::field::display(fork));
+    send_turn(&app, &caller, fork, body, key, Some(create)).await
 }
 
 /// Send a message to a session, or to a new one, and stream the turn.
@@ -188,6 +215,7 @@ pub async fn chat(
         model: body.model,
         images: body.images,
         documents: body.documents,
+        edit_of: None,
     };
     validated(&app, &message)?;
     let key = idempotency_key(&headers)?;
@@ -320,10 +348,13 @@ pub async fn stop(
     Ok((StatusCode::ACCEPTED, Json(Stopping { session_id: id.0, stopping })))
 }
 
-/// Run the last user message again after an interrupted or failed turn.
+/// Run the last user message again after an interrupted or failed turn, or regenerate an
+/// answer in a fork.
 #[utoipa::path(
     post, path = "/v1/sessions/{id}/retry", tag = "turns", security(("bearer" = [])),
-    params(("id" = Uuid, Path, description = "Session id")),
+    params(("id" = Uuid, Path, description = "Session id"),
+           ("Idempotency-Key" = Option<String>, Header, description = "With `of`: a resent POST answers from the same fork")),
+    request_body(content = RetryRequest, description = "Empty, `{}`, or `{\"of\": <answer seq>}`"),
     responses(
         (status = 200, description = "text/event-stream, as for a message", content_type = "text/event-stream"),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
@@ -332,15 +363,51 @@ pub async fn stop(
         (status = 503, body = ErrorBody),
     )
 )]
-#[tracing::instrument(skip_all, fields(session_id = %id), err(Display, level = "debug"))]
+#[tracing::instrument(skip_all, fields(session_id = %id, fork_id), err(Display, level = "debug"))]
 pub async fn retry(
     State(app): State<AppState>,
     caller: Caller,
     ApiPath(id): ApiPath<SessionId>,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<RetryRequest>,
 ) -> Result<Response, ApiError> {
-    owned_session(&app, &caller, id).await?;
+    let session = owned_session(&app, &caller, id).await?;
+    let Some(of) = body.of else {
+        ready_for_turns(&app)?;
+        let slot = take_slot(&app, &caller)?;
+        return retry_turn(&app, &caller, id, slot).await;
+    };
+    let key = idempotency_key(&headers)?;
+    let answer = read::event_at(&app.pool, caller.as_str(), id, of).await?;
+    if answer.is_none_or(|e| e.kind != "assistant_turn") {
+        return Err(ApiError::bad_request(format!(
+            "of must be the seq of an answer of this session; {of} is not"
+        )));
+    }
+    let question = read::turn_events(&app.pool, id, of, 1).await?;
+    let Some(user_seq) = question.first().filter(|e| e.kind() == EventKind::UserMessage).map(|e| e.seq)
+    else {
+        return Err(ApiError::bad_request(format!("the answer at {of} follows no user message")));
+    };
+    let create = fork_request(&app, &caller, &session, user_seq, key.as_deref(), "regenerate").await?;
+    let fork = create.session_id;
+    tracing::Span::current().record("fork_id", tracing::field::display(fork));
+    if key.is_some() && read::get_session(&app.pool, caller.as_str(), fork).await?.is_some() {
+        return answer_resend(&app, &caller, fork, user_seq).await;
+    }
     ready_for_turns(&app)?;
     let slot = take_slot(&app, &caller)?;
+    create_fork(&app, &caller, &create).await?;
+    retry_turn(&app, &caller, fork, slot).await
+}
+
+/// Runs the session's last user message again, when no answer follows it.
+async fn retry_turn(
+    app: &AppState,
+    caller: &Caller,
+    id: SessionId,
+    slot: TurnSlot,
+) -> Result<Response, ApiError> {
     let lease = app.leases.acquire(id, &app.instance_id).await?.ok_or_else(turn_running)?;
     let last = match read::last_user_message(&app.pool, caller.as_str(), id).await {
         Ok(Some((seq, message, false))) => (seq, message),
@@ -370,8 +437,8 @@ pub async fn retry(
         lease,
         slot,
     };
-    let turn = start_turn(&app, start);
-    Ok(stream_response(&app, id, follow_local(turn, 0)))
+    let turn = start_turn(app, start);
+    Ok(stream_response(app, id, follow_local(turn, 0)))
 }
 
 /// Re-attach to the turn in flight: its events after `Last-Event-ID`, then live.

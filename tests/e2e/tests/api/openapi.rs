@@ -8,7 +8,7 @@ use serde_json::Value;
 use turnlog_e2e::api::{Api, Body, ALICE};
 
 /// Every operation the ingress serves today.
-const SERVED: [(&str, &str); 18] = [
+const SERVED: &[(&str, &str)] = &[
     ("post", "/v1/sessions"),
     ("get", "/v1/sessions"),
     ("get", "/v1/sessions/{id}"),
@@ -17,6 +17,7 @@ const SERVED: [(&str, &str); 18] = [
     ("get", "/v1/sessions/{id}/events"),
     ("get", "/v1/sessions/{id}/context"),
     ("post", "/v1/sessions/{id}/permissions/{perm_id}"),
+    ("post", "/v1/sessions/{id}/fork"),
     ("post", "/v1/sessions/{id}/messages"),
     ("post", "/v1/chat"),
     ("post", "/v1/sessions/{id}/stop"),

@@ -128,10 +128,19 @@ async fn settle(cluster: &Cluster, shared: &Shared) -> f64 {
     started.elapsed().as_secs_f64()
 }
 
-/// Event ids once each, seqs gapless from 1, `last_seq` matching, no user message twice.
+/// Event ids once each, seqs gapless from the branch's first seq (1 unless a fork),
+/// `last_seq` matching, no user message twice.
 async fn check_log_shape(cluster: &Cluster, shared: &Shared, by_session: &HashMap<Uuid, Vec<Row>>) {
+    let sessions: Result<Vec<(Uuid, i64, i64)>, _> = sqlx::query_as(
+        "SELECT id, last_seq, coalesce(lineage_through[cardinality(lineage_through)], 0) + 1 FROM sessions",
+    )
+    .fetch_all(&cluster.env.pool)
+    .await;
+    let sessions = sessions.unwrap_or_default();
+    let first: HashMap<Uuid, i64> = sessions.iter().map(|(id, _, first)| (*id, *first)).collect();
     let mut ids: HashSet<Uuid> = HashSet::new();
     for (session, rows) in by_session {
+        let first = first.get(session).copied().unwrap_or(1);
         for (i, row) in rows.iter().enumerate() {
             if !ids.insert(row.event_id) {
                 shared.violation_at(
@@ -140,10 +149,10 @@ async fn check_log_shape(cluster: &Cluster, shared: &Shared, by_session: &HashMa
                     row.at,
                 );
             }
-            if row.seq != i as i64 + 1 {
+            if row.seq != i as i64 + first {
                 shared.violation_at(
                     ViolationKind::Gap,
-                    format!("session {session}: seq {} where {} was due", row.seq, i + 1),
+                    format!("session {session}: seq {} where {} was due", row.seq, i as i64 + first),
                     row.at,
                 );
                 break;
@@ -163,9 +172,7 @@ async fn check_log_shape(cluster: &Cluster, shared: &Shared, by_session: &HashMa
             }
         }
     }
-    let last: Result<Vec<(Uuid, i64)>, _> =
-        sqlx::query_as("SELECT id, last_seq FROM sessions").fetch_all(&cluster.env.pool).await;
-    for (session, last_seq) in last.unwrap_or_default() {
+    for (session, last_seq, _) in sessions {
         let max = by_session.get(&session).and_then(|r| r.last()).map_or(0, |r| r.seq);
         if max != last_seq {
             shared.violation(
