@@ -150,15 +150,12 @@ impl Api {
     }
 
     pub async fn with(opts: Options) -> Self {
-        let env = test_env().await;
+        let mut env = test_env().await;
+        env.partitions = opts.partitions;
         let mut configs = config::stack(&env);
         if !opts.writer {
             configs.writer = None;
         }
-        if let Some(writer) = &mut configs.writer {
-            writer.backbone.partitions = opts.partitions;
-        }
-        configs.ingress.backbone.partitions = opts.partitions;
         let config = &mut configs.ingress;
         if let Some(spec) = opts.tokens {
             config.tokens = ApiTokens::parse(spec).unwrap();

@@ -53,8 +53,14 @@ impl Rig {
 
     /// [`Rig::start`] on a given NATS server (a private one a test can restart).
     pub async fn start_on(nats_url: Option<&str>) -> Rig {
-        let env = test_env_on(None, nats_url).await;
-        let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.expect("bus");
+        Self::start_with(nats_url, 1).await
+    }
+
+    /// [`Rig::start_on`] with `partitions` (every config built from `rig.env` carries them).
+    pub async fn start_with(nats_url: Option<&str>, partitions: u32) -> Rig {
+        let mut env = test_env_on(None, nats_url).await;
+        env.partitions = partitions;
+        let bus = Bus::connect(&env.nats_url, &env.bus_prefix, partitions).await.expect("bus");
         bus.ensure_topology(None).await.expect("topology");
         let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.expect("mock model");
         let stop = CancellationToken::new();

@@ -10,13 +10,16 @@ use std::time::Duration;
 
 use reqwest::Method;
 use serde_json::{json, Value};
+use turnlog_compactor::CompactorConfig;
 use turnlog_core::events::{EventBody, ForkPoint, UserMessage};
 use turnlog_core::ids::SessionId;
 use turnlog_e2e::api::{Api, Body, Options, ALICE, BOB};
-use turnlog_e2e::rig::filler;
+use turnlog_e2e::config;
+use turnlog_e2e::rig::{filler, Rig, OWNER};
 use turnlog_mock_llm::{MockConfig, MockHandle};
 use turnlog_ops::Verdict;
 use turnlog_runtime::bus::{append_and_wait, partition_of, AppendRequest, OutcomeStatus};
+use turnlog_runtime::read;
 use turnlog_testkit::eventually;
 
 const PARTITIONS: u32 = 4;
@@ -360,4 +363,104 @@ async fn rebuilt_identical(api: &Api) {
     turnlog_ops::rebuild(&target, &api.bus, false).await.expect("rebuild");
     let verdict = turnlog_ops::verify(&api.env.database_url, &target).await.expect("verify");
     assert!(matches!(verdict, Verdict::Identical { .. }), "{verdict}");
+}
+
+/// Draws a fork id on `parent`'s partition, as the ingress does.
+fn fork_id(parent: SessionId) -> SessionId {
+    let target = partition_of(parent, PARTITIONS);
+    std::iter::repeat_with(SessionId::new).find(|id| partition_of(*id, PARTITIONS) == target).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compaction_memories_and_titles_work_across_a_fork_point() {
+    const BUDGET: u32 = 4_000;
+    let mut rig = Rig::start_with(None, PARTITIONS).await;
+    let url = rig.mock.base_url();
+    let (d, m) = (config::distiller(&rig.env, &url), config::memory(&rig.env, &url));
+    let c = CompactorConfig { context_budget: BUDGET, ..config::compactor(&rig.env, &url, "mock-unknown") };
+    rig.spawn(|stop| turnlog_distiller::run(d, stop));
+    rig.spawn(|stop| turnlog_memory::run(m, stop));
+    rig.spawn(|stop| turnlog_compactor::run(c, stop));
+    let workers = ["distiller", "memory", "compactor"];
+    let question =
+        |i: usize| format!("Note that Bruno needs {} chairs on day {i}. {}", 10 + i, filler(12, i));
+
+    let parent = rig.create_session().await;
+    let mut i = 0;
+    while rig.events_of(parent, "compaction_applied").await.len() < 2 {
+        assert!(i < 40, "the parent should compact twice within 40 turns");
+        rig.turn(parent, &question(i), &filler(110, i)).await;
+        rig.settle(&workers).await;
+        i += 1;
+    }
+    let parent_title = rig.title(parent).await;
+    assert!(parent_title.is_some(), "the distiller titled the parent after its first turn");
+    let compactions = rig.events_of(parent, "compaction_applied").await;
+    let (first_seq, first) = (compactions[0].0, compactions[0].2.clone());
+    let second_seq = compactions[1].0;
+
+    // A fork between the parent's two compactions inherits the first one.
+    let fork = fork_id(parent);
+    let through = second_seq - 1;
+    rig.send(&AppendRequest::fork(fork, OWNER, None, ForkPoint { session_id: parent, through_seq: through }))
+        .await;
+    let row = read::get_session(&rig.env.pool, OWNER, fork).await.unwrap().unwrap();
+    assert_eq!(row.compaction_seq, Some(first_seq));
+    assert_eq!(row.compacted_through, first["replaces_through_seq"].as_i64());
+    let tail = read::live_tail(&rig.env.pool, OWNER, fork).await.unwrap().unwrap();
+    // The live tail: the inherited compaction and what follows the boundary it replaced.
+    let seqs: Vec<i64> = tail.events.iter().map(|e| e.seq).collect();
+    let boundary = first["replaces_through_seq"].as_i64().unwrap();
+    assert_eq!(seqs, (boundary + 1..=through + 1).collect::<Vec<_>>(), "through its own session_started");
+    assert!(seqs.contains(&first_seq));
+    let parent_events = |rig: &Rig| {
+        let pool = rig.env.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM session_events WHERE session_id = $1")
+                .bind(parent.0)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let parent_before = parent_events(&rig).await;
+
+    let mut forked_turns = Vec::new();
+    for j in 0..12 {
+        forked_turns.push(rig.turn(fork, &question(100 + j), &filler(110, 100 + j)).await);
+        rig.settle(&workers).await;
+        let tokens = rig.next_request_tokens(fork).await;
+        assert!(tokens <= BUDGET, "after the fork's turn {j} its next request is {tokens} tokens");
+    }
+    // Its compactions are its own, and may reach below the fork point.
+    let own = rig.events_of(fork, "compaction_applied").await;
+    assert!(!own.is_empty(), "the fork compacted");
+    assert!(own.iter().all(|(seq, _, _)| *seq > through));
+    // Derived events of its turns are the fork's; the parent got nothing from them.
+    let extracted: Vec<i64> = rig
+        .events_of(fork, "memory_extracted")
+        .await
+        .iter()
+        .map(|(_, _, p)| p["turn_seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(extracted, forked_turns, "one extraction per own turn, none for inherited turns");
+    assert_eq!(rig.events_of(fork, "turn_memory").await.len(), forked_turns.len());
+    assert_eq!(parent_events(&rig).await, parent_before);
+    // The fork's first turn is not its branch's first: the distiller does not title it.
+    assert_eq!(rig.title(fork).await, None);
+    // The fork's first compaction folded in inherited turns: their facts come from the parent.
+    let facts: Vec<String> = own[0].2["facts_extracted"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_owned())
+        .collect();
+    let parent_memories: Vec<String> =
+        sqlx::query_scalar("SELECT id::text FROM memories WHERE session_id = $1")
+            .bind(parent.0)
+            .fetch_all(&rig.env.pool)
+            .await
+            .unwrap();
+    assert!(facts.iter().any(|f| parent_memories.contains(f)), "facts {facts:?}");
+    rig.stop().await;
 }

@@ -35,6 +35,9 @@ pub struct TestEnv {
     pub bus_prefix: String,
     /// A pool on `database_url`.
     pub pool: sqlx::PgPool,
+    /// TURNLOG_PARTITIONS of every service the test builds from [`TestEnv::backbone`]
+    /// (1 unless the test sets it; fork tests run on 4).
+    pub partitions: u32,
     database: String,
 }
 
@@ -97,7 +100,7 @@ pub async fn try_test_env_on(
     if postgres_admin_url.is_none() && nats_url_arg.is_none() {
         sweep::maybe_sweep(&admin_url, &nats_url).await;
     }
-    Ok(TestEnv { database_url, admin_url, nats_url, bus_prefix, pool, database })
+    Ok(TestEnv { database_url, admin_url, nats_url, bus_prefix, pool, partitions: 1, database })
 }
 
 impl TestEnv {
@@ -116,11 +119,14 @@ impl TestEnv {
     /// Where the test's log and bus are, as every service's config takes it (one partition,
     /// appends kept forever, the default statement timeout).
     pub fn backbone(&self) -> turnlog_runtime::settings::Backbone {
-        turnlog_runtime::settings::Backbone::new(
-            self.database_url.as_str(),
-            self.nats_url.as_str(),
-            self.bus_prefix.as_str(),
-        )
+        turnlog_runtime::settings::Backbone {
+            partitions: self.partitions,
+            ..turnlog_runtime::settings::Backbone::new(
+                self.database_url.as_str(),
+                self.nats_url.as_str(),
+                self.bus_prefix.as_str(),
+            )
+        }
     }
 
     /// DATABASE_URL, NATS_URL and TURNLOG_BUS_PREFIX for a child process.

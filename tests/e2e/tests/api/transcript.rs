@@ -219,12 +219,20 @@ fn random_log(rng: &mut Rng, len: usize) -> LogBuilder {
 /// Writes `events` as session `id`'s log straight into the tables (the test may write
 /// Postgres; the service may not): hundreds of logs through the writer would take minutes.
 async fn store_log(pool: &sqlx::PgPool, id: SessionId, events: &[Event]) {
+    store_branch(pool, id, &[], events).await;
+}
+
+/// [`store_log`] for a fork whose lineage (ancestors root first, each with the last seq
+/// its branch reads) is `lineage`.
+async fn store_branch(pool: &sqlx::PgPool, id: SessionId, lineage: &[(SessionId, i64)], events: &[Event]) {
     sqlx::query(
-        "INSERT INTO sessions (id, owner, archived, last_seq, created_at, updated_at)
-         VALUES ($1, 'alice', false, $2, now(), now())",
+        "INSERT INTO sessions (id, owner, archived, last_seq, created_at, updated_at, lineage, lineage_through)
+         VALUES ($1, 'alice', false, $2, now(), now(), $3, $4)",
     )
     .bind(id.0)
     .bind(events.last().map_or(0, |e| e.seq))
+    .bind(lineage.iter().map(|(s, _)| s.0).collect::<Vec<_>>())
+    .bind(lineage.iter().map(|(_, t)| *t).collect::<Vec<_>>())
     .execute(pool)
     .await
     .unwrap();
@@ -272,6 +280,63 @@ async fn every_page_of_random_logs_is_the_slice_of_the_whole_transcript() {
             let earlier = (older.len() > limit).then(|| expected[0].seq);
             assert_eq!(page.earlier, earlier, "seed {seed}, before {before}, limit {limit}");
         }
+    }
+}
+
+/// A random log split into a chain of forks (DESIGN §10): each ancestor also holds events
+/// of its own after the fork point — noise its forks must never read, with the same
+/// attempt and permission ids as theirs — and the tip's pages, raw log and last user
+/// message are exactly those of the unsplit log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forks_reads_are_its_branch_log_and_nothing_its_ancestors_added_later() {
+    let api = Api::start().await;
+    let pool = &api.env.pool;
+    for seed in 0..40u64 {
+        let mut rng = Rng(10_000 + seed);
+        let len = 6 + rng.below(50) as usize;
+        let log = random_log(&mut rng, len);
+        let events = &log.events;
+        let n = events.len();
+        let mut cuts: Vec<usize> =
+            (0..1 + rng.below(3)).map(|_| 1 + rng.below(n as u64 - 1) as usize).collect();
+        cuts.sort_unstable();
+        cuts.dedup();
+        cuts.push(n);
+        let mut lineage: Vec<(SessionId, i64)> = Vec::new();
+        let mut start = 0;
+        let mut tip = SessionId::new();
+        for (k, end) in cuts.iter().enumerate() {
+            let mut own = events[start..*end].to_vec();
+            if k + 1 < cuts.len() {
+                let len = 1 + rng.below(8) as usize;
+                let noise = random_log(&mut rng, len);
+                for e in noise.events.into_iter().skip(1) {
+                    let seq = own.last().map_or(0, |l| l.seq) + 1;
+                    own.push(Event { seq, ..e });
+                }
+            }
+            tip = SessionId::new();
+            store_branch(pool, tip, &lineage, &own).await;
+            lineage.push((tip, events[end - 1].seq));
+            start = *end;
+        }
+        let whole = ui_transcript(events);
+        for _ in 0..6 {
+            let before = 1 + rng.below(n as u64 + 3) as i64;
+            let limit = 1 + rng.below(6) as i64;
+            let page = read::transcript_page(pool, "alice", tip, before, limit).await.unwrap().unwrap();
+            let items: Vec<_> = page.events.iter().filter_map(transcript_item).collect();
+            let older: Vec<_> = whole.iter().filter(|i| i.seq < before).cloned().collect();
+            let expected = &older[older.len().saturating_sub(limit as usize)..];
+            assert_eq!(items, expected, "seed {seed}, cuts {cuts:?}, before {before}, limit {limit}");
+        }
+        let all = read::all_events(pool, "alice", tip).await.unwrap().unwrap();
+        assert_eq!(&all, events, "seed {seed}: the raw log");
+        let tail = read::live_tail(pool, "alice", tip).await.unwrap().unwrap();
+        assert_eq!(&tail.events, events, "seed {seed}: the live tail");
+        let last_user = events.iter().rev().find(|e| e.kind() == EventKind::UserMessage).map(|e| e.seq);
+        let found = read::last_user_message(pool, "alice", tip).await.unwrap().map(|(seq, _, _)| seq);
+        assert_eq!(found, last_user, "seed {seed}: the last user message");
     }
 }
 
