@@ -196,16 +196,17 @@ pub struct LiveTail {
 
 pub async fn live_tail(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<LiveTail>, ReadError> {
     let Some(state) = get_session(pool, owner, id).await? else { return Ok(None) };
+    // The compaction itself comes after the boundary it replaces (the writer checks it),
+    // so one range per segment holds the whole tail.
     let rows: Vec<StoredEvent> = sqlx::query_as(branch_sql!(
         "SELECT ",
         event_columns!(),
-        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
-          WHERE e.seq > $3 OR e.seq = $4 ORDER BY e.seq"
+        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto AND e.seq > $3
+          ORDER BY e.seq"
     ))
     .bind(id.0)
     .bind(owner)
     .bind(state.compacted_through.unwrap_or(0))
-    .bind(state.compaction_seq.unwrap_or(0))
     .fetch_all(pool)
     .await?;
     let counted = rows.iter().map(StoredEvent::counted).collect::<Result<Vec<_>, _>>()?;

@@ -132,12 +132,18 @@ pub fn run() -> anyhow::Result<()> {
     let mb_s = text.len() as f64 / per_call.as_secs_f64() / 1e6;
     println!("tokenizer: {:.1} MB/s over the {}-byte fixture", mb_s, text.len());
 
+    let forks = crate::runtime()?.block_on(crate::branches::run())?;
     println!(
-        "RESULT context budget_1k_ns={} budget_100k_ns={} naive_100k_ns={} tokenizer_mb_s={}",
+        "RESULT context budget_1k_ns={} budget_100k_ns={} naive_100k_ns={} tokenizer_mb_s={} fork_ns={} \
+         fork_10_events_ns={} branch_tail_ns={} flat_tail_ns={}",
         budget_ns[0],
         budget_ns[2],
         naive_100k,
-        mb_s.round() as u64
+        mb_s.round() as u64,
+        forks.fork_ns,
+        forks.fork_small_ns,
+        forks.branch_tail_ns,
+        forks.flat_tail_ns,
     );
     Ok(())
 }

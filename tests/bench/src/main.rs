@@ -1,6 +1,7 @@
 //! turnlog's benchmarks, each printing its figures beside a baseline and ending with one
 //! `RESULT <name> key=value ...` line: `cargo run --release -p turnlog-bench -- <name>`.
 
+mod branches;
 mod cache;
 mod context;
 mod ingress;

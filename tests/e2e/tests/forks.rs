@@ -11,7 +11,7 @@ use std::time::Duration;
 use reqwest::Method;
 use serde_json::{json, Value};
 use turnlog_compactor::CompactorConfig;
-use turnlog_core::events::{EventBody, ForkPoint, UserMessage};
+use turnlog_core::events::{EventBody, ExtractedMemory, ForkPoint, MemoryExtracted, UserMessage};
 use turnlog_core::ids::SessionId;
 use turnlog_e2e::api::{Api, Body, Options, ALICE, BOB};
 use turnlog_e2e::config;
@@ -289,8 +289,10 @@ async fn deleting_a_branch_keeps_what_its_forks_inherit_until_the_last_one_goes(
     turn(&api, a, "a two [mock words=5]").await; // a: 1..=5
     let b = id_of(&fork(&api, a, json!({"through_seq": 3})).await); // b: 4 = session_started
     turn(&api, b, "b one [mock words=5]").await; // 5, 6
-    turn(&api, b, "b two [mock words=5]").await; // 7, 8
-    let c = id_of(&fork(&api, b, json!({"through_seq": 6})).await); // c: 7 = session_started
+    api.append(b, "alice", &memories(6, "kept: c inherits this extraction")).await; // 7
+    turn(&api, b, "b two [mock words=5]").await; // 8, 9
+    api.append(b, "alice", &memories(9, "goes: above c's fork point")).await; // 10
+    let c = id_of(&fork(&api, b, json!({"through_seq": 7})).await); // c: 8 = session_started
     turn(&api, c, "c one [mock words=5]").await;
     let before_a = views(&api, a).await;
     let before_c = views(&api, c).await;
@@ -314,14 +316,21 @@ async fn deleting_a_branch_keeps_what_its_forks_inherit_until_the_last_one_goes(
     assert!(!listed.contains(&b.to_string()) && listed.len() == 2, "{listed:?}");
     assert_eq!(views(&api, a).await, before_a);
     assert_eq!(views(&api, c).await, before_c);
-    // b keeps what c inherits (4..=6), nothing above, hidden and untitled.
+    // b keeps what c inherits (4..=7), nothing above, hidden and untitled; of its
+    // memories, those extracted by the events it keeps.
     let kept: Vec<i64> =
         sqlx::query_scalar("SELECT seq FROM session_events WHERE session_id = $1 ORDER BY seq")
             .bind(b.0)
             .fetch_all(&api.env.pool)
             .await
             .unwrap();
-    assert_eq!(kept, [4, 5, 6]);
+    assert_eq!(kept, [4, 5, 6, 7]);
+    let remembered: Vec<String> = sqlx::query_scalar("SELECT text FROM memories WHERE session_id = $1")
+        .bind(b.0)
+        .fetch_all(&api.env.pool)
+        .await
+        .unwrap();
+    assert_eq!(remembered, ["kept: c inherits this extraction"]);
     let (title, hidden): (Option<String>, Option<i64>) =
         sqlx::query_as("SELECT title, hidden_seq FROM sessions WHERE id = $1")
             .bind(b.0)
@@ -338,6 +347,9 @@ async fn deleting_a_branch_keeps_what_its_forks_inherit_until_the_last_one_goes(
     assert_eq!(r.status, 204, "{}", r.text);
     assert_eq!(stored_events(&api, b).await, 0);
     assert_eq!(stored_events(&api, c).await, 0);
+    let memories: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM memories").fetch_one(&api.env.pool).await.unwrap();
+    assert_eq!(memories, 0);
     let rows: i64 =
         sqlx::query_scalar("SELECT count(*) FROM sessions").fetch_one(&api.env.pool).await.unwrap();
     assert_eq!(rows, 1, "only a is left");
@@ -345,6 +357,15 @@ async fn deleting_a_branch_keeps_what_its_forks_inherit_until_the_last_one_goes(
     purged(&api).await;
     rebuilt_identical(&api).await;
     api.stop().await;
+}
+
+/// A `memory_extracted` of the turn at `turn_seq` with one memory.
+fn memories(turn_seq: i64, text: &str) -> EventBody {
+    EventBody::MemoryExtracted(MemoryExtracted {
+        turn_seq,
+        memories: vec![ExtractedMemory { id: uuid::Uuid::now_v7(), text: text.into() }],
+        error: None,
+    })
 }
 
 /// Waits until every delete's stream messages are removed.

@@ -1,0 +1,168 @@
+//! Forks against real Postgres and NATS (DESIGN §10): a fork costs the same whatever its
+//! parent's length (nothing is copied; the inherited compaction point is an index lookup),
+//! and a branch's live tail is read per segment. Logs are written straight into the tables
+//! (as the transcript tests do): a 100,000-event session through the writer would take
+//! minutes and measure the writer, not the fork.
+
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+use turnlog_core::events::ForkPoint;
+use turnlog_core::ids::SessionId;
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus};
+use turnlog_runtime::read;
+use turnlog_testkit::{test_env, TestEnv};
+use uuid::Uuid;
+
+const OWNER: &str = "bench";
+/// Forks timed per parent.
+const FORKS: usize = 200;
+
+/// Figures for the context bench's RESULT line.
+pub struct Figures {
+    pub fork_ns: u128,
+    pub fork_small_ns: u128,
+    pub branch_tail_ns: u128,
+    pub flat_tail_ns: u128,
+}
+
+/// Stores session `id` with `own` events after `lineage` (ancestors root first, each with
+/// the last seq read from it): user messages and answers, a compaction every 1,000 events.
+async fn store(env: &TestEnv, id: SessionId, lineage: &[(SessionId, i64)], own: i64) -> anyhow::Result<i64> {
+    let first = lineage.last().map_or(1, |(_, t)| t + 1);
+    let last = first + own - 1;
+    sqlx::query(
+        "INSERT INTO session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
+         SELECT $1, s, gen_random_uuid(),
+                CASE WHEN s = $2 THEN 'session_started'
+                     WHEN s % 1000 = 0 THEN 'compaction_applied'
+                     WHEN s % 2 = 0 THEN 'user_message' ELSE 'assistant_turn' END,
+                CASE WHEN s = $2 THEN '{}'::jsonb
+                     WHEN s % 1000 = 0 THEN jsonb_build_object('summary', 'Ada chose plan B.', 'replaces_through_seq', s - 40)
+                     WHEN s % 2 = 0 THEN jsonb_build_object('text', 'question ' || s)
+                     ELSE jsonb_build_object('ui', jsonb_build_object('blocks', jsonb_build_array(
+                              jsonb_build_object('type', 'text', 'text', 'answer ' || s))),
+                          'llm', jsonb_build_object('message', jsonb_build_object('content', 'answer ' || s))) END,
+                12, 0, now()
+           FROM generate_series($2::int8, $3::int8) AS s",
+    )
+    .bind(id.0)
+    .bind(first)
+    .bind(last)
+    .execute(&env.pool)
+    .await?;
+    // The newest compaction: its own, or the one its parent had at the fork point.
+    let own_compaction = (first..=last).rev().find(|s| s % 1000 == 0 && *s != first).map(|s| (s - 40, s));
+    let inherited: Option<(Option<i64>, Option<i64>)> = match lineage.last() {
+        Some((parent, _)) => {
+            sqlx::query_as("SELECT compacted_through, compaction_seq FROM sessions WHERE id = $1")
+                .bind(parent.0)
+                .fetch_optional(&env.pool)
+                .await?
+        }
+        None => None,
+    };
+    let (compacted_through, compaction_seq) = match own_compaction {
+        Some((through, seq)) => (Some(through), Some(seq)),
+        None => inherited.unwrap_or((None, None)),
+    };
+    sqlx::query(
+        "INSERT INTO sessions (id, owner, archived, last_seq, compacted_through, compaction_seq, created_at,
+                               updated_at, lineage, lineage_through)
+         VALUES ($1, $2, false, $3, $4, $5, now(), now(), $6, $7)",
+    )
+    .bind(id.0)
+    .bind(OWNER)
+    .bind(last)
+    .bind(compacted_through)
+    .bind(compaction_seq)
+    .bind(lineage.iter().map(|(s, _)| s.0).collect::<Vec<_>>())
+    .bind(lineage.iter().map(|(_, t)| *t).collect::<Vec<_>>())
+    .execute(&env.pool)
+    .await?;
+    Ok(last)
+}
+
+/// Mean time of one fork of `parent` through `through`, over [`FORKS`] forks applied by
+/// the writer one after another (append_and_wait: publish, apply, commit, reply).
+async fn fork_time(env: &TestEnv, bus: &Bus, parent: SessionId, through: i64) -> anyhow::Result<Duration> {
+    let from = ForkPoint { session_id: parent, through_seq: through };
+    let started = Instant::now();
+    for _ in 0..FORKS {
+        let req = AppendRequest::fork(SessionId::new(), OWNER, None, from);
+        let outcome = append_and_wait(bus, &env.pool, &req, Duration::from_secs(30)).await?;
+        anyhow::ensure!(outcome.is_applied(), "fork refused: {outcome:?}");
+    }
+    Ok(started.elapsed() / FORKS as u32)
+}
+
+/// Mean time of one live-tail read of `session`, over at least a second of reads.
+async fn tail_time(env: &TestEnv, session: SessionId) -> anyhow::Result<(Duration, usize)> {
+    let mut reads = 0u32;
+    let mut events = 0;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(1) || reads < 20 {
+        let tail =
+            read::live_tail(&env.pool, OWNER, session).await?.ok_or_else(|| anyhow::anyhow!("no tail"))?;
+        events = tail.events.len();
+        reads += 1;
+    }
+    Ok((started.elapsed() / reads, events))
+}
+
+pub async fn run() -> anyhow::Result<Figures> {
+    let env = test_env().await;
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await?;
+    bus.ensure_topology(None).await?;
+    let stop = CancellationToken::new();
+    let writer = tokio::spawn(turnlog_writer::run(turnlog_e2e::config::writer(&env), stop.clone()));
+
+    // Forks of a 10-event and a 100,000-event session, through a seq below the big one's
+    // newest compaction, so the inherited compaction point is looked up.
+    let (small, big) = (SessionId::new(), SessionId::new());
+    store(&env, small, &[], 10).await?;
+    let big_last = store(&env, big, &[], 100_000).await?;
+    sqlx::query("ANALYZE session_events, sessions").execute(&env.pool).await?;
+    fork_time(&env, &bus, small, 10).await?; // warm-up: connections, plans
+    let fork_small = fork_time(&env, &bus, small, 10).await?;
+    let fork_big = fork_time(&env, &bus, big, big_last - 1_500).await?;
+    println!(
+        "fork (writer round trip): {:>9} ns of a 10-event session, {:>9} ns of a 100,000-event one ({:.2}x)",
+        fork_small.as_nanos(),
+        fork_big.as_nanos(),
+        fork_big.as_nanos() as f64 / fork_small.as_nanos().max(1) as f64
+    );
+
+    // A depth-8 branch: a 10,000-event root compacted at 10,000, then 8 forks of 120
+    // events each; beside it, a flat session with the same live tail.
+    let mut lineage: Vec<(SessionId, i64)> = Vec::new();
+    let root = SessionId::new();
+    let mut last = store(&env, root, &[], 10_001).await?;
+    let mut tip = root;
+    for _ in 0..8 {
+        lineage.push((tip, last));
+        tip = SessionId(Uuid::now_v7());
+        last = store(&env, tip, &lineage, 120).await?;
+    }
+    let flat = SessionId::new();
+    store(&env, flat, &[], 10_961).await?;
+    sqlx::query("ANALYZE session_events, sessions").execute(&env.pool).await?;
+    let (branch, branch_events) = tail_time(&env, tip).await?;
+    let (flat_time, flat_events) = tail_time(&env, flat).await?;
+    anyhow::ensure!(branch_events == flat_events, "tails differ: {branch_events} vs {flat_events}");
+    println!(
+        "live tail of {branch_events} events: {:>9} ns on a depth-8 branch, {:>9} ns on one session ({:.2}x)",
+        branch.as_nanos(),
+        flat_time.as_nanos(),
+        branch.as_nanos() as f64 / flat_time.as_nanos().max(1) as f64
+    );
+
+    stop.cancel();
+    writer.await??;
+    Ok(Figures {
+        fork_ns: fork_big.as_nanos(),
+        fork_small_ns: fork_small.as_nanos(),
+        branch_tail_ns: branch.as_nanos(),
+        flat_tail_ns: flat_time.as_nanos(),
+    })
+}
