@@ -166,6 +166,12 @@ function topOf(seq) {
   });
 }
 
+/** Asserts that the item at `seq` is drawn where it was (`top`), to the pixel. */
+async function assertAt(seq, top, message) {
+  const now = await topOf(seq);
+  assert.ok(Math.abs(now - top) <= 1, `${message}: #${seq} is at ${now}px, not ${top}px`);
+}
+
 /** Scrolls the transcript so the item at `seq` is `top` pixels below its top edge. */
 async function scrollItemTo(seq, top) {
   await page.locator(`#transcript article.item[data-seq="${seq}"]`).evaluate((node, top) => {
@@ -745,6 +751,7 @@ check('"Branch from here" forks through that answer and opens the fork with the 
   await openPage(trunk);
   assert.equal(await page.getByRole('button', { name: /^Branch from here/ }).count(), 3, 'not one per answer');
   await scrollItemTo(answer, 120);
+  const top = await topOf(answer);
   await page.getByRole('button', { name: `Branch from here: answer #${answer}` }).click();
   await page.waitForURL((u) => u.hash !== `#/s/${trunk}`);
   const fork = currentSessionId();
@@ -754,8 +761,7 @@ check('"Branch from here" forks through that answer and opens the fork with the 
   assert.deepEqual(branch.session.forked_from, { session_id: trunk, through_seq: answer });
   assert.deepEqual(branch.items, parent.items.filter((i) => i.seq <= answer));
   assert.deepEqual(await shownSeqs(), branch.items.map((i) => i.seq));
-  const top = await topOf(answer);
-  assert.ok(Math.abs(top - 120) <= 1, `the answer moved from 120px to ${top}px`);
+  await assertAt(answer, top, 'the answer moved opening its branch');
   const nav = page.locator('#transcript .branches');
   assert.equal(await nav.count(), 1);
   assert.equal(await nav.evaluate((n) => n.previousElementSibling.dataset.seq), String(answer), 'not at the fork point');
@@ -876,18 +882,19 @@ check('a branch links to its original at the fork point, and switching branches 
     ['Branch 2', `#/s/${two}`],
   ]);
   await scrollItemTo(point, 200);
+  const top = await topOf(point);
   await shot('branch-switcher');
 
   // To the sibling, whose transcript ends soon after the fork point.
   await nav.getByRole('link', { name: 'Branch 2' }).click();
   await waitForSession(two);
-  assert.equal(Math.round(await topOf(point)), 200, 'the fork point moved switching to the sibling');
+  await assertAt(point, top, 'the fork point moved switching to the sibling');
   assert.equal(words(await page.locator('#transcript article.item').last().locator('.md').textContent()).length, 8);
 
   // To the original, opened at the fork point though it is 60 items further on.
   await page.locator('#transcript .branches').getByRole('link', { name: 'Original' }).click();
   await waitForSession(original);
-  assert.equal(Math.round(await topOf(point)), 200, 'the original did not open at the fork point');
+  await assertAt(point, top, 'the original did not open at the fork point');
   const seqs = await shownSeqs();
   assert.ok(seqs.length > 60 && seqs.includes(point), 'the original did not load down to the fork point');
   const there = page.locator('#transcript .branches');
@@ -899,7 +906,7 @@ check('a branch links to its original at the fork point, and switching branches 
   // And back to the first branch from the original's switcher.
   await there.getByRole('link', { name: 'Branch 1' }).click();
   await waitForSession(one);
-  assert.equal(Math.round(await topOf(point)), 200, 'the fork point moved switching back');
+  await assertAt(point, top, 'the fork point moved switching back');
 
   // A deleted original stays hidden; its branches still open and say so.
   assert.equal((await api('DELETE', `/v1/sessions/${original}`)).status, 204);
