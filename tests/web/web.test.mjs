@@ -136,6 +136,68 @@ function check(name, fn) {
   });
 }
 
+/** Runs one turn through the API and waits for its end. */
+async function turnVia(id, text) {
+  const res = await fetch(`${server.base}/v1/sessions/${id}/messages`, {
+    method: 'POST',
+    headers: { Authorization: `Bearer ${server.token}`, 'Content-Type': 'application/json' },
+    body: JSON.stringify({ text }),
+  });
+  assert.equal(res.status, 200);
+  assert.match(await res.text(), /"status":"completed"/);
+}
+
+/** A session as the server stores it: `{session, items, forks, …}`, every item. */
+async function stored(id) {
+  const r = await api('GET', `/v1/sessions/${id}?limit=1000`);
+  assert.equal(r.status, 200, JSON.stringify(r.json));
+  return r.json;
+}
+
+/** The seqs of the items the transcript shows. */
+function shownSeqs() {
+  return page.locator('#transcript article.item').evaluateAll((nodes) => nodes.map((n) => Number(n.dataset.seq)));
+}
+
+/** How far below the transcript's top edge the item at `seq` is drawn, in pixels. */
+function topOf(seq) {
+  return page.locator(`#transcript article.item[data-seq="${seq}"]`).evaluate((node) => {
+    return node.getBoundingClientRect().top - document.querySelector('#transcript').getBoundingClientRect().top;
+  });
+}
+
+/** Asserts that the item at `seq` is drawn where it was (`top`), to the pixel. */
+async function assertAt(seq, top, message) {
+  const now = await topOf(seq);
+  assert.ok(Math.abs(now - top) <= 1, `${message}: #${seq} is at ${now}px, not ${top}px`);
+}
+
+/** Scrolls the transcript so the item at `seq` is `top` pixels below its top edge. */
+async function scrollItemTo(seq, top) {
+  await page.locator(`#transcript article.item[data-seq="${seq}"]`).evaluate((node, top) => {
+    const t = document.querySelector('#transcript');
+    t.scrollTop += node.getBoundingClientRect().top - t.getBoundingClientRect().top - top;
+  }, top);
+  assert.ok(Math.abs((await topOf(seq)) - top) < 1, `could not scroll #${seq} to ${top}px`);
+}
+
+/** Waits for the open session to be `id` (marked in the list or in a branch switcher),
+ * drawn, and settled. */
+async function waitForSession(id) {
+  await page.waitForURL((u) => u.hash === `#/s/${id}`);
+  const marked = `#session-list li[data-id="${id}"] a[aria-current=page], #transcript .branches a[aria-current=page][href="#/s/${id}"]`;
+  await page.locator(marked).first().waitFor();
+  await page.waitForFunction(() => !document.querySelector('#transcript > .hint, #transcript [data-kind=live]'));
+  await page.waitForTimeout(200);
+}
+
+/** Loads the page afresh (the list too) with session `id` open. */
+async function openPage(id) {
+  await page.goto(`${server.base}/#/s/${id}`);
+  await page.reload();
+  await waitForSession(id);
+}
+
 // ------------------------------------------------------------------------------------
 // Tests, in order.
 
@@ -670,6 +732,188 @@ check('a transcript longer than a page loads its earlier items as it scrolls up'
   );
   const after = (await api('GET', `/v1/sessions/${id}?limit=1000`)).json.items.map((i) => i.seq);
   assert.deepEqual(await shown(), after);
+});
+
+/** The session the branch tests start from: three turns, the middle answer long. */
+let trunk;
+
+check('"Branch from here" forks through that answer and opens the fork with the answer where it was', async () => {
+  await page.setViewportSize({ width: 1280, height: 800 });
+  trunk = (await api('POST', '/v1/sessions', { title: 'Branching' })).json.id;
+  await turnVia(trunk, 'First question [mock words=40]');
+  await turnVia(trunk, 'Second question [mock words=120]');
+  await turnVia(trunk, 'Third question [mock words=400]');
+  const parent = await stored(trunk);
+  const answers = parent.items.filter((i) => i.kind === 'assistant');
+  assert.equal(answers.length, 3);
+  const answer = answers[1].seq;
+
+  await openPage(trunk);
+  assert.equal(await page.getByRole('button', { name: /^Branch from here/ }).count(), 3, 'not one per answer');
+  await scrollItemTo(answer, 120);
+  const top = await topOf(answer);
+  await page.getByRole('button', { name: `Branch from here: answer #${answer}` }).click();
+  await page.waitForURL((u) => u.hash !== `#/s/${trunk}`);
+  const fork = currentSessionId();
+  await waitForSession(fork);
+
+  const branch = await stored(fork);
+  assert.deepEqual(branch.session.forked_from, { session_id: trunk, through_seq: answer });
+  assert.deepEqual(branch.items, parent.items.filter((i) => i.seq <= answer));
+  assert.deepEqual(await shownSeqs(), branch.items.map((i) => i.seq));
+  await assertAt(answer, top, 'the answer moved opening its branch');
+  const nav = page.locator('#transcript .branches');
+  assert.equal(await nav.count(), 1);
+  assert.equal(await nav.evaluate((n) => n.previousElementSibling.dataset.seq), String(answer), 'not at the fork point');
+  assert.equal(await nav.locator('a', { hasText: 'Original' }).getAttribute('href'), `#/s/${trunk}`);
+  assert.equal(await nav.locator('a[aria-current=page]').getAttribute('href'), `#/s/${fork}`);
+  await page.locator(`#session-list li[data-id="${fork}"] .badge`, { hasText: 'branch' }).waitFor();
+  // The fork's own last answer is the one it branched from: it can be regenerated here.
+  assert.equal(await page.getByRole('button', { name: `Regenerate answer #${answer}` }).count(), 1);
+  await shot('branch-from-here');
+});
+
+check('"Edit" sends the changed message into a new branch and streams the answer there', async () => {
+  const parent = await stored(trunk);
+  const question = parent.items.filter((i) => i.kind === 'user')[1];
+  await openPage(trunk);
+  await page.getByRole('button', { name: `Edit message #${question.seq}` }).click();
+  const field = page.getByRole('textbox', { name: `Edit message #${question.seq}` });
+  assert.equal(await field.inputValue(), question.text);
+  await shot('edit-open');
+  // Cancel puts the message back as it was.
+  await page.getByRole('button', { name: 'Cancel' }).click();
+  assert.equal(await field.count(), 0);
+  assert.equal(await page.locator(`article[data-seq="${question.seq}"] .text`).textContent(), question.text);
+
+  await page.getByRole('button', { name: `Edit message #${question.seq}` }).click();
+  const edited = 'Second question, put better [mock words=60 delay_ms=20]';
+  await field.fill(edited);
+  await field.press('Enter');
+  // The stream names the new branch and the view follows it while the answer streams.
+  await page.waitForURL((u) => u.hash !== `#/s/${trunk}`);
+  const fork = currentSessionId();
+  await waitForLiveWords(5);
+  assert.equal(await page.locator('article[data-kind=user]').last().locator('.text').textContent(), edited);
+  await shot('edit-streaming');
+  await page.locator('[data-kind=live]').waitFor({ state: 'detached', timeout: 30_000 });
+  await waitForSession(fork);
+
+  const branch = await stored(fork);
+  assert.deepEqual(branch.session.forked_from, { session_id: trunk, through_seq: question.seq - 1 });
+  const inherited = parent.items.filter((i) => i.seq < question.seq);
+  assert.deepEqual(branch.items.slice(0, inherited.length), inherited);
+  const own = branch.items.slice(inherited.length);
+  assert.deepEqual(own.map((i) => i.kind), ['user', 'assistant']);
+  assert.equal(own[0].text, edited);
+  assert.equal(words(own[1].text).length, 60);
+  assert.deepEqual((await stored(trunk)).items, parent.items, 'the edit changed the original');
+  assert.deepEqual(await shownSeqs(), branch.items.map((i) => i.seq));
+  assert.equal(await page.locator('#transcript .branches a[aria-current=page]').getAttribute('href'), `#/s/${fork}`);
+  await shot('edit');
+});
+
+check('"Regenerate" runs the last question again in a new branch', async () => {
+  const parent = await stored(trunk);
+  const last = parent.items.at(-1);
+  const question = parent.items.findLast((i) => i.kind === 'user');
+  assert.equal(last.kind, 'assistant');
+  await openPage(trunk);
+  const regenerate = page.getByRole('button', { name: /^Regenerate answer/ });
+  assert.equal(await regenerate.count(), 1, 'Regenerate is not on the last answer only');
+  assert.equal(await regenerate.getAttribute('aria-label'), `Regenerate answer #${last.seq}`);
+  await regenerate.click();
+  await page.waitForURL((u) => u.hash !== `#/s/${trunk}`);
+  const fork = currentSessionId();
+  await page.locator('[data-kind=live]').waitFor({ state: 'detached', timeout: 30_000 });
+  await waitForSession(fork);
+
+  const branch = await stored(fork);
+  assert.deepEqual(branch.session.forked_from, { session_id: trunk, through_seq: question.seq });
+  const inherited = parent.items.filter((i) => i.seq <= question.seq);
+  assert.deepEqual(branch.items.slice(0, -1), inherited, 'not the original through its last question, once');
+  assert.equal(branch.items.at(-1).kind, 'assistant');
+  assert.ok(branch.items.at(-1).seq > question.seq + 1);
+  assert.equal(words(branch.items.at(-1).text).length, 400);
+  assert.deepEqual((await stored(trunk)).items, parent.items, 'the regenerate changed the original');
+  assert.deepEqual(await shownSeqs(), branch.items.map((i) => i.seq));
+  await shot('regenerate');
+
+  // The original lists its three branches where each parts from it.
+  await openPage(trunk);
+  const { forks, items } = await stored(trunk);
+  assert.equal(forks.length, 3);
+  const navs = await page.locator('#transcript .branches').evaluateAll((ns) =>
+    ns.map((n) => ({ after: Number(n.previousElementSibling.dataset.seq), links: [...n.querySelectorAll('a')].map((a) => a.getAttribute('href')) })),
+  );
+  for (const f of forks) {
+    const at = navs.find((n) => n.links.includes(`#/s/${f.id}`));
+    assert.ok(at, `no link to branch ${f.id}`);
+    // After the newest item at or before the fork point (an edit's point is the event
+    // before the edited message, which may be no item).
+    const after = items.findLast((i) => i.seq <= f.through_seq).seq;
+    assert.equal(at.after, after, `branch ${f.id} is not listed at its fork point #${f.through_seq}`);
+    assert.equal(at.links[0], `#/s/${trunk}`);
+  }
+});
+
+check('a branch links to its original at the fork point, and switching branches keeps that message on screen', async () => {
+  // An original whose fork point is older than its newest page, and two branches there.
+  const original = (await api('POST', '/v1/sessions', { title: 'Family' })).json.id;
+  await turnVia(original, 'Where to? [mock words=80]');
+  await turnVia(original, 'And then? [mock words=80]');
+  const point = (await stored(original)).items.at(-1).seq;
+  for (let i = 1; i <= 30; i++) await turnVia(original, `Later ${i} [mock words=3]`);
+  const branches = [];
+  for (const words_ of [150, 8]) {
+    const r = await api('POST', `/v1/sessions/${original}/fork`, { through_seq: point });
+    assert.equal(r.status, 201);
+    branches.push(r.json.id);
+    await turnVia(r.json.id, `On a branch [mock words=${words_}]`);
+  }
+  const [one, two] = branches;
+
+  await openPage(one);
+  const nav = page.locator('#transcript .branches');
+  assert.equal(await nav.evaluate((n) => n.previousElementSibling.dataset.seq), String(point));
+  assert.deepEqual(await nav.locator('a').evaluateAll((as) => as.map((a) => [a.textContent, a.getAttribute('href')])), [
+    ['Original', `#/s/${original}`],
+    ['Branch 1', `#/s/${one}`],
+    ['Branch 2', `#/s/${two}`],
+  ]);
+  await scrollItemTo(point, 200);
+  const top = await topOf(point);
+  await shot('branch-switcher');
+
+  // To the sibling, whose transcript ends soon after the fork point.
+  await nav.getByRole('link', { name: 'Branch 2' }).click();
+  await waitForSession(two);
+  await assertAt(point, top, 'the fork point moved switching to the sibling');
+  assert.equal(words(await page.locator('#transcript article.item').last().locator('.md').textContent()).length, 8);
+
+  // To the original, opened at the fork point though it is 60 items further on.
+  await page.locator('#transcript .branches').getByRole('link', { name: 'Original' }).click();
+  await waitForSession(original);
+  await assertAt(point, top, 'the original did not open at the fork point');
+  const seqs = await shownSeqs();
+  assert.ok(seqs.length > 60 && seqs.includes(point), 'the original did not load down to the fork point');
+  const there = page.locator('#transcript .branches');
+  assert.equal(await there.count(), 1);
+  assert.equal(await there.evaluate((n) => n.previousElementSibling.dataset.seq), String(point));
+  assert.equal(await there.locator('a[aria-current=page]').textContent(), 'Original');
+  await shot('branch-original');
+
+  // And back to the first branch from the original's switcher.
+  await there.getByRole('link', { name: 'Branch 1' }).click();
+  await waitForSession(one);
+  await assertAt(point, top, 'the fork point moved switching back');
+
+  // A deleted original stays hidden; its branches still open and say so.
+  assert.equal((await api('DELETE', `/v1/sessions/${original}`)).status, 204);
+  await page.goto(`${server.base}/#/s/${two}`);
+  await page.locator('#transcript .branches', { hasText: 'no longer available' }).waitFor();
+  assert.equal(await page.locator('#transcript .branches a').count(), 0);
+  assert.deepEqual(await shownSeqs(), (await stored(two)).items.map((i) => i.seq));
 });
 
 check('no script error or content security policy violation happened in any test', () => {

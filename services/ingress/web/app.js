@@ -1,6 +1,7 @@
 // turnlog's web client: the session list, a transcript of every item kind (a page at a
 // time, older ones as it scrolls up), a composer that streams turns (and picks a running
-// turn up again after a reload), and a context inspector. Plain DOM, no framework; text
+// turn up again after a reload), branches (DESIGN §10: branch, edit, regenerate, and a
+// switcher where branches part), and a context inspector. Plain DOM, no framework; text
 // from messages reaches the page only as text.
 
 import { api, ApiError, setupTokenDialog } from './api.js';
@@ -26,9 +27,13 @@ const BUSY_WAIT_MS = 15_000;
 // State.
 
 const state = {
-  /** The open session: {id, session, items, earlier}; null for a new chat. `items` are the
-   * pages loaded so far; `earlier` is the cursor of the older ones (null: none left). */
+  /** The open session: {id, session, items, earlier, forks, parent}; null for a new chat.
+   * `items` are the pages loaded so far; `earlier` is the cursor of the older ones (null:
+   * none left); `forks` are its branches; `parent`, for a branch, is `{session, forks}` of
+   * the session it branched from (null when that is gone, undefined when not loaded). */
   current: null,
+  /** Where the next session opened keeps a message on screen: {id, seq, top}. */
+  anchor: null,
   /** Older items are on their way. */
   loadingEarlier: false,
   /** The turn being streamed in the open session, if any. */
@@ -131,6 +136,7 @@ function sessionRow(s) {
         { class: 'sub' },
         time(s.updated_at),
         s.archived ? h('span', { class: 'badge', text: 'archived' }) : null,
+        s.forked_from ? h('span', { class: 'badge', text: 'branch' }) : null,
         s.last_category ? h('span', { class: 'badge', text: s.last_category }) : null,
       ),
     ),
@@ -220,13 +226,15 @@ function newChat() {
 async function openSession(id) {
   leaveTurn();
   const opening = ++state.opening;
-  state.current = { id, session: null, items: [], earlier: null };
+  const anchor = state.anchor?.id === id ? state.anchor : null;
+  state.anchor = null;
+  state.current = { id, session: null, items: [], earlier: null, forks: [] };
   markCurrentRow();
   renderHeader();
   $('#transcript').replaceChildren(h('p', { class: 'hint', text: 'Loading…' }));
   let detail;
   try {
-    detail = await api(`/v1/sessions/${id}?limit=${TRANSCRIPT_PAGE}`);
+    detail = await loadDetail(id, anchor?.seq);
   } catch (e) {
     if (opening !== state.opening) return;
     if (e.status === 404) {
@@ -239,9 +247,33 @@ async function openSession(id) {
   }
   if (opening !== state.opening) return;
   showDetail(detail);
+  if (anchor) keepOnScreen(anchor);
   if (detail.turn_active) attach(id, snapshotFor(id, detail.items));
   else clearSnapshot();
   if (state.inspectorOpen) loadContext();
+}
+
+/** A session's newest page, older ones too down to the item at `through` when given, and
+ * for a branch its parent's title and branches (`parent`; null when it cannot be read). */
+async function loadDetail(id, through) {
+  const detail = await api(`/v1/sessions/${id}?limit=${TRANSCRIPT_PAGE}`);
+  while (through !== undefined && detail.earlier && (detail.items[0]?.seq ?? Infinity) > through) {
+    // Seqs of items are distinct, so this many reach `through` in one request.
+    const limit = Math.min(1000, Math.max(TRANSCRIPT_PAGE, (detail.items[0]?.seq ?? 0) - through));
+    const page = await api(`/v1/sessions/${id}?limit=${limit}&before=${detail.earlier.before}`);
+    detail.items = [...page.items, ...detail.items];
+    detail.earlier = page.earlier ?? null;
+  }
+  const from = detail.session.forked_from;
+  if (from) {
+    try {
+      const { session, forks } = await api(`/v1/sessions/${from.session_id}?limit=1`);
+      detail.parent = { session, forks };
+    } catch {
+      detail.parent = null; // deleted (its inherited part stays, hidden), or not readable now
+    }
+  }
+  return detail;
 }
 
 /** Shows the newest page of a session; older pages already loaded stay above it. */
@@ -257,7 +289,14 @@ function showDetail(detail) {
       earlier = previous.earlier;
     }
   }
-  state.current = { id: detail.session.id, session: detail.session, items, earlier };
+  state.current = {
+    id: detail.session.id,
+    session: detail.session,
+    items,
+    earlier,
+    forks: detail.forks ?? [],
+    parent: detail.parent,
+  };
   document.title = `${detail.session.title || 'Untitled'} · turnlog`;
   renderHeader();
   renderTranscript();
@@ -287,6 +326,7 @@ async function loadEarlier() {
   const transcript = $('#transcript');
   const fromBottom = transcript.scrollHeight - transcript.scrollTop;
   $('#earlier').after(...older.map((item) => renderItem(item, itemActions)));
+  placeBranchNavs();
   transcript.scrollTop = transcript.scrollHeight - fromBottom;
   showEarlierStatus();
   maybeLoadEarlier();
@@ -317,7 +357,7 @@ async function refreshCurrent({ toTop = false } = {}) {
   if (!id) return;
   const opening = state.opening;
   try {
-    const detail = await api(`/v1/sessions/${id}?limit=${TRANSCRIPT_PAGE}`);
+    const detail = await loadDetail(id);
     if (opening !== state.opening || state.current?.id !== id) return;
     showDetail(detail);
     updateListRow(detail.session, { toTop });
@@ -340,7 +380,17 @@ function lastUserSeq(items) {
   return items.findLast((i) => i.kind === 'user')?.seq ?? 0;
 }
 
-const itemActions = { answerPermission };
+function lastAnswerSeq() {
+  return state.current?.items.findLast((i) => i.kind === 'assistant')?.seq;
+}
+
+const itemActions = {
+  answerPermission,
+  edit: editMessage,
+  branch: branchFrom,
+  regenerate,
+  isLastAnswer: (item) => item.seq === lastAnswerSeq(),
+};
 
 function renderTranscript() {
   const transcript = $('#transcript');
@@ -376,6 +426,7 @@ function renderTranscript() {
     h('p', { class: 'hint', 'aria-live': 'polite' }),
   );
   transcript.replaceChildren(earlier, ...nodes);
+  placeBranchNavs();
   showEarlierStatus();
   transcript.scrollTop = transcript.scrollHeight;
   updateComposer();
@@ -397,6 +448,198 @@ async function answerPermission(item, decision) {
     toast(`Could not answer: ${e.message}`);
   }
   refreshCurrent();
+}
+
+// ---------------------------------------------------------------------------------------
+// Branches (DESIGN §10): a fork shares its parent's messages through its fork point. Where
+// branches part, a switcher lists the original and its branches; moving between them keeps
+// the last shared message where it was on screen.
+
+/** The points where the open session parts from others: its own fork point (its parent and
+ * the parent's branches) and those its branches start from. */
+function branchPoints() {
+  const c = state.current;
+  if (!c?.session) return [];
+  const points = [];
+  const from = c.session.forked_from;
+  if (from && c.parent !== undefined) {
+    points.push({ seq: from.through_seq, original: c.parent && { id: from.session_id, ...c.parent }, mine: false });
+  }
+  for (const seq of new Set(c.forks.map((f) => f.through_seq))) {
+    points.push({ seq, original: { id: c.id, session: c.session, forks: c.forks }, mine: true });
+  }
+  return points;
+}
+
+/** The switcher at a point: the original and its branches (on the original, those that part
+ * at this point), the open session marked. */
+function branchNav({ seq, original, mine }) {
+  const here = state.current.id;
+  const link = (id, text, through, title) =>
+    h('a', {
+      href: `#/s/${id}`,
+      class: 'branch',
+      text,
+      title,
+      'aria-current': id === here ? 'page' : null,
+      onclick: (e) => {
+        if (e.button || e.metaKey || e.ctrlKey || e.shiftKey || e.altKey) return; // a new tab
+        e.preventDefault();
+        if (id !== here) openBranch(id, Math.min(seq, through));
+      },
+    });
+  let label = `Branched after #${seq} from a session that is no longer available`;
+  const links = [];
+  if (original) {
+    const forks = mine ? original.forks.filter((f) => f.through_seq === seq) : original.forks;
+    label = mine ? `Branches after #${seq}:` : `Branched after #${seq}:`;
+    const name = original.session.title || 'Untitled';
+    links.push(link(original.id, 'Original', seq, `${name}, at #${seq}`));
+    for (const f of forks) {
+      const n = original.forks.indexOf(f) + 1;
+      let text = f.title && f.title !== original.session.title ? f.title : `Branch ${n}`;
+      if (f.through_seq !== seq) text += ` (after #${f.through_seq})`;
+      links.push(link(f.id, text, f.through_seq, `Branch ${n}, after #${f.through_seq}`));
+    }
+  }
+  return h(
+    'nav',
+    { class: 'branches', 'aria-label': `Branches after #${seq}`, dataset: { through: seq } },
+    h('span', { class: 'branches-label', text: label }),
+    links.length ? h('ul', {}, links.map((a) => h('li', {}, a))) : null,
+  );
+}
+
+/** Puts each switcher after the item at its point (at the top when the point comes before
+ * every item); one whose point is not loaded yet waits for its page. */
+function placeBranchNavs() {
+  const transcript = $('#transcript');
+  for (const nav of transcript.querySelectorAll(':scope > .branches')) nav.remove();
+  for (const point of branchPoints()) {
+    const nav = branchNav(point);
+    const item = itemNodeAt(point.seq);
+    if (item) item.after(nav);
+    else if (!state.current.earlier) $('#earlier').after(nav);
+  }
+}
+
+/** The stored item shown for `seq`: the newest one at or before it. */
+function itemNodeAt(seq) {
+  const nodes = [...$('#transcript').querySelectorAll(':scope > [data-seq]')];
+  return nodes.findLast((n) => Number(n.dataset.seq) > 0 && Number(n.dataset.seq) <= seq) ?? null;
+}
+
+/** Opens another branch with the message at `seq`, which both share, where it is now. */
+function openBranch(id, seq) {
+  const node = itemNodeAt(seq);
+  const top = node && node.getBoundingClientRect().top - $('#transcript').getBoundingClientRect().top;
+  state.anchor = node ? { id, seq, top } : null;
+  location.hash = `#/s/${id}`;
+}
+
+/** Scrolls the message at `seq` to `top` pixels below the transcript's top, with room added
+ * after the last item when the transcript ends too soon for that. */
+function keepOnScreen({ seq, top }) {
+  const transcript = $('#transcript');
+  const node = itemNodeAt(seq);
+  if (!node) return;
+  const off = () => node.getBoundingClientRect().top - transcript.getBoundingClientRect().top - top;
+  transcript.scrollTop += off();
+  let room = null;
+  for (let tries = 0; off() > 1 && tries < 3; tries++) {
+    room ??= transcript.appendChild(h('div', { class: 'anchor-room', 'aria-hidden': 'true' }));
+    room.style.height = `${room.offsetHeight + off()}px`;
+    transcript.scrollTop += off();
+  }
+}
+
+/** "Branch from here": a fork through an answer, opened. */
+async function branchFrom(item) {
+  const id = state.current?.id;
+  if (!id || state.turn) return;
+  let fork;
+  try {
+    fork = await api(`/v1/sessions/${id}/fork`, { method: 'POST', body: { through_seq: item.seq } });
+  } catch (e) {
+    toast(`Could not branch: ${e.message}`);
+    return;
+  }
+  updateListRow(fork, { toTop: true });
+  if (state.current?.id === id) openBranch(fork.id, item.seq);
+}
+
+/** Opens a sent message for editing in place; sending it runs it in a new branch. */
+function editMessage(item, node) {
+  if (state.turn || node.classList.contains('editing')) return;
+  const bubble = node.querySelector('.bubble');
+  const input = h('textarea', { rows: 1, 'aria-label': `Edit message #${item.seq}` });
+  input.value = item.text ?? '';
+  const close = () => {
+    form.replaceWith(bubble);
+    node.classList.remove('editing');
+  };
+  const submit = (e) => {
+    e?.preventDefault();
+    if (input.value.trim()) sendEdit(item, input.value);
+  };
+  const form = h(
+    'form',
+    { class: 'edit', onsubmit: submit },
+    input,
+    h(
+      'div',
+      { class: 'actions' },
+      h('button', { type: 'button', class: 'quiet', text: 'Cancel', onclick: close }),
+      h('button', { type: 'submit', class: 'primary', text: 'Send as a new branch' }),
+    ),
+  );
+  input.addEventListener('input', () => autosize(input));
+  input.addEventListener('keydown', (e) => {
+    if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) submit(e);
+    else if (e.key === 'Escape') close();
+  });
+  bubble.replaceWith(form);
+  node.classList.add('editing');
+  autosize(input);
+  input.focus();
+}
+
+function sendEdit(item, text) {
+  const id = state.current.id;
+  const body = { text, edit_of: item.seq, images: item.images };
+  branchTurn(item.seq - 1, text, (signal) => api(`/v1/sessions/${id}/messages`, { method: 'POST', body, raw: true, signal }));
+}
+
+function regenerate(item) {
+  const id = state.current.id;
+  const question = state.current.items.findLast((i) => i.kind === 'user' && i.seq < item.seq);
+  branchTurn(question?.seq ?? item.seq - 1, null, (signal) =>
+    api(`/v1/sessions/${id}/retry`, { method: 'POST', body: { of: item.seq }, raw: true, signal }),
+  );
+}
+
+/** Runs a turn the server starts in a new branch through `through` (an edit, a
+ * regenerate): the view keeps what the branch inherits and follows it once the stream's
+ * `meta` names it (see followBranch). */
+function branchTurn(through, text, request) {
+  const c = state.current;
+  if (!c?.session || state.turn || state.pendingText !== null) return;
+  // Until the branch is named, no switcher: the open session's are not the branch's.
+  state.current = { ...c, items: c.items.filter((i) => i.seq <= through), forks: [], parent: undefined };
+  state.pendingText = text;
+  runTurn(c.id, (signal, turn) => whenFree(turn, request), { through });
+}
+
+/** The stream of an edit or a regenerate named its branch: the open view becomes it. */
+function followBranch(turn, id) {
+  const from = turn.sessionId;
+  turn.sessionId = id;
+  const c = state.current;
+  if (c?.id !== from) return;
+  c.id = id;
+  c.session = { ...c.session, id, forked_from: { session_id: from, through_seq: turn.through } };
+  location.hash = `#/s/${id}`; // the route finds it open already
+  markCurrentRow();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -433,10 +676,11 @@ function drawLive(turn) {
 /** Runs one turn's stream in the open session. `open(signal)` makes the first request;
  * later ones re-attach after the last event received. Resolves with the error that kept
  * the turn from starting, if any. */
-async function runTurn(sessionId, open, { resume = null, reattached = false } = {}) {
+async function runTurn(sessionId, open, { resume = null, reattached = false, through } = {}) {
   const turn = {
     sessionId,
     reattached,
+    through,
     checkpoint: null,
     text: resume?.text ?? '',
     reasoning: resume?.reasoning ?? '',
@@ -539,6 +783,7 @@ function onTurnEvent(turn, event) {
   switch (event.event) {
     case 'meta':
       turn.userSeq = data.user_seq ?? null;
+      if (turn.through !== undefined && data.session_id && data.session_id !== turn.sessionId) followBranch(turn, data.session_id);
       break;
     case 'delta':
       turn.text += data.text ?? '';
@@ -597,7 +842,7 @@ async function send() {
     }
     id = session.id;
     state.opening++;
-    state.current = { id, session, items: [], earlier: null };
+    state.current = { id, session, items: [], earlier: null, forks: [] };
     location.hash = `#/s/${id}`;
     updateListRow(session, { toTop: true });
     markCurrentRow();
@@ -645,10 +890,10 @@ function updateComposer() {
   $('#stop').hidden = !streaming;
   $('#retry').hidden = !canRetry();
   $('#composer').dataset.streaming = String(streaming);
+  $('#transcript').dataset.streaming = String(streaming);
 }
 
-function autosize() {
-  const input = $('#message');
+function autosize(input = $('#message')) {
   input.style.height = 'auto';
   input.style.height = `${input.scrollHeight}px`;
 }
@@ -859,7 +1104,7 @@ function setupComposer() {
       send();
     }
   });
-  input.addEventListener('input', autosize);
+  input.addEventListener('input', () => autosize());
   $('#stop').addEventListener('click', stop);
   $('#retry').addEventListener('click', retry);
 }

@@ -5,7 +5,9 @@
 import { fmt, h, time } from './dom.js';
 import { renderMarkdown } from './markdown.js';
 
-/** One item; `actions.answerPermission(item, decision)` answers a permission prompt. */
+/** One item. `actions` (absent for a message not yet stored): `answerPermission(item,
+ * decision)` answers a permission prompt; `edit(item, node)`, `branch(item)` and
+ * `regenerate(item)` start a branch from a message, the last for `isLastAnswer(item)` only. */
 export function renderItem(item, actions) {
   const render = RENDERERS[item.kind] ?? renderUnknown;
   const node = render(item, actions);
@@ -22,6 +24,21 @@ function meta(item, ...parts) {
     item.seq ? h('span', { class: 'seq', text: `#${item.seq}` }) : null,
     time(item.created_at),
   );
+}
+
+/** The buttons under a stored message (`kind` 'user' or 'answer') that branch the
+ * conversation from it. */
+function tools(item, actions, kind) {
+  if (!actions || !(item.seq > 0)) return null;
+  const tool = (text, label, run) => h('button', { type: 'button', class: 'quiet', text, 'aria-label': label, onclick: run });
+  const buttons =
+    kind === 'user'
+      ? [tool('Edit', `Edit message #${item.seq}`, (e) => actions.edit(item, e.currentTarget.closest('.item')))]
+      : [
+          tool('Branch from here', `Branch from here: answer #${item.seq}`, () => actions.branch(item)),
+          actions.isLastAnswer(item) ? tool('Regenerate', `Regenerate answer #${item.seq}`, () => actions.regenerate(item)) : null,
+        ];
+  return h('span', { class: 'tools' }, buttons);
 }
 
 function markdown(text) {
@@ -65,7 +82,7 @@ function costText(item) {
 }
 
 const RENDERERS = {
-  user(item) {
+  user(item, actions) {
     const attachments = [
       ...(item.images ?? []).map((i) => h('span', { class: 'chip', text: `image ${i.id} (${i.mime})` })),
       ...(item.documents ?? []).map((d) => h('span', { class: 'chip', text: `document ${d.id} (${d.mime})` })),
@@ -75,11 +92,11 @@ const RENDERERS = {
       { class: 'item user' },
       h('div', { class: 'bubble' }, h('div', { class: 'text', text: item.text ?? '' })),
       attachments.length ? h('div', { class: 'chips' }, attachments) : null,
-      meta(item),
+      meta(item, tools(item, actions, 'user')),
     );
   },
 
-  assistant(item) {
+  assistant(item, actions) {
     const blocks = item.blocks?.length ? item.blocks : [{ type: 'text', text: item.text ?? '' }];
     const body = blocks.map((b) => {
       switch (b.type) {
@@ -97,7 +114,7 @@ const RENDERERS = {
       'article',
       { class: 'item assistant' },
       h('div', { class: 'bubble' }, body),
-      meta(item, item.model, usageText(item.usage), durationText(item.duration_ms), costText(item)),
+      meta(item, item.model, usageText(item.usage), durationText(item.duration_ms), costText(item), tools(item, actions, 'answer')),
     );
   },
 
@@ -169,7 +186,7 @@ const RENDERERS = {
     );
   },
 
-  interrupted(item) {
+  interrupted(item, actions) {
     const stopped = item.reason === 'stopped';
     const node = h(
       'article',
@@ -180,7 +197,7 @@ const RENDERERS = {
         markdown(item.text ?? ''),
         h('div', { class: 'ending', text: stopped ? 'Stopped by you' : 'Interrupted mid-answer' }),
       ),
-      meta(item),
+      meta(item, tools(item, actions, 'answer')),
     );
     node.dataset.reason = item.reason ?? 'interrupted';
     return node;
