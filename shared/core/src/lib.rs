@@ -5,6 +5,7 @@
 //! functions of their arguments (only new ids read the clock: `SessionId::new`,
 //! `EventId::new` are time-ordered v7 UUIDs).
 
+pub mod audit;
 pub mod budget;
 pub mod compaction;
 pub mod events;
