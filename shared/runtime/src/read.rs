@@ -496,3 +496,35 @@ pub async fn recorded_outcome(pool: &PgPool, request_id: Uuid) -> Result<Option<
         reason,
     }))
 }
+
+/// The events a request sent right after `through_seq` was built from, as the live tail
+/// read them then: the newest compaction at or before `through_seq` and every event after
+/// its boundary up to `through_seq` (what `GET /requests/{seq}` rebuilds a body from). None
+/// when the session is not the owner's.
+pub async fn tail_through(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+    through_seq: i64,
+) -> Result<Option<Vec<Event>>, ReadError> {
+    let rows: Vec<StoredEvent> = sqlx::query_as(
+        "WITH c AS (SELECT seq, coalesce((payload ->> 'replaces_through_seq')::bigint, 0) AS boundary
+                      FROM session_events
+                     WHERE session_id = $1 AND kind = 'compaction_applied' AND seq <= $3
+                     ORDER BY seq DESC LIMIT 1)
+         SELECT e.seq, e.event_id, e.kind, e.payload, e.tokens, e.created_at
+           FROM session_events e JOIN sessions s ON s.id = e.session_id
+          WHERE e.session_id = $1 AND s.owner = $2 AND e.seq <= $3
+            AND (e.seq > coalesce((SELECT boundary FROM c), 0) OR e.seq = (SELECT seq FROM c))
+          ORDER BY e.seq",
+    )
+    .bind(id.0)
+    .bind(owner)
+    .bind(through_seq)
+    .fetch_all(pool)
+    .await?;
+    if rows.is_empty() && get_session(pool, owner, id).await?.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?))
+}

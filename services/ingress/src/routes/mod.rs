@@ -6,6 +6,7 @@ pub mod context;
 pub mod memories;
 pub mod ops;
 pub mod permissions;
+pub mod requests;
 pub mod sessions;
 pub mod turns;
 
@@ -23,6 +24,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(sessions::get, sessions::patch, sessions::delete))
         .routes(routes!(sessions::events))
         .routes(routes!(context::context))
+        .routes(routes!(requests::request))
         .routes(routes!(turns::send))
         .routes(routes!(turns::chat))
         .routes(routes!(turns::stop))
