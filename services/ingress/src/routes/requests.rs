@@ -58,10 +58,12 @@ pub async fn request(
         return Err(ApiError::bad_request(format!("seq must be a positive integer, not {seq}")));
     }
     let owner = caller.as_str();
-    let rows =
-        read::events_page(&app.pool, owner, id, seq - 1, 1).await?.ok_or_else(ApiError::session_not_found)?;
-    let event = match rows.first() {
-        Some(row) if row.seq == seq => row.decode().map_err(read::ReadError::from)?,
+    // Both reads go through `tail_through`, the one query that knows what a branch log is:
+    // the event at `seq` is the last of those a request sent right after it would read.
+    let upto =
+        read::tail_through(&app.pool, owner, id, seq).await?.ok_or_else(ApiError::session_not_found)?;
+    let event = match upto.last() {
+        Some(e) if e.seq == seq => e,
         _ => return Err(ApiError::NotFound(format!("the session has no event {seq}"))),
     };
     let Some(recorded) = event.body.recorded_request() else {
