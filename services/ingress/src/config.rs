@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _};
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq as _;
+use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
 use turnlog_core::budget::DEFAULT_BUDGET;
 use turnlog_core::ids::Owner;
 use turnlog_runtime::settings::{Backbone, Secret};
@@ -76,6 +77,19 @@ impl IngressConfig {
     /// Whether a message may ask for `model`: any model when no list is configured.
     pub fn allows_model(&self, model: &str) -> bool {
         self.allowed_models.as_ref().is_none_or(|allowed| allowed.iter().any(|m| m == model))
+    }
+
+    /// The system prompt rides along with the turns it was sent with (§11), so it is
+    /// bounded: at most [`MAX_SYSTEM_PROMPT_BYTES`].
+    pub fn check_system_prompt(&self) -> anyhow::Result<()> {
+        let len = self.system_prompt.len();
+        if len > MAX_SYSTEM_PROMPT_BYTES {
+            bail!(
+                "TURNLOG_SYSTEM_PROMPT takes {len} bytes; a system prompt may take at most \
+                 {MAX_SYSTEM_PROMPT_BYTES} (32 KiB)"
+            );
+        }
+        Ok(())
     }
 
     /// Without tokens anyone who can connect is the `local` owner, so only this machine may.
@@ -206,6 +220,16 @@ mod tests {
 
     fn backbone() -> Backbone {
         Backbone::new("", "", "turnlog")
+    }
+
+    #[test]
+    fn a_system_prompt_over_32_kib_is_refused() {
+        let mut c = IngressConfig::new(backbone());
+        c.system_prompt = "x".repeat(MAX_SYSTEM_PROMPT_BYTES);
+        assert!(c.check_system_prompt().is_ok());
+        c.system_prompt.push('x');
+        let err = c.check_system_prompt().unwrap_err().to_string();
+        assert!(err.contains("TURNLOG_SYSTEM_PROMPT") && err.contains("32769"), "{err}");
     }
 
     #[test]

@@ -65,6 +65,7 @@ impl Ingress {
     /// Connects to Postgres and NATS and makes sure the bus topology exists (so the ingress
     /// can take requests even before a writer has started).
     pub async fn connect(config: IngressConfig) -> anyhow::Result<AppState> {
+        config.check_system_prompt()?;
         let b = &config.backbone;
         let pool = b.connect_reads(POOL_SIZE).await.context("connecting to Postgres")?;
         let bus = b.connect_bus().await?;

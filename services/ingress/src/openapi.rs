@@ -30,6 +30,7 @@ pub const BEARER: &str = "bearer";
     tags(
         (name = "sessions", description = "Sessions, their transcripts and raw logs"),
         (name = "context", description = "What the model is sent next"),
+        (name = "requests", description = "What the model was sent: each attempt's exact request, rebuilt from the log"),
         (name = "memories", description = "Long-term memories across an owner's sessions"),
         (name = "operations", description = "Health, readiness, metrics and this document (no auth)")
     )

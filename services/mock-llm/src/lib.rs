@@ -139,6 +139,10 @@ pub struct LoggedRequest {
     pub authorization: Option<String>,
     /// The JSON body (`null` for a GET; a string when the body was not JSON).
     pub body: Value,
+    /// The body exactly as received (as text, lossily for bytes that are not UTF-8): what
+    /// a test compares with the hash a turn recorded of what it sent.
+    #[serde(default)]
+    pub raw: String,
     pub prompt_tokens: u32,
     pub cached_tokens: u32,
     /// When the request arrived, in microseconds since the Unix epoch (for latency
@@ -299,7 +303,12 @@ const CHAT_PATH: &str = "/v1/chat/completions";
 
 async fn chat(State(mock): State<Arc<Mock>>, headers: HeaderMap, body: Bytes) -> Response {
     let received_at_us = respond::unix_us();
-    let entry = |body| LoggedRequest { received_at_us, ..logged("POST", CHAT_PATH, &headers, body) };
+    let raw = String::from_utf8_lossy(&body).into_owned();
+    let entry = |logged_body| LoggedRequest {
+        received_at_us,
+        raw: raw.clone(),
+        ..logged("POST", CHAT_PATH, &headers, logged_body)
+    };
     let raw: Value = match serde_json::from_slice(&body) {
         Ok(raw) => raw,
         Err(e) => {
@@ -401,6 +410,7 @@ fn logged(method: &str, path: &str, headers: &HeaderMap, body: Value) -> LoggedR
         path: path.to_owned(),
         authorization,
         body,
+        raw: String::new(),
         prompt_tokens: 0,
         cached_tokens: 0,
         received_at_us: respond::unix_us(),

@@ -485,6 +485,7 @@ fn ingress_config(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Ingre
         ..IngressConfig::new(backbone)
     };
     config.check_listen(args.listen)?;
+    config.check_system_prompt()?;
     Ok(config)
 }
 

@@ -9,6 +9,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::audit::RecordedRequest;
 use crate::ids::EventId;
 
 /// The kinds of event. Kinds are added, never changed.
@@ -219,6 +220,9 @@ pub struct AssistantTurn {
     pub currency: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finish_reason: Option<String>,
+    /// The request this attempt sent (§11).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<RecordedRequest>,
 }
 
 impl AssistantTurn {
@@ -295,6 +299,9 @@ pub struct PendingState {
     pub attempt_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<PendingReason>,
+    /// The request of this attempt, on its first checkpoint and on a final one (§11).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<RecordedRequest>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -315,12 +322,15 @@ pub struct PermissionResolved {
     pub decision: String,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct TurnFailed {
     pub code: String,
     pub message: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt_id: Option<String>,
+    /// The request of this attempt; absent when it failed before anything was sent (§11).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request: Option<RecordedRequest>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -505,6 +515,7 @@ mod tests {
             partial: "half an answ".into(),
             attempt_id: Some("a1".into()),
             reason: Some(PendingReason::Stopped),
+            request: None,
         });
         let v = body.to_payload();
         assert_eq!(v, json!({"partial": "half an answ", "attempt_id": "a1", "reason": "stopped"}));

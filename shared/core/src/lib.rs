@@ -1,9 +1,11 @@
 //! turnlog-core: the pure heart of turnlog — the event model, the two projections of a
 //! session's log (what the model sees, what the user sees), compaction planning, token
-//! budgeting, request assembly and a finished turn's material. No I/O and no async
-//! runtime; the projections, planning and budget are functions of their arguments (only
-//! new ids read the clock: `SessionId::new`, `EventId::new` are time-ordered v7 UUIDs).
+//! budgeting, request assembly, the request body and its audit, and a finished turn's
+//! material. No I/O and no async runtime; the projections, planning and budget are
+//! functions of their arguments (only new ids read the clock: `SessionId::new`,
+//! `EventId::new` are time-ordered v7 UUIDs).
 
+pub mod audit;
 pub mod branch;
 pub mod budget;
 pub mod compaction;
@@ -13,6 +15,7 @@ pub mod llm_context;
 pub mod log_builder;
 pub mod message;
 pub mod request;
+pub mod request_body;
 pub mod tokens;
 pub mod turn;
 pub mod ui_transcript;

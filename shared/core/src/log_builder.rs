@@ -41,7 +41,11 @@ impl LogBuilder {
     }
 
     pub fn pending(&mut self, partial: &str, reason: Option<PendingReason>) -> i64 {
-        self.push(EventBody::PendingState(PendingState { partial: partial.into(), attempt_id: None, reason }))
+        self.push(EventBody::PendingState(PendingState {
+            partial: partial.into(),
+            reason,
+            ..Default::default()
+        }))
     }
 
     pub fn compaction(&mut self, summary: &str, through: i64) -> i64 {

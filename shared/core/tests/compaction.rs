@@ -105,7 +105,12 @@ fn live_pending_and_nonempty_turn_memories_count_as_messages() {
     assert_eq!(plan_compaction(&log.events), None);
     log.user("q1");
     assert!(plan_compaction(&log.events).is_some(), "4 live messages, counting the pending");
-    log.push(EventBody::TurnFailed(TurnFailed { code: "c".into(), message: "m".into(), attempt_id: None }));
+    log.push(EventBody::TurnFailed(TurnFailed {
+        code: "c".into(),
+        message: "m".into(),
+        attempt_id: None,
+        request: None,
+    }));
     log.push(EventBody::TurnMemory(TurnMemory {
         turn_seq: 2,
         key_findings: vec!["k2".into()],
@@ -144,7 +149,12 @@ fn history_tokens_from_cached_counts_equal_the_projection() {
     log.pending("cut off", Some(PendingReason::Interrupted));
     log.user("next");
     log.compaction("sum", 4);
-    log.push(EventBody::TurnFailed(TurnFailed { code: "c".into(), message: "m".into(), attempt_id: None }));
+    log.push(EventBody::TurnFailed(TurnFailed {
+        code: "c".into(),
+        message: "m".into(),
+        attempt_id: None,
+        request: None,
+    }));
     let counted: Vec<_> = log.events.iter().map(CountedEvent::of).collect();
     let projected = request_tokens(&llm_messages(&log.events)) - REQUEST_OVERHEAD;
     assert_eq!(history_tokens(&counted), projected);
@@ -296,6 +306,7 @@ proptest! {
                         code: "upstream_error".into(),
                         message: "x".into(),
                         attempt_id: None,
+                        request: None,
                     }));
                 }
                 Step::Memory => {

@@ -109,6 +109,7 @@ fn turn_failed_is_a_user_note_saying_why() {
         code: "upstream_error".into(),
         message: "502 from gateway".into(),
         attempt_id: None,
+        request: None,
     }));
     let msgs = llm_messages(&log.events);
     assert_eq!(msgs[1].role, Role::User);
@@ -234,6 +235,7 @@ fn ui_shows_every_kind_with_its_fields() {
         code: "upstream_error".into(),
         message: "boom".into(),
         attempt_id: None,
+        request: None,
     }));
     log.compaction("the summary", 3);
 
@@ -278,6 +280,7 @@ fn ui_shows_every_unanswered_attempt_forever_but_only_its_last_checkpoint() {
             partial: partial.into(),
             attempt_id: Some(attempt.into()),
             reason,
+            request: None,
         }))
     };
     push_pending(&mut log, "Once", "a1", None);
@@ -368,9 +371,12 @@ fn apply(log: &mut LogBuilder, op: &Op) {
     let body = match op {
         Op::User(t) => EventBody::UserMessage(UserMessage { text: t.clone(), ..Default::default() }),
         Op::Assistant(t, a) => EventBody::AssistantTurn(assistant_turn(t, attempt(*a).as_deref())),
-        Op::Pending(t, r, a) => {
-            EventBody::PendingState(PendingState { partial: t.clone(), attempt_id: attempt(*a), reason: *r })
-        }
+        Op::Pending(t, r, a) => EventBody::PendingState(PendingState {
+            partial: t.clone(),
+            attempt_id: attempt(*a),
+            reason: *r,
+            request: None,
+        }),
         Op::Memory(empty) => EventBody::TurnMemory(TurnMemory {
             turn_seq: log.next_seq() - 1,
             key_findings: if *empty { vec![] } else { vec!["found it".into()] },
@@ -380,6 +386,7 @@ fn apply(log: &mut LogBuilder, op: &Op) {
             code: "upstream_error".into(),
             message: "x".into(),
             attempt_id: None,
+            request: None,
         }),
         Op::Tool => EventBody::ToolExecution(ToolExecution {
             call_id: "c".into(),

@@ -667,3 +667,39 @@ pub async fn event_at(
     let rows = events_page(pool, owner, id, seq - 1, 1).await?.unwrap_or_default();
     Ok(rows.into_iter().find(|e| e.seq == seq))
 }
+
+/// The events a request sent right after `through_seq` was built from, as the live tail
+/// read them then: the newest compaction at or before `through_seq` in the branch log and
+/// every event after its boundary up to `through_seq` (what `GET /requests/{seq}` rebuilds
+/// a body from). None when the session is not the owner's.
+pub async fn tail_through(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+    through_seq: i64,
+) -> Result<Option<Vec<Event>>, ReadError> {
+    // The compaction itself is after its boundary, so the one range holds it.
+    let rows: Vec<StoredEvent> = sqlx::query_as(branch_sql!(
+        ", c AS (
+             SELECT x.boundary FROM branch b, LATERAL (
+                 SELECT e.seq, coalesce((e.payload ->> 'replaces_through_seq')::bigint, 0) AS boundary
+                   FROM session_events e
+                  WHERE e.session_id = b.sid AND e.seq <= b.upto AND e.seq <= $3 AND e.kind = 'compaction_applied'
+                  ORDER BY e.seq DESC LIMIT 1) x
+              ORDER BY x.seq DESC LIMIT 1)
+         SELECT ",
+        event_columns!(),
+        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto AND e.seq <= $3
+            AND e.seq > coalesce((SELECT boundary FROM c), 0)
+          ORDER BY e.seq"
+    ))
+    .bind(id.0)
+    .bind(owner)
+    .bind(through_seq)
+    .fetch_all(pool)
+    .await?;
+    if rows.is_empty() && get_session(pool, owner, id).await?.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?))
+}

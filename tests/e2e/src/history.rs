@@ -140,6 +140,7 @@ impl History {
                 partial: answer[..40].to_owned(),
                 attempt_id: Some(attempt.clone()),
                 reason: None,
+                request: None,
             };
             self.append(s, Uuid::now_v7(), &EventBody::PendingState(partial));
         }
@@ -173,6 +174,7 @@ impl History {
                 code: "upstream_error".into(),
                 message: "the model gateway answered 502".into(),
                 attempt_id: Some(format!("{attempt}-0")),
+                request: None,
             };
             self.append(s, Uuid::now_v7(), &EventBody::TurnFailed(failed));
         }
@@ -201,6 +203,7 @@ impl History {
             cost: Some(0.0012),
             currency: Some("USD".into()),
             finish_reason: Some("stop".into()),
+            request: None,
         };
         let turn_seq = self.append(s, Uuid::now_v7(), &EventBody::AssistantTurn(assistant));
         if turn == 0 && !i.is_multiple_of(3) {

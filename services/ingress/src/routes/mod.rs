@@ -7,6 +7,7 @@ pub mod forks;
 pub mod memories;
 pub mod ops;
 pub mod permissions;
+pub mod requests;
 pub mod sessions;
 pub mod turns;
 
@@ -25,6 +26,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(sessions::events))
         .routes(routes!(forks::fork))
         .routes(routes!(context::context))
+        .routes(routes!(requests::request))
         .routes(routes!(turns::send))
         .routes(routes!(turns::chat))
         .routes(routes!(turns::stop))

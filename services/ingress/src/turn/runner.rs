@@ -6,19 +6,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use turnlog_core::audit::{system_prompt_record, turn_body, RecordedRequest, MAX_SYSTEM_PROMPT_BYTES};
 use turnlog_core::budget::{budget_for, history_tokens, request_size};
 use turnlog_core::events::*;
 use turnlog_core::ids::{Owner, SessionId};
-use turnlog_core::llm_context::llm_messages;
-use turnlog_core::request::{assemble, reserve_tokens, Extras};
-use turnlog_core::tokens::request_tokens;
+use turnlog_core::request::{reserve_tokens, Extras};
+use turnlog_core::request_body::{RequestBody, RequestParams, ResolveImage, StreamOptions};
 use turnlog_runtime::bus::{
     append_and_wait, json_len, AppendRequest, CompactReply, CompactRequest, CompactStatus, Outcome,
     MAX_EVENT_BYTES,
 };
 use turnlog_runtime::lease::Lease;
 use turnlog_runtime::read;
-use turnlog_runtime::upstream::{ChatRequest, StreamItem, UpstreamError};
+use turnlog_runtime::upstream::{StreamItem, UpstreamClient, UpstreamError};
 use uuid::Uuid;
 
 use super::{remote, ActiveTurn, TurnSlot};
@@ -34,9 +34,10 @@ const PERSIST_TIMEOUT: Duration = Duration::from_secs(15);
 /// 768 KiB limit, with room for the UI blocks that repeat them.
 const MAX_ANSWER_TOKENS: u32 = 32_000;
 const MAX_ANSWER_BYTES: usize = 300 * 1024;
-/// Most the answer's text may take as stored JSON, so that its `pending_state` (the text
-/// and a few short fields) always fits the log, however much the text escapes. The
-/// `assistant_turn` holds the text twice: when that does not fit, the pending is kept.
+/// Most the answer's text may take as stored JSON, so that its `pending_state` (the text,
+/// a few short fields and the attempt's recorded request, whose size is taken off this)
+/// always fits the log, however much the text escapes. The `assistant_turn` holds the text
+/// twice: when that does not fit, the pending is kept.
 const MAX_PARTIAL_JSON_BYTES: usize = MAX_EVENT_BYTES - 4 * 1024;
 /// How many recalled memories ride along with a turn.
 const RECALLED_MEMORIES: i64 = 5;
@@ -89,6 +90,13 @@ fn fitting(delta: &str, room: usize, json_room: usize) -> (&str, usize) {
     (delta, json)
 }
 
+/// Most an answer's text may take as stored JSON: [`MAX_PARTIAL_JSON_BYTES`] less what the
+/// attempt's recorded request takes beside it in the same `pending_state`.
+fn partial_json_cap(request: Option<&RecordedRequest>) -> usize {
+    let request = request.map_or(0, |r| json_len(r) + json_len("request") + 2);
+    MAX_PARTIAL_JSON_BYTES.saturating_sub(request)
+}
+
 /// How the answer stream ended.
 enum Ending {
     Done { finish_reason: Option<String> },
@@ -110,6 +118,8 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
         text_json: 0,
         reasoning: String::new(),
         usage: None,
+        request: None,
+        request_checkpointed: false,
     };
     t.emit("meta", json!({"session_id": start.session, "user_seq": start.user_seq})).await;
 
@@ -170,6 +180,10 @@ struct Turn<'a> {
     text_json: usize,
     reasoning: String,
     usage: Option<turnlog_runtime::upstream::Usage>,
+    /// What this attempt sent, once it was handed to the gateway (§11).
+    request: Option<RecordedRequest>,
+    /// Whether a checkpoint carrying `request` was published.
+    request_checkpointed: bool,
 }
 
 impl Turn<'_> {
@@ -186,12 +200,12 @@ impl Turn<'_> {
                 message: "no model gateway is configured".into(),
             };
         };
-        let request = match self.build_request().await {
-            Ok(r) => r,
+        let body = match self.build_request(&upstream).await {
+            Ok(body) => body,
             Err(ending) => return ending,
         };
         let mut stream = tokio::select! {
-            s = upstream.stream(&request) => match s {
+            s = upstream.stream_body(&body) => match s {
                 Ok(s) => s,
                 Err(e) => return self.upstream_failed(e),
             },
@@ -241,7 +255,11 @@ impl Turn<'_> {
         }
         let room = MAX_ANSWER_BYTES.saturating_sub(self.text.len() + self.reasoning.len());
         // Only the text goes into the pending_state, so only its stored size is capped.
-        let json_room = if reasoning { usize::MAX } else { MAX_PARTIAL_JSON_BYTES - self.text_json };
+        let json_room = if reasoning {
+            usize::MAX
+        } else {
+            partial_json_cap(self.request.as_ref()).saturating_sub(self.text_json)
+        };
         let (kept, kept_json) = fitting(delta, room, json_room);
         if !kept.is_empty() {
             let event = if reasoning {
@@ -258,10 +276,20 @@ impl Turn<'_> {
     }
 
     /// The pre-send compaction check, then the request: stable system prompt, the
-    /// history from the log, this turn's extras last.
-    async fn build_request(&mut self) -> Result<ChatRequest, Ending> {
+    /// history from the log, this turn's extras last — built as bytes by the same pure
+    /// function an audit rebuilds it with, and recorded (`self.request`) before it is sent.
+    async fn build_request(&mut self, upstream: &UpstreamClient) -> Result<RequestBody, Ending> {
         let app = self.app;
         let (session, owner) = (self.start.session, self.start.owner.as_str());
+        let system = &app.config.system_prompt;
+        if system.len() > MAX_SYSTEM_PROMPT_BYTES {
+            // Refused when the ingress starts; kept here so no turn can ever record one.
+            let message = format!(
+                "the configured system prompt takes {} bytes, over the limit of {MAX_SYSTEM_PROMPT_BYTES}",
+                system.len()
+            );
+            return Err(Ending::Failed { code: "internal", message });
+        }
         let memories = read::recall_relevant(&app.pool, owner, &self.start.user_text, RECALLED_MEMORIES)
             .await
             .map(|ms| ms.into_iter().map(|m| m.text).collect())
@@ -270,7 +298,6 @@ impl Turn<'_> {
                 Vec::new()
             });
         let extras = Extras { date: Some(chrono::Utc::now().format("%Y-%m-%d (%A)").to_string()), memories };
-        let system = &app.config.system_prompt;
         let reserve = reserve_tokens(system, &extras);
         let compacted = self.ask_compactor(reserve).await;
 
@@ -297,19 +324,33 @@ impl Turn<'_> {
                 });
             }
         }
-        let messages = assemble(system, llm_messages(&tail.events), &extras);
+        let images = upstream.image_resolver();
+        let params = RequestParams {
+            stream: true,
+            stream_options: Some(StreamOptions { include_usage: true }),
+            max_tokens: Some(MAX_ANSWER_TOKENS),
+            images: images.is_some(),
+            ..Default::default()
+        };
+        let model = &self.start.model;
+        let resolve = images.map(|r| r.as_ref() as ResolveImage<'_>);
+        let body = turn_body(&tail.events, system, model, &params, &extras, resolve);
         tracing::debug!(
             tokens = size,
             budget = budget_for(window, app.config.context_budget),
-            exact = request_tokens(&messages),
+            bytes = body.bytes.len(),
             "request built"
         );
-        Ok(ChatRequest {
-            model: self.start.model.clone(),
-            messages,
-            max_tokens: Some(MAX_ANSWER_TOKENS),
-            ..Default::default()
-        })
+        self.request = Some(RecordedRequest {
+            through_seq: tail.events.last().map_or(0, |e| e.seq),
+            model: model.clone(),
+            params,
+            system: system_prompt_record(&tail.events, system),
+            extras,
+            tokens: size,
+            body_sha256: body.sha256.clone(),
+        });
+        Ok(body)
     }
 
     /// Asks the compactors (one queue group) to bring the session within budget, waiting
@@ -359,16 +400,22 @@ impl Turn<'_> {
     }
 
     /// A checkpoint of the whole partial: published and acknowledged by JetStream, not
-    /// waited for (the next one, or the turn's end, supersedes it).
-    async fn checkpoint(&self) {
+    /// waited for (the next one, or the turn's end, supersedes it). The first one carries
+    /// the attempt's request (each one does until one is published).
+    async fn checkpoint(&mut self) {
+        let request = if self.request_checkpointed { None } else { self.request.clone() };
         let body = EventBody::PendingState(PendingState {
             partial: self.text.clone(),
             attempt_id: Some(self.attempt_id.clone()),
             reason: None,
+            request,
         });
         let req = AppendRequest::append(self.start.session, self.start.owner.as_str(), Uuid::now_v7(), &body);
         match self.app.bus.publish_append(&req, None).await {
-            Ok(_) => self.app.metrics.checkpoint(),
+            Ok(_) => {
+                self.request_checkpointed = true;
+                self.app.metrics.checkpoint();
+            }
             Err(e) => tracing::warn!(error = %e, "checkpoint not published"),
         }
     }
@@ -411,6 +458,7 @@ impl Turn<'_> {
                     partial: self.text.clone(),
                     attempt_id: Some(self.attempt_id.clone()),
                     reason: Some(reason),
+                    request: self.request.clone(),
                 };
                 let status = if reason == PendingReason::Stopped { "stopped" } else { "interrupted" };
                 (None, EventBody::PendingState(pending), status, "pending_seq")
@@ -424,6 +472,7 @@ impl Turn<'_> {
                     code: "interrupted".into(),
                     message: message.into(),
                     attempt_id: Some(self.attempt_id.clone()),
+                    request: self.request.clone(),
                 };
                 let status = if reason == PendingReason::Stopped { "stopped" } else { "failed" };
                 (None, EventBody::TurnFailed(failed), status, "failed_seq")
@@ -468,6 +517,7 @@ impl Turn<'_> {
             usage,
             duration_ms: Some(duration_ms),
             finish_reason,
+            request: self.request.clone(),
             ..Default::default()
         })
     }
@@ -480,13 +530,16 @@ impl Turn<'_> {
                 partial: self.text.clone(),
                 attempt_id: Some(self.attempt_id.clone()),
                 reason: Some(PendingReason::Interrupted),
+                request: self.request.clone(),
             };
             return (Some((code, message)), EventBody::PendingState(pending), "interrupted", "pending_seq");
         }
+        // Without a request (it failed before sending), the failure records none.
         let failed = TurnFailed {
             code: code.into(),
             message: message.clone(),
             attempt_id: Some(self.attempt_id.clone()),
+            request: self.request.clone(),
         };
         (Some((code, message)), EventBody::TurnFailed(failed), "failed", "failed_seq")
     }
@@ -524,18 +577,48 @@ mod tests {
         assert_eq!(fitting("x", 0, 10), ("", 0));
     }
 
+    /// The largest request an attempt can record: a system prompt at its limit and every
+    /// recalled memory at its length, all of characters that escape the most.
+    fn largest_request(c: char) -> RecordedRequest {
+        let text = |n: usize| c.to_string().repeat(n / c.len_utf8());
+        RecordedRequest {
+            through_seq: i64::MAX,
+            model: "m".repeat(256),
+            params: RequestParams {
+                stream: true,
+                stream_options: Some(StreamOptions { include_usage: true }),
+                max_tokens: Some(MAX_ANSWER_TOKENS),
+                ..Default::default()
+            },
+            system: turnlog_core::audit::SystemPrompt {
+                sha256: "0".repeat(64),
+                text: Some(text(MAX_SYSTEM_PROMPT_BYTES)),
+            },
+            extras: Extras {
+                date: Some("2026-11-29 (Wednesday)".into()),
+                memories: vec![text(500); RECALLED_MEMORIES as usize],
+            },
+            tokens: u32::MAX,
+            body_sha256: "0".repeat(64),
+        }
+    }
+
     #[test]
     fn a_partial_at_the_cap_fits_the_log_whatever_it_escapes() {
         for c in ['x', '"', '\u{1}'] {
-            let long = c.to_string().repeat(MAX_PARTIAL_JSON_BYTES);
-            let (text, json) = fitting(&long, usize::MAX, MAX_PARTIAL_JSON_BYTES);
-            assert!(json <= MAX_PARTIAL_JSON_BYTES && json + 6 > MAX_PARTIAL_JSON_BYTES, "{c:?}: {json}");
+            let request = largest_request(c);
+            let cap = partial_json_cap(Some(&request));
+            let long = c.to_string().repeat(cap);
+            let (text, json) = fitting(&long, usize::MAX, cap);
+            assert!(json <= cap && json + 6 > cap, "{c:?}: {json}");
             let pending = EventBody::PendingState(PendingState {
                 partial: text.to_owned(),
                 attempt_id: Some(Uuid::now_v7().to_string()),
                 reason: Some(PendingReason::Interrupted),
+                request: Some(request),
             });
             assert!(json_len(&pending.to_payload()) <= MAX_EVENT_BYTES, "{c:?}");
         }
+        assert_eq!(partial_json_cap(None), MAX_PARTIAL_JSON_BYTES);
     }
 }

@@ -16,6 +16,7 @@ use futures::StreamExt;
 use tokio::sync::Mutex;
 
 use turnlog_core::message::ChatMessage;
+use turnlog_core::request_body::{RequestBody, RequestParams, ResponseFormat, StreamOptions};
 
 use crate::settings::Secret;
 
@@ -84,9 +85,26 @@ pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
     pub max_tokens: Option<u32>,
     pub reasoning_effort: Option<String>,
-    pub temperature: Option<f32>,
+    pub temperature: Option<f64>,
     /// Ask for a JSON object (`response_format: {"type": "json_object"}`).
     pub response_format_json: bool,
+}
+
+impl ChatRequest {
+    /// The body fields besides the model and the messages: streamed answers ask for their
+    /// usage; `images` says whether image references are resolved to data URLs.
+    pub fn params(&self, stream: bool, images: bool) -> RequestParams {
+        RequestParams {
+            stream,
+            stream_options: stream.then_some(StreamOptions { include_usage: true }),
+            max_tokens: self.max_tokens,
+            reasoning_effort: self.reasoning_effort.clone(),
+            temperature: self.temperature,
+            top_p: None,
+            response_format: self.response_format_json.then(ResponseFormat::json_object),
+            images,
+        }
+    }
 }
 
 /// A whole non-streamed answer.
@@ -182,13 +200,23 @@ impl UpstreamClient {
         &self.config
     }
 
+    /// What turns image references into data URLs while a request is built, if anything.
+    pub fn image_resolver(&self) -> Option<&ImageResolver> {
+        self.images.as_ref()
+    }
+
     /// Sends a streaming request and returns once the provider has answered with a success
     /// status; the answer is then read from the returned stream.
     #[tracing::instrument(skip_all, fields(model = %request.model), err(level = "warn"))]
     pub async fn stream(&self, request: &ChatRequest) -> Result<ChatStream, UpstreamError> {
-        let body = wire::request_body(request, true, self.images.as_ref());
+        self.stream_body(&wire::request_body(request, true, self.images.as_ref())).await
+    }
+
+    /// Sends `body`, exactly these bytes, as a streaming request (a turn builds its body
+    /// itself, to record its hash); returns as [`UpstreamClient::stream`] does.
+    pub async fn stream_body(&self, body: &RequestBody) -> Result<ChatStream, UpstreamError> {
         let timeout = self.config.timeout;
-        let response = tokio::time::timeout(timeout, self.post(&body).send())
+        let response = tokio::time::timeout(timeout, self.post(body).send())
             .await
             .map_err(|_| UpstreamError::Timeout { phase: TimeoutPhase::FirstByte, after: timeout })?
             .map_err(send_error)?;
@@ -253,8 +281,13 @@ impl UpstreamClient {
             .map_err(|_| UpstreamError::Timeout { phase: TimeoutPhase::Total, after: timeout })?
     }
 
-    fn post(&self, body: &serde_json::Value) -> reqwest::RequestBuilder {
-        let mut post = self.http.post(self.url("chat/completions")).json(body);
+    /// A POST of exactly `body`'s bytes: what its hash was taken of is what is sent.
+    fn post(&self, body: &RequestBody) -> reqwest::RequestBuilder {
+        let mut post = self
+            .http
+            .post(self.url("chat/completions"))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.bytes.clone());
         if let Some(key) = &self.config.api_key {
             post = post.bearer_auth(key.expose());
         }

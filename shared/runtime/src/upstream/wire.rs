@@ -3,10 +3,10 @@
 //! routers each add or omit fields.
 
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use super::{ChatRequest, Completion, ImageResolver, StreamItem, UpstreamError};
-use turnlog_core::message::{Content, ContentPart, Role};
+use turnlog_core::request_body::{RequestBody, ResolveImage};
 
 /// How much of an unparsable chunk an error quotes.
 const QUOTE_LIMIT: usize = 300;
@@ -19,56 +19,16 @@ pub struct Usage {
     pub cached_tokens: Option<u32>,
 }
 
-pub(super) fn request_body(request: &ChatRequest, stream: bool, images: Option<&ImageResolver>) -> Value {
-    let messages: Vec<Value> = request
-        .messages
-        .iter()
-        .map(|m| json!({"role": role_name(m.role), "content": content(&m.content, images)}))
-        .collect();
-    let mut body = json!({"model": request.model, "messages": messages, "stream": stream});
-    if stream {
-        body["stream_options"] = json!({"include_usage": true});
-    }
-    if let Some(max_tokens) = request.max_tokens {
-        body["max_tokens"] = json!(max_tokens);
-    }
-    if let Some(effort) = &request.reasoning_effort {
-        body["reasoning_effort"] = json!(effort);
-    }
-    if let Some(temperature) = request.temperature {
-        body["temperature"] = json!(temperature);
-    }
-    if request.response_format_json {
-        body["response_format"] = json!({"type": "json_object"});
-    }
-    body
-}
-
-fn role_name(role: Role) -> &'static str {
-    match role {
-        Role::System => "system",
-        Role::User => "user",
-        Role::Assistant => "assistant",
-    }
-}
-
-fn content(content: &Content, images: Option<&ImageResolver>) -> Value {
-    let parts = match content {
-        Content::Text(text) => return json!(text),
-        Content::Parts(parts) => parts,
-    };
-    let parts: Vec<Value> = parts
-        .iter()
-        .map(|part| match part {
-            ContentPart::Text { text } => json!({"type": "text", "text": text}),
-            ContentPart::ImageRef { id, mime } => match images.and_then(|r| r(id, mime)) {
-                Some(url) => json!({"type": "image_url", "image_url": {"url": url}}),
-                // The model should know an image was there even when its bytes are gone.
-                None => json!({"type": "text", "text": format!("[image {id} ({mime}) unavailable]")}),
-            },
-        })
-        .collect();
-    json!(parts)
+/// The body of `request`, built by the one body builder ([`turnlog_core::request_body`])
+/// that also builds turns' requests and their audit.
+pub(super) fn request_body(
+    request: &ChatRequest,
+    stream: bool,
+    images: Option<&ImageResolver>,
+) -> RequestBody {
+    let params = request.params(stream, images.is_some());
+    let images = images.map(|r| r.as_ref() as ResolveImage<'_>);
+    turnlog_core::request_body::request_body(&request.model, &request.messages, &params, images)
 }
 
 #[derive(Deserialize)]
@@ -201,7 +161,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use turnlog_core::message::ChatMessage;
+    use serde_json::json;
+    use turnlog_core::message::{ChatMessage, Content, ContentPart, Role};
 
     #[test]
     fn body_resolves_images_and_marks_missing_ones() {
@@ -221,7 +182,8 @@ mod tests {
             response_format_json: true,
             ..ChatRequest::default()
         };
-        let body = request_body(&request, true, Some(&resolver));
+        let json = |body: RequestBody| serde_json::from_slice::<Value>(&body.bytes).unwrap();
+        let body = json(request_body(&request, true, Some(&resolver)));
         let parts = &body["messages"][0]["content"];
         assert_eq!(parts[0], json!({"type": "text", "text": "look"}));
         assert_eq!(parts[1]["image_url"]["url"], "data:image/png;base64,AAAA");
@@ -232,7 +194,7 @@ mod tests {
         assert_eq!(body["max_tokens"], 100);
         assert!(body.get("temperature").is_none());
 
-        let without_resolver = request_body(&request, false, None);
+        let without_resolver = json(request_body(&request, false, None));
         assert_eq!(without_resolver["messages"][0]["content"][1]["type"], "text");
         assert!(without_resolver.get("stream_options").is_none());
     }

@@ -12,6 +12,7 @@ mod openapi;
 mod owners;
 mod paging;
 mod reads;
+mod requests;
 mod sessions;
 mod sizes;
 mod transcript;

@@ -16,6 +16,7 @@ const SERVED: &[(&str, &str)] = &[
     ("delete", "/v1/sessions/{id}"),
     ("get", "/v1/sessions/{id}/events"),
     ("get", "/v1/sessions/{id}/context"),
+    ("get", "/v1/sessions/{id}/requests/{seq}"),
     ("post", "/v1/sessions/{id}/permissions/{perm_id}"),
     ("post", "/v1/sessions/{id}/fork"),
     ("post", "/v1/sessions/{id}/messages"),
@@ -78,7 +79,7 @@ async fn openapi_document_lists_every_served_route() {
     // Each listed operation is routed: never the router's "no such route" or a 405.
     let id = api.create(ALICE, None).await;
     for (method, path) in &listed {
-        let concrete = path.replace("{id}", &id.to_string()).replace("{perm_id}", "p1");
+        let concrete = path.replace("{id}", &id.to_string()).replace("{perm_id}", "p1").replace("{seq}", "1");
         let method = Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
         let r = api.call(method.clone(), &concrete, Some(ALICE), Body::None).await;
         assert_ne!(r.status, 405, "{method} {concrete}");

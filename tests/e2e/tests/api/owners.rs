@@ -44,6 +44,7 @@ async fn owners_cannot_see_or_touch_each_others_sessions() {
         (Method::DELETE, s.clone(), Body::None),
         (Method::GET, format!("{s}/events"), Body::None),
         (Method::GET, format!("{s}/context"), Body::None),
+        (Method::GET, format!("{s}/requests/2"), Body::None),
         (Method::POST, format!("{s}/permissions/perm-1"), Body::Json(json!({"decision": "allow"}))),
     ];
     for (method, path, body) in attempts {

@@ -17,6 +17,7 @@ fn pending(partial: &str, attempt: Option<&str>, reason: Option<PendingReason>) 
         partial: partial.into(),
         attempt_id: attempt.map(Into::into),
         reason,
+        request: None,
     })
 }
 
@@ -37,6 +38,7 @@ fn failed(attempt: Option<&str>) -> EventBody {
         code: "upstream_error".into(),
         message: "the model went away".into(),
         attempt_id: attempt.map(Into::into),
+        request: None,
     })
 }
 

@@ -1,0 +1,95 @@
+//! `GET /v1/sessions/{id}/requests/{seq}` (DESIGN.md §11): the exact model request of the
+//! attempt whose outcome event is `seq`, rebuilt from the log by the same pure functions
+//! that built it for sending, and checked against the hash recorded when it was sent.
+
+use anyhow::Context as _;
+use axum::extract::State;
+use axum::Json;
+use serde::Serialize;
+use serde_json::Value;
+use turnlog_core::audit::rebuild_from_log;
+use turnlog_core::ids::SessionId;
+use turnlog_core::request_body::ResolveImage;
+use turnlog_runtime::read;
+use utoipa::ToSchema;
+
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::extract::ApiPath;
+use crate::AppState;
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RequestView {
+    /// The chat-completions body rebuilt from the log, as JSON; when `verified`, it is
+    /// byte for byte the body that was sent.
+    #[schema(value_type = Object)]
+    pub body: Value,
+    /// SHA-256 (hex) of the body bytes sent, as recorded with the attempt.
+    pub body_sha256: String,
+    /// Whether the rebuilt body hashes to `body_sha256`; false only if the code that builds
+    /// requests has changed meaning since.
+    pub verified: bool,
+    /// The request's size as the budget counted it when it was sent.
+    pub tokens: u32,
+    pub model: String,
+}
+
+/// The model request of one attempt, rebuilt from the log. `seq` names the attempt's
+/// outcome event (`assistant_turn`, `pending_state` or `turn_failed`) or its first
+/// checkpoint; an attempt that failed before anything was sent recorded no request (404).
+#[utoipa::path(
+    get, path = "/v1/sessions/{id}/requests/{seq}", tag = "requests", security(("bearer" = [])),
+    params(
+        ("id" = Uuid, Path, description = "Session id"),
+        ("seq" = i64, Path, description = "Seq of an event that records its attempt's request"),
+    ),
+    responses(
+        (status = 200, body = RequestView),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(session_id = %id, seq), err(Display, level = "debug"))]
+pub async fn request(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath((id, seq)): ApiPath<(SessionId, i64)>,
+) -> Result<Json<RequestView>, ApiError> {
+    if seq < 1 {
+        return Err(ApiError::bad_request(format!("seq must be a positive integer, not {seq}")));
+    }
+    let owner = caller.as_str();
+    // Both reads go through `tail_through`, the one query that knows what a branch log is:
+    // the event at `seq` is the last of those a request sent right after it would read.
+    let upto =
+        read::tail_through(&app.pool, owner, id, seq).await?.ok_or_else(ApiError::session_not_found)?;
+    let event = match upto.last() {
+        Some(e) if e.seq == seq => e,
+        _ => return Err(ApiError::NotFound(format!("the session has no event {seq}"))),
+    };
+    let Some(recorded) = event.body.recorded_request() else {
+        return Err(ApiError::NotFound(format!(
+            "event {seq} ({}) records no request: only an attempt's outcome (assistant_turn, \
+             pending_state, turn_failed) and its first checkpoint do, and not when the attempt \
+             failed before sending",
+            event.kind()
+        )));
+    };
+    let events = read::tail_through(&app.pool, owner, id, recorded.through_seq)
+        .await?
+        .ok_or_else(ApiError::session_not_found)?;
+    let images = app.upstream.as_ref().and_then(|u| u.image_resolver());
+    let images = images.map(|r| r.as_ref() as ResolveImage<'_>);
+    // The log always gives the system prompt back (the sender records its text whenever it
+    // would not); not finding it is a fault of this server.
+    let rebuilt = rebuild_from_log(&events, recorded, images).map_err(ApiError::internal)?;
+    let body = serde_json::from_slice(&rebuilt.bytes)
+        .context("a rebuilt body is not JSON")
+        .map_err(ApiError::internal)?;
+    Ok(Json(RequestView {
+        verified: rebuilt.sha256 == recorded.body_sha256,
+        body,
+        body_sha256: recorded.body_sha256.clone(),
+        tokens: recorded.tokens,
+        model: recorded.model.clone(),
+    }))
+}

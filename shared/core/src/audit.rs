@@ -1,0 +1,216 @@
+//! Audited requests (DESIGN.md §11): what every attempt of a stored turn records of the
+//! request it sent, and the pure functions that build that request from the log — the
+//! ingress calls them to send, `GET /requests/{seq}` to rebuild the same bytes later.
+//! Everything works on a branch log as the projections take it (the whole log or its live
+//! tail), so a fork needs nothing of its own here.
+
+use serde::{Deserialize, Serialize};
+
+use crate::events::{Event, EventBody};
+use crate::llm_context::{llm_messages, newest_compaction};
+use crate::request::{assemble, Extras};
+use crate::request_body::{request_body, sha256_hex, RequestBody, RequestParams, ResolveImage};
+
+/// Longest system prompt, in bytes: it may ride along with an outcome event, which must
+/// stay under the writer's 768 KiB limit with the answer it carries.
+pub const MAX_SYSTEM_PROMPT_BYTES: usize = 32 * 1024;
+
+/// The request one attempt sent, as its first checkpoint and its outcome event record it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecordedRequest {
+    /// The last seq of the branch log the projection read.
+    pub through_seq: i64,
+    pub model: String,
+    /// Every body field not derived from the log.
+    pub params: RequestParams,
+    pub system: SystemPrompt,
+    /// The per-turn extras sent after the history (they are nowhere else in the log).
+    #[serde(default)]
+    pub extras: Extras,
+    /// The request's size as the budget counted it (system prompt, history, extras).
+    pub tokens: u32,
+    /// SHA-256 (lowercase hex) of the exact body bytes sent.
+    pub body_sha256: String,
+}
+
+/// The system prompt of a request: its hash always, its text only when the log cannot
+/// give it back (see [`system_prompt_record`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SystemPrompt {
+    pub sha256: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+}
+
+/// Why a body cannot be rebuilt from the log.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RebuildError {
+    #[error("no recorded request at or before seq {through_seq} carries the system prompt {sha256}")]
+    SystemPromptNotFound { sha256: String, through_seq: i64 },
+}
+
+impl EventBody {
+    /// The audited request an outcome event (or first checkpoint) carries.
+    pub fn recorded_request(&self) -> Option<&RecordedRequest> {
+        match self {
+            EventBody::AssistantTurn(t) => t.request.as_ref(),
+            EventBody::PendingState(p) => p.request.as_ref(),
+            EventBody::TurnFailed(f) => f.request.as_ref(),
+            _ => None,
+        }
+    }
+}
+
+/// The part of `events` the model's context depends on: the newest compaction and every
+/// event after its boundary. Lookups of recorded prompts read only this, so they find the
+/// same whether given the whole log or a live tail.
+fn live_part(events: &[Event]) -> &[Event] {
+    let boundary = newest_compaction(events).map_or(0, |(_, c)| c.replaces_through_seq);
+    &events[events.partition_point(|e| e.seq <= boundary)..]
+}
+
+/// The text of the system prompt whose hash is `sha256`: from the newest recorded request
+/// in the live part of `events` that has that hash and carries its text.
+pub fn system_prompt_text<'a>(events: &'a [Event], sha256: &str) -> Option<&'a str> {
+    live_part(events).iter().rev().find_map(|e| {
+        let system = &e.body.recorded_request()?.system;
+        (system.sha256 == sha256).then_some(system.text.as_deref()).flatten()
+    })
+}
+
+/// How a request sent after `events` records `system_prompt`: its text is left out only
+/// when the previous recorded request had the same prompt and the log still gives its
+/// text back ([`system_prompt_text`]), so the first request of a branch, a changed prompt
+/// and the first request after a compaction swallowed the text all carry it.
+pub fn system_prompt_record(events: &[Event], system_prompt: &str) -> SystemPrompt {
+    let sha256 = sha256_hex(system_prompt.as_bytes());
+    let previous = live_part(events).iter().rev().find_map(|e| e.body.recorded_request());
+    let known =
+        previous.is_some_and(|r| r.system.sha256 == sha256) && system_prompt_text(events, &sha256).is_some();
+    SystemPrompt { text: (!known).then(|| system_prompt.to_owned()), sha256 }
+}
+
+/// The body of a turn's request: the system prompt, the history projected from `events`,
+/// the extras last. The one function that builds what the ingress sends and what an
+/// audit rebuilds.
+pub fn turn_body(
+    events: &[Event],
+    system_prompt: &str,
+    model: &str,
+    params: &RequestParams,
+    extras: &Extras,
+    images: Option<ResolveImage<'_>>,
+) -> RequestBody {
+    let messages = assemble(system_prompt, llm_messages(events), extras);
+    request_body(model, &messages, params, images)
+}
+
+/// The body `recorded` was built from, rebuilt from the log with `system_prompt`. `events`
+/// may run past `through_seq` (the whole log); only those up to it are read.
+pub fn rebuild(
+    events: &[Event],
+    system_prompt: &str,
+    recorded: &RecordedRequest,
+    images: Option<ResolveImage<'_>>,
+) -> RequestBody {
+    let events = &events[..events.partition_point(|e| e.seq <= recorded.through_seq)];
+    turn_body(events, system_prompt, &recorded.model, &recorded.params, &recorded.extras, images)
+}
+
+/// [`rebuild`], with the system prompt taken from `recorded` or, when it left the text
+/// out, from the log up to `through_seq`.
+pub fn rebuild_from_log(
+    events: &[Event],
+    recorded: &RecordedRequest,
+    images: Option<ResolveImage<'_>>,
+) -> Result<RequestBody, RebuildError> {
+    let through = &events[..events.partition_point(|e| e.seq <= recorded.through_seq)];
+    let system = match &recorded.system.text {
+        Some(text) => text.as_str(),
+        None => system_prompt_text(through, &recorded.system.sha256).ok_or_else(|| {
+            RebuildError::SystemPromptNotFound {
+                sha256: recorded.system.sha256.clone(),
+                through_seq: recorded.through_seq,
+            }
+        })?,
+    };
+    Ok(rebuild(through, system, recorded, images))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::{PendingState, TurnFailed};
+    use crate::log_builder::LogBuilder;
+
+    fn record(log: &LogBuilder, system: &str, extras: Extras) -> RecordedRequest {
+        let params = RequestParams { stream: true, max_tokens: Some(10), ..Default::default() };
+        let body = turn_body(&log.events, system, "m", &params, &extras, None);
+        RecordedRequest {
+            through_seq: log.events.last().map_or(0, |e| e.seq),
+            model: "m".into(),
+            params,
+            system: system_prompt_record(&log.events, system),
+            extras,
+            tokens: 0,
+            body_sha256: body.sha256,
+        }
+    }
+
+    fn failed(request: RecordedRequest) -> EventBody {
+        EventBody::TurnFailed(TurnFailed {
+            code: "x".into(),
+            message: "y".into(),
+            request: Some(request),
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn the_prompt_text_is_recorded_when_the_log_cannot_give_it_back() {
+        let mut log = LogBuilder::new();
+        log.user("q1");
+        let first = record(&log, "be kind", Extras::default());
+        assert_eq!(first.system.text.as_deref(), Some("be kind"), "the first request carries it");
+        log.push(failed(first.clone()));
+
+        let again = record(&log, "be kind", Extras::default());
+        assert_eq!(again.system, SystemPrompt { sha256: first.system.sha256.clone(), text: None });
+        let changed = record(&log, "be brief", Extras::default());
+        assert_eq!(changed.system.text.as_deref(), Some("be brief"));
+
+        // A compaction that swallows the only record with the text brings it back, though
+        // the newest record (without it) had the same prompt.
+        let with_text = log.events.last().unwrap().seq;
+        log.push(failed(again));
+        log.compaction("summary", with_text);
+        assert_eq!(record(&log, "be kind", Extras::default()).system.text.as_deref(), Some("be kind"));
+    }
+
+    #[test]
+    fn a_rebuild_from_the_log_gives_the_recorded_hash() {
+        let mut log = LogBuilder::new();
+        log.user("q1");
+        let extras =
+            Extras { date: Some("2026-01-01 (Thursday)".into()), memories: vec!["likes tea".into()] };
+        let first = record(&log, "be kind", extras.clone());
+        let pending =
+            PendingState { partial: "half".into(), request: Some(first.clone()), ..Default::default() };
+        log.push(EventBody::PendingState(pending));
+        let retry = record(&log, "be kind", Extras::default());
+        assert!(retry.system.text.is_none());
+        log.push(failed(retry.clone()));
+        log.user("q2");
+
+        for r in [&first, &retry] {
+            assert_eq!(rebuild_from_log(&log.events, r, None).unwrap().sha256, r.body_sha256);
+        }
+        // Rebuilt with another prompt, or without the record that held the text, it is not.
+        assert_ne!(rebuild(&log.events, "be mean", &retry, None).sha256, retry.body_sha256);
+        let without_first: Vec<_> = log.events.iter().filter(|e| e.seq != 3).cloned().collect();
+        assert!(matches!(
+            rebuild_from_log(&without_first, &retry, None),
+            Err(RebuildError::SystemPromptNotFound { .. })
+        ));
+    }
+}

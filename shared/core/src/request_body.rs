@@ -1,0 +1,246 @@
+//! The chat-completions request body as the bytes sent: compact JSON with a fixed key order
+//! (typed structs in field order, never a JSON map, so no serde_json feature such as
+//! `preserve_order` can reorder it), built by one pure function that both the sender and
+//! the audit's rebuild (§11) call. Image references become data URLs only here.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+
+use crate::message::{ChatMessage, Content, ContentPart, Role};
+
+/// Turns an image reference (`id`, `mime`) into a `data:` URL, or `None` when the image is
+/// gone.
+pub type ResolveImage<'a> = &'a dyn Fn(&str, &str) -> Option<String>;
+
+/// Every body field that does not come from the log: what a recorded request keeps beside
+/// the log so the body can be rebuilt. An absent field is absent from the body, so a
+/// parameter added later leaves older records rebuilding as they were sent.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestParams {
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_effort: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_format: Option<ResponseFormat>,
+    /// Whether image references were sent as data URLs (resolved from the file store);
+    /// when false, each was sent as a short placeholder text.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub images: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResponseFormat {
+    /// `json_object`, …
+    #[serde(rename = "type")]
+    pub kind: String,
+}
+
+impl ResponseFormat {
+    pub fn json_object() -> Self {
+        Self { kind: "json_object".into() }
+    }
+}
+
+/// A body as sent, and the SHA-256 of exactly those bytes (lowercase hex).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestBody {
+    pub bytes: Vec<u8>,
+    pub sha256: String,
+}
+
+/// The body of a chat-completions request. `images` resolves image references when
+/// `params.images` is set; otherwise (or when the image is gone) the model is told in a
+/// placeholder text that an image was there.
+pub fn request_body(
+    model: &str,
+    messages: &[ChatMessage],
+    params: &RequestParams,
+    images: Option<ResolveImage<'_>>,
+) -> RequestBody {
+    let images = if params.images { images } else { None };
+    let body = WireBody {
+        model,
+        messages: messages
+            .iter()
+            .map(|m| WireMessage { role: m.role, content: content(&m.content, images) })
+            .collect(),
+        stream: params.stream,
+        stream_options: params.stream_options.as_ref(),
+        max_tokens: params.max_tokens,
+        reasoning_effort: params.reasoning_effort.as_deref(),
+        temperature: params.temperature,
+        top_p: params.top_p,
+        response_format: params.response_format.as_ref(),
+    };
+    // Structs of strings, numbers and bools always serialize.
+    let bytes = serde_json::to_vec(&body).unwrap_or_default();
+    let sha256 = sha256_hex(&bytes);
+    RequestBody { bytes, sha256 }
+}
+
+/// SHA-256 of `bytes` as lowercase hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    format!("{:x}", Sha256::digest(bytes))
+}
+
+/// The wire shape, in the order its keys are written.
+#[derive(Serialize)]
+struct WireBody<'a> {
+    model: &'a str,
+    messages: Vec<WireMessage<'a>>,
+    stream: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<&'a StreamOptions>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_effort: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_p: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response_format: Option<&'a ResponseFormat>,
+}
+
+#[derive(Serialize)]
+struct WireMessage<'a> {
+    role: Role,
+    content: WireContent<'a>,
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum WireContent<'a> {
+    Text(&'a str),
+    Parts(Vec<WirePart<'a>>),
+}
+
+#[derive(Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum WirePart<'a> {
+    Text { text: std::borrow::Cow<'a, str> },
+    ImageUrl { image_url: ImageUrl },
+}
+
+#[derive(Serialize)]
+struct ImageUrl {
+    url: String,
+}
+
+fn content<'a>(content: &'a Content, images: Option<ResolveImage<'_>>) -> WireContent<'a> {
+    let parts = match content {
+        Content::Text(text) => return WireContent::Text(text),
+        Content::Parts(parts) => parts,
+    };
+    let parts = parts
+        .iter()
+        .map(|part| match part {
+            ContentPart::Text { text } => WirePart::Text { text: text.as_str().into() },
+            ContentPart::ImageRef { id, mime } => match images.and_then(|r| r(id, mime)) {
+                Some(url) => WirePart::ImageUrl { image_url: ImageUrl { url } },
+                // The model should know an image was there even when its bytes are not sent.
+                None => WirePart::Text { text: format!("[image {id} ({mime}) unavailable]").into() },
+            },
+        })
+        .collect();
+    WireContent::Parts(parts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> RequestParams {
+        RequestParams {
+            stream: true,
+            stream_options: Some(StreamOptions { include_usage: true }),
+            max_tokens: Some(100),
+            reasoning_effort: Some("low".into()),
+            temperature: Some(0.2),
+            top_p: Some(0.9),
+            response_format: Some(ResponseFormat::json_object()),
+            images: true,
+        }
+    }
+
+    /// The exact bytes, key order included: if a dependency turns on
+    /// `serde_json/preserve_order` or the structs are reordered, this fails.
+    #[test]
+    fn body_bytes_are_pinned() {
+        let messages = vec![
+            ChatMessage::text(Role::System, "be brief"),
+            ChatMessage {
+                role: Role::User,
+                content: Content::Parts(vec![
+                    ContentPart::Text { text: "look \"here\"\n".into() },
+                    ContentPart::ImageRef { id: "a".into(), mime: "image/png".into() },
+                    ContentPart::ImageRef { id: "gone".into(), mime: "image/jpeg".into() },
+                ]),
+            },
+            ChatMessage::text(Role::Assistant, "é"),
+        ];
+        let resolve = |id: &str, mime: &str| (id == "a").then(|| format!("data:{mime};base64,AAAA"));
+        let body = request_body("m", &messages, &params(), Some(&resolve));
+        let expected = concat!(
+            r#"{"model":"m","messages":[{"role":"system","content":"be brief"},"#,
+            r#"{"role":"user","content":[{"type":"text","text":"look \"here\"\n"},"#,
+            r#"{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}},"#,
+            r#"{"type":"text","text":"[image gone (image/jpeg) unavailable]"}]},"#,
+            r#"{"role":"assistant","content":"é"}],"stream":true,"stream_options":{"include_usage":true},"#,
+            r#""max_tokens":100,"reasoning_effort":"low","temperature":0.2,"top_p":0.9,"#,
+            r#""response_format":{"type":"json_object"}}"#,
+        );
+        assert_eq!(String::from_utf8(body.bytes.clone()).unwrap(), expected);
+        assert_eq!(body.sha256, sha256_hex(expected.as_bytes()));
+        assert_eq!(body.sha256.len(), 64);
+
+        let plain = request_body("m", &messages[..1], &RequestParams::default(), None);
+        assert_eq!(
+            String::from_utf8(plain.bytes).unwrap(),
+            r#"{"model":"m","messages":[{"role":"system","content":"be brief"}],"stream":false}"#
+        );
+    }
+
+    #[test]
+    fn images_are_resolved_only_when_the_params_say_so() {
+        let messages = vec![ChatMessage {
+            role: Role::User,
+            content: Content::Parts(vec![ContentPart::ImageRef { id: "a".into(), mime: "image/png".into() }]),
+        }];
+        let resolve = |_: &str, _: &str| Some("data:image/png;base64,AAAA".to_owned());
+        let off = RequestParams { images: false, ..params() };
+        let text = String::from_utf8(request_body("m", &messages, &off, Some(&resolve)).bytes).unwrap();
+        assert!(text.contains("[image a (image/png) unavailable]"), "{text}");
+        let on = String::from_utf8(request_body("m", &messages, &params(), Some(&resolve)).bytes).unwrap();
+        assert!(on.contains("data:image/png;base64,AAAA"), "{on}");
+    }
+
+    #[test]
+    fn params_round_trip_through_the_log_without_absent_fields() {
+        let p = params();
+        let v = serde_json::to_value(&p).unwrap();
+        assert_eq!(serde_json::from_value::<RequestParams>(v).unwrap(), p);
+        let minimal = serde_json::to_value(RequestParams { stream: true, ..Default::default() }).unwrap();
+        assert_eq!(minimal, serde_json::json!({"stream": true}));
+    }
+
+    #[test]
+    fn sha256_is_the_standard_digest() {
+        assert_eq!(sha256_hex(b""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+    }
+}
