@@ -1,14 +1,19 @@
-//! Forks against real Postgres and NATS (DESIGN §10): a fork costs the same whatever its
-//! parent's length (nothing is copied; the inherited compaction point is an index lookup),
-//! and a branch's live tail is read per segment. Logs are written straight into the tables
+//! Forks and audits against real Postgres and NATS (DESIGN §10, §11): a fork costs the same
+//! whatever its parent's length (nothing is copied; the inherited compaction point is an
+//! index lookup), a branch's live tail is read per segment, and an answer's request is
+//! rebuilt from the log as `GET /requests/{seq}` does it. Logs are written straight into the tables
 //! (as the transcript tests do): a 100,000-event session through the writer would take
 //! minutes and measure the writer, not the fork.
 
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::events::ForkPoint;
+use turnlog_core::audit::{rebuild_from_log, system_prompt_record, turn_body, RecordedRequest};
+use turnlog_core::events::{AssistantTurn, Event, EventBody, ForkPoint};
 use turnlog_core::ids::SessionId;
+use turnlog_core::request::Extras;
+use turnlog_core::request_body::RequestParams;
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus};
 use turnlog_runtime::read;
 use turnlog_testkit::{test_env, TestEnv};
@@ -24,6 +29,7 @@ pub struct Figures {
     pub fork_small_ns: u128,
     pub branch_tail_ns: u128,
     pub flat_tail_ns: u128,
+    pub rebuild_request_us: u128,
 }
 
 /// Stores session `id` with `own` events after `lineage` (ancestors root first, each with
@@ -96,6 +102,65 @@ async fn fork_time(env: &TestEnv, bus: &Bus, parent: SessionId, through: i64) ->
     Ok(started.elapsed() / FORKS as u32)
 }
 
+/// Appends to `session` (`last` events, its live tail `tail`) an answer that records the
+/// request it was sent with, built as the ingress builds it; returns the answer's seq.
+async fn answer_with_request(
+    env: &TestEnv,
+    session: SessionId,
+    tail: &[Event],
+    last: i64,
+) -> anyhow::Result<i64> {
+    let system = "You are a careful assistant. Keep every name, date and number.";
+    let extras =
+        Extras { date: Some("2026-12-01 (Tuesday)".into()), memories: vec!["Ada prefers plan B".into()] };
+    let params = RequestParams { stream: true, max_tokens: Some(4096), ..RequestParams::default() };
+    let body = turn_body(tail, system, "mock", &params, &extras, None);
+    let request = RecordedRequest {
+        through_seq: last,
+        model: "mock".into(),
+        params,
+        system: system_prompt_record(tail, system),
+        extras,
+        tokens: 0,
+        body_sha256: body.sha256,
+    };
+    let answer =
+        EventBody::AssistantTurn(AssistantTurn { request: Some(request), ..AssistantTurn::default() });
+    sqlx::query(
+        "INSERT INTO session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
+         VALUES ($1, $2, gen_random_uuid(), 'assistant_turn', $3, 0, 0, now())",
+    )
+    .bind(session.0)
+    .bind(last + 1)
+    .bind(answer.to_payload())
+    .execute(&env.pool)
+    .await?;
+    sqlx::query("UPDATE sessions SET last_seq = $2 WHERE id = $1")
+        .bind(session.0)
+        .bind(last + 1)
+        .execute(&env.pool)
+        .await?;
+    Ok(last + 1)
+}
+
+/// Mean time of rebuilding the request of the answer at `seq`, as `GET /requests/{seq}`
+/// does: its event, the log through its `through_seq`, the body and its hash.
+async fn rebuild_time(env: &TestEnv, session: SessionId, seq: i64) -> anyhow::Result<Duration> {
+    let mut rebuilds = 0u32;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(1) || rebuilds < 20 {
+        let event = read::event_at(&env.pool, OWNER, session, seq).await?.context("no answer")?.decode()?;
+        let recorded = event.body.recorded_request().context("no request")?;
+        let events = read::tail_through(&env.pool, OWNER, session, recorded.through_seq)
+            .await?
+            .context("no session")?;
+        let body = rebuild_from_log(&events, recorded, None)?;
+        anyhow::ensure!(body.sha256 == recorded.body_sha256, "the request does not rebuild");
+        rebuilds += 1;
+    }
+    Ok(started.elapsed() / rebuilds)
+}
+
 /// Mean time of one live-tail read of `session`, over at least a second of reads.
 async fn tail_time(env: &TestEnv, session: SessionId) -> anyhow::Result<(Duration, usize)> {
     let mut reads = 0u32;
@@ -157,6 +222,18 @@ pub async fn run() -> anyhow::Result<Figures> {
         branch.as_nanos() as f64 / flat_time.as_nanos().max(1) as f64
     );
 
+    // An audited answer at the end of a 10,000-event session (compacted at 10,000).
+    let audited = SessionId::new();
+    let last = store(&env, audited, &[], 10_000).await?;
+    let tail = read::live_tail(&env.pool, OWNER, audited).await?.context("no tail")?;
+    let answer = answer_with_request(&env, audited, &tail.events, last).await?;
+    let rebuild = rebuild_time(&env, audited, answer).await?;
+    println!(
+        "rebuild of an answer's request ({} events through its through_seq): {} µs",
+        tail.events.len(),
+        rebuild.as_micros()
+    );
+
     stop.cancel();
     writer.await??;
     Ok(Figures {
@@ -164,5 +241,6 @@ pub async fn run() -> anyhow::Result<Figures> {
         fork_small_ns: fork_small.as_nanos(),
         branch_tail_ns: branch.as_nanos(),
         flat_tail_ns: flat_time.as_nanos(),
+        rebuild_request_us: rebuild.as_micros(),
     })
 }

@@ -135,7 +135,7 @@ pub fn run() -> anyhow::Result<()> {
     let forks = crate::runtime()?.block_on(crate::branches::run())?;
     println!(
         "RESULT context budget_1k_ns={} budget_100k_ns={} naive_100k_ns={} tokenizer_mb_s={} fork_ns={} \
-         fork_10_events_ns={} branch_tail_ns={} flat_tail_ns={}",
+         fork_10_events_ns={} branch_tail_ns={} flat_tail_ns={} rebuild_request_us={}",
         budget_ns[0],
         budget_ns[2],
         naive_100k,
@@ -144,6 +144,7 @@ pub fn run() -> anyhow::Result<()> {
         forks.fork_small_ns,
         forks.branch_tail_ns,
         forks.flat_tail_ns,
+        forks.rebuild_request_us,
     );
     Ok(())
 }

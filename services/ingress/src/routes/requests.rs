@@ -60,11 +60,12 @@ pub async fn request(
     let owner = caller.as_str();
     // Both reads go through `tail_through`, the one query that knows what a branch log is:
     // the event at `seq` is the last of those a request sent right after it would read.
-    let upto =
-        read::tail_through(&app.pool, owner, id, seq).await?.ok_or_else(ApiError::session_not_found)?;
-    let event = match upto.last() {
-        Some(e) if e.seq == seq => e,
-        _ => return Err(ApiError::NotFound(format!("the session has no event {seq}"))),
+    let event = match read::event_at(&app.pool, owner, id, seq).await? {
+        Some(stored) => stored.decode().map_err(ApiError::internal)?,
+        None if read::get_session(&app.pool, owner, id).await?.is_none() => {
+            return Err(ApiError::session_not_found())
+        }
+        None => return Err(ApiError::NotFound(format!("the session has no event {seq}"))),
     };
     let Some(recorded) = event.body.recorded_request() else {
         return Err(ApiError::NotFound(format!(
