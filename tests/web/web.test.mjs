@@ -81,6 +81,8 @@ async function api(method, route, body) {
 
 const words = (s) => s.trim().split(/\s+/).filter(Boolean);
 const squash = (s) => s.replace(/\s+/g, ' ').trim();
+/** A number as the page writes it (the browser's locale is en-US). */
+const n = (x) => x.toLocaleString('en-US');
 
 async function liveWords() {
   return words((await page.locator('[data-kind=live] .md').textContent().catch(() => '')) ?? '').length;
@@ -353,6 +355,115 @@ check('the context inspector shows what the model sees and its tokens against th
   await shot('context');
   await page.locator('#inspector-close').click();
   await page.locator('#inspector').waitFor({ state: 'hidden' });
+});
+
+check('"What was sent" shows the request an answer was sent, as the server rebuilds it, and what the provider cached', async () => {
+  const id = (await api('POST', '/v1/sessions', { title: 'What was sent' })).json.id;
+  // The third request shares its history up to the second question with the second
+  // request: over 1,024 tokens, which the mock's prompt cache then serves.
+  await turnVia(id, 'Tell me everything about fjords [mock words=1200]');
+  await turnVia(id, 'And the glaciers? [mock words=20]');
+  await openPage(id);
+  await send('One more thing about Bergen [mock words=12]');
+  await page.locator('[data-kind=live]').waitFor({ state: 'detached', timeout: 30_000 });
+  const items = (await stored(id)).items;
+  const answer = items.at(-1);
+  assert.equal(answer.kind, 'assistant');
+  const { status, json: sent } = await api('GET', `/v1/sessions/${id}/requests/${answer.seq}`);
+  assert.equal(status, 200, JSON.stringify(sent));
+  assert.equal(sent.verified, true);
+  assert.ok(sent.body.messages.some((m) => m.role === 'user' && m.content.includes('One more thing about Bergen')));
+  const { input_tokens: input, cached_input_tokens: cached } = answer.usage;
+  assert.ok(cached > 0 && cached < input, `the mock cached ${cached} of ${input} input tokens`);
+
+  await page.locator(`article[data-seq="${answer.seq}"]`).getByRole('button', { name: `What was sent for answer #${answer.seq}` }).click();
+  const inspector = page.locator('#inspector');
+  const verdict = inspector.locator('.sent-check');
+  await verdict.waitFor();
+  assert.equal(await page.locator('#inspector-title').textContent(), `What was sent for #${answer.seq}`);
+  // Every message sent, in order, role and whole text.
+  const shown = await inspector.locator('.ctx-msg').evaluateAll((lis) =>
+    lis.map((li) => ({ role: li.querySelector('.role').textContent, content: li.querySelector('pre').textContent })),
+  );
+  assert.deepEqual(shown, sent.body.messages.map(({ role, content }) => ({ role, content })));
+  // Verified, with the hash recorded when it was sent.
+  assert.equal(await verdict.getAttribute('data-verified'), 'true');
+  assert.equal(await verdict.locator('.verdict').textContent(), '✓ Verified');
+  assert.equal(await verdict.locator('code').textContent(), sent.body_sha256);
+  // The model, every parameter besides the messages, and the size.
+  const facts = Object.fromEntries(
+    await inspector.locator('.facts dt').evaluateAll((dts) => dts.map((dt) => [dt.textContent, dt.nextElementSibling.textContent])),
+  );
+  assert.equal(facts.Model, sent.body.model);
+  assert.equal(facts.Model, answer.model);
+  const params = Object.entries(sent.body).filter(([k]) => k !== 'model' && k !== 'messages');
+  assert.ok(params.some(([k]) => k === 'max_tokens'), JSON.stringify(params));
+  for (const [k, v] of params) assert.equal(facts[k], typeof v === 'string' ? v : JSON.stringify(v), `parameter ${k}`);
+  assert.equal(await inspector.locator('.ctx-tokens').textContent(), `${n(sent.tokens)} tokens, as the budget counted them`);
+  // The provider's cache: its share, and the messages it covered down to the one it ends
+  // in, which is the long answer or the question after it (the shared history).
+  const share = `${n(cached)} of ${n(input)} input tokens were served from the provider's cache (${Math.round((cached / input) * 100)}%).`;
+  assert.equal(await inspector.locator('.cache-share').textContent(), share);
+  const marks = await inspector.locator('.ctx-msg').evaluateAll((lis) => lis.map((li) => li.dataset.cache ?? ''));
+  const end = marks.indexOf('part');
+  assert.deepEqual(marks, marks.map((_, i) => (i < end ? 'all' : i === end ? 'part' : '')), marks.join());
+  // Where the estimate puts the end (each message's share of the input tokens by its
+  // length), which is where the shared history ends: in the long answer or right after it.
+  const lengths = sent.body.messages.map((m) => m.role.length + m.content.length + 2);
+  const total = lengths.reduce((a, b) => a + b);
+  let sum = 0;
+  const estimated = lengths.findIndex((length) => ((sum += length) / total) * input >= cached);
+  assert.equal(end, estimated, `the cached prefix is drawn ending in message ${end}, not ${estimated}`);
+  const long = sent.body.messages.findIndex((m) => m.role === 'assistant');
+  assert.equal(words(sent.body.messages[long].content).length, 1200);
+  assert.ok(end === long || end === long + 1, `the cached prefix ends in message ${end}, not ${long} or ${long + 1}`);
+  assert.match(await inspector.locator('.ctx-msg').nth(end).locator('.cache-end').textContent(), /cache ends about here/);
+  assert.equal(await inspector.locator('.cache-end').count(), 1);
+  await shot('what-was-sent');
+  await inspector.locator('.cache-end').scrollIntoViewIfNeeded();
+  await shot('what-was-sent-cache');
+
+  // An answer without a recorded request says so, without an error.
+  const first = items.find((i) => i.kind === 'assistant');
+  await page.route(`**/v1/sessions/${id}/requests/${first.seq}`, (route) =>
+    route.fulfill({ status: 404, json: { error: { code: 'not_found', message: `event ${first.seq} (assistant_turn) records no request` } } }),
+  );
+  await page.getByRole('button', { name: `What was sent for answer #${first.seq}` }).click();
+  await inspector.locator('.sent-none', { hasText: 'No request recorded for this answer.' }).waitFor();
+  assert.equal(await inspector.locator('.ctx-msg, .sent-check').count(), 0);
+  assert.equal(await page.locator('#toast').isVisible(), false, 'a 404 showed an error');
+  await page.unrouteAll();
+
+  // A body that no longer hashes to what was sent is flagged (the server says so only when
+  // the code that builds requests changed meaning; here the route says it).
+  await page.route(`**/v1/sessions/${id}/requests/${first.seq}`, async (route) => {
+    const res = await route.fetch();
+    route.fulfill({ response: res, json: { ...(await res.json()), verified: false } });
+  });
+  await page.getByRole('button', { name: `What was sent for answer #${first.seq}` }).click();
+  await inspector.locator('.sent-check[data-verified=false]').waitFor();
+  assert.equal(await verdict.locator('.verdict').textContent(), '✗ Not verified');
+  await page.unrouteAll();
+
+  // Back to the next request.
+  await page.locator('#inspector-next').click();
+  await inspector.locator('.ctx-tokens', { hasText: ' of ' }).waitFor();
+  assert.equal(await page.locator('#inspector-title').textContent(), 'What the model sees next');
+  assert.equal(await page.locator('#inspector-next').isVisible(), false);
+
+  // A stopped answer's attempt sent a request too.
+  await openPage(firstSession);
+  const stopped = (await stored(firstSession)).items.find((i) => i.kind === 'interrupted');
+  const stoppedSent = (await api('GET', `/v1/sessions/${firstSession}/requests/${stopped.seq}`)).json;
+  await page.getByRole('button', { name: `What was sent for answer #${stopped.seq}` }).click();
+  await verdict.waitFor();
+  assert.equal(stoppedSent.verified, true);
+  assert.equal(await verdict.getAttribute('data-verified'), 'true');
+  assert.equal(await verdict.locator('code').textContent(), stoppedSent.body_sha256);
+  const stoppedShown = await inspector.locator('.ctx-msg pre').allTextContents();
+  assert.deepEqual(stoppedShown, stoppedSent.body.messages.map((m) => m.content));
+  await page.locator('#inspector-close').click();
+  await inspector.waitFor({ state: 'hidden' });
 });
 
 check('renders every transcript item kind, markdown safely, and answers permissions', async () => {

@@ -7,7 +7,8 @@ import { renderMarkdown } from './markdown.js';
 
 /** One item. `actions` (absent for a message not yet stored): `answerPermission(item,
  * decision)` answers a permission prompt; `edit(item, node)`, `branch(item)` and
- * `regenerate(item)` start a branch from a message, the last for `isLastAnswer(item)` only. */
+ * `regenerate(item)` start a branch from a message, the last for `isLastAnswer(item)` only;
+ * `showRequest(item)` opens what an answer's attempt (or a failed one's) sent (§11). */
 export function renderItem(item, actions) {
   const render = RENDERERS[item.kind] ?? renderUnknown;
   const node = render(item, actions);
@@ -26,18 +27,23 @@ function meta(item, ...parts) {
   );
 }
 
-/** The buttons under a stored message (`kind` 'user' or 'answer') that branch the
- * conversation from it. */
+/** The buttons under a stored message (`kind` 'user', 'answer' or 'failed'): those that
+ * branch the conversation from it, and for an attempt the request it sent. */
 function tools(item, actions, kind) {
   if (!actions || !(item.seq > 0)) return null;
   const tool = (text, label, run) => h('button', { type: 'button', class: 'quiet', text, 'aria-label': label, onclick: run });
+  const what = kind === 'failed' ? 'failed attempt' : 'answer';
+  const sent = tool('What was sent', `What was sent for ${what} #${item.seq}`, () => actions.showRequest(item));
   const buttons =
     kind === 'user'
       ? [tool('Edit', `Edit message #${item.seq}`, (e) => actions.edit(item, e.currentTarget.closest('.item')))]
-      : [
-          tool('Branch from here', `Branch from here: answer #${item.seq}`, () => actions.branch(item)),
-          actions.isLastAnswer(item) ? tool('Regenerate', `Regenerate answer #${item.seq}`, () => actions.regenerate(item)) : null,
-        ];
+      : kind === 'failed'
+        ? [sent]
+        : [
+            tool('Branch from here', `Branch from here: answer #${item.seq}`, () => actions.branch(item)),
+            actions.isLastAnswer(item) ? tool('Regenerate', `Regenerate answer #${item.seq}`, () => actions.regenerate(item)) : null,
+            sent,
+          ];
   return h('span', { class: 'tools' }, buttons);
 }
 
@@ -203,7 +209,7 @@ const RENDERERS = {
     return node;
   },
 
-  error(item) {
+  error(item, actions) {
     return h(
       'article',
       { class: 'item error' },
@@ -213,7 +219,7 @@ const RENDERERS = {
         h('div', { class: 'card-head' }, h('span', { class: 'label', text: 'The answer failed' }), h('code', { text: item.code ?? '' })),
         h('p', { text: item.text ?? '' }),
       ),
-      meta(item),
+      meta(item, tools(item, actions, 'failed')),
     );
   },
 };
