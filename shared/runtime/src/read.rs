@@ -703,3 +703,27 @@ pub async fn tail_through(
     }
     Ok(Some(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?))
 }
+
+/// The first checkpoint before `before` of attempt `attempt` in the owner's session's
+/// branch log that records the attempt's request (§11), if any.
+pub async fn attempt_request(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+    attempt: &str,
+    before: i64,
+) -> Result<Option<StoredEvent>, sqlx::Error> {
+    sqlx::query_as(branch_sql!(
+        "SELECT ",
+        event_columns!(),
+        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto AND e.seq < $4
+          WHERE e.kind = 'pending_state' AND e.payload ->> 'attempt_id' = $3 AND e.payload ? 'request'
+          ORDER BY e.seq LIMIT 1"
+    ))
+    .bind(id.0)
+    .bind(owner)
+    .bind(attempt)
+    .bind(before)
+    .fetch_optional(pool)
+    .await
+}

@@ -8,6 +8,7 @@ use axum::Json;
 use serde::Serialize;
 use serde_json::Value;
 use turnlog_core::audit::rebuild_from_log;
+use turnlog_core::events::{EventBody, PendingState};
 use turnlog_core::ids::SessionId;
 use turnlog_core::request_body::ResolveImage;
 use turnlog_runtime::read;
@@ -58,15 +59,23 @@ pub async fn request(
         return Err(ApiError::bad_request(format!("seq must be a positive integer, not {seq}")));
     }
     let owner = caller.as_str();
-    // Both reads go through `tail_through`, the one query that knows what a branch log is:
-    // the event at `seq` is the last of those a request sent right after it would read.
-    let event = match read::event_at(&app.pool, owner, id, seq).await? {
+    let mut event = match read::event_at(&app.pool, owner, id, seq).await? {
         Some(stored) => stored.decode().map_err(ApiError::internal)?,
         None if read::get_session(&app.pool, owner, id).await?.is_none() => {
             return Err(ApiError::session_not_found())
         }
         None => return Err(ApiError::NotFound(format!("the session has no event {seq}"))),
     };
+    // A later checkpoint of an attempt (the one the transcript shows when the attempt
+    // ended without a final one) stands for the attempt's request, which its first
+    // checkpoint recorded.
+    if let EventBody::PendingState(PendingState { request: None, attempt_id: Some(attempt), .. }) =
+        &event.body
+    {
+        if let Some(first) = read::attempt_request(&app.pool, owner, id, attempt, seq).await? {
+            event = first.decode().map_err(ApiError::internal)?;
+        }
+    }
     let Some(recorded) = event.body.recorded_request() else {
         return Err(ApiError::NotFound(format!(
             "event {seq} ({}) records no request: only an attempt's outcome (assistant_turn, \

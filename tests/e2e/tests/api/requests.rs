@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use reqwest::Method;
 use serde_json::Value;
+use turnlog_core::events::{EventBody, PendingState};
 use turnlog_core::ids::SessionId;
 use turnlog_core::request_body::sha256_hex;
 use turnlog_dev::ServiceConfigs;
@@ -154,6 +155,30 @@ async fn every_attempt_rebuilds_to_the_exact_bytes_the_model_received() {
     let checked = assert_all_rebuild_exactly(&api, &mock, &[id]).await;
     assert!(checked > TURNS);
     println!("{checked} requests rebuilt exactly across {compactions} compactions");
+
+    // A later checkpoint of an attempt (what the transcript shows of an attempt that ended
+    // without a final one) answers with the request its first checkpoint recorded.
+    let (first, _, first_request) = records.iter().find(|(_, k, _)| k == "pending_state").unwrap();
+    let attempt: String = sqlx::query_scalar(
+        "SELECT payload ->> 'attempt_id' FROM session_events WHERE session_id = $1 AND seq = $2",
+    )
+    .bind(id.0)
+    .bind(first)
+    .fetch_one(&api.env.pool)
+    .await
+    .unwrap();
+    let later = EventBody::PendingState(PendingState {
+        partial: "a later checkpoint".into(),
+        attempt_id: Some(attempt),
+        ..PendingState::default()
+    });
+    let later = api.append(id, "alice", &later).await;
+    let r = api.get(&format!("/v1/sessions/{id}/requests/{later}"), ALICE).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(
+        (&r.json["body_sha256"], &r.json["verified"]),
+        (&first_request["body_sha256"], &Value::Bool(true))
+    );
 
     // An attempt broken off mid-answer keeps its partial with its request.
     mock.faults().break_next_chats(1);
