@@ -20,6 +20,8 @@ pub enum Verdict {
         sessions: u64,
         events: u64,
         memories: u64,
+        /// Rows of the search index (DESIGN §2).
+        search: u64,
     },
     /// The first difference, in words.
     Different(String),
@@ -34,8 +36,8 @@ impl Verdict {
 impl fmt::Display for Verdict {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Verdict::Identical { sessions, events, memories } => {
-                write!(f, "identical: {sessions} sessions, {events} events, {memories} memories")
+            Verdict::Identical { sessions, events, memories, search } => {
+                write!(f, "identical: {sessions} sessions, {events} events, {memories} memories, {search} search rows")
             }
             Verdict::Different(what) => write!(f, "different: {what}"),
         }
@@ -60,7 +62,11 @@ pub async fn verify(url_a: &str, url_b: &str) -> anyhow::Result<Verdict> {
             Ok(n) => n,
             Err(d) => return Ok(Verdict::Different(d)),
         };
-        Ok(Verdict::Identical { sessions, events, memories })
+        let search = match compare::<SearchRow>(&mut a, &mut b).await? {
+            Ok(n) => n,
+            Err(d) => return Ok(Verdict::Different(d)),
+        };
+        Ok(Verdict::Identical { sessions, events, memories, search })
     }
     .await?;
     println!("{verdict}");
@@ -237,5 +243,38 @@ impl Compared for MemoryRow {
     fn first_difference(&self, other: &Self) -> Option<String> {
         first_difference!(self, other; owner, session_id, turn_seq, text, created_at);
         None
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct SearchRow {
+    session_id: Uuid,
+    seq: i64,
+    owner: String,
+    kind: String,
+    body: String,
+    created_at: DateTime<Utc>,
+}
+
+impl Compared for SearchRow {
+    const QUERY: &'static str =
+        "SELECT session_id, seq, owner, kind, body, created_at FROM search_entries ORDER BY session_id, seq";
+    type Key = SearchKey;
+    fn key(&self) -> SearchKey {
+        SearchKey(self.session_id, self.seq)
+    }
+    fn first_difference(&self, other: &Self) -> Option<String> {
+        first_difference!(self, other; owner, kind, body, created_at);
+        None
+    }
+}
+
+/// A search row by session and seq.
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+struct SearchKey(Uuid, i64);
+
+impl fmt::Display for SearchKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "search row (session {}, seq {})", self.0, self.1)
     }
 }

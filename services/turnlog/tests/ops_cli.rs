@@ -62,9 +62,10 @@ async fn dead_rebuild_verify_and_replay_from_the_command_line() {
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("not empty"));
 
+    rig.env.search_caught_up().await;
     let same = turnlog(&rig, &["verify", &rig.env.database_url, &target]).await;
     assert_eq!(same.status.code(), Some(0));
-    assert_eq!(stdout(&same).trim(), "identical: 2 sessions, 5 events, 0 memories");
+    assert_eq!(stdout(&same).trim(), "identical: 2 sessions, 5 events, 0 memories, 3 search rows");
     let pool = turnlog_runtime::db::connect(&target, 1).await.unwrap();
     sqlx::query("UPDATE sessions SET title = 'edited' WHERE id = $1").bind(s.0).execute(&pool).await.unwrap();
     pool.close().await;

@@ -9,6 +9,7 @@ mod apply;
 mod bulk;
 mod gin;
 mod rebuild;
+mod search;
 mod store;
 
 use std::collections::HashMap;
@@ -177,8 +178,11 @@ async fn serve_partition(
     // behind the publisher, so that other sessions' replies do not wait for a removal.
     let (to_purger, from_publisher) = tokio::sync::mpsc::channel(PURGE_QUEUE);
     let purger = tokio::spawn(purger(pool.clone(), bus.clone(), from_publisher));
+    // The search index follows the feed, in its own transactions (search::indexer).
+    let (to_indexer, from_publisher) = tokio::sync::mpsc::channel(INDEX_QUEUE);
+    let indexer = tokio::spawn(search::indexer(pool.clone(), p, bus.partitions, applied, from_publisher));
     let (to_publisher, from_writer) = tokio::sync::mpsc::channel(8);
-    let publisher = tokio::spawn(publisher(pool.clone(), bus.clone(), p, from_writer, to_purger));
+    let publisher = tokio::spawn(publisher(pool.clone(), bus.clone(), p, from_writer, to_purger, to_indexer));
     let result = apply_loop(
         p,
         pool,
@@ -199,7 +203,8 @@ async fn serve_partition(
     // handed to it (any it misses are recorded, and done by the next writer first).
     let published = publisher.await.context("publisher panicked")?;
     let purged = purger.await.context("purger panicked")?;
-    result.and(published).and(purged)
+    let indexed = indexer.await.context("search indexer panicked")?;
+    result.and(published).and(purged).and(indexed)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -267,6 +272,8 @@ async fn apply_loop(
     }
 }
 
+/// Committed groups waiting to be indexed for search (a full queue holds the publisher back).
+const INDEX_QUEUE: usize = 256;
 /// Deleted sessions waiting for their messages to be removed (a full queue holds the
 /// publisher back).
 const PURGE_QUEUE: usize = 1024;
@@ -297,6 +304,7 @@ async fn publisher(
     partition: i32,
     mut from_writer: tokio::sync::mpsc::Receiver<Committed>,
     to_purger: tokio::sync::mpsc::Sender<DeleteDone>,
+    to_indexer: tokio::sync::mpsc::Sender<search::Committed>,
 ) -> anyhow::Result<()> {
     let mut unmarked: Option<i64> = None;
     let mut batches_unmarked = 0;
@@ -317,6 +325,8 @@ async fn publisher(
             "events published"
         );
         let Some(last_stream_seq) = group.last().map(|c| c.last_stream_seq) else { continue };
+        let indexing = search::Committed::of(group.iter().flat_map(|c| c.events.iter()), last_stream_seq);
+        to_indexer.send(indexing).await.context("search indexer stopped")?;
         batches_unmarked += group.len();
         for committed in group {
             if committed.purges.is_empty() {

@@ -313,7 +313,8 @@ async fn write_effects(
 }
 
 /// A delete batch (DESIGN §10): each removal's rows go — wholly, or above what forks still
-/// inherit, with the memories of the events that go, the session kept hidden — a pending
+/// inherit, with the memories and search rows of the events that go, the session kept
+/// hidden — a pending
 /// purge up to the delete's own APPEND sequence is recorded for each, and the delete's own
 /// outcome is kept so a resent delete is answered.
 async fn write_delete(
@@ -330,6 +331,12 @@ async fn write_delete(
     let mut tx = conn.begin().await?;
     // The writer's connection keeps generic plans; this one is planned for its sessions.
     sqlx::query("SET LOCAL plan_cache_mode = force_custom_plan").execute(&mut *tx).await?;
+    // After any index write of the partition under way, so none leaves rows behind.
+    sqlx::query("SELECT pg_advisory_xact_lock($1, $2)")
+        .bind(crate::search::LOCK_CLASS)
+        .bind(partition)
+        .execute(&mut *tx)
+        .await?;
     let moved = run_delete(&mut tx, &STATEMENT, (partition, expected), fx, &fx.outcomes).await?;
     if moved != 1 {
         return Err(StoreError::Fenced { partition, expected });
@@ -357,6 +364,9 @@ pub(crate) fn delete_statement(pos: &str) -> String {
          ), e AS (
              DELETE FROM session_events ev USING r
               WHERE ev.session_id = r.id AND ev.seq > coalesce(r.kept, 0) AND EXISTS (SELECT 1 FROM pos)
+         ), sx AS (
+             DELETE FROM search_entries se USING r
+              WHERE se.session_id = r.id AND se.seq > coalesce(r.kept, 0) AND EXISTS (SELECT 1 FROM pos)
          ), s AS (
              DELETE FROM sessions WHERE id IN (SELECT id FROM r WHERE kept IS NULL) AND EXISTS (SELECT 1 FROM pos)
          ), h AS (

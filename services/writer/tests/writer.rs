@@ -530,21 +530,19 @@ async fn a_second_writer_stands_by_and_takes_over() {
     h.stop().await;
 }
 
-/// New user messages wait in the full-text index's pending list; the writer merges it
-/// from the side within a second or so, instead of leaving it to grow to 4 MB and be
-/// merged inside some commit.
+/// New user messages, indexed for search off the commit path, wait in the full-text
+/// index's pending list; the writer merges it from the side within a second or so, instead
+/// of leaving it to grow to 4 MB and be merged inside some index write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_writer_merges_full_text_pending_lists_outside_its_commits() {
     let h = Harness::start().await;
     let pool = &h.env.pool;
     sqlx::query("CREATE EXTENSION IF NOT EXISTS pgstattuple").execute(pool).await.unwrap();
     let pending_pages = || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT pending_pages::int8 FROM pgstatginindex('session_events_user_text_fts')",
-        )
-        .fetch_one(pool)
-        .await
-        .unwrap()
+        sqlx::query_scalar::<_, i64>("SELECT pending_pages::int8 FROM pgstatginindex('search_entries_fts')")
+            .fetch_one(pool)
+            .await
+            .unwrap()
     };
     let s = h.create("alice").await;
     let requests: Vec<AppendRequest> = (0..300)
@@ -558,7 +556,10 @@ async fn the_writer_merges_full_text_pending_lists_outside_its_commits() {
         assert_eq!(o.status, OutcomeStatus::Committed);
     }
     // 300 messages are a few pages of entries; without the merge they would stay pending.
-    eventually(WAIT, || async { (pending_pages().await == 0).then_some(()) }).await;
+    let indexed = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM search_entries").fetch_one(pool).await.unwrap()
+    };
+    eventually(WAIT, || async { (indexed().await == 300 && pending_pages().await == 0).then_some(()) }).await;
     let query = ListQuery { limit: 10, q: Some("Lisbon".into()), archived: false, before: None };
     let (found, _) = read::list_sessions(pool, "alice", &query).await.unwrap();
     assert_eq!(found.iter().map(|f| f.id).collect::<Vec<_>>(), vec![s]);

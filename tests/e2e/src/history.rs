@@ -362,12 +362,20 @@ pub async fn applied_through(pool: &sqlx::PgPool, seq: u64, wait: std::time::Dur
         .fetch_one(pool)
         .await
         .expect("positions");
-        if applied >= seq && purges == 0 {
+        let indexed: bool = sqlx::query_scalar(
+            "SELECT NOT EXISTS (SELECT 1 FROM writer_positions w
+                                  LEFT JOIN search_positions s ON s.partition = w.partition
+                                 WHERE coalesce(s.stream_seq, 0) < w.stream_seq)",
+        )
+        .fetch_one(pool)
+        .await
+        .expect("search positions");
+        if applied >= seq && purges == 0 && indexed {
             return;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "the writer did not apply the history within {wait:?}"
+            "the writer did not apply (and index) the history within {wait:?}"
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }

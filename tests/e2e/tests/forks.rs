@@ -380,6 +380,7 @@ async fn purged(api: &Api) {
 
 /// A rebuild of a fresh database from the APPEND stream is identical to the live one.
 async fn rebuilt_identical(api: &Api) {
+    api.env.search_caught_up().await;
     let target = api.env.extra_database().await;
     turnlog_ops::rebuild(&target, &api.bus, false).await.expect("rebuild");
     let verdict = turnlog_ops::verify(&api.env.database_url, &target).await.expect("verify");

@@ -129,6 +129,24 @@ impl TestEnv {
         }
     }
 
+    /// Waits until the search index has caught up with every partition's applied position
+    /// (it trails the log by a fraction of a second): before comparing the database with a
+    /// rebuild, which indexes everything.
+    pub async fn search_caught_up(&self) {
+        crate::eventually(std::time::Duration::from_secs(30), || async {
+            let behind: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM writer_positions w
+                   LEFT JOIN search_positions s ON s.partition = w.partition
+                  WHERE coalesce(s.stream_seq, 0) < w.stream_seq",
+            )
+            .fetch_one(&self.pool)
+            .await
+            .ok()?;
+            (behind == 0).then_some(())
+        })
+        .await;
+    }
+
     /// DATABASE_URL, NATS_URL and TURNLOG_BUS_PREFIX for a child process.
     pub fn env_vars(&self) -> Vec<(String, String)> {
         vec![

@@ -8,6 +8,7 @@ pub mod memories;
 pub mod ops;
 pub mod permissions;
 pub mod requests;
+pub mod search;
 pub mod sessions;
 pub mod turns;
 
@@ -33,6 +34,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(turns::retry))
         .routes(routes!(turns::reattach))
         .routes(routes!(permissions::resolve))
+        .routes(routes!(search::search))
         .routes(routes!(memories::recall))
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))

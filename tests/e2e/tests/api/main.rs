@@ -13,6 +13,7 @@ mod owners;
 mod paging;
 mod reads;
 mod requests;
+mod search;
 mod sessions;
 mod sizes;
 mod transcript;

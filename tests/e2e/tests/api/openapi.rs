@@ -24,6 +24,7 @@ const SERVED: &[(&str, &str)] = &[
     ("post", "/v1/sessions/{id}/stop"),
     ("post", "/v1/sessions/{id}/retry"),
     ("get", "/v1/sessions/{id}/stream"),
+    ("get", "/v1/search"),
     ("get", "/v1/memories"),
     ("get", "/healthz"),
     ("get", "/readyz"),

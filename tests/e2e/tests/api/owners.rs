@@ -53,7 +53,8 @@ async fn owners_cannot_see_or_touch_each_others_sessions() {
     }
     assert_eq!(api.written().await, before, "Bob's attempts wrote something");
 
-    // Lists and searches.
+    // Lists and searches (once the search index has caught up with the log).
+    api.env.search_caught_up().await;
     for path in ["/v1/sessions", "/v1/sessions?q=alpha", "/v1/sessions?q=zebra", "/v1/sessions?archived=true"]
     {
         let r = api.get(path, BOB).await;

@@ -103,5 +103,6 @@ async fn half_a_cursor_is_400_and_archived_sessions_page_separately() {
     assert_eq!(listed(&archived), vec![ids[2].to_string()]);
     assert!(archived.json["next"].is_null());
     // Search spans archived sessions too.
+    api.env.search_caught_up().await;
     assert_eq!(listed(&api.get("/v1/sessions?q=needle", ALICE).await), vec![ids[2].to_string()]);
 }

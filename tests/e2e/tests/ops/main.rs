@@ -57,7 +57,12 @@ async fn a_rebuild_from_the_append_stream_reproduces_the_live_database() {
     let verdict = turnlog_ops::verify(&rig.env.database_url, &target).await.expect("verify");
     assert_eq!(
         verdict,
-        Verdict::Identical { sessions: 50, events: events as u64, memories: memories(live).await }
+        Verdict::Identical {
+            sessions: 50,
+            events: events as u64,
+            memories: memories(live).await,
+            search: count(live, "SELECT count(*) FROM search_entries").await as u64,
+        }
     );
     // Outcomes, rejected ones included, are recorded as the live writer recorded them —
     // except the delete's own, whose request went with the session's purge.
