@@ -272,6 +272,50 @@ async fn raw_ceiling(env: &TestEnv, sessions: &[SessionId], total: usize) -> any
     Ok(total as f64 / start.elapsed().as_secs_f64())
 }
 
+/// Every 50 ms until `stop`: a message appended to `probe` (acknowledged as committed),
+/// then the time until the search index has it, polled every 5 ms.
+async fn search_lags(
+    bus: Bus,
+    pool: sqlx::PgPool,
+    probe: SessionId,
+    stop: CancellationToken,
+) -> anyhow::Result<Vec<Duration>> {
+    let mut lags = Vec::new();
+    let mut i = 0;
+    while !stop.is_cancelled() {
+        i += 1;
+        let req = AppendRequest::append(probe, OWNER, Uuid::now_v7(), &message(i));
+        let outcome = append_and_wait(&bus, &pool, &req, Duration::from_secs(30)).await?;
+        let seq = outcome.seq.context("probe not committed")?;
+        let committed = Instant::now();
+        loop {
+            let found: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM search_entries WHERE session_id = $1 AND seq = $2)",
+            )
+            .bind(probe.0)
+            .bind(seq)
+            .fetch_one(&pool)
+            .await?;
+            if found {
+                break;
+            }
+            anyhow::ensure!(committed.elapsed() < Duration::from_secs(60), "probe {seq} never indexed");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        lags.push(committed.elapsed());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(lags)
+}
+
+/// The `q` quantile of `samples`, in milliseconds (0 when there are none).
+fn percentile_ms(samples: &[Duration], q: f64) -> f64 {
+    let mut sorted: Vec<Duration> = samples.to_vec();
+    sorted.sort_unstable();
+    let Some(last) = sorted.len().checked_sub(1) else { return 0.0 };
+    sorted[((last as f64) * q).round() as usize].as_secs_f64() * 1e3
+}
+
 pub async fn run() -> anyhow::Result<()> {
     turnlog_core::tokens::warm_up();
     let mut rig = Rig::new().await?;
@@ -292,7 +336,19 @@ pub async fn run() -> anyhow::Result<()> {
     let s256 = rig.sessions(256).await?;
     let total = 40_000;
     let e1 = end_to_end(&rig, &s1, total / 2).await?;
+    // Under the full load, how long a committed message takes to become searchable.
+    let probe = rig.sessions(1).await?[0];
+    let loaded = CancellationToken::new();
+    let lags = tokio::spawn(search_lags(rig.bus.clone(), rig.env.pool.clone(), probe, loaded.clone()));
     let e16 = end_to_end(&rig, &s16, total).await?;
+    loaded.cancel();
+    let lags = lags.await??;
+    let lag_p99 = percentile_ms(&lags, 0.99);
+    println!(
+        "search lag under that load (commit acknowledged → row in search_entries), {} probes: p50 {:.0} ms, p99 {lag_p99:.0} ms",
+        lags.len(),
+        percentile_ms(&lags, 0.5)
+    );
     let e256 = end_to_end(&rig, &s256, total).await?;
     println!(
         "end to end (pipelined producers: up to 16, {WINDOW} requests in flight each, replies counted on one \
@@ -309,7 +365,7 @@ pub async fn run() -> anyhow::Result<()> {
     println!("raw ceiling (array inserts of 500, one connection): {raw:.0}/s");
     println!("end to end vs baseline: {:.1}x", e16 / base);
     println!(
-        "RESULT writer events_per_s={:.0} events_per_s_1={:.0} events_per_s_256={:.0} drain_per_s={:.0} baseline_per_s={:.0} raw_ceiling_per_s={:.0} p50_ms={:.2} p99_ms={:.2} durable={durable}",
+        "RESULT writer events_per_s={:.0} events_per_s_1={:.0} events_per_s_256={:.0} drain_per_s={:.0} baseline_per_s={:.0} raw_ceiling_per_s={:.0} p50_ms={:.2} p99_ms={:.2} durable={durable} search_lag_p99_ms={lag_p99:.0}",
         e16, e1, e256, drained, base, raw, p50, p99
     );
     rig.env.cleanup().await;
