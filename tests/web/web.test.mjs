@@ -671,22 +671,161 @@ check('pages through 120 sessions with the cursor as the list scrolls', async ()
   await shot('list-end');
 });
 
-check('search finds sessions by message text and by title', async () => {
+/** The hits the search box shows: `{session, kind, seq}` of each, in order. */
+function shownHits() {
+  return page.locator('#hit-list li.hit').evaluateAll((rows) =>
+    rows.map((r) => ({ session: r.dataset.session, kind: r.dataset.kind, seq: r.dataset.seq ? Number(r.dataset.seq) : null })),
+  );
+}
+
+/** The API's hits for `q`, every page, as shownHits gives them. */
+async function searchHits(q) {
+  const hits = [];
+  for (let cursor = null; ; ) {
+    const r = await api('GET', `/v1/search?q=${encodeURIComponent(q)}&limit=100${cursor ? `&cursor=${cursor}` : ''}`);
+    assert.equal(r.status, 200, JSON.stringify(r.json));
+    hits.push(...r.json.hits.map((h) => ({ session: h.session_id, kind: h.kind, seq: h.seq })));
+    cursor = r.json.next;
+    if (!cursor) return hits;
+  }
+}
+
+/** Polls the search until `q` has hits that `ready(hits)` accepts: the index trails the log. */
+async function waitForIndex(q, ready) {
+  const deadline = Date.now() + WAIT;
+  for (;;) {
+    const hits = await searchHits(q);
+    if (ready(hits)) return hits;
+    assert.ok(Date.now() < deadline, `the search index never had what was wanted for ${q}: ${JSON.stringify(hits)}`);
+    await page.waitForTimeout(100);
+  }
+}
+
+check('search shows hits from messages and titles, and a title hit opens its session', async () => {
   const search = page.locator('#search');
+  await page.goto(`${server.base}/#/`);
+  await sessionRows().first().waitFor();
+  const listed = await sessionRows().count();
   await page.locator('body').press('/');
   assert.equal(await page.evaluate(() => document.activeElement?.id), 'search');
+  // The first session, renamed "Zebrafish facts", matches by its title and its first message.
+  const expected = await waitForIndex('zebrafish', (hits) => hits.some((h) => h.kind === 'user'));
+  assert.deepEqual(new Set(expected.map((h) => h.session)), new Set([firstSession]));
+  assert.deepEqual(expected.map((h) => h.kind).sort(), ['title', 'user']);
   await search.fill('zebrafish');
-  await page.waitForFunction(() => document.querySelectorAll('#session-list li.session').length === 1);
-  assert.equal(await sessionRows().first().getAttribute('data-id'), firstSession);
+  await page.waitForFunction((n) => document.querySelectorAll('#hit-list li.hit').length === n, expected.length);
+  assert.deepEqual(await shownHits(), expected);
+  assert.equal(await sessionRows().first().isVisible(), false, 'the session list shows beside the hits');
+  const title = page.locator('#hit-list li.hit[data-kind=title]');
+  assert.equal(await title.locator('.title').textContent(), 'Zebrafish facts');
+  assert.deepEqual(await title.locator('.title mark').allTextContents(), ['Zebrafish']);
+  assert.equal(await title.locator('.badge').textContent(), 'title');
+  const message = page.locator('#hit-list li.hit[data-kind=user]');
+  assert.equal(await message.locator('.title').textContent(), 'Zebrafish facts');
+  assert.equal(await message.locator('.badge').textContent(), 'your message');
+  assert.deepEqual(await message.locator('.snippet mark').allTextContents(), ['zebrafish']);
+  assert.match(await message.locator('.snippet').textContent(), /^Hello zebrafish, tell me about Oslo/);
+  assert.equal(await message.locator('time').count(), 1);
   await shot('search');
+
+  // Every word must match; a title hit opens its session (scrolled to its end as usual).
   await search.fill('Paged 077');
   await page.waitForFunction(
-    () => [...document.querySelectorAll('#session-list .title')].map((t) => t.textContent).join() === 'Paged 077',
+    () => [...document.querySelectorAll('#hit-list .title')].map((t) => t.textContent).join() === 'Paged 077',
   );
+  const paged = page.locator('#hit-list li.hit');
+  assert.equal(await paged.getAttribute('data-kind'), 'title');
+  assert.deepEqual(await paged.locator('.title mark').allTextContents(), ['Paged', '077']);
+  await paged.locator('a').press('Enter'); // reachable by keyboard
+  await page.locator('#chat-title', { hasText: 'Paged 077' }).waitFor();
+  assert.equal(await page.locator('#transcript .item.found').count(), 0);
+
   await search.fill('nothing-like-this-anywhere');
-  await page.locator('#list-status', { hasText: 'No session matches' }).waitFor();
+  await page.locator('#search-status', { hasText: 'Nothing matches.' }).waitFor();
+  assert.equal(await page.locator('#hit-list li').count(), 0);
+  // An empty box shows the session list again, as it was.
   await search.fill('');
-  await page.waitForFunction(() => document.querySelectorAll('#session-list li.session').length === 30);
+  await sessionRows().first().waitFor();
+  assert.equal(await sessionRows().count(), listed);
+  assert.equal(await page.locator('#search-results').isVisible(), false);
+});
+
+check('a search hit opens its session at the message found, loading earlier pages, highlighted', async () => {
+  await page.setViewportSize({ width: 1280, height: 800 });
+  const id = (await api('POST', '/v1/sessions', { title: 'Far back' })).json.id;
+  const early = `Early quokkaphant notes: <script>window.__searchPwned = 1</script> <b>not bold</b> &amp; & "quoted" it's [mock words=3]`;
+  await turnVia(id, early);
+  const turns = 30; // 62 items: the message found is not on the newest page of 50
+  for (let i = 1; i <= turns; i++) await turnVia(id, `Walruses ${i} [mock words=3]`);
+  const whole = await stored(id);
+  const target = whole.items.find((i) => i.kind === 'user' && i.text === early).seq;
+  assert.ok(!whole.items.slice(-50).some((i) => i.seq === target), 'the message is on the newest page');
+  await waitForIndex('quokkaphant', (hits) => hits.some((h) => h.seq === target));
+
+  // Paging: "More results" follows the cursor until every hit is shown, in the API's order.
+  const walruses = await waitForIndex('walruses', (hits) => hits.filter((h) => h.session === id).length === turns);
+  assert.equal(walruses.length, turns);
+  await page.goto(`${server.base}/#/`);
+  await sessionRows().first().waitFor();
+  const search = page.locator('#search');
+  const more = page.getByRole('button', { name: 'More results' });
+  await search.fill('walruses');
+  await more.waitFor();
+  assert.equal(await page.locator('#hit-list li.hit').count(), 20);
+  await more.click();
+  await page.waitForFunction((n) => document.querySelectorAll('#hit-list li.hit').length === n, turns);
+  assert.equal(await more.isVisible(), false);
+  assert.deepEqual(await shownHits(), walruses);
+
+  // The snippet marks the word; the message's markup is text, not elements.
+  const sessionLoads = [];
+  const onRequest = (r) => {
+    const u = new URL(r.url());
+    if (u.pathname === `/v1/sessions/${id}`) sessionLoads.push(u.search);
+  };
+  page.on('request', onRequest);
+  await search.fill('quokkaphant');
+  const hit = page.locator(`#hit-list li.hit[data-seq="${target}"]`);
+  await hit.waitFor();
+  assert.deepEqual(await shownHits(), [{ session: id, kind: 'user', seq: target }]);
+  assert.equal(await hit.locator('.title').textContent(), 'Far back');
+  assert.equal(await hit.locator('.badge').textContent(), 'your message');
+  assert.deepEqual(await hit.locator('.snippet mark').allTextContents(), ['quokkaphant']);
+  const snippet = await hit.locator('.snippet').textContent();
+  assert.ok(
+    snippet.startsWith(`Early quokkaphant notes: <script>window.__searchPwned = 1</script> <b>not bold</b> &amp; & "quoted" it's`),
+    `the snippet is not the message's text: ${snippet}`,
+  );
+  assert.equal(await hit.locator('.snippet *').count(), 1, 'an element besides the mark');
+  assert.equal(await page.locator('#search-results script, #search-results b').count(), 0);
+  assert.equal(await page.evaluate(() => window.__searchPwned), undefined);
+  await shot('search-hits');
+
+  // Opening it loads down to the message, scrolls it into view and highlights it a moment.
+  await hit.locator('a').click();
+  await page.waitForURL((u) => u.hash === `#/s/${id}`);
+  const found = page.locator(`#transcript article.item.found[data-seq="${target}"]`);
+  await found.waitFor();
+  assert.ok(sessionLoads.some((q) => q.includes('before=')), `no earlier page was loaded: ${sessionLoads}`);
+  page.off('request', onRequest);
+  assert.equal(await page.locator('#transcript .item.found').count(), 1);
+  assert.equal(await found.locator('.text').textContent(), early);
+  const inView = await found.evaluate((node) => {
+    const t = document.querySelector('#transcript').getBoundingClientRect();
+    const r = node.getBoundingClientRect();
+    return r.top >= t.top && r.bottom <= t.bottom;
+  });
+  assert.ok(inView, 'the message found is not in view');
+  assert.equal(await page.evaluate(() => document.activeElement?.dataset.seq), String(target), 'focus is not on the message');
+  await shot('search-opened');
+  await found.waitFor({ state: 'detached' }); // the highlight fades and its class goes
+  assert.equal(await page.locator(`#transcript article.item[data-seq="${target}"]`).isVisible(), true);
+
+  // A hit in the session already open scrolls there again.
+  await page.locator('#transcript').evaluate((t) => (t.scrollTop = t.scrollHeight));
+  await hit.locator('a').click();
+  await found.waitFor();
+  await search.fill('');
 });
 
 check('a phone-sized window shows one pane at a time', async () => {

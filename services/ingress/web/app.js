@@ -1,17 +1,18 @@
-// turnlog's web client: the session list, a transcript of every item kind (a page at a
-// time, older ones as it scrolls up), a composer that streams turns (and picks a running
-// turn up again after a reload), branches (DESIGN §10: branch, edit, regenerate, and a
-// switcher where branches part), and a context inspector (the next request, or what an
-// answer was sent, §11). Plain DOM, no framework; text from messages reaches the page only
-// as text.
+// turnlog's web client: the session list, search (hits with their matched words, opening
+// the session at the message found), a transcript of every item kind (a page at a time,
+// older ones as it scrolls up), a composer that streams turns (and picks a running turn up
+// again after a reload), branches (DESIGN §10: branch, edit, regenerate, and a switcher
+// where branches part), and a context inspector (the next request, or what an answer was
+// sent, §11). Plain DOM, no framework; text from messages reaches the page only as text.
 
 import { api, ApiError, setupTokenDialog } from './api.js';
-import { $, ask, fmt, h, sleep, time, toast } from './dom.js';
+import { $, ask, fmt, h, marked, sleep, time, toast } from './dom.js';
 import { renderMarkdown } from './markdown.js';
 import { readEvents } from './sse.js';
 import { liveView, renderItem } from './transcript.js';
 
 const PAGE_SIZE = 30;
+const HITS_PAGE = 20;
 // Transcript items per request; older ones load as the transcript scrolls up.
 const TRANSCRIPT_PAGE = 50;
 // The turn being streamed, kept per tab so a reload continues after its last event.
@@ -33,7 +34,8 @@ const state = {
    * none left); `forks` are its branches; `parent`, for a branch, is `{session, forks}` of
    * the session it branched from (null when that is gone, undefined when not loaded). */
   current: null,
-  /** Where the next session opened keeps a message on screen: {id, seq, top}. */
+  /** Where the next session opened keeps a message on screen: {id, seq, top}; without
+   * `top`, a search hit's message, shown and highlighted. */
   anchor: null,
   /** Older items are on their way. */
   loadingEarlier: false,
@@ -48,7 +50,9 @@ const state = {
   inspecting: null,
 };
 
-const list = { sessions: [], next: null, done: false, loading: false, gen: 0, q: '', archived: false };
+const list = { sessions: [], next: null, done: false, loading: false, gen: 0, archived: false };
+/** The search shown instead of the list while the search box holds words. */
+const search = { q: '', next: null, gen: 0 };
 
 function showPane(pane) {
   document.body.dataset.pane = pane;
@@ -81,8 +85,7 @@ async function loadMore() {
   $('#list-status').textContent = 'Loading…';
   $('#load-more').hidden = true;
   const params = new URLSearchParams({ limit: String(PAGE_SIZE) });
-  if (list.q) params.set('q', list.q);
-  else if (list.archived) params.set('archived', 'true');
+  if (list.archived) params.set('archived', 'true');
   if (list.next) {
     params.set('before', list.next.before);
     params.set('before_id', list.next.before_id);
@@ -115,13 +118,14 @@ async function loadMore() {
 function showListStatus() {
   const n = list.sessions.length;
   let text = '';
-  if (!n && list.done) text = list.q ? 'No session matches.' : list.archived ? 'No archived sessions.' : 'No sessions yet.';
+  if (!n && list.done) text = list.archived ? 'No archived sessions.' : 'No sessions yet.';
   else if (list.done && n > PAGE_SIZE) text = `All ${fmt(n)} sessions shown.`;
   $('#list-status').textContent = text;
 }
 
 /** Loads the next page when the end of the list is in view (also when a page did not fill it). */
 function maybeLoadMore() {
+  if (search.q) return; // the list is hidden behind the search's hits
   const scroller = $('#session-scroll');
   if (scroller.scrollTop + scroller.clientHeight >= scroller.scrollHeight - 200) loadMore();
 }
@@ -152,7 +156,7 @@ function sessionRow(s) {
 function updateListRow(session, { toTop = false } = {}) {
   const ul = $('#session-list');
   const old = ul.querySelector(`li[data-id="${session.id}"]`);
-  const belongs = list.q ? !!old : session.archived === list.archived;
+  const belongs = session.archived === list.archived;
   list.sessions = list.sessions.filter((s) => s.id !== session.id);
   if (!belongs) {
     old?.remove();
@@ -182,12 +186,9 @@ function setupList() {
   let debounce = 0;
   $('#search').addEventListener('input', (e) => {
     clearTimeout(debounce);
-    debounce = setTimeout(() => {
-      list.q = e.target.value.trim();
-      document.body.classList.toggle('searching', !!list.q);
-      reloadList();
-    }, 250);
+    debounce = setTimeout(() => startSearch(e.target.value.trim()), 250);
   });
+  $('#more-hits').addEventListener('click', loadHits);
   for (const tab of document.querySelectorAll('[data-archived]')) {
     tab.addEventListener('click', () => {
       list.archived = tab.dataset.archived === 'true';
@@ -200,6 +201,102 @@ function setupList() {
   $('#session-scroll').addEventListener('scroll', maybeLoadMore, { passive: true });
   $('#load-more').addEventListener('click', loadMore);
   window.addEventListener('resize', maybeLoadMore);
+}
+
+// ---------------------------------------------------------------------------------------
+// Search (DESIGN §2): the owner's messages, answers and titles, best first, a page at a
+// time. The index trails the log by about a second.
+
+const HIT_KINDS = { user: 'your message', assistant: 'answer', title: 'title' };
+
+/** Shows the hits for `q` in place of the session list; blank shows the list again. */
+function startSearch(q) {
+  search.gen++;
+  search.q = q;
+  search.next = null;
+  document.body.classList.toggle('searching', !!q);
+  $('#session-scroll').scrollTop = 0;
+  $('#hit-list').replaceChildren();
+  $('#more-hits').hidden = true;
+  $('#search-status').textContent = '';
+  if (q) loadHits();
+  else maybeLoadMore();
+}
+
+async function loadHits() {
+  const gen = search.gen;
+  const params = new URLSearchParams({ q: search.q, limit: String(HITS_PAGE) });
+  if (search.next) params.set('cursor', search.next);
+  $('#more-hits').hidden = true;
+  $('#search-status').textContent = 'Searching…';
+  let page;
+  try {
+    page = await api(`/v1/search?${params}`);
+  } catch (e) {
+    if (gen !== search.gen) return;
+    $('#search-status').textContent = `Could not search: ${e.message}`;
+    $('#more-hits').hidden = !search.next;
+    return;
+  }
+  if (gen !== search.gen) return; // the words changed while this page was on its way
+  $('#hit-list').append(...page.hits.map(hitRow));
+  search.next = page.next;
+  $('#more-hits').hidden = !page.next;
+  $('#search-status').textContent = $('#hit-list').childElementCount ? '' : 'Nothing matches.';
+}
+
+/** A hit: its session, what matched and when, and the matched words marked. A title hit
+ * shows the title marked. */
+function hitRow(hit) {
+  const title = hit.kind === 'title' ? marked(hit.snippet) : hit.session_title || 'Untitled';
+  return h(
+    'li',
+    { class: 'hit', dataset: { kind: hit.kind, session: hit.session_id, ...(hit.seq !== null && { seq: hit.seq }) } },
+    h(
+      'a',
+      { href: `#/s/${hit.session_id}`, onclick: (e) => openHit(e, hit) },
+      h('span', { class: 'title' }, title),
+      h('span', { class: 'sub' }, h('span', { class: 'badge', text: HIT_KINDS[hit.kind] ?? hit.kind }), time(hit.created_at)),
+      hit.kind === 'title' ? null : h('span', { class: 'snippet' }, marked(hit.snippet)),
+    ),
+  );
+}
+
+/** Opens a hit's session, at its message (loaded and highlighted) unless it is a title. */
+function openHit(e, hit) {
+  if (e.button || e.metaKey || e.ctrlKey || e.shiftKey || e.altKey) return; // a new tab
+  e.preventDefault();
+  const id = hit.session_id;
+  state.anchor = hit.seq === null ? null : { id, seq: hit.seq };
+  if (location.hash !== `#/s/${id}`) {
+    location.hash = `#/s/${id}`; // the route opens it at the anchor
+    return;
+  }
+  showPane('chat');
+  const anchor = state.anchor;
+  if (!anchor) return;
+  if (state.current?.id === id && reveal(anchor.seq)) state.anchor = null;
+  else openSession(id); // its message is not loaded yet
+}
+
+/** Scrolls the message at `seq` to the transcript's middle and highlights it briefly (the
+ * class's animation fades); false when it is not shown. */
+function reveal(seq) {
+  const node = $(`#transcript > [data-seq="${seq}"]`);
+  if (!node) return false;
+  node.scrollIntoView({ block: 'center' });
+  node.classList.remove('found');
+  void node.offsetWidth; // starts the fade again on a message highlighted already
+  node.classList.add('found');
+  node.addEventListener('animationend', function fade(e) {
+    if (e.target !== node) return;
+    node.classList.remove('found');
+    node.removeEventListener('animationend', fade);
+  });
+  // Keyboard and screen reader users continue from the message found.
+  node.tabIndex = -1;
+  node.focus({ preventScroll: true });
+  return true;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -253,9 +350,11 @@ async function openSession(id) {
   }
   if (opening !== state.opening) return;
   showDetail(detail);
-  if (anchor) keepOnScreen(anchor);
   if (detail.turn_active) attach(id, snapshotFor(id, detail.items));
   else clearSnapshot();
+  // After attach, whose live answer redraws the transcript.
+  if (anchor?.top !== undefined) keepOnScreen(anchor);
+  else if (anchor) reveal(anchor.seq);
   if (state.inspectorOpen) loadInspector();
 }
 
@@ -1264,6 +1363,7 @@ function setupKeys() {
 function init() {
   setupTokenDialog(() => {
     reloadList();
+    startSearch(search.q);
     if (state.current?.id) openSession(state.current.id);
   });
   setupList();

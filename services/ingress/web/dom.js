@@ -1,5 +1,6 @@
 // Small DOM helpers shared by the client's modules: building elements (text is always set
-// as text), times and numbers for people, a toast for news and errors, and a modal question.
+// as text), a search snippet's marked words, times and numbers for people, a toast for news
+// and errors, and a modal question.
 
 export const $ = (selector) => document.querySelector(selector);
 
@@ -16,6 +17,24 @@ export function h(tag, props = {}, ...children) {
   }
   node.append(...children.flat(Infinity).filter((c) => c !== null && c !== undefined && c !== false));
   return node;
+}
+
+const ENTITIES = { '&amp;': '&', '&lt;': '<', '&gt;': '>', '&quot;': '"', '&#39;': "'" };
+
+/** A search snippet (HTML-escaped text whose matched words are in `<mark>…</mark>`, and no
+ * other markup) as text and `mark` elements. It is split on those exact tokens and its
+ * entities decoded in one pass, so no text of a message is ever parsed as HTML. */
+export function marked(snippet) {
+  let inMark = false;
+  const nodes = [];
+  for (const part of snippet.split(/(<mark>|<\/mark>)/)) {
+    if (part === '<mark>' || part === '</mark>') inMark = part === '<mark>';
+    else if (part) {
+      const text = part.replace(/&(?:amp|lt|gt|quot|#39);/g, (entity) => ENTITIES[entity]);
+      nodes.push(inMark ? h('mark', { text }) : text);
+    }
+  }
+  return nodes;
 }
 
 const numberFormat = new Intl.NumberFormat();
