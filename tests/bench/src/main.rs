@@ -8,6 +8,7 @@ mod ingress;
 mod rebuild;
 mod soak;
 mod system;
+mod tokenizer;
 mod writer;
 
 fn main() -> anyhow::Result<()> {
@@ -17,13 +18,14 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("context") => context::run(),
+        Some("tokenizer") => tokenizer::run(&args[1..]),
         Some("writer") => runtime()?.block_on(writer::run()),
         Some("rebuild") => runtime()?.block_on(rebuild::run()),
         Some("ingress") => runtime()?.block_on(ingress::run()),
         Some("cache") => runtime()?.block_on(cache::run()),
         Some("soak") => runtime()?.block_on(soak::run(&args[1..])),
         other => {
-            eprintln!("usage: turnlog-bench <context|writer|ingress|cache>  (got {other:?})");
+            eprintln!("usage: turnlog-bench <context|tokenizer|writer|ingress|cache>  (got {other:?})");
             std::process::exit(2);
         }
     }
