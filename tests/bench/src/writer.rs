@@ -239,6 +239,33 @@ async fn baseline(env: &TestEnv, sessions: &[SessionId], total: usize) -> anyhow
 /// (tokens counted, payloads built) are made before the clock starts: only the database's
 /// share is timed.
 async fn raw_ceiling(env: &TestEnv, sessions: &[SessionId], total: usize) -> anyhow::Result<f64> {
+    insert_rate(env, sessions, total, "session_events").await
+}
+
+/// The same rows into a table with only its primary key (no secondary index, no unique
+/// constraint, not our schema): a reference for the machine's own speed that does not
+/// depend on turnlog's indexes.
+async fn plain_ceiling(env: &TestEnv, sessions: &[SessionId], total: usize) -> anyhow::Result<f64> {
+    sqlx::query(
+        "CREATE TABLE plain_events (session_id uuid, seq bigint, event_id uuid, kind text, payload jsonb,
+                                    tokens int, stream_seq bigint, created_at timestamptz,
+                                    PRIMARY KEY (session_id, seq))",
+    )
+    .execute(&env.pool)
+    .await?;
+    let rate = insert_rate(env, sessions, total, "plain_events").await;
+    sqlx::query("DROP TABLE plain_events").execute(&env.pool).await?;
+    rate
+}
+
+/// Events per second inserting `total` user messages into `table` (shaped like
+/// `session_events`) in arrays of 500 on one connection, built before the clock starts.
+async fn insert_rate(
+    env: &TestEnv,
+    sessions: &[SessionId],
+    total: usize,
+    table: &str,
+) -> anyhow::Result<f64> {
     let pool = turnlog_runtime::db::connect(&env.database_url, 1).await?;
     let mut seq = vec![1_000_000i64; sessions.len()];
     let mut chunks = Vec::new();
@@ -257,11 +284,11 @@ async fn raw_ceiling(env: &TestEnv, sessions: &[SessionId], total: usize) -> any
     }
     let start = Instant::now();
     for (ids, seqs, payloads, tokens) in &chunks {
-        sqlx::query(
-            "INSERT INTO session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
+        sqlx::query(&format!(
+            "INSERT INTO {table} (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
              SELECT s, q, gen_random_uuid(), 'user_message', p, t, 0, now()
-               FROM UNNEST($1::uuid[], $2::int8[], $3::jsonb[], $4::int4[]) AS u(s, q, p, t)",
-        )
+               FROM UNNEST($1::uuid[], $2::int8[], $3::jsonb[], $4::int4[]) AS u(s, q, p, t)"
+        ))
         .bind(ids)
         .bind(seqs)
         .bind(payloads)
@@ -272,38 +299,46 @@ async fn raw_ceiling(env: &TestEnv, sessions: &[SessionId], total: usize) -> any
     Ok(total as f64 / start.elapsed().as_secs_f64())
 }
 
-/// Every 50 ms until `stop`: a message appended to `probe` (acknowledged as committed),
-/// then the time until the search index has it, polled every 5 ms.
+/// Every 20 ms until `stop`, a probe: a message appended to `probe` (acknowledged as
+/// committed), then the time until the search index has it, polled every 5 ms. Probes
+/// overlap, so their number does not depend on the lag they measure.
 async fn search_lags(
     bus: Bus,
     pool: sqlx::PgPool,
     probe: SessionId,
     stop: CancellationToken,
 ) -> anyhow::Result<Vec<Duration>> {
-    let mut lags = Vec::new();
+    let mut probes = Vec::new();
+    let mut ticker = tokio::time::interval(Duration::from_millis(20));
     let mut i = 0;
     while !stop.is_cancelled() {
+        ticker.tick().await;
         i += 1;
-        let req = AppendRequest::append(probe, OWNER, Uuid::now_v7(), &message(i));
-        let outcome = append_and_wait(&bus, &pool, &req, Duration::from_secs(30)).await?;
-        let seq = outcome.seq.context("probe not committed")?;
-        let committed = Instant::now();
-        loop {
-            let found: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM search_entries WHERE session_id = $1 AND seq = $2)",
-            )
-            .bind(probe.0)
-            .bind(seq)
-            .fetch_one(&pool)
-            .await?;
-            if found {
-                break;
+        let (bus, pool) = (bus.clone(), pool.clone());
+        probes.push(tokio::spawn(async move {
+            let req = AppendRequest::append(probe, OWNER, Uuid::now_v7(), &message(i));
+            let outcome = append_and_wait(&bus, &pool, &req, Duration::from_secs(30)).await?;
+            let seq = outcome.seq.context("probe not committed")?;
+            let committed = Instant::now();
+            loop {
+                let found: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM search_entries WHERE session_id = $1 AND seq = $2)",
+                )
+                .bind(probe.0)
+                .bind(seq)
+                .fetch_one(&pool)
+                .await?;
+                if found {
+                    return anyhow::Ok(committed.elapsed());
+                }
+                anyhow::ensure!(committed.elapsed() < Duration::from_secs(60), "probe {seq} never indexed");
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            anyhow::ensure!(committed.elapsed() < Duration::from_secs(60), "probe {seq} never indexed");
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        lags.push(committed.elapsed());
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        }));
+    }
+    let mut lags = Vec::with_capacity(probes.len());
+    for p in probes {
+        lags.push(p.await??);
     }
     Ok(lags)
 }
@@ -363,9 +398,12 @@ pub async fn run() -> anyhow::Result<()> {
     println!("baseline (transaction per event, 16 connections): {base:.0}/s");
     let raw = raw_ceiling(&rig.env, &s16, total).await?;
     println!("raw ceiling (array inserts of 500, one connection): {raw:.0}/s");
+    let plain = plain_ceiling(&rig.env, &s16, total).await?;
+    println!("plain ceiling (the same rows into a table with only its primary key): {plain:.0}/s");
+    println!("end to end vs plain ceiling: {:.2}", e16 / plain);
     println!("end to end vs baseline: {:.1}x", e16 / base);
     println!(
-        "RESULT writer events_per_s={:.0} events_per_s_1={:.0} events_per_s_256={:.0} drain_per_s={:.0} baseline_per_s={:.0} raw_ceiling_per_s={:.0} p50_ms={:.2} p99_ms={:.2} durable={durable} search_lag_p99_ms={lag_p99:.0}",
+        "RESULT writer events_per_s={:.0} events_per_s_1={:.0} events_per_s_256={:.0} drain_per_s={:.0} baseline_per_s={:.0} raw_ceiling_per_s={:.0} p50_ms={:.2} p99_ms={:.2} durable={durable} search_lag_p99_ms={lag_p99:.0} plain_ceiling_per_s={plain:.0}",
         e16, e1, e256, drained, base, raw, p50, p99
     );
     rig.env.cleanup().await;
