@@ -289,7 +289,9 @@ async fn a_redriven_dead_letter_commits_once_after_its_cause_is_fixed() {
     let refused = dead::redrive(&rig.bus, None, ack.sequence, timeout).await.expect_err("not a request");
     assert!(format!("{refused:#}").contains("turnlog replay --worker distiller --from-seq 4"), "{refused:#}");
 
-    // The database stays a function of the APPEND stream, redrives included.
+    // The database stays a function of the APPEND stream, redrives included (once the
+    // search index, which trails the log, has the redriven message too).
+    rig.env.search_caught_up().await;
     let target = rig.env.extra_database().await;
     turnlog_ops::rebuild(&target, &rig.bus, false).await.expect("rebuild");
     let verdict = turnlog_ops::verify(&rig.env.database_url, &target).await.expect("verify");
