@@ -290,6 +290,7 @@ impl Turn<'_> {
             );
             return Err(Ending::Failed { code: "internal", message });
         }
+        let t0 = Instant::now();
         let memories = read::recall_relevant(&app.pool, owner, &self.start.user_text, RECALLED_MEMORIES)
             .await
             .map(|ms| ms.into_iter().map(|m| m.text).collect())
@@ -299,7 +300,9 @@ impl Turn<'_> {
             });
         let extras = Extras { date: Some(chrono::Utc::now().format("%Y-%m-%d (%A)").to_string()), memories };
         let reserve = reserve_tokens(system, &extras);
+        let recalled = t0.elapsed();
         let compacted = self.ask_compactor(reserve).await;
+        let checked = t0.elapsed();
 
         let tail = match read::live_tail(&app.pool, owner, session).await {
             Ok(Some(tail)) => tail,
@@ -312,6 +315,7 @@ impl Turn<'_> {
                 return Err(Ending::Failed { code: "unavailable", message });
             }
         };
+        let read_tail = t0.elapsed();
         let size = request_size(history_tokens(&tail.counted), reserve);
         let window = app.context_window(&self.start.model).await;
         if !compacted {
@@ -335,10 +339,15 @@ impl Turn<'_> {
         let model = &self.start.model;
         let resolve = images.map(|r| r.as_ref() as ResolveImage<'_>);
         let body = turn_body(&tail.events, system, model, &params, &extras, resolve);
+        // Where the time before the model call goes, stage by stage (cumulative, µs).
         tracing::debug!(
             tokens = size,
             budget = budget_for(window, app.config.context_budget),
             bytes = body.bytes.len(),
+            recall_us = recalled.as_micros() as u64,
+            compactor_us = checked.as_micros() as u64,
+            tail_us = read_tail.as_micros() as u64,
+            built_us = t0.elapsed().as_micros() as u64,
             "request built"
         );
         self.request = Some(RecordedRequest {
