@@ -665,6 +665,10 @@ pub async fn event_at(
     id: SessionId,
     seq: i64,
 ) -> Result<Option<StoredEvent>, sqlx::Error> {
+    // A client's seq: the branch log starts at 1 (and `seq - 1` must not overflow).
+    if seq < 1 {
+        return Ok(None);
+    }
     let rows = events_page(pool, owner, id, seq - 1, 1).await?.unwrap_or_default();
     Ok(rows.into_iter().find(|e| e.seq == seq))
 }

@@ -54,7 +54,7 @@ fn session(n: usize) -> LogBuilder {
 }
 
 /// Mean time of one call, over repeated calls for at least `min` wall time.
-fn time_per_call(min: Duration, mut f: impl FnMut() -> u32) -> Duration {
+pub(crate) fn time_per_call<T>(min: Duration, mut f: impl FnMut() -> T) -> Duration {
     let mut calls = 0u32;
     let start = Instant::now();
     while start.elapsed() < min || calls < 3 {

@@ -6,6 +6,7 @@
 //! on the fixture text and on the synthetic text, and the load time of each in a fresh
 //! process.
 
+use crate::context::time_per_call;
 use std::hint::black_box;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -255,17 +256,6 @@ fn random_string(rng: &mut Rng, max: usize) -> String {
         }
     }
     s
-}
-
-/// Mean time of one call, over repeated calls for at least `min` wall time.
-fn time_per_call(min: Duration, mut f: impl FnMut() -> usize) -> Duration {
-    let mut calls = 0u32;
-    let start = Instant::now();
-    while start.elapsed() < min || calls < 3 {
-        black_box(f());
-        calls += 1;
-    }
-    start.elapsed() / calls
 }
 
 fn mb_s(bytes: usize, per_call: Duration) -> f64 {

@@ -219,6 +219,13 @@ async fn edit_and_regenerate_run_in_forks_and_keep_the_prompt_cache() {
     assert_eq!((r.status, r.error_code()), (400, "bad_request"));
     let r = api.turn(Method::POST, &send, ALICE, Some(json!({"text": "x", "edit_of": 1})), &[]).await;
     assert_eq!((r.status, r.error_code()), (400, "bad_request"));
+    // Seqs at the edge of the integers are the client's mistake too, not an overflow.
+    for seq in [i64::MIN, 0, -1, i64::MAX] {
+        let r = api.turn(Method::POST, &path, ALICE, Some(json!({"of": seq})), &[]).await;
+        assert_eq!((r.status, r.error_code()), (400, "bad_request"), "of {seq}");
+        let r = api.turn(Method::POST, &send, ALICE, Some(json!({"text": "x", "edit_of": seq})), &[]).await;
+        assert_eq!((r.status, r.error_code()), (400, "bad_request"), "edit_of {seq}");
+    }
     api.stop().await;
 }
 
