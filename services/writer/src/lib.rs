@@ -315,6 +315,12 @@ async fn publisher(
             group.push(next);
         }
         let started = Instant::now();
+        // The commit is durable: its producers hear first, then the feed gets its events
+        // (a crash in between loses nothing: the next writer republishes from
+        // `published_seq`). A delete's replies wait for its removal, below.
+        for committed in group.iter().filter(|c| c.purges.is_empty()) {
+            send_replies(&bus, &committed.replies).await?;
+        }
         // A deleted session's earlier events are on the feed before its removal starts.
         let events: Vec<&EventRow> = group.iter().flat_map(|c| c.events.iter()).collect();
         publish_events(&bus, events).await?;
@@ -328,12 +334,8 @@ async fn publisher(
         let indexing = search::Committed::of(group.iter().flat_map(|c| c.events.iter()), last_stream_seq);
         to_indexer.send(indexing).await.context("search indexer stopped")?;
         batches_unmarked += group.len();
-        for committed in group {
-            if committed.purges.is_empty() {
-                send_replies(&bus, &committed.replies).await?;
-            } else {
-                to_purger.send((committed.purges, committed.replies)).await.context("purger stopped")?;
-            }
+        for committed in group.into_iter().filter(|c| !c.purges.is_empty()) {
+            to_purger.send((committed.purges, committed.replies)).await.context("purger stopped")?;
         }
         unmarked = Some(last_stream_seq);
         // Move `published_seq` when caught up (or every few batches under load).

@@ -18,6 +18,8 @@ const WORDS: usize = 40;
 const DELAY_MS: u64 = 5;
 /// Turns started together, all of one owner.
 const CONCURRENT: usize = 50;
+/// Bursts after the first, whose median p50 is `pre_upstream_p50_ms_50_warm`.
+const WARM_BURSTS: usize = 3;
 /// Turns a session has before the deep figures are taken.
 const DEEP_HISTORY: usize = 50;
 /// `TURNLOG_MAX_TURNS_PER_OWNER` for this bench: above [`CONCURRENT`], or the default cap
@@ -109,6 +111,23 @@ async fn through(sys: &System, session: &str, text: &str) -> anyhow::Result<Thro
     })
 }
 
+fn pre_upstream(ts: &[Through]) -> Vec<f64> {
+    ts.iter().map(|t| t.pre_upstream_ms).collect()
+}
+
+/// [`CONCURRENT`] turns started at once, each in a new session.
+async fn burst(sys: &System, round: usize, directive: &str) -> anyhow::Result<Vec<Through>> {
+    let mut sessions = Vec::new();
+    for _ in 0..CONCURRENT {
+        sessions.push(sys.create_session().await?);
+    }
+    let runs = sessions.iter().enumerate().map(|(i, s)| {
+        let text = format!("fifty {round} {i} {directive}");
+        async move { through(sys, s, &text).await }
+    });
+    futures::future::join_all(runs).await.into_iter().collect()
+}
+
 pub async fn run() -> anyhow::Result<()> {
     let sys = System::start(Settings {
         model: "mock",
@@ -132,19 +151,12 @@ pub async fn run() -> anyhow::Result<()> {
         let session = sys.create_session().await?;
         single.push(through(&sys, &session, &format!("single {i} {directive}")).await?);
     }
-    // Fifty at once, each in its own session.
-    let mut sessions = Vec::new();
-    for _ in 0..CONCURRENT {
-        sessions.push(sys.create_session().await?);
-    }
-    let sys_ref = &sys;
-    let runs = sessions.iter().enumerate().map(|(i, s)| {
-        let text = format!("fifty {i} {directive}");
-        async move { through(sys_ref, s, &text).await }
-    });
-    let mut fifty = Vec::new();
-    for r in futures::future::join_all(runs).await {
-        fifty.push(r?);
+    // Fifty at once, each in its own session: the first burst meets cold connection pools
+    // (the client's, the ingress's to Postgres and to the model); then three more.
+    let fifty = burst(&sys, 0, &directive).await?;
+    let mut warm = Vec::new();
+    for round in 1..=WARM_BURSTS {
+        warm.push(p50(pre_upstream(&burst(&sys, round, &directive).await?)));
     }
     // Deep in a conversation: turns 51 to 70 of one session, whose history the context
     // build and the compaction check read every turn.
@@ -158,7 +170,6 @@ pub async fn run() -> anyhow::Result<()> {
     }
     let durable = u8::from(sys.env.durable().await?);
 
-    let pre = |ts: &[Through]| ts.iter().map(|t| t.pre_upstream_ms).collect::<Vec<_>>();
     // turnlog's relay: how much later a delta arrives through turnlog than directly.
     let relay = |ts: &[Through]| {
         ts.iter().flat_map(|t| t.latencies_ms.iter().map(|l| l - direct_relay)).collect::<Vec<_>>()
@@ -166,12 +177,14 @@ pub async fn run() -> anyhow::Result<()> {
     let first = |ts: &[Through]| ts.iter().map(|t| t.first_delta_ms).collect::<Vec<_>>();
     println!("mock directly: delta transit p50 {direct_relay:.3} ms ({WORDS} deltas {DELAY_MS} ms apart)");
     println!("{CONCURRENT} streams of one owner; per-owner turn cap (TURNLOG_MAX_TURNS_PER_OWNER) {TURN_CAP_PER_OWNER}");
+    let warm = p50(warm);
     for (name, ts) in [("1 stream", &single), ("50 streams", &fifty), ("turn 51+", &deep)] {
         println!(
             "{name:>10}: before the upstream call p50 {:.2} ms p99 {:.2} ms; relay added per delta p50 {:.3} ms p99 {:.3} ms; first delta p50 {:.2} ms",
-            p50(pre(ts)), p99(pre(ts)), p50(relay(ts)), p99(relay(ts)), p50(first(ts))
+            p50(pre_upstream(ts)), p99(pre_upstream(ts)), p50(relay(ts)), p99(relay(ts)), p50(first(ts))
         );
     }
+    println!("50 streams again ({WARM_BURSTS} bursts, warm pools): before the upstream call, median of their p50s {warm:.2} ms");
     if durable == 0 {
         println!("WARNING: commits are not durable on this server (RESULT says durable=0); set DATABASE_URL to a durable one");
     }
@@ -179,10 +192,11 @@ pub async fn run() -> anyhow::Result<()> {
         "RESULT ingress pre_upstream_p50_ms={:.2} pre_upstream_p99_ms={:.2} relay_p50_ms={:.3} relay_p99_ms={:.3} \
          relay_p50_ms_50={:.3} relay_p99_ms_50={:.3} pre_upstream_p50_ms_50={:.2} pre_upstream_p99_ms_50={:.2} \
          pre_upstream_p50_ms_deep={:.2} pre_upstream_p99_ms_deep={:.2} first_delta_p50_ms={:.2} \
-         first_delta_p50_ms_50={:.2} turn_cap_per_owner={TURN_CAP_PER_OWNER} durable={durable}",
-        p50(pre(&single)), p99(pre(&single)), p50(relay(&single)), p99(relay(&single)),
-        p50(relay(&fifty)), p99(relay(&fifty)), p50(pre(&fifty)), p99(pre(&fifty)),
-        p50(pre(&deep)), p99(pre(&deep)), p50(first(&single)), p50(first(&fifty))
+         first_delta_p50_ms_50={:.2} pre_upstream_p50_ms_50_warm={warm:.2} turn_cap_per_owner={TURN_CAP_PER_OWNER} \
+         durable={durable}",
+        p50(pre_upstream(&single)), p99(pre_upstream(&single)), p50(relay(&single)), p99(relay(&single)),
+        p50(relay(&fifty)), p99(relay(&fifty)), p50(pre_upstream(&fifty)), p99(pre_upstream(&fifty)),
+        p50(pre_upstream(&deep)), p99(pre_upstream(&deep)), p50(first(&single)), p50(first(&fifty))
     );
     sys.stop().await?;
     Ok(())

@@ -38,6 +38,18 @@ async fn a_long_conversation_stays_within_budget_and_keeps_turn_one_facts() {
     let base = stack.base_url().to_owned();
     let http = reqwest::Client::new();
 
+    // Every pre-send check the ingress asks (a plain subscriber sees each request beside
+    // the compactors' queue group).
+    let nats = async_nats::connect(&env.nats_url).await.unwrap();
+    let mut checks = nats.subscribe(format!("{}.compact.*", env.bus_prefix)).await.unwrap();
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = asked.clone();
+    tokio::spawn(async move {
+        while checks.next().await.is_some() {
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+
     let budget = budget_for(Some(6_700), 60_000);
     let session: Value =
         http.post(format!("{base}/v1/sessions")).json(&json!({})).send().await.unwrap().json().await.unwrap();
@@ -83,6 +95,12 @@ async fn a_long_conversation_stays_within_budget_and_keeps_turn_one_facts() {
             .await
             .unwrap();
     assert!(compactions >= 3, "several compactions, got {compactions}");
+    // A request the ingress counts within the budget does not wait for the compactor: it is
+    // asked only for the turns whose request would be over (DESIGN §4's check, skipped
+    // when its answer is known to be `not_needed`).
+    let asked = asked.load(std::sync::atomic::Ordering::Relaxed);
+    println!("{TURNS} turns, {compactions} compactions, {asked} pre-send checks");
+    assert!(asked < TURNS / 4, "{asked} pre-send checks for {TURNS} turns");
     let last = chats.last().unwrap().body.to_string();
     assert!(
         last.contains("Zanzibar Quill") && last.contains("48213"),

@@ -273,11 +273,13 @@ async fn send_turn(
         }
     }
     let slot = take_slot(app, caller)?;
+    let t0 = std::time::Instant::now();
     if let Some(create) = &create {
         submit(app, create).await?;
     }
     let holder = app.instance_id.clone();
     let lease = app.leases.acquire(session, &holder).await?.ok_or_else(turn_running)?;
+    let leased = t0.elapsed();
 
     let model = body.model.clone().unwrap_or_else(|| app.config.model.clone());
     let message = user_message(&body);
@@ -299,6 +301,12 @@ async fn send_turn(
         let _ = app.leases.release(lease).await;
         return answer_resend(app, caller, session, user_seq).await;
     }
+    // Where a turn's time before its request is built goes (cumulative, µs).
+    tracing::debug!(
+        lease_us = leased.as_micros() as u64,
+        appended_us = t0.elapsed().as_micros() as u64,
+        "user message durable"
+    );
     let turn = start_turn(
         app,
         TurnStart { session, owner: caller.owner().clone(), user_seq, user_text, model, lease, slot },

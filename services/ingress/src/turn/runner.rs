@@ -280,7 +280,7 @@ impl Turn<'_> {
     /// function an audit rebuilds it with, and recorded (`self.request`) before it is sent.
     async fn build_request(&mut self, upstream: &UpstreamClient) -> Result<RequestBody, Ending> {
         let app = self.app;
-        let (session, owner) = (self.start.session, self.start.owner.as_str());
+        let owner = self.start.owner.as_str();
         let system = &app.config.system_prompt;
         if system.len() > MAX_SYSTEM_PROMPT_BYTES {
             // Refused when the ingress starts; kept here so no turn can ever record one.
@@ -291,33 +291,34 @@ impl Turn<'_> {
             return Err(Ending::Failed { code: "internal", message });
         }
         let t0 = Instant::now();
-        let memories = read::recall_relevant(&app.pool, owner, &self.start.user_text, RECALLED_MEMORIES)
-            .await
-            .map(|ms| ms.into_iter().map(|m| m.text).collect())
-            .unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "memory recall failed; sending without");
-                Vec::new()
-            });
+        // Recall needs only the user's text: it is read beside the live tail.
+        let recall = async {
+            read::recall_relevant(&app.pool, owner, &self.start.user_text, RECALLED_MEMORIES)
+                .await
+                .map(|ms| ms.into_iter().map(|m| m.text).collect())
+                .unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "memory recall failed; sending without");
+                    Vec::new()
+                })
+        };
+        let (memories, tail) = tokio::join!(recall, self.live_tail());
         let extras = Extras { date: Some(chrono::Utc::now().format("%Y-%m-%d (%A)").to_string()), memories };
         let reserve = reserve_tokens(system, &extras);
-        let recalled = t0.elapsed();
-        let compacted = self.ask_compactor(reserve).await;
-        let checked = t0.elapsed();
-
-        let tail = match read::live_tail(&app.pool, owner, session).await {
-            Ok(Some(tail)) => tail,
-            Ok(None) => {
-                return Err(Ending::Failed { code: "not_found", message: "the session is gone".into() })
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot read the session's log");
-                let message = "the session's log could not be read".into();
-                return Err(Ending::Failed { code: "unavailable", message });
-            }
-        };
-        let read_tail = t0.elapsed();
-        let size = request_size(history_tokens(&tail.counted), reserve);
+        let mut tail = tail?;
         let window = app.context_window(&self.start.model).await;
+        let budget = budget_for(window, app.config.context_budget);
+        let mut size = request_size(history_tokens(&tail.counted), reserve);
+        let read_tail = t0.elapsed();
+        // The pre-send check (DESIGN §4): a request the ingress counts within the budget is
+        // what the compactor would answer `not_needed` for, by the same count on the same
+        // log, so it is asked only when the request is over.
+        let compacted = size <= budget || {
+            let compacted = self.ask_compactor(reserve).await;
+            tail = self.live_tail().await?;
+            size = request_size(history_tokens(&tail.counted), reserve);
+            compacted
+        };
+        let checked = t0.elapsed();
         if !compacted {
             // Without the compactor's word, send only what the model can take at all.
             let whole_window = window.unwrap_or_else(|| app.config.context_budget.saturating_mul(100) / 60);
@@ -342,11 +343,10 @@ impl Turn<'_> {
         // Where the time before the model call goes, stage by stage (cumulative, µs).
         tracing::debug!(
             tokens = size,
-            budget = budget_for(window, app.config.context_budget),
+            budget,
             bytes = body.bytes.len(),
-            recall_us = recalled.as_micros() as u64,
+            read_us = read_tail.as_micros() as u64,
             compactor_us = checked.as_micros() as u64,
-            tail_us = read_tail.as_micros() as u64,
             built_us = t0.elapsed().as_micros() as u64,
             "request built"
         );
@@ -360,6 +360,21 @@ impl Turn<'_> {
             body_sha256: body.sha256.clone(),
         });
         Ok(body)
+    }
+
+    /// The session's live tail, or the turn's failure.
+    async fn live_tail(&self) -> Result<read::LiveTail, Ending> {
+        match read::live_tail(&self.app.pool, self.start.owner.as_str(), self.start.session).await {
+            Ok(Some(tail)) => Ok(tail),
+            Ok(None) => Err(Ending::Failed { code: "not_found", message: "the session is gone".into() }),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the session's log");
+                Err(Ending::Failed {
+                    code: "unavailable",
+                    message: "the session's log could not be read".into(),
+                })
+            }
+        }
     }
 
     /// Asks the compactors (one queue group) to bring the session within budget, waiting
