@@ -17,7 +17,7 @@ const STOP_TIMEOUT_MS = 45_000;
 
 const nonEmpty = (v) => typeof v === 'string' && v.trim() !== '';
 
-export async function startTurnlog({ logFile, tokens = true }) {
+export async function startTurnlog({ logFile, tokens = true, secondOwner = false }) {
   const targetDir = process.env.CARGO_TARGET_DIR || '/var/tmp/turnlog-target';
   const binary = path.join(targetDir, 'debug', 'turnlog');
   if (!existsSync(binary)) throw new Error(`${binary} is missing: run \`cargo build -p turnlog\` first`);
@@ -33,7 +33,9 @@ export async function startTurnlog({ logFile, tokens = true }) {
     TURNLOG_LOG_FORMAT: 'pretty',
     RUST_LOG: process.env.RUST_LOG || 'info',
   };
-  if (tokens) env.TURNLOG_API_TOKENS = `${owner}:${token}`;
+  // A second owner's token, for tests that one owner cannot reach another's data.
+  const token2 = tokens && secondOwner ? `token-${randomBytes(12).toString('hex')}` : null;
+  if (tokens) env.TURNLOG_API_TOKENS = `${owner}:${token}` + (token2 ? `,${owner}-b:${token2}` : '');
   else delete env.TURNLOG_API_TOKENS;
   delete env.TURNLOG_LLM_URL; // the built-in mock model answers
 
@@ -83,7 +85,7 @@ export async function startTurnlog({ logFile, tokens = true }) {
         }
         await cleanUp();
       })());
-    return { base, port, token, owner, stop, logFile };
+    return { base, port, token, token2, owner, stop, logFile };
   } catch (e) {
     await cleanUp();
     throw e;

@@ -90,7 +90,7 @@ impl ApiError {
     }
 
     /// What the client reads: the message for its own mistakes, a fixed text for ours.
-    fn public_message(&self) -> String {
+    pub(crate) fn public_message(&self) -> String {
         match self {
             Self::Unavailable(_) => "the service cannot take this request right now; retry shortly".into(),
             Self::Internal(_) => "internal error".into(),

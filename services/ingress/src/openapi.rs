@@ -32,6 +32,7 @@ pub const BEARER: &str = "bearer";
         (name = "context", description = "What the model is sent next"),
         (name = "requests", description = "What the model was sent: each attempt's exact request, rebuilt from the log"),
         (name = "memories", description = "Long-term memories across an owner's sessions"),
+        (name = "openai", description = "OpenAI's Conversations and Responses APIs over the same sessions (DESIGN §13); errors in OpenAI's shape"),
         (name = "operations", description = "Health, readiness, metrics and this document (no auth)")
     )
 )]

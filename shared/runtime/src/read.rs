@@ -657,6 +657,28 @@ pub async fn forks_of(pool: &PgPool, owner: &str, id: SessionId) -> Result<Vec<F
     .await
 }
 
+/// The newest event of attempt `attempt_id` (its outcome once it ended: `assistant_turn`,
+/// a final `pending_state` or `turn_failed`; before that, its latest checkpoint), in the
+/// owner's visible session that ran it.
+pub async fn attempt_event(
+    pool: &PgPool,
+    owner: &str,
+    attempt_id: &str,
+) -> Result<Option<StoredEvent>, sqlx::Error> {
+    sqlx::query_as(concat!(
+        "SELECT ",
+        event_columns!(),
+        " FROM session_events e JOIN sessions s ON s.id = e.session_id
+          WHERE (e.payload ->> 'attempt_id') = $1 AND e.kind IN ('assistant_turn', 'pending_state', 'turn_failed')
+            AND s.owner = $2 AND s.hidden_seq IS NULL
+          ORDER BY e.seq DESC LIMIT 1"
+    ))
+    .bind(attempt_id)
+    .bind(owner)
+    .fetch_optional(pool)
+    .await
+}
+
 /// The event at `seq` of the owner's session's branch log, or None (no such seq, or not
 /// the owner's session).
 pub async fn event_at(

@@ -5,6 +5,7 @@
 pub mod context;
 pub mod forks;
 pub mod memories;
+pub mod openai;
 pub mod ops;
 pub mod permissions;
 pub mod requests;
@@ -35,6 +36,13 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(turns::reattach))
         .routes(routes!(permissions::resolve))
         .routes(routes!(search::search))
+        .routes(routes!(openai::conversations::create))
+        .routes(routes!(openai::conversations::get, openai::conversations::delete))
+        .routes(routes!(openai::conversations::items))
+        .routes(routes!(openai::conversations::item, openai::conversations::delete_item))
+        .routes(routes!(openai::responses::create))
+        .routes(routes!(openai::responses::retrieve))
+        .routes(routes!(openai::responses::cancel))
         .routes(routes!(memories::recall))
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))

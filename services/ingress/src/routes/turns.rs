@@ -12,6 +12,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use futures::stream::BoxStream;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -28,7 +29,9 @@ use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath};
 use crate::routes::forks::{create_fork, fork_request};
 use crate::routes::sessions::owned_session;
-use crate::turn::{remote_stop, remote_stream, start_turn, ActiveTurn, TurnEvent, TurnSlot, TurnStart};
+use crate::turn::{
+    remote_stop, remote_stream, start_turn, ActiveTurn, TurnEvent, TurnOptions, TurnSlot, TurnStart,
+};
 use crate::writes::submit;
 use crate::{validate, AppState, Ingress};
 
@@ -100,7 +103,7 @@ pub struct Stopping {
     pub stopping: bool,
 }
 
-fn validated(app: &Ingress, m: &SendMessage) -> Result<(), ApiError> {
+pub(crate) fn validated(app: &Ingress, m: &SendMessage) -> Result<(), ApiError> {
     validate::text(&m.text)?;
     validate::documents(m.documents.iter().map(|d| d.markdown.as_str()))?;
     if m.images.len() + m.documents.len() > MAX_ATTACHMENTS {
@@ -261,6 +264,21 @@ async fn send_turn(
     key: Option<String>,
     create: Option<AppendRequest>,
 ) -> Result<Response, ApiError> {
+    let events = begin_turn(app, caller, session, body, key, create, TurnOptions::default()).await?;
+    Ok(stream_response(app, session, events))
+}
+
+/// [`send_turn`]'s work, for any route: the turn's native events, from its `meta` (a
+/// resent request's from its first try's, or its outcome read from the log).
+pub(crate) async fn begin_turn(
+    app: &AppState,
+    caller: &Caller,
+    session: SessionId,
+    body: SendMessage,
+    key: Option<String>,
+    create: Option<AppendRequest>,
+    options: TurnOptions,
+) -> Result<BoxStream<'static, TurnEvent>, ApiError> {
     ready_for_turns(app)?;
     let owner = caller.as_str();
     let event_id =
@@ -268,7 +286,7 @@ async fn send_turn(
     if key.is_some() {
         if let Some(o) = recorded_outcome(&app.pool, event_id).await? {
             if let Some(user_seq) = o.seq {
-                return answer_resend(app, caller, session, user_seq).await;
+                return resent_events(app, caller, session, user_seq).await;
             }
         }
     }
@@ -299,7 +317,7 @@ async fn send_turn(
     if outcome.status == turnlog_runtime::bus::OutcomeStatus::Duplicate {
         // The same key raced itself: the first request runs the turn.
         let _ = app.leases.release(lease).await;
-        return answer_resend(app, caller, session, user_seq).await;
+        return resent_events(app, caller, session, user_seq).await;
     }
     // Where a turn's time before its request is built goes (cumulative, µs).
     tracing::debug!(
@@ -309,9 +327,18 @@ async fn send_turn(
     );
     let turn = start_turn(
         app,
-        TurnStart { session, owner: caller.owner().clone(), user_seq, user_text, model, lease, slot },
+        TurnStart {
+            session,
+            owner: caller.owner().clone(),
+            user_seq,
+            user_text,
+            model,
+            lease,
+            slot,
+            options,
+        },
     );
-    Ok(stream_response(app, session, follow_local(turn, 0)))
+    Ok(follow_local(turn, 0))
 }
 
 /// A slot under the concurrent-turn caps (released when the turn ends, or when the guard
@@ -444,6 +471,7 @@ async fn retry_turn(
         model,
         lease,
         slot,
+        options: TurnOptions::default(),
     };
     let turn = start_turn(app, start);
     Ok(stream_response(app, id, follow_local(turn, 0)))
@@ -495,18 +523,28 @@ async fn answer_resend(
     session: SessionId,
     user_seq: i64,
 ) -> Result<Response, ApiError> {
+    Ok(stream_response(app, session, resent_events(app, caller, session, user_seq).await?))
+}
+
+/// [`answer_resend`]'s events.
+async fn resent_events(
+    app: &AppState,
+    caller: &Caller,
+    session: SessionId,
+    user_seq: i64,
+) -> Result<BoxStream<'static, TurnEvent>, ApiError> {
     let is_ours = |first: Option<&TurnEvent>| {
         first.is_some_and(|e| e.data.get("user_seq").and_then(serde_json::Value::as_i64) == Some(user_seq))
     };
     if let Some(turn) = app.turns.get(session) {
         if is_ours(turn.events_after(0).first().map(|e| e.as_ref())) {
-            return Ok(stream_response(app, session, follow_local(turn, 0)));
+            return Ok(follow_local(turn, 0));
         }
     }
     if let Some(events) = remote_stream(app, session, 0).await {
         let mut events = events.boxed().peekable();
         if is_ours(std::pin::Pin::new(&mut events).peek().await) {
-            return Ok(stream_response(app, session, events.boxed()));
+            return Ok(events.boxed());
         }
     }
     let end = outcome_from_log(app, caller, session, user_seq).await?;
@@ -514,7 +552,7 @@ async fn answer_resend(
         TurnEvent { id: 1, event: "meta".into(), data: json!({"session_id": session, "user_seq": user_seq}) },
         TurnEvent { id: 2, event: "end".into(), data: end },
     ];
-    Ok(stream_response(app, session, futures::stream::iter(events).boxed()))
+    Ok(futures::stream::iter(events).boxed())
 }
 
 /// How the turn after `user_seq` ended, read from the log (for a resent request).
@@ -547,7 +585,7 @@ async fn outcome_from_log(
 }
 
 /// Events of a local turn with an id above `after`, live until its `end`.
-fn follow_local(turn: Arc<ActiveTurn>, after: u64) -> futures::stream::BoxStream<'static, TurnEvent> {
+pub(crate) fn follow_local(turn: Arc<ActiveTurn>, after: u64) -> BoxStream<'static, TurnEvent> {
     let watch = turn.watch();
     let state = (turn, after, watch, std::collections::VecDeque::<Arc<TurnEvent>>::new(), false);
     futures::stream::unfold(state, |(turn, mut last, mut watch, mut queue, ended)| async move {

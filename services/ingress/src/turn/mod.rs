@@ -19,7 +19,7 @@ use turnlog_core::events::PendingReason;
 use turnlog_core::ids::{Owner, SessionId};
 
 pub use remote::{remote_stop, remote_stream};
-pub use runner::{start_turn, TurnStart};
+pub use runner::{start_turn, TurnOptions, TurnStart};
 pub use slots::{CapReached, TurnLimits, TurnSlot};
 
 /// One event of a turn's stream: `id` counts from 1 within the turn.
@@ -72,6 +72,12 @@ impl ActiveTurn {
         events.iter().skip(usize::try_from(after).unwrap_or(usize::MAX)).cloned().collect()
     }
 
+    /// The attempt this turn runs, as its `meta` names it.
+    pub fn attempt_id(&self) -> Option<String> {
+        let events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
+        events.first()?.data.get("attempt_id")?.as_str().map(str::to_owned)
+    }
+
     /// Whether the turn has emitted its `end` (nothing follows it).
     pub fn is_over(&self) -> bool {
         let events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
@@ -114,6 +120,12 @@ impl TurnHub {
 
     pub fn get(&self, session: SessionId) -> Option<Arc<ActiveTurn>> {
         self.turns.lock().unwrap_or_else(PoisonError::into_inner).get(&session).cloned()
+    }
+
+    /// The turn of `attempt_id` if this copy runs it.
+    pub fn by_attempt(&self, attempt_id: &str) -> Option<Arc<ActiveTurn>> {
+        let turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
+        turns.values().find(|t| t.attempt_id().as_deref() == Some(attempt_id)).cloned()
     }
 
     fn insert(&self, turn: Arc<ActiveTurn>) {

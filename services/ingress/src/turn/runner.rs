@@ -52,6 +52,19 @@ pub struct TurnStart {
     pub model: String,
     pub lease: Lease,
     pub slot: TurnSlot,
+    pub options: TurnOptions,
+}
+
+/// What a client may set for one turn's request (the OpenAI-compatible routes): recorded
+/// with the request (§11), so an audit rebuilds it.
+#[derive(Debug, Clone, Default)]
+pub struct TurnOptions {
+    /// The system prompt of this request instead of the configured one.
+    pub system: Option<String>,
+    /// An output cap below the ingress's own.
+    pub max_tokens: Option<u32>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
 }
 
 /// Starts the turn's task and registers it; the returned handle is what clients follow.
@@ -121,7 +134,10 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
         request: None,
         request_checkpointed: false,
     };
-    t.emit("meta", json!({"session_id": start.session, "user_seq": start.user_seq})).await;
+    let meta = json!({
+        "session_id": start.session, "user_seq": start.user_seq, "attempt_id": t.attempt_id, "model": start.model,
+    });
+    t.emit("meta", meta).await;
 
     // Renew the lease on its own timer for the whole turn; losing it stops the turn. The
     // latest revision is shared, because the release at the end must present it.
@@ -281,7 +297,8 @@ impl Turn<'_> {
     async fn build_request(&mut self, upstream: &UpstreamClient) -> Result<RequestBody, Ending> {
         let app = self.app;
         let owner = self.start.owner.as_str();
-        let system = &app.config.system_prompt;
+        let options = &self.start.options;
+        let system = options.system.as_ref().unwrap_or(&app.config.system_prompt);
         if system.len() > MAX_SYSTEM_PROMPT_BYTES {
             // Refused when the ingress starts; kept here so no turn can ever record one.
             let message = format!(
@@ -333,7 +350,9 @@ impl Turn<'_> {
         let params = RequestParams {
             stream: true,
             stream_options: Some(StreamOptions { include_usage: true }),
-            max_tokens: Some(MAX_ANSWER_TOKENS),
+            max_tokens: Some(options.max_tokens.map_or(MAX_ANSWER_TOKENS, |m| m.min(MAX_ANSWER_TOKENS))),
+            temperature: options.temperature,
+            top_p: options.top_p,
             images: images.is_some(),
             ..Default::default()
         };

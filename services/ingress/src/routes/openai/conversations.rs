@@ -1,0 +1,198 @@
+//! `/v1/conversations`: sessions as OpenAI's conversations, their visible messages as
+//! items (DESIGN §13).
+
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use turnlog_runtime::bus::AppendRequest;
+use turnlog_runtime::read::{self, SessionRow};
+
+use super::{conversation_id, conversation_items, parse_conversation, OaiError};
+use crate::auth::Caller;
+use crate::extract::ApiPath;
+use crate::writes::submit;
+use crate::AppState;
+
+/// Items per page: OpenAI's default and most.
+const ITEMS_DEFAULT: usize = 20;
+const ITEMS_MAX: usize = 100;
+
+fn conversation(row: &SessionRow) -> Value {
+    json!({
+        "id": conversation_id(row.id),
+        "object": "conversation",
+        "created_at": row.created_at.timestamp(),
+        "metadata": {},
+    })
+}
+
+async fn owned(app: &AppState, caller: &Caller, id: &str) -> Result<SessionRow, OaiError> {
+    let id = parse_conversation(id)?;
+    read::get_session(&app.pool, caller.as_str(), id)
+        .await?
+        .ok_or_else(|| OaiError::not_found("conversation"))
+}
+
+/// Create a conversation (a session). Starting items are not supported yet.
+#[utoipa::path(
+    post, path = "/v1/conversations", tag = "openai", security(("bearer" = [])),
+    request_body(content = Object, description = "OpenAI's `ConversationCreateParams`"),
+    responses((status = 200, body = Object), (status = 400, body = Object))
+)]
+pub async fn create(
+    State(app): State<AppState>,
+    caller: Caller,
+    body: Bytes,
+) -> Result<Json<Value>, OaiError> {
+    let params: Value = if body.is_empty() {
+        json!({})
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| OaiError::bad_request(format!("the body is not JSON: {e}")))?
+    };
+    if params.get("items").and_then(Value::as_array).is_some_and(|i| !i.is_empty()) {
+        return Err(OaiError::bad_request(
+            "starting items are not supported yet: create the conversation, then respond",
+        ));
+    }
+    if params.get("metadata").and_then(Value::as_object).is_some_and(|m| !m.is_empty()) {
+        return Err(OaiError::bad_request("conversation metadata is not supported yet"));
+    }
+    let id = turnlog_core::ids::SessionId::new();
+    submit(&app, &AppendRequest::create(id, caller.as_str(), None)).await?;
+    let row = read::get_session(&app.pool, caller.as_str(), id).await?.ok_or_else(|| {
+        OaiError(crate::error::ApiError::internal(anyhow::anyhow!("session {id} committed but not readable")))
+    })?;
+    Ok(Json(conversation(&row)))
+}
+
+/// A conversation.
+#[utoipa::path(
+    get, path = "/v1/conversations/{id}", tag = "openai", security(("bearer" = [])),
+    params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID")),
+    responses((status = 200, body = Object), (status = 404, body = Object))
+)]
+pub async fn get(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+) -> Result<Json<Value>, OaiError> {
+    Ok(Json(conversation(&owned(&app, &caller, &id).await?)))
+}
+
+/// Delete a conversation (its session, as `DELETE /v1/sessions/{id}`).
+#[utoipa::path(
+    delete, path = "/v1/conversations/{id}", tag = "openai", security(("bearer" = [])),
+    params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID")),
+    responses((status = 200, body = Object), (status = 404, body = Object))
+)]
+pub async fn delete(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+) -> Result<Json<Value>, OaiError> {
+    let row = owned(&app, &caller, &id).await?;
+    submit(&app, &AppendRequest::delete(row.id, caller.as_str())).await?;
+    Ok(Json(json!({"id": conversation_id(row.id), "object": "conversation.deleted", "deleted": true})))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ItemsParams {
+    #[serde(default)]
+    after: Option<String>,
+    #[serde(default)]
+    limit: Option<usize>,
+    #[serde(default)]
+    order: Option<String>,
+}
+
+/// A conversation's items: its user messages and answers, oldest first with
+/// `order=asc`, newest first by default (as OpenAI's).
+#[utoipa::path(
+    get, path = "/v1/conversations/{id}/items", tag = "openai", security(("bearer" = [])),
+    params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID"),
+           ("after" = Option<String>, Query, description = "An item id: the items after it"),
+           ("limit" = Option<usize>, Query, description = "1–100, default 20"),
+           ("order" = Option<String>, Query, description = "asc or desc (default)")),
+    responses((status = 200, body = Object), (status = 400, body = Object), (status = 404, body = Object))
+)]
+pub async fn items(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+    Query(params): Query<ItemsParams>,
+) -> Result<Json<Value>, OaiError> {
+    let limit = params.limit.unwrap_or(ITEMS_DEFAULT);
+    if !(1..=ITEMS_MAX).contains(&limit) {
+        return Err(OaiError::bad_request(format!("limit must be 1 to {ITEMS_MAX}")));
+    }
+    let ascending = match params.order.as_deref() {
+        None | Some("desc") => false,
+        Some("asc") => true,
+        Some(other) => return Err(OaiError::bad_request(format!("order must be asc or desc, not {other}"))),
+    };
+    let mut all = all_items(&app, &caller, &id).await?;
+    if !ascending {
+        all.reverse();
+    }
+    let start = match &params.after {
+        None => 0,
+        Some(after) => {
+            all.iter().position(|i| i["id"] == after.as_str()).map(|p| p + 1).ok_or_else(|| {
+                OaiError::bad_request(format!("after names no item of this conversation: {after}"))
+            })?
+        }
+    };
+    let page: Vec<Value> = all.iter().skip(start).take(limit).cloned().collect();
+    let has_more = all.len() > start + page.len();
+    let first = page.first().map_or(json!(""), |i| i["id"].clone());
+    let last = page.last().map_or(json!(""), |i| i["id"].clone());
+    Ok(Json(
+        json!({"object": "list", "data": page, "first_id": first, "last_id": last, "has_more": has_more}),
+    ))
+}
+
+/// One item of a conversation.
+#[utoipa::path(
+    get, path = "/v1/conversations/{id}/items/{item_id}", tag = "openai", security(("bearer" = [])),
+    params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID"),
+           ("item_id" = String, Path, description = "msg_<32 hex>")),
+    responses((status = 200, body = Object), (status = 404, body = Object))
+)]
+pub async fn item(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath((id, item_id)): ApiPath<(String, String)>,
+) -> Result<Json<Value>, OaiError> {
+    let all = all_items(&app, &caller, &id).await?;
+    all.into_iter().find(|i| i["id"] == item_id.as_str()).map(Json).ok_or_else(|| OaiError::not_found("item"))
+}
+
+/// Deleting an item is refused: the log only grows.
+#[utoipa::path(
+    delete, path = "/v1/conversations/{id}/items/{item_id}", tag = "openai", security(("bearer" = [])),
+    params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID"),
+           ("item_id" = String, Path, description = "msg_<32 hex>")),
+    responses((status = 400, body = Object), (status = 404, body = Object))
+)]
+pub async fn delete_item(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath((id, _item_id)): ApiPath<(String, String)>,
+) -> Result<Json<Value>, OaiError> {
+    owned(&app, &caller, &id).await?;
+    Err(OaiError::bad_request(
+        "items cannot be deleted: a conversation's log is append-only; fork it before the item instead \
+         (POST /v1/sessions/{id}/fork)",
+    ))
+}
+
+async fn all_items(app: &AppState, caller: &Caller, id: &str) -> Result<Vec<Value>, OaiError> {
+    let row = owned(app, caller, id).await?;
+    let events = read::all_events(&app.pool, caller.as_str(), row.id)
+        .await?
+        .ok_or_else(|| OaiError::not_found("conversation"))?;
+    Ok(conversation_items(&events))
+}

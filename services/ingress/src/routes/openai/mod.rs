@@ -1,0 +1,162 @@
+//! OpenAI's Conversations and Responses APIs over sessions and turns (DESIGN §13): a
+//! translation layer in the ingress, not a second model of a conversation. A conversation
+//! is a session (`conv_<32 hex>`), a response one attempt (`resp_<32 hex>`), an item a
+//! visible event (`msg_<32 hex>`: a user message's event id, an answer's attempt id, so
+//! an answer keeps the id it was announced with while it streamed).
+
+pub mod conversations;
+pub mod responses;
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+use turnlog_core::events::{Event, EventBody};
+use turnlog_core::ids::SessionId;
+use turnlog_core::ui_transcript::{ui_transcript, ItemKind};
+use uuid::Uuid;
+
+use crate::error::ApiError;
+
+/// An error on these routes: OpenAI's shape (`{"error": {message, type, param, code}}`),
+/// and `x-should-retry: false` on a 409 or a 5xx — the SDKs retry those without an
+/// idempotency key, which could append a message twice (DESIGN §13).
+#[derive(Debug)]
+pub struct OaiError(pub ApiError);
+
+impl<E: Into<ApiError>> From<E> for OaiError {
+    fn from(e: E) -> Self {
+        Self(e.into())
+    }
+}
+
+impl OaiError {
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self(ApiError::bad_request(message))
+    }
+    pub fn not_found(what: &str) -> Self {
+        Self(ApiError::NotFound(format!("{what} not found")))
+    }
+}
+
+impl IntoResponse for OaiError {
+    fn into_response(self) -> Response {
+        let e = self.0;
+        if let ApiError::Internal(inner) = &e {
+            tracing::error!(error = format!("{inner:#}"), "request failed");
+        }
+        let status = e.status();
+        let kind = match status.as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            429 => "rate_limit_error",
+            s if s >= 500 => "server_error",
+            _ => "invalid_request_error",
+        };
+        let body =
+            json!({"error": {"message": e.public_message(), "type": kind, "param": null, "code": e.code()}});
+        let mut response = (status, Json(body)).into_response();
+        if status == StatusCode::CONFLICT || status.is_server_error() {
+            response.headers_mut().insert("x-should-retry", HeaderValue::from_static("false"));
+        }
+        response
+    }
+}
+
+/// `conv_` and the session id's 32 hex digits.
+pub fn conversation_id(s: SessionId) -> String {
+    format!("conv_{}", s.0.simple())
+}
+
+/// A conversation id, or the session's own UUID form.
+pub fn parse_conversation(id: &str) -> Result<SessionId, OaiError> {
+    prefixed(id, "conv_").map(SessionId).ok_or_else(|| OaiError::not_found("conversation"))
+}
+
+/// `resp_` and the attempt id's 32 hex digits.
+pub fn response_id(attempt: Uuid) -> String {
+    format!("resp_{}", attempt.simple())
+}
+
+/// The attempt id a response id names, as the log spells it (hyphenated).
+pub fn parse_response(id: &str) -> Result<String, OaiError> {
+    prefixed(id, "resp_").map(|u| u.hyphenated().to_string()).ok_or_else(|| OaiError::not_found("response"))
+}
+
+fn message_id(id: Uuid) -> String {
+    format!("msg_{}", id.simple())
+}
+
+fn reasoning_id(attempt: Uuid) -> String {
+    format!("rs_{}", attempt.simple())
+}
+
+/// `<prefix><32 hex>` or a plain UUID.
+fn prefixed(id: &str, prefix: &str) -> Option<Uuid> {
+    let hex = id.strip_prefix(prefix).unwrap_or(id);
+    if hex.len() != 32 && hex.len() != 36 {
+        return None;
+    }
+    Uuid::parse_str(hex).ok()
+}
+
+/// An answer's item: its text as one `output_text` part.
+fn output_message(id: &str, text: &str, status: &str) -> Value {
+    json!({
+        "type": "message", "id": id, "role": "assistant", "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    })
+}
+
+/// A reasoning item with its text.
+fn reasoning_item(id: &str, text: &str) -> Value {
+    json!({"type": "reasoning", "id": id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]})
+}
+
+/// The conversation items of a branch log: its user messages and its answers (interrupted
+/// ones included, `incomplete`), as the transcript shows them.
+pub fn conversation_items(events: &[Event]) -> Vec<Value> {
+    let shown: std::collections::HashSet<i64> = ui_transcript(events)
+        .into_iter()
+        .filter(|i| matches!(i.kind, ItemKind::User | ItemKind::Assistant | ItemKind::Interrupted))
+        .map(|i| i.seq)
+        .collect();
+    let attempt_item = |attempt: &Option<String>, event: Uuid| {
+        message_id(attempt.as_deref().and_then(|a| Uuid::parse_str(a).ok()).unwrap_or(event))
+    };
+    events
+        .iter()
+        .filter(|e| shown.contains(&e.seq))
+        .filter_map(|e| match &e.body {
+            EventBody::UserMessage(m) => Some(json!({
+                "type": "message", "id": message_id(e.event_id.as_uuid()), "role": "user", "status": "completed",
+                "content": [{"type": "input_text", "text": m.text}],
+            })),
+            EventBody::AssistantTurn(a) => {
+                Some(output_message(&attempt_item(&a.attempt_id, e.event_id.as_uuid()), &a.ui_text(), "completed"))
+            }
+            EventBody::PendingState(p) => {
+                Some(output_message(&attempt_item(&p.attempt_id, e.event_id.as_uuid()), &p.partial, "incomplete"))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_round_trip_and_accept_the_uuid_form() {
+        let s = SessionId::new();
+        assert_eq!(parse_conversation(&conversation_id(s)).unwrap(), s);
+        assert_eq!(parse_conversation(&s.to_string()).unwrap(), s);
+        assert!(parse_conversation("conv_nothex").is_err());
+        assert!(parse_conversation("").is_err());
+        let a = Uuid::now_v7();
+        assert_eq!(parse_response(&response_id(a)).unwrap(), a.hyphenated().to_string());
+        assert!(parse_response("resp_123").is_err());
+    }
+}

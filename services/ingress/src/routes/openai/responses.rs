@@ -1,0 +1,692 @@
+//! `POST /v1/responses` and friends: a response is one turn's attempt, streamed as
+//! OpenAI's `response.*` events translated from the turn's native events (DESIGN §13).
+
+use std::convert::Infallible;
+
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::stream::BoxStream;
+use futures::StreamExt as _;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
+use turnlog_core::events::{BlockType, EventBody, PendingReason};
+use turnlog_core::ids::SessionId;
+use turnlog_runtime::bus::AppendRequest;
+use turnlog_runtime::read::{self, StoredEvent};
+use uuid::Uuid;
+
+use super::{conversation_id, message_id, output_message, parse_conversation, parse_response, reasoning_id};
+use super::{reasoning_item, response_id, OaiError};
+use crate::auth::Caller;
+use crate::extract::ApiPath;
+use crate::routes::forks::fork_request;
+use crate::routes::sessions::owned_session;
+use crate::routes::turns::{begin_turn, follow_local, validated, SendMessage};
+use crate::turn::{TurnEvent, TurnOptions};
+use crate::AppState;
+
+/// The body of `POST /v1/responses`; fields OpenAI defines that turnlog does not act on
+/// are refused when they would change the answer (`tools`) and ignored otherwise.
+#[derive(Debug, Deserialize)]
+pub struct CreateResponse {
+    #[serde(default)]
+    model: Option<String>,
+    input: Input,
+    #[serde(default)]
+    instructions: Option<String>,
+    #[serde(default)]
+    conversation: Option<ConversationRef>,
+    #[serde(default)]
+    previous_response_id: Option<String>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    background: bool,
+    #[serde(default)]
+    store: Option<bool>,
+    #[serde(default)]
+    max_output_tokens: Option<u32>,
+    #[serde(default)]
+    temperature: Option<f64>,
+    #[serde(default)]
+    top_p: Option<f64>,
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Input {
+    Text(String),
+    Items(Vec<InputItem>),
+}
+
+#[derive(Debug, Deserialize)]
+struct InputItem {
+    #[serde(default)]
+    role: Option<String>,
+    #[serde(default)]
+    content: Option<Content>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Value>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum ConversationRef {
+    Id(String),
+    Object { id: String },
+}
+
+/// The user's text of this turn: a string, or the text parts of user message items.
+fn user_text(input: &Input) -> Result<String, OaiError> {
+    let items = match input {
+        Input::Text(t) => return Ok(t.clone()),
+        Input::Items(items) => items,
+    };
+    let mut texts = Vec::new();
+    for item in items {
+        match item.role.as_deref() {
+            Some("user") => {}
+            Some("system" | "developer") => {
+                return Err(OaiError::bad_request("send system text as `instructions`"));
+            }
+            _ => {
+                return Err(OaiError::bad_request(
+                    "input items must be user messages; earlier turns belong in the conversation \
+                     (POST /v1/conversations/{id}/items)",
+                ))
+            }
+        }
+        match &item.content {
+            Some(Content::Text(t)) => texts.push(t.clone()),
+            Some(Content::Parts(parts)) => {
+                for part in parts {
+                    match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str))
+                    {
+                        (Some("input_text"), Some(t)) => texts.push(t.to_owned()),
+                        (kind, _) => {
+                            return Err(OaiError::bad_request(format!(
+                                "input content of type {} is not supported here; send input_text",
+                                kind.unwrap_or("(none)")
+                            )))
+                        }
+                    }
+                }
+            }
+            None => {}
+        }
+    }
+    Ok(texts.join("\n\n"))
+}
+
+/// What a created response's object repeats of its request.
+#[derive(Debug, Clone, Default)]
+struct Echo {
+    instructions: Option<String>,
+    previous_response_id: Option<String>,
+    max_output_tokens: Option<u32>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+}
+
+/// Create a model response (OpenAI's Responses API): one turn of a conversation.
+#[utoipa::path(
+    post, path = "/v1/responses", tag = "openai", security(("bearer" = [])),
+    request_body(content = Object, description = "OpenAI's `ResponseCreateParams`"),
+    responses(
+        (status = 200, description = "A `response` object, or with `stream: true` text/event-stream of `response.*` events ending with `data: [DONE]`", body = Object),
+        (status = 400, body = Object), (status = 404, body = Object), (status = 409, body = Object),
+    )
+)]
+pub async fn create(State(app): State<AppState>, caller: Caller, body: Bytes) -> Result<Response, OaiError> {
+    let req: CreateResponse = serde_json::from_slice(&body).map_err(|e| {
+        OaiError::bad_request(format!("the request body is not a valid response request: {e}"))
+    })?;
+    if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(OaiError::bad_request("tools are not supported: turnlog does not run tools yet"));
+    }
+    if req.background {
+        return Err(OaiError::bad_request("background responses are not supported; use stream: true"));
+    }
+    if req.store == Some(false) {
+        return Err(OaiError::bad_request(
+            "store: false is not supported yet: every response is stored in its conversation",
+        ));
+    }
+    if req.conversation.is_some() && req.previous_response_id.is_some() {
+        return Err(OaiError::bad_request("send conversation or previous_response_id, not both"));
+    }
+    if req.instructions.as_ref().is_some_and(|i| i.len() > MAX_SYSTEM_PROMPT_BYTES) {
+        return Err(OaiError::bad_request(format!(
+            "instructions take more than {MAX_SYSTEM_PROMPT_BYTES} bytes"
+        )));
+    }
+    let message = SendMessage {
+        text: user_text(&req.input)?,
+        category: None,
+        model: req.model.clone(),
+        images: Vec::new(),
+        documents: Vec::new(),
+        edit_of: None,
+    };
+    validated(&app, &message)?;
+    let (session, create) = target(&app, &caller, &req).await?;
+    let options = TurnOptions {
+        system: req.instructions.clone(),
+        max_tokens: req.max_output_tokens,
+        temperature: req.temperature,
+        top_p: req.top_p,
+    };
+    let echo = Echo {
+        instructions: req.instructions,
+        previous_response_id: req.previous_response_id,
+        max_output_tokens: req.max_output_tokens,
+        temperature: req.temperature,
+        top_p: req.top_p,
+    };
+    let events = begin_turn(&app, &caller, session, message, None, create, options).await?;
+    let translated = translate(app.clone(), caller.as_str().to_owned(), events, echo);
+    if req.stream {
+        return Ok(sse(translated, None));
+    }
+    let last = translated.fold(None, |_, e| async move { Some(e) }).await;
+    match last.and_then(|mut e| e.get_mut("response").map(Value::take)) {
+        Some(response) => Ok(Json(response).into_response()),
+        None => Err(OaiError(crate::error::ApiError::internal(anyhow::anyhow!(
+            "the turn ended without a response"
+        )))),
+    }
+}
+
+/// The session the response runs in, and the `create` to submit first when it is new: the
+/// named conversation; the conversation of `previous_response_id`, forked after it when
+/// it is not that conversation's latest answer (DESIGN §10); or a new conversation.
+async fn target(
+    app: &AppState,
+    caller: &Caller,
+    req: &CreateResponse,
+) -> Result<(SessionId, Option<AppendRequest>), OaiError> {
+    if let Some(c) = &req.conversation {
+        let id = match c {
+            ConversationRef::Id(id) | ConversationRef::Object { id } => parse_conversation(id)?,
+        };
+        owned_session(app, caller, id).await.map_err(|_| OaiError::not_found("conversation"))?;
+        return Ok((id, None));
+    }
+    if let Some(previous) = &req.previous_response_id {
+        let attempt = parse_response(previous)?;
+        let event = read::attempt_event(&app.pool, caller.as_str(), &attempt)
+            .await?
+            .ok_or_else(|| OaiError::not_found("previous response"))?;
+        let session = SessionId(event.session_id);
+        let row = owned_session(app, caller, session)
+            .await
+            .map_err(|_| OaiError::not_found("previous response"))?;
+        let later = read::last_user_message(&app.pool, caller.as_str(), session).await?;
+        if later.is_some_and(|(user_seq, _, _)| user_seq > event.seq) {
+            let create = fork_request(app, caller, &row, event.seq, None, "response").await?;
+            return Ok((create.session_id, Some(create)));
+        }
+        return Ok((session, None));
+    }
+    let id = SessionId::new();
+    Ok((id, Some(AppendRequest::create(id, caller.as_str(), None))))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct RetrieveParams {
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    starting_after: Option<u64>,
+}
+
+/// Retrieve a response; with `stream=true`, re-attach: its events from `response.created`
+/// (after `starting_after`, a `sequence_number`), live while it runs.
+#[utoipa::path(
+    get, path = "/v1/responses/{id}", tag = "openai", security(("bearer" = [])),
+    params(("id" = String, Path, description = "resp_<32 hex>"),
+           ("stream" = Option<bool>, Query, description = "Re-attach as an event stream"),
+           ("starting_after" = Option<u64>, Query, description = "The last sequence_number the client has")),
+    responses((status = 200, body = Object), (status = 404, body = Object))
+)]
+pub async fn retrieve(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+    Query(params): Query<RetrieveParams>,
+) -> Result<Response, OaiError> {
+    let attempt = parse_response(&id)?;
+    let owner = caller.as_str().to_owned();
+    if let Some(turn) = app.turns.by_attempt(&attempt) {
+        owned_session(&app, &caller, turn.session).await.map_err(|_| OaiError::not_found("response"))?;
+        let translated = translate(app.clone(), owner, follow_local(turn, 0), Echo::default());
+        if params.stream == Some(true) {
+            return Ok(sse(translated, params.starting_after));
+        }
+        // A snapshot of a running response: its last full object so far.
+        let snapshot = translated.take_while(|e| futures::future::ready(e["type"] != "response.in_progress"));
+        let first = snapshot.fold(None, |_, e| async move { Some(e) }).await;
+        let mut response = first.and_then(|mut e| e.get_mut("response").map(Value::take)).unwrap_or_default();
+        response["status"] = json!("in_progress");
+        return Ok(Json(response).into_response());
+    }
+    let event = read::attempt_event(&app.pool, &owner, &attempt)
+        .await?
+        .ok_or_else(|| OaiError::not_found("response"))?;
+    let response = from_log(&event, &Echo::default());
+    if params.stream == Some(true) {
+        let events = replay_finished(response);
+        return Ok(sse(futures::stream::iter(events).boxed(), params.starting_after));
+    }
+    Ok(Json(response).into_response())
+}
+
+/// Cancel a response (= stop: its partial answer is kept as an incomplete item).
+#[utoipa::path(
+    post, path = "/v1/responses/{id}/cancel", tag = "openai", security(("bearer" = [])),
+    params(("id" = String, Path, description = "resp_<32 hex>")),
+    responses((status = 200, body = Object), (status = 404, body = Object))
+)]
+pub async fn cancel(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+) -> Result<Response, OaiError> {
+    let attempt = parse_response(&id)?;
+    let owner = caller.as_str().to_owned();
+    if let Some(turn) = app.turns.by_attempt(&attempt) {
+        owned_session(&app, &caller, turn.session).await.map_err(|_| OaiError::not_found("response"))?;
+        turn.stop(PendingReason::Stopped);
+        let last = translate(app.clone(), owner.clone(), follow_local(turn, 0), Echo::default())
+            .fold(None, |_, e| async move { Some(e) })
+            .await;
+        if let Some(response) = last.and_then(|mut e| e.get_mut("response").map(Value::take)) {
+            return Ok(Json(response).into_response());
+        }
+    }
+    let event = read::attempt_event(&app.pool, &owner, &attempt)
+        .await?
+        .ok_or_else(|| OaiError::not_found("response"))?;
+    Ok(Json(from_log(&event, &Echo::default())).into_response())
+}
+
+/// A response's object read from its attempt's newest event.
+fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
+    let session = SessionId(event.session_id);
+    let body = EventBody::decode_str(&event.kind, &event.payload, event.seq).ok();
+    let mut r = Snapshot::new(String::new(), session, echo.clone());
+    match body {
+        Some(EventBody::AssistantTurn(a)) => {
+            r.attempt = a.attempt_id.as_deref().and_then(|a| Uuid::parse_str(a).ok());
+            r.model = a.model.clone().unwrap_or_default();
+            for b in &a.ui.blocks {
+                if b.kind == BlockType::Reasoning {
+                    r.reasoning.push_str(b.text.as_deref().unwrap_or_default());
+                }
+            }
+            r.text = a.ui_text();
+            r.usage = a.usage.map(|u| (u.input_tokens, u.output_tokens, u.cached_input_tokens.unwrap_or(0)));
+            let length = a.finish_reason.as_deref() == Some("length");
+            r.finish(if length { Status::Incomplete(Some("max_output_tokens")) } else { Status::Completed })
+        }
+        Some(EventBody::PendingState(p)) => {
+            r.attempt = p.attempt_id.as_deref().and_then(|a| Uuid::parse_str(a).ok());
+            r.model = p.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
+            r.text = p.partial;
+            match p.reason {
+                Some(PendingReason::Stopped) => r.finish(Status::Cancelled),
+                _ => r.finish(Status::Incomplete(None)),
+            }
+        }
+        Some(EventBody::TurnFailed(f)) => {
+            r.attempt = f.attempt_id.as_deref().and_then(|a| Uuid::parse_str(a).ok());
+            r.model = f.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
+            if f.code == "interrupted" && f.message.starts_with("stopped") {
+                r.finish(Status::Cancelled)
+            } else {
+                r.finish(Status::Failed(f.message))
+            }
+        }
+        _ => r.finish(Status::Failed("the response could not be read".into())),
+    }
+}
+
+/// The events of a finished response, as a re-attach replays them.
+fn replay_finished(response: Value) -> Vec<Value> {
+    let mut events = vec![
+        json!({"type": "response.created", "response": in_progress(&response)}),
+        json!({"type": "response.in_progress", "response": in_progress(&response)}),
+    ];
+    let items = response["output"].as_array().cloned().unwrap_or_default();
+    for (index, item) in items.iter().enumerate() {
+        let id = item["id"].clone();
+        let mut added = item.clone();
+        added["status"] = json!("in_progress");
+        if added["type"] == "message" {
+            added["content"] = json!([]);
+        }
+        events.push(json!({"type": "response.output_item.added", "output_index": index, "item": added}));
+        let part = &item["content"][0];
+        let text = part["text"].clone();
+        let (part_type, delta_type, done_type) = if item["type"] == "reasoning" {
+            ("reasoning_text", "response.reasoning_text.delta", "response.reasoning_text.done")
+        } else {
+            ("output_text", "response.output_text.delta", "response.output_text.done")
+        };
+        events.push(json!({"type": "response.content_part.added", "item_id": id, "output_index": index,
+            "content_index": 0, "part": empty_part(part_type)}));
+        let mut delta = json!({"type": delta_type, "item_id": id, "output_index": index, "content_index": 0, "delta": text});
+        let mut done = json!({"type": done_type, "item_id": id, "output_index": index, "content_index": 0, "text": text});
+        if part_type == "output_text" {
+            delta["logprobs"] = json!([]);
+            done["logprobs"] = json!([]);
+        }
+        events.push(delta);
+        events.push(done);
+        events.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": index,
+            "content_index": 0, "part": part}));
+        events.push(json!({"type": "response.output_item.done", "output_index": index, "item": item}));
+    }
+    events.push(json!({"type": terminal_type(&response), "response": response}));
+    events
+}
+
+fn empty_part(kind: &str) -> Value {
+    match kind {
+        "output_text" => json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []}),
+        _ => json!({"type": kind, "text": ""}),
+    }
+}
+
+fn in_progress(response: &Value) -> Value {
+    let mut r = response.clone();
+    r["status"] = json!("in_progress");
+    r["output"] = json!([]);
+    r["usage"] = Value::Null;
+    r["error"] = Value::Null;
+    r["incomplete_details"] = Value::Null;
+    r
+}
+
+fn terminal_type(response: &Value) -> &'static str {
+    match response["status"].as_str() {
+        Some("completed") => "response.completed",
+        Some("failed") => "response.failed",
+        _ => "response.incomplete",
+    }
+}
+
+enum Status {
+    Completed,
+    Cancelled,
+    Incomplete(Option<&'static str>),
+    Failed(String),
+}
+
+/// A response as it stands: what its object is built from.
+struct Snapshot {
+    owner: String,
+    session: SessionId,
+    attempt: Option<Uuid>,
+    model: String,
+    text: String,
+    reasoning: String,
+    usage: Option<(u64, u64, u64)>,
+    echo: Echo,
+}
+
+impl Snapshot {
+    fn new(owner: String, session: SessionId, echo: Echo) -> Self {
+        Self {
+            owner,
+            session,
+            attempt: None,
+            model: String::new(),
+            text: String::new(),
+            reasoning: String::new(),
+            usage: None,
+            echo,
+        }
+    }
+
+    fn attempt(&self) -> Uuid {
+        self.attempt.unwrap_or_default()
+    }
+
+    fn message_id(&self) -> String {
+        message_id(self.attempt())
+    }
+
+    fn reasoning_id(&self) -> String {
+        reasoning_id(self.attempt())
+    }
+
+    /// The object with `status` and the output so far.
+    fn object(&self, status: &str, output: Vec<Value>) -> Value {
+        let attempt = self.attempt();
+        let created_at = attempt.get_timestamp().map_or(0, |t| t.to_unix().0);
+        let usage = self.usage.map(|(input, output, cached)| {
+            json!({
+                "input_tokens": input,
+                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+                "output_tokens": output,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": input + output,
+            })
+        });
+        json!({
+            "id": response_id(attempt),
+            "object": "response",
+            "created_at": created_at,
+            "status": status,
+            "background": false,
+            "error": null,
+            "incomplete_details": null,
+            "instructions": self.echo.instructions,
+            "max_output_tokens": self.echo.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": false,
+            "previous_response_id": self.echo.previous_response_id,
+            "reasoning": {"effort": null, "summary": null},
+            "store": true,
+            "temperature": self.echo.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": self.echo.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "metadata": {},
+            "conversation": {"id": conversation_id(self.session)},
+        })
+    }
+
+    /// The finished object.
+    fn finish(&self, status: Status) -> Value {
+        let item_status = if matches!(status, Status::Completed) { "completed" } else { "incomplete" };
+        let mut output = Vec::new();
+        if !self.reasoning.is_empty() {
+            output.push(reasoning_item(&self.reasoning_id(), &self.reasoning));
+        }
+        if !self.text.is_empty() {
+            output.push(output_message(&self.message_id(), &self.text, item_status));
+        }
+        let (name, details, error) = match status {
+            Status::Completed => ("completed", Value::Null, Value::Null),
+            Status::Cancelled => ("cancelled", Value::Null, Value::Null),
+            Status::Incomplete(reason) => ("incomplete", json!({ "reason": reason }), Value::Null),
+            Status::Failed(message) => {
+                ("failed", Value::Null, json!({"code": "server_error", "message": message}))
+            }
+        };
+        let mut r = self.object(name, output);
+        r["incomplete_details"] = details;
+        r["error"] = error;
+        r
+    }
+}
+
+/// Which item the stream has open.
+#[derive(PartialEq)]
+enum Open {
+    None,
+    Reasoning,
+    Message,
+}
+
+/// The native events of a turn as OpenAI's `response.*` events (without their
+/// `sequence_number`, which [`sse`] numbers: a pure function of the native events, so a
+/// re-attach from the turn's first event numbers them alike). Ends with the terminal event,
+/// whose response is read back from the log (usage included).
+fn translate(
+    app: AppState,
+    owner: String,
+    mut events: BoxStream<'static, TurnEvent>,
+    echo: Echo,
+) -> BoxStream<'static, Value> {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Value>(64);
+    tokio::spawn(async move {
+        let mut r = Snapshot::new(owner, SessionId(Uuid::nil()), echo);
+        let mut open = Open::None;
+        let mut index = 0usize;
+        let mut failure: Option<String> = None;
+        while let Some(e) = events.next().await {
+            let mut out = Vec::new();
+            match e.event.as_str() {
+                "meta" => {
+                    r.session =
+                        e.data["session_id"].as_str().and_then(|s| s.parse().ok()).unwrap_or(r.session);
+                    r.attempt = e.data["attempt_id"].as_str().and_then(|a| Uuid::parse_str(a).ok());
+                    let created = r.object("in_progress", Vec::new());
+                    out.push(json!({"type": "response.created", "response": created}));
+                    out.push(json!({"type": "response.in_progress", "response": r.object("in_progress", Vec::new())}));
+                }
+                "reasoning" if open != Open::Message => {
+                    let delta = e.data["text"].as_str().unwrap_or_default();
+                    if open == Open::None {
+                        let item = json!({"type": "reasoning", "id": r.reasoning_id(), "summary": [], "content": [], "status": "in_progress"});
+                        out.push(json!({"type": "response.output_item.added", "output_index": index, "item": item}));
+                        out.push(json!({"type": "response.content_part.added", "item_id": r.reasoning_id(),
+                            "output_index": index, "content_index": 0, "part": empty_part("reasoning_text")}));
+                        open = Open::Reasoning;
+                    }
+                    r.reasoning.push_str(delta);
+                    out.push(json!({"type": "response.reasoning_text.delta", "item_id": r.reasoning_id(),
+                        "output_index": index, "content_index": 0, "delta": delta}));
+                }
+                "delta" => {
+                    let delta = e.data["text"].as_str().unwrap_or_default();
+                    if open == Open::Reasoning {
+                        close_reasoning(&r, index, &mut out);
+                        index += 1;
+                    }
+                    if open != Open::Message {
+                        let item = json!({"type": "message", "id": r.message_id(), "role": "assistant", "status": "in_progress", "content": []});
+                        out.push(json!({"type": "response.output_item.added", "output_index": index, "item": item}));
+                        out.push(json!({"type": "response.content_part.added", "item_id": r.message_id(),
+                            "output_index": index, "content_index": 0, "part": empty_part("output_text")}));
+                        open = Open::Message;
+                    }
+                    r.text.push_str(delta);
+                    out.push(json!({"type": "response.output_text.delta", "item_id": r.message_id(),
+                        "output_index": index, "content_index": 0, "delta": delta, "logprobs": []}));
+                }
+                "error" => failure = e.data["message"].as_str().map(str::to_owned),
+                "end" => {
+                    let stored = stored_outcome(&app, &r, &e.data).await;
+                    let response = stored.unwrap_or_else(|| {
+                        let status = match e.data["status"].as_str() {
+                            Some("completed") => Status::Completed,
+                            Some("stopped") => Status::Cancelled,
+                            Some("interrupted") => Status::Incomplete(None),
+                            _ => Status::Failed(
+                                failure.clone().unwrap_or_else(|| "the response failed".into()),
+                            ),
+                        };
+                        r.finish(status)
+                    });
+                    let item_status =
+                        if response["status"] == "completed" { "completed" } else { "incomplete" };
+                    match open {
+                        Open::Reasoning => close_reasoning(&r, index, &mut out),
+                        Open::Message => {
+                            let id = r.message_id();
+                            let part = json!({"type": "output_text", "text": r.text, "annotations": [], "logprobs": []});
+                            out.push(json!({"type": "response.output_text.done", "item_id": id, "output_index": index,
+                                "content_index": 0, "text": r.text, "logprobs": []}));
+                            out.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": index,
+                                "content_index": 0, "part": part}));
+                            out.push(json!({"type": "response.output_item.done", "output_index": index,
+                                "item": output_message(&id, &r.text, item_status)}));
+                        }
+                        Open::None => {}
+                    }
+                    out.push(json!({"type": terminal_type(&response), "response": response}));
+                }
+                _ => {}
+            }
+            for v in out {
+                if tx.send(v).await.is_err() {
+                    return; // the client went away; the turn goes on by itself
+                }
+            }
+        }
+    });
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|v| (v, rx)) }).boxed()
+}
+
+fn close_reasoning(r: &Snapshot, index: usize, out: &mut Vec<Value>) {
+    let id = r.reasoning_id();
+    let part = json!({"type": "reasoning_text", "text": r.reasoning});
+    out.push(json!({"type": "response.reasoning_text.done", "item_id": id, "output_index": index,
+        "content_index": 0, "text": r.reasoning}));
+    out.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": index,
+        "content_index": 0, "part": part}));
+    out.push(json!({"type": "response.output_item.done", "output_index": index,
+        "item": reasoning_item(&id, &r.reasoning)}));
+}
+
+/// The response object of a turn's stored outcome (the `end` names its seq), with the
+/// request's echo; None when it cannot be read.
+async fn stored_outcome(app: &AppState, r: &Snapshot, end: &Value) -> Option<Value> {
+    let seq = ["assistant_seq", "pending_seq", "failed_seq"].iter().find_map(|k| end[*k].as_i64())?;
+    let event = read::event_at(&app.pool, &r.owner, r.session, seq).await.ok()??;
+    let mut response = from_log(&event, &r.echo);
+    response["conversation"] = json!({"id": conversation_id(r.session)});
+    Some(response)
+}
+
+/// OpenAI's stream: `event: <type>`, `sequence_number` counted from 0, events at or before
+/// `starting_after` left out, then `data: [DONE]`.
+fn sse(events: BoxStream<'static, Value>, starting_after: Option<u64>) -> Response {
+    let numbered = events
+        .enumerate()
+        .filter_map(move |(n, mut e)| {
+            let n = n as u64;
+            e["sequence_number"] = json!(n);
+            futures::future::ready(starting_after.is_none_or(|after| n > after).then_some(e))
+        })
+        .map(|e| {
+            let kind = e["type"].as_str().unwrap_or("message").to_owned();
+            Ok::<_, Infallible>(SseEvent::default().event(kind).data(e.to_string()))
+        })
+        .chain(futures::stream::once(async { Ok(SseEvent::default().data("[DONE]")) }));
+    let mut response = Sse::new(numbered).keep_alive(KeepAlive::default()).into_response();
+    let headers: &mut HeaderMap = response.headers_mut();
+    headers.insert("x-accel-buffering", axum::http::HeaderValue::from_static("no"));
+    headers.insert("cache-control", axum::http::HeaderValue::from_static("no-cache"));
+    response
+}

@@ -1,0 +1,162 @@
+"""turnlog's Conversations and Responses APIs through the official `openai` SDK, with strict
+response validation: every object and event must parse as the SDK's own models.
+
+Run by `tests/openai/run` against a fresh `turnlog dev` (its built-in mock model answers):
+TURNLOG_BASE, TURNLOG_TOKEN (this owner) and TURNLOG_TOKEN2 (another owner).
+"""
+
+import os
+import unittest
+
+import openai
+from openai import OpenAI
+
+BASE = os.environ["TURNLOG_BASE"] + "/v1"
+
+
+def client(token=None):
+    return OpenAI(
+        base_url=BASE,
+        api_key=token or os.environ["TURNLOG_TOKEN"],
+        max_retries=0,
+        _strict_response_validation=True,
+    )
+
+
+def streamed(stream):
+    """Every event of a response stream, and the final response."""
+    events = list(stream)
+    return events, events[-1].response
+
+
+class ResponsesAndConversations(unittest.TestCase):
+    def setUp(self):
+        self.client = client()
+
+    def test_a_conversation_of_three_streamed_responses(self):
+        conv = self.client.conversations.create()
+        self.assertTrue(conv.id.startswith("conv_"), conv.id)
+        self.assertEqual(self.client.conversations.retrieve(conv.id).id, conv.id)
+
+        answers = []
+        for i in range(3):
+            stream = self.client.responses.create(
+                model="mock", conversation=conv.id, input=f"Question {i}: what is up? [mock words=12]", stream=True
+            )
+            events, final = streamed(stream)
+            types = [e.type for e in events]
+            self.assertEqual(types[:2], ["response.created", "response.in_progress"], types)
+            self.assertIn("response.output_text.delta", types)
+            self.assertEqual(types[-1], "response.completed")
+            self.assertEqual([e.sequence_number for e in events], list(range(len(events))))
+            deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+            self.assertEqual(final.status, "completed")
+            self.assertEqual(final.output_text, deltas)
+            self.assertTrue(final.id.startswith("resp_"))
+            self.assertEqual(final.conversation.id, conv.id)
+            self.assertGreater(final.usage.input_tokens, 0)
+            answers.append(final)
+
+        items = self.client.conversations.items.list(conv.id, order="asc")
+        data = list(items)
+        self.assertEqual([m.role for m in data], ["user", "assistant"] * 3)
+        # An answer keeps the id it streamed with.
+        self.assertEqual([m.id for m in data if m.role == "assistant"], [a.output[0].id for a in answers])
+        self.assertEqual(data[1].content[0].text, answers[0].output_text)
+        self.assertTrue(data[0].content[0].text.startswith("Question 0"))
+        # Paging: two at a time, newest first by default.
+        page = self.client.conversations.items.list(conv.id, limit=2)
+        self.assertEqual(len(page.data), 2)
+        self.assertTrue(page.has_more)
+        self.assertEqual(page.data[0].id, answers[2].output[0].id)
+        one = self.client.conversations.items.retrieve(data[1].id, conversation_id=conv.id)
+        self.assertEqual(one.id, data[1].id)
+
+        # Retrieve, and re-attach to the finished response from its start or a point.
+        got = self.client.responses.retrieve(answers[2].id)
+        self.assertEqual((got.status, got.output_text), ("completed", answers[2].output_text))
+        replay = list(self.client.responses.retrieve(answers[2].id, stream=True))
+        self.assertEqual(replay[0].type, "response.created")
+        self.assertEqual(replay[-1].response.output_text, answers[2].output_text)
+        later = list(self.client.responses.retrieve(answers[2].id, stream=True, starting_after=3))
+        self.assertEqual(later[0].sequence_number, 4)
+
+        # The native API sees the same session.
+        native = self.client.get(f"/sessions/{conv.id[len('conv_'):]}", cast_to=object)
+        self.assertIsInstance(native, dict)
+
+    def test_non_streaming_and_previous_response_id_continue_or_fork(self):
+        first = self.client.responses.create(model="mock", input="Remember the word teal. [mock words=5]")
+        self.assertEqual(first.status, "completed")
+        self.assertTrue(first.output_text)
+        second = self.client.responses.create(
+            model="mock", input="And now? [mock words=5]", previous_response_id=first.id
+        )
+        self.assertEqual(second.conversation.id, first.conversation.id)
+        self.assertEqual(second.previous_response_id, first.id)
+        # `first` is no longer the latest answer: continuing from it forks there.
+        forked = self.client.responses.create(
+            model="mock", input="Another way. [mock words=5]", previous_response_id=first.id
+        )
+        self.assertNotEqual(forked.conversation.id, first.conversation.id)
+        items = list(self.client.conversations.items.list(forked.conversation.id, order="asc"))
+        self.assertEqual(len(items), 4)
+        self.assertEqual(items[1].id, first.output[0].id)
+        self.assertTrue(items[2].content[0].text.startswith("Another way"))
+
+    def test_instructions_and_max_output_tokens_reach_the_request(self):
+        r = self.client.responses.create(
+            model="mock", input="Hello [mock words=5]", instructions="Answer in French.", max_output_tokens=64
+        )
+        self.assertEqual(r.instructions, "Answer in French.")
+        self.assertEqual(r.max_output_tokens, 64)
+
+    def test_cancel_keeps_the_partial_answer(self):
+        conv = self.client.conversations.create()
+        stream = self.client.responses.create(
+            model="mock", conversation=conv.id, input="Tell me a long story. [mock words=400 delay_ms=20]", stream=True
+        )
+        response_id = None
+        deltas = 0
+        for event in stream:
+            if event.type == "response.created":
+                response_id = event.response.id
+            if event.type == "response.output_text.delta":
+                deltas += 1
+                if deltas == 5:
+                    cancelled = self.client.responses.cancel(response_id)
+                    self.assertEqual(cancelled.status, "cancelled")
+            if event.type in ("response.completed", "response.incomplete", "response.failed"):
+                break
+        stream.close()
+        got = self.client.responses.retrieve(response_id)
+        self.assertEqual(got.status, "cancelled")
+        self.assertTrue(got.output_text)
+        items = list(self.client.conversations.items.list(conv.id, order="asc"))
+        self.assertEqual(items[-1].status, "incomplete")
+        self.assertEqual(items[-1].content[0].text, got.output_text)
+
+    def test_errors_are_openai_shaped_and_owner_scoped(self):
+        with self.assertRaises(openai.NotFoundError) as e:
+            self.client.responses.retrieve("resp_" + "0" * 32)
+        self.assertEqual(e.exception.body["type"], "not_found_error")
+        with self.assertRaises(openai.NotFoundError):
+            self.client.conversations.retrieve("conv_nothex")
+        conv = self.client.conversations.create()
+        other = client(os.environ["TURNLOG_TOKEN2"])
+        with self.assertRaises(openai.NotFoundError):
+            other.conversations.retrieve(conv.id)
+        with self.assertRaises(openai.NotFoundError):
+            other.responses.create(model="mock", conversation=conv.id, input="hi")
+        with self.assertRaises(openai.BadRequestError):
+            self.client.responses.create(
+                model="mock", input="hi", tools=[{"type": "function", "name": "f", "parameters": {}}]
+            )
+        with self.assertRaises(openai.BadRequestError):
+            self.client.conversations.items.delete("msg_" + "0" * 32, conversation_id=conv.id)
+        with self.assertRaises(openai.AuthenticationError):
+            client("wrong-token").conversations.create()
+
+
+if __name__ == "__main__":
+    unittest.main()
