@@ -104,6 +104,37 @@ class ResponsesAndConversations(unittest.TestCase):
         self.assertEqual(items[1].id, first.output[0].id)
         self.assertTrue(items[2].content[0].text.startswith("Another way"))
 
+    def test_items_added_without_the_model_are_the_context_of_the_next_response(self):
+        conv = self.client.conversations.create(
+            items=[
+                {"type": "message", "role": "user", "content": "My cat is called Miso."},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Noted: Miso."}]},
+            ]
+        )
+        added = self.client.conversations.items.create(
+            conv.id, items=[{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And a dog, Rex."}]}]
+        )
+        self.assertEqual([i.role for i in added.data], ["user"])
+        r = self.client.responses.create(model="mock", conversation=conv.id, input="Names? [mock words=5]")
+        items = list(self.client.conversations.items.list(conv.id, order="asc"))
+        self.assertEqual([i.role for i in items], ["user", "assistant", "user", "user", "assistant"])
+        self.assertEqual(items[2].id, added.data[0].id)
+        self.assertEqual(items[-1].id, r.output[0].id)
+        inputs = list(self.client.responses.input_items.list(r.id))
+        self.assertEqual(len(inputs), 1)
+        self.assertEqual(inputs[0].content[0].text, "Names? [mock words=5]")
+
+    def test_reasoning_streams_as_a_reasoning_item_before_the_message(self):
+        events, final = streamed(
+            self.client.responses.create(model="mock", input="Think first. [mock reasoning=3 words=4]", stream=True)
+        )
+        types = [e.type for e in events]
+        self.assertIn("response.reasoning_text.delta", types)
+        self.assertLess(types.index("response.reasoning_text.done"), types.index("response.output_text.delta"))
+        self.assertEqual([o.type for o in final.output], ["reasoning", "message"])
+        self.assertTrue(final.output[0].content[0].text)
+        self.assertEqual(final.output_text, "".join(e.delta for e in events if e.type == "response.output_text.delta"))
+
     def test_instructions_and_max_output_tokens_reach_the_request(self):
         r = self.client.responses.create(
             model="mock", input="Hello [mock words=5]", instructions="Answer in French.", max_output_tokens=64

@@ -9,7 +9,13 @@ use serde_json::{json, Value};
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read::{self, SessionRow};
 
-use super::{conversation_id, conversation_items, parse_conversation, OaiError};
+use turnlog_core::events::{
+    AssistantTurn, Block, BlockType, EventBody, LlmMessage, LlmPart, MessageContent, UiPart, UserMessage,
+};
+use turnlog_core::ids::SessionId;
+use uuid::Uuid;
+
+use super::{conversation_id, conversation_items, list_page, message_id, parse_conversation, OaiError};
 use crate::auth::Caller;
 use crate::extract::ApiPath;
 use crate::writes::submit;
@@ -35,7 +41,7 @@ async fn owned(app: &AppState, caller: &Caller, id: &str) -> Result<SessionRow, 
         .ok_or_else(|| OaiError::not_found("conversation"))
 }
 
-/// Create a conversation (a session). Starting items are not supported yet.
+/// Create a conversation (a session), with starting messages if given.
 #[utoipa::path(
     post, path = "/v1/conversations", tag = "openai", security(("bearer" = [])),
     request_body(content = Object, description = "OpenAI's `ConversationCreateParams`"),
@@ -52,20 +58,136 @@ pub async fn create(
         serde_json::from_slice(&body)
             .map_err(|e| OaiError::bad_request(format!("the body is not JSON: {e}")))?
     };
-    if params.get("items").and_then(Value::as_array).is_some_and(|i| !i.is_empty()) {
-        return Err(OaiError::bad_request(
-            "starting items are not supported yet: create the conversation, then respond",
-        ));
-    }
+    let items = match params.get("items") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(items) => parse_items(items)?,
+    };
     if params.get("metadata").and_then(Value::as_object).is_some_and(|m| !m.is_empty()) {
         return Err(OaiError::bad_request("conversation metadata is not supported yet"));
     }
-    let id = turnlog_core::ids::SessionId::new();
+    let id = SessionId::new();
     submit(&app, &AppendRequest::create(id, caller.as_str(), None)).await?;
     let row = read::get_session(&app.pool, caller.as_str(), id).await?.ok_or_else(|| {
         OaiError(crate::error::ApiError::internal(anyhow::anyhow!("session {id} committed but not readable")))
     })?;
+    if !items.is_empty() {
+        append_items(&app, &caller, id, items).await?;
+    }
     Ok(Json(conversation(&row)))
+}
+
+/// Most items one request adds (OpenAI's limit).
+const MAX_NEW_ITEMS: usize = 20;
+
+/// An item to add: a user message or an answer, as text.
+struct NewItem {
+    assistant: bool,
+    text: String,
+}
+
+/// `items` of a create: messages whose content is a string or text parts.
+fn parse_items(items: &Value) -> Result<Vec<NewItem>, OaiError> {
+    let items = items.as_array().ok_or_else(|| OaiError::bad_request("items must be an array"))?;
+    if items.len() > MAX_NEW_ITEMS {
+        return Err(OaiError::bad_request(format!("at most {MAX_NEW_ITEMS} items at once")));
+    }
+    items.iter().map(parse_item).collect()
+}
+
+fn parse_item(item: &Value) -> Result<NewItem, OaiError> {
+    if item.get("type").and_then(Value::as_str).is_some_and(|t| t != "message") {
+        return Err(OaiError::bad_request("only message items can be added"));
+    }
+    let assistant = match item.get("role").and_then(Value::as_str) {
+        Some("user") => false,
+        Some("assistant") => true,
+        _ => return Err(OaiError::bad_request("an item's role must be user or assistant")),
+    };
+    let text = match item.get("content") {
+        Some(Value::String(t)) => t.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                (Some("input_text" | "output_text" | "text"), Some(t)) => Ok(t),
+                _ => Err(OaiError::bad_request("an item's content parts must be text")),
+            })
+            .collect::<Result<Vec<_>, _>>()?
+            .join(""),
+        _ => return Err(OaiError::bad_request("an item needs content")),
+    };
+    if text.is_empty() {
+        return Err(OaiError::bad_request("an item's text must not be empty"));
+    }
+    Ok(NewItem { assistant, text })
+}
+
+/// Appends `items` in order under the session's turn lease (no turn runs meanwhile), without
+/// calling the model: an import path. Returns them as conversation items.
+async fn append_items(
+    app: &AppState,
+    caller: &Caller,
+    session: SessionId,
+    items: Vec<NewItem>,
+) -> Result<Vec<Value>, OaiError> {
+    let lease = app.leases.acquire(session, &app.instance_id).await?.ok_or_else(|| {
+        OaiError(crate::error::ApiError::Conflict("a response is running in this conversation".into()))
+    })?;
+    let mut added = Vec::new();
+    let mut result = Ok(());
+    for item in items {
+        let event_id = Uuid::now_v7();
+        let text = item.text;
+        let (body, role, part) = if item.assistant {
+            let answer = AssistantTurn {
+                ui: UiPart {
+                    blocks: vec![Block { kind: BlockType::Text, text: Some(text.clone()), meta: None }],
+                },
+                llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(text.clone())) } },
+                ..Default::default()
+            };
+            let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
+            (EventBody::AssistantTurn(answer), "assistant", part)
+        } else {
+            let part = json!({"type": "input_text", "text": text});
+            (EventBody::UserMessage(UserMessage { text, ..Default::default() }), "user", part)
+        };
+        if let Err(e) = submit(app, &AppendRequest::append(session, caller.as_str(), event_id, &body)).await {
+            result = Err(e);
+            break;
+        }
+        let id = message_id(event_id);
+        added.push(
+            json!({"type": "message", "id": id, "role": role, "status": "completed", "content": [part]}),
+        );
+    }
+    let _ = app.leases.release(lease).await;
+    result?;
+    Ok(added)
+}
+
+/// Add messages to a conversation without running the model (an import path).
+#[utoipa::path(
+    post, path = "/v1/conversations/{id}/items", tag = "openai", security(("bearer" = [])),
+    params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID")),
+    request_body(content = Object, description = "`{items: [message, ...]}`: user or assistant messages, at most 20"),
+    responses((status = 200, body = Object), (status = 400, body = Object), (status = 404, body = Object),
+              (status = 409, body = Object))
+)]
+pub async fn add_items(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+    body: Bytes,
+) -> Result<Json<Value>, OaiError> {
+    let row = owned(&app, &caller, &id).await?;
+    let params: Value = serde_json::from_slice(&body)
+        .map_err(|e| OaiError::bad_request(format!("the body is not JSON: {e}")))?;
+    let items = parse_items(params.get("items").unwrap_or(&Value::Null))?;
+    if items.is_empty() {
+        return Err(OaiError::bad_request("items must name at least one message"));
+    }
+    let added = append_items(&app, &caller, row.id, items).await?;
+    Ok(Json(list_page(added, false)))
 }
 
 /// A conversation.
@@ -147,11 +269,7 @@ pub async fn items(
     };
     let page: Vec<Value> = all.iter().skip(start).take(limit).cloned().collect();
     let has_more = all.len() > start + page.len();
-    let first = page.first().map_or(json!(""), |i| i["id"].clone());
-    let last = page.last().map_or(json!(""), |i| i["id"].clone());
-    Ok(Json(
-        json!({"object": "list", "data": page, "first_id": first, "last_id": last, "has_more": has_more}),
-    ))
+    Ok(Json(list_page(page, has_more)))
 }
 
 /// One item of a conversation.

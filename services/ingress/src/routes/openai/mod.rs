@@ -101,6 +101,21 @@ fn prefixed(id: &str, prefix: &str) -> Option<Uuid> {
     Uuid::parse_str(hex).ok()
 }
 
+/// OpenAI's list page of `data`.
+fn list_page(data: Vec<Value>, has_more: bool) -> Value {
+    let first = data.first().map_or(json!(""), |i| i["id"].clone());
+    let last = data.last().map_or(json!(""), |i| i["id"].clone());
+    json!({"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": has_more})
+}
+
+/// A user message's item.
+fn user_item(event_id: Uuid, text: &str) -> Value {
+    json!({
+        "type": "message", "id": message_id(event_id), "role": "user", "status": "completed",
+        "content": [{"type": "input_text", "text": text}],
+    })
+}
+
 /// An answer's item: its text as one `output_text` part.
 fn output_message(id: &str, text: &str, status: &str) -> Value {
     json!({
@@ -129,16 +144,17 @@ pub fn conversation_items(events: &[Event]) -> Vec<Value> {
         .iter()
         .filter(|e| shown.contains(&e.seq))
         .filter_map(|e| match &e.body {
-            EventBody::UserMessage(m) => Some(json!({
-                "type": "message", "id": message_id(e.event_id.as_uuid()), "role": "user", "status": "completed",
-                "content": [{"type": "input_text", "text": m.text}],
-            })),
-            EventBody::AssistantTurn(a) => {
-                Some(output_message(&attempt_item(&a.attempt_id, e.event_id.as_uuid()), &a.ui_text(), "completed"))
-            }
-            EventBody::PendingState(p) => {
-                Some(output_message(&attempt_item(&p.attempt_id, e.event_id.as_uuid()), &p.partial, "incomplete"))
-            }
+            EventBody::UserMessage(m) => Some(user_item(e.event_id.as_uuid(), &m.text)),
+            EventBody::AssistantTurn(a) => Some(output_message(
+                &attempt_item(&a.attempt_id, e.event_id.as_uuid()),
+                &a.ui_text(),
+                "completed",
+            )),
+            EventBody::PendingState(p) => Some(output_message(
+                &attempt_item(&p.attempt_id, e.event_id.as_uuid()),
+                &p.partial,
+                "incomplete",
+            )),
             _ => None,
         })
         .collect()

@@ -21,7 +21,7 @@ use turnlog_runtime::read::{self, StoredEvent};
 use uuid::Uuid;
 
 use super::{conversation_id, message_id, output_message, parse_conversation, parse_response, reasoning_id};
-use super::{reasoning_item, response_id, OaiError};
+use super::{list_page, reasoning_item, response_id, user_item, OaiError};
 use crate::auth::Caller;
 use crate::extract::ApiPath;
 use crate::routes::forks::fork_request;
@@ -320,6 +320,42 @@ pub async fn cancel(
         .await?
         .ok_or_else(|| OaiError::not_found("response"))?;
     Ok(Json(from_log(&event, &Echo::default())).into_response())
+}
+
+/// The input items of a response: the user message its turn answered.
+#[utoipa::path(
+    get, path = "/v1/responses/{id}/input_items", tag = "openai", security(("bearer" = [])),
+    params(("id" = String, Path, description = "resp_<32 hex>")),
+    responses((status = 200, body = Object), (status = 404, body = Object))
+)]
+pub async fn input_items(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+) -> Result<Json<Value>, OaiError> {
+    let attempt = parse_response(&id)?;
+    let owner = caller.as_str();
+    // The session, and a seq after the turn's user message.
+    let (session, after_question) = match app.turns.by_attempt(&attempt) {
+        Some(turn) => {
+            let user_seq =
+                turn.events_after(0).first().and_then(|m| m.data["user_seq"].as_i64()).unwrap_or(0);
+            (turn.session, user_seq + 1)
+        }
+        None => {
+            let event = read::attempt_event(&app.pool, owner, &attempt)
+                .await?
+                .ok_or_else(|| OaiError::not_found("response"))?;
+            (SessionId(event.session_id), event.seq)
+        }
+    };
+    let events =
+        read::all_events(&app.pool, owner, session).await?.ok_or_else(|| OaiError::not_found("response"))?;
+    let question = events.iter().rev().filter(|e| e.seq < after_question).find_map(|e| match &e.body {
+        EventBody::UserMessage(m) => Some(user_item(e.event_id.as_uuid(), &m.text)),
+        _ => None,
+    });
+    Ok(Json(list_page(question.into_iter().collect(), false)))
 }
 
 /// A response's object read from its attempt's newest event.
