@@ -111,6 +111,47 @@ async fn through(sys: &System, session: &str, text: &str) -> anyhow::Result<Thro
     })
 }
 
+/// One response through the OpenAI-compatible surface (`POST /v1/responses`, streamed, in
+/// conversation `session`): the same figures as [`through`].
+async fn through_responses(sys: &System, session: &str, text: &str) -> anyhow::Result<Through> {
+    let sent_us = unix_us();
+    let resp = sys
+        .http
+        .post(format!("{}/v1/responses", sys.base))
+        .json(&json!({ "model": "mock", "input": text, "stream": true, "conversation": session }))
+        .send()
+        .await?;
+    anyhow::ensure!(resp.status().is_success(), "response refused: {}", resp.status());
+    let mut events = resp.bytes_stream().eventsource();
+    let mut latencies = Vec::new();
+    let mut first = None;
+    while let Some(e) = events.next().await {
+        let e = e?;
+        let arrived = unix_us();
+        if e.event == "response.output_text.delta" {
+            first.get_or_insert(arrived);
+            let data: serde_json::Value = serde_json::from_str(&e.data)?;
+            if let Some(stamp) = data["delta"].as_str().and_then(|t| t.trim().parse::<u64>().ok()) {
+                latencies.push(arrived.saturating_sub(stamp) as f64 / 1e3);
+            }
+        }
+    }
+    let received_us = sys
+        .mock
+        .log()
+        .entries()
+        .iter()
+        .rev()
+        .find(|r| r.body.to_string().contains(text))
+        .map(|r| r.received_at_us)
+        .ok_or_else(|| anyhow::anyhow!("the mock did not log the response"))?;
+    Ok(Through {
+        pre_upstream_ms: received_us.saturating_sub(sent_us) as f64 / 1e3,
+        latencies_ms: latencies,
+        first_delta_ms: first.unwrap_or(sent_us).saturating_sub(sent_us) as f64 / 1e3,
+    })
+}
+
 fn pre_upstream(ts: &[Through]) -> Vec<f64> {
     ts.iter().map(|t| t.pre_upstream_ms).collect()
 }
@@ -151,6 +192,12 @@ pub async fn run() -> anyhow::Result<()> {
         let session = sys.create_session().await?;
         single.push(through(&sys, &session, &format!("single {i} {directive}")).await?);
     }
+    // The same through the OpenAI-compatible surface, each a conversation's first response.
+    let mut responses = Vec::new();
+    for i in 0..40 {
+        let session = sys.create_session().await?;
+        responses.push(through_responses(&sys, &session, &format!("responses {i} {directive}")).await?);
+    }
     // Fifty at once, each in its own session: the first burst meets cold connection pools
     // (the client's, the ingress's to Postgres and to the model); then three more.
     let fifty = burst(&sys, 0, &directive).await?;
@@ -178,7 +225,9 @@ pub async fn run() -> anyhow::Result<()> {
     println!("mock directly: delta transit p50 {direct_relay:.3} ms ({WORDS} deltas {DELAY_MS} ms apart)");
     println!("{CONCURRENT} streams of one owner; per-owner turn cap (TURNLOG_MAX_TURNS_PER_OWNER) {TURN_CAP_PER_OWNER}");
     let warm = p50(warm);
-    for (name, ts) in [("1 stream", &single), ("50 streams", &fifty), ("turn 51+", &deep)] {
+    for (name, ts) in
+        [("1 stream", &single), ("responses", &responses), ("50 streams", &fifty), ("turn 51+", &deep)]
+    {
         println!(
             "{name:>10}: before the upstream call p50 {:.2} ms p99 {:.2} ms; relay added per delta p50 {:.3} ms p99 {:.3} ms; first delta p50 {:.2} ms",
             p50(pre_upstream(ts)), p99(pre_upstream(ts)), p50(relay(ts)), p99(relay(ts)), p50(first(ts))
@@ -192,11 +241,12 @@ pub async fn run() -> anyhow::Result<()> {
         "RESULT ingress pre_upstream_p50_ms={:.2} pre_upstream_p99_ms={:.2} relay_p50_ms={:.3} relay_p99_ms={:.3} \
          relay_p50_ms_50={:.3} relay_p99_ms_50={:.3} pre_upstream_p50_ms_50={:.2} pre_upstream_p99_ms_50={:.2} \
          pre_upstream_p50_ms_deep={:.2} pre_upstream_p99_ms_deep={:.2} first_delta_p50_ms={:.2} \
-         first_delta_p50_ms_50={:.2} pre_upstream_p50_ms_50_warm={warm:.2} turn_cap_per_owner={TURN_CAP_PER_OWNER} \
-         durable={durable}",
+         first_delta_p50_ms_50={:.2} pre_upstream_p50_ms_50_warm={warm:.2} responses_pre_upstream_p50_ms={:.2} \
+         responses_relay_p50_ms={:.3} turn_cap_per_owner={TURN_CAP_PER_OWNER} durable={durable}",
         p50(pre_upstream(&single)), p99(pre_upstream(&single)), p50(relay(&single)), p99(relay(&single)),
         p50(relay(&fifty)), p99(relay(&fifty)), p50(pre_upstream(&fifty)), p99(pre_upstream(&fifty)),
-        p50(pre_upstream(&deep)), p99(pre_upstream(&deep)), p50(first(&single)), p50(first(&fifty))
+        p50(pre_upstream(&deep)), p99(pre_upstream(&deep)), p50(first(&single)), p50(first(&fifty)),
+        p50(pre_upstream(&responses)), p50(relay(&responses)),
     );
     sys.stop().await?;
     Ok(())

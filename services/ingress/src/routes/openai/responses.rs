@@ -365,7 +365,7 @@ fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
     let mut r = Snapshot::new(String::new(), session, echo.clone());
     match body {
         Some(EventBody::AssistantTurn(a)) => {
-            r.attempt = a.attempt_id.as_deref().and_then(|a| Uuid::parse_str(a).ok());
+            r.set_attempt(a.attempt_id.as_deref());
             r.model = a.model.clone().unwrap_or_default();
             for b in &a.ui.blocks {
                 if b.kind == BlockType::Reasoning {
@@ -378,7 +378,7 @@ fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
             r.finish(if length { Status::Incomplete(Some("max_output_tokens")) } else { Status::Completed })
         }
         Some(EventBody::PendingState(p)) => {
-            r.attempt = p.attempt_id.as_deref().and_then(|a| Uuid::parse_str(a).ok());
+            r.set_attempt(p.attempt_id.as_deref());
             r.model = p.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
             r.text = p.partial;
             match p.reason {
@@ -387,7 +387,7 @@ fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
             }
         }
         Some(EventBody::TurnFailed(f)) => {
-            r.attempt = f.attempt_id.as_deref().and_then(|a| Uuid::parse_str(a).ok());
+            r.set_attempt(f.attempt_id.as_deref());
             r.model = f.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
             if f.code == "interrupted" && f.message.starts_with("stopped") {
                 r.finish(Status::Cancelled)
@@ -481,6 +481,8 @@ struct Snapshot {
     reasoning: String,
     usage: Option<(u64, u64, u64)>,
     echo: Echo,
+    message_item: String,
+    reasoning_item: String,
 }
 
 impl Snapshot {
@@ -494,6 +496,8 @@ impl Snapshot {
             reasoning: String::new(),
             usage: None,
             echo,
+            message_item: message_id(Uuid::nil()),
+            reasoning_item: reasoning_id(Uuid::nil()),
         }
     }
 
@@ -501,12 +505,19 @@ impl Snapshot {
         self.attempt.unwrap_or_default()
     }
 
-    fn message_id(&self) -> String {
-        message_id(self.attempt())
+    /// Names the attempt, and with it the ids of its items (made once, not per delta).
+    fn set_attempt(&mut self, attempt: Option<&str>) {
+        self.attempt = attempt.and_then(|a| Uuid::parse_str(a).ok());
+        self.message_item = message_id(self.attempt());
+        self.reasoning_item = reasoning_id(self.attempt());
     }
 
-    fn reasoning_id(&self) -> String {
-        reasoning_id(self.attempt())
+    fn message_id(&self) -> &str {
+        &self.message_item
+    }
+
+    fn reasoning_id(&self) -> &str {
+        &self.reasoning_item
     }
 
     /// The object with `status` and the output so far.
@@ -555,10 +566,10 @@ impl Snapshot {
         let item_status = if matches!(status, Status::Completed) { "completed" } else { "incomplete" };
         let mut output = Vec::new();
         if !self.reasoning.is_empty() {
-            output.push(reasoning_item(&self.reasoning_id(), &self.reasoning));
+            output.push(reasoning_item(self.reasoning_id(), &self.reasoning));
         }
         if !self.text.is_empty() {
-            output.push(output_message(&self.message_id(), &self.text, item_status));
+            output.push(output_message(self.message_id(), &self.text, item_status));
         }
         let (name, details, error) = match status {
             Status::Completed => ("completed", Value::Null, Value::Null),
@@ -590,98 +601,122 @@ enum Open {
 fn translate(
     app: AppState,
     owner: String,
-    mut events: BoxStream<'static, TurnEvent>,
+    events: BoxStream<'static, TurnEvent>,
     echo: Echo,
 ) -> BoxStream<'static, Value> {
-    let (tx, rx) = tokio::sync::mpsc::channel::<Value>(64);
-    tokio::spawn(async move {
-        let mut r = Snapshot::new(owner, SessionId(Uuid::nil()), echo);
-        let mut open = Open::None;
-        let mut index = 0usize;
-        let mut failure: Option<String> = None;
-        while let Some(e) = events.next().await {
-            let mut out = Vec::new();
-            match e.event.as_str() {
-                "meta" => {
-                    r.session =
-                        e.data["session_id"].as_str().and_then(|s| s.parse().ok()).unwrap_or(r.session);
-                    r.attempt = e.data["attempt_id"].as_str().and_then(|a| Uuid::parse_str(a).ok());
-                    let created = r.object("in_progress", Vec::new());
-                    out.push(json!({"type": "response.created", "response": created}));
-                    out.push(json!({"type": "response.in_progress", "response": r.object("in_progress", Vec::new())}));
-                }
-                "reasoning" if open != Open::Message => {
-                    let delta = e.data["text"].as_str().unwrap_or_default();
-                    if open == Open::None {
-                        let item = json!({"type": "reasoning", "id": r.reasoning_id(), "summary": [], "content": [], "status": "in_progress"});
-                        out.push(json!({"type": "response.output_item.added", "output_index": index, "item": item}));
-                        out.push(json!({"type": "response.content_part.added", "item_id": r.reasoning_id(),
-                            "output_index": index, "content_index": 0, "part": empty_part("reasoning_text")}));
-                        open = Open::Reasoning;
-                    }
-                    r.reasoning.push_str(delta);
-                    out.push(json!({"type": "response.reasoning_text.delta", "item_id": r.reasoning_id(),
-                        "output_index": index, "content_index": 0, "delta": delta}));
-                }
-                "delta" => {
-                    let delta = e.data["text"].as_str().unwrap_or_default();
-                    if open == Open::Reasoning {
-                        close_reasoning(&r, index, &mut out);
-                        index += 1;
-                    }
-                    if open != Open::Message {
-                        let item = json!({"type": "message", "id": r.message_id(), "role": "assistant", "status": "in_progress", "content": []});
-                        out.push(json!({"type": "response.output_item.added", "output_index": index, "item": item}));
-                        out.push(json!({"type": "response.content_part.added", "item_id": r.message_id(),
-                            "output_index": index, "content_index": 0, "part": empty_part("output_text")}));
-                        open = Open::Message;
-                    }
-                    r.text.push_str(delta);
-                    out.push(json!({"type": "response.output_text.delta", "item_id": r.message_id(),
-                        "output_index": index, "content_index": 0, "delta": delta, "logprobs": []}));
-                }
-                "error" => failure = e.data["message"].as_str().map(str::to_owned),
-                "end" => {
-                    let stored = stored_outcome(&app, &r, &e.data).await;
-                    let response = stored.unwrap_or_else(|| {
-                        let status = match e.data["status"].as_str() {
-                            Some("completed") => Status::Completed,
-                            Some("stopped") => Status::Cancelled,
-                            Some("interrupted") => Status::Incomplete(None),
-                            _ => Status::Failed(
-                                failure.clone().unwrap_or_else(|| "the response failed".into()),
-                            ),
-                        };
-                        r.finish(status)
-                    });
-                    let item_status =
-                        if response["status"] == "completed" { "completed" } else { "incomplete" };
-                    match open {
-                        Open::Reasoning => close_reasoning(&r, index, &mut out),
-                        Open::Message => {
-                            let id = r.message_id();
-                            let part = json!({"type": "output_text", "text": r.text, "annotations": [], "logprobs": []});
-                            out.push(json!({"type": "response.output_text.done", "item_id": id, "output_index": index,
-                                "content_index": 0, "text": r.text, "logprobs": []}));
-                            out.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": index,
-                                "content_index": 0, "part": part}));
-                            out.push(json!({"type": "response.output_item.done", "output_index": index,
-                                "item": output_message(&id, &r.text, item_status)}));
-                        }
-                        Open::None => {}
-                    }
-                    out.push(json!({"type": terminal_type(&response), "response": response}));
-                }
-                _ => {}
+    let translator = Translator {
+        app,
+        r: Snapshot::new(owner, SessionId(Uuid::nil()), echo),
+        open: Open::None,
+        index: 0,
+        failure: None,
+        events,
+    };
+    futures::stream::unfold(translator, |mut t| async move {
+        let e = t.events.next().await?;
+        let out = t.on(e).await;
+        Some((futures::stream::iter(out), t))
+    })
+    .flatten()
+    .boxed()
+}
+
+/// [`translate`]'s state: the response so far and the item the stream has open.
+struct Translator {
+    app: AppState,
+    r: Snapshot,
+    open: Open,
+    index: usize,
+    failure: Option<String>,
+    events: BoxStream<'static, TurnEvent>,
+}
+
+impl Translator {
+    /// The OpenAI events of one native event.
+    async fn on(&mut self, e: TurnEvent) -> Vec<Value> {
+        let Self { app, r, open, index, failure, .. } = self;
+        let mut out = Vec::new();
+        match e.event.as_str() {
+            "meta" => {
+                r.session = e.data["session_id"].as_str().and_then(|s| s.parse().ok()).unwrap_or(r.session);
+                r.set_attempt(e.data["attempt_id"].as_str());
+                r.model = e.data["model"].as_str().unwrap_or_default().to_owned();
+                let created = r.object("in_progress", Vec::new());
+                out.push(json!({"type": "response.created", "response": created}));
+                out.push(
+                    json!({"type": "response.in_progress", "response": r.object("in_progress", Vec::new())}),
+                );
             }
-            for v in out {
-                if tx.send(v).await.is_err() {
-                    return; // the client went away; the turn goes on by itself
+            "reasoning" if *open != Open::Message => {
+                let delta = e.data["text"].as_str().unwrap_or_default();
+                if *open == Open::None {
+                    let item = json!({"type": "reasoning", "id": r.reasoning_id(), "summary": [], "content": [], "status": "in_progress"});
+                    out.push(
+                        json!({"type": "response.output_item.added", "output_index": *index, "item": item}),
+                    );
+                    out.push(json!({"type": "response.content_part.added", "item_id": r.reasoning_id(),
+                        "output_index": *index, "content_index": 0, "part": empty_part("reasoning_text")}));
+                    *open = Open::Reasoning;
                 }
+                r.reasoning.push_str(delta);
+                out.push(json!({"type": "response.reasoning_text.delta", "item_id": r.reasoning_id(),
+                    "output_index": *index, "content_index": 0, "delta": delta}));
             }
+            "delta" => {
+                let delta = e.data["text"].as_str().unwrap_or_default();
+                if *open == Open::Reasoning {
+                    close_reasoning(r, *index, &mut out);
+                    *index += 1;
+                }
+                if *open != Open::Message {
+                    let item = json!({"type": "message", "id": r.message_id(), "role": "assistant", "status": "in_progress", "content": []});
+                    out.push(
+                        json!({"type": "response.output_item.added", "output_index": *index, "item": item}),
+                    );
+                    out.push(json!({"type": "response.content_part.added", "item_id": r.message_id(),
+                        "output_index": *index, "content_index": 0, "part": empty_part("output_text")}));
+                    *open = Open::Message;
+                }
+                r.text.push_str(delta);
+                out.push(json!({"type": "response.output_text.delta", "item_id": r.message_id(),
+                    "output_index": *index, "content_index": 0, "delta": delta, "logprobs": []}));
+            }
+            "error" => *failure = e.data["message"].as_str().map(str::to_owned),
+            "end" => {
+                let stored = stored_outcome(app, r, &e.data).await;
+                let response = stored.unwrap_or_else(|| {
+                    let status = match e.data["status"].as_str() {
+                        Some("completed") => Status::Completed,
+                        Some("stopped") => Status::Cancelled,
+                        Some("interrupted") => Status::Incomplete(None),
+                        _ => Status::Failed(failure.clone().unwrap_or_else(|| "the response failed".into())),
+                    };
+                    r.finish(status)
+                });
+                let item_status = if response["status"] == "completed" { "completed" } else { "incomplete" };
+                match open {
+                    Open::Reasoning => close_reasoning(r, *index, &mut out),
+                    Open::Message => {
+                        let id = r.message_id();
+                        let part =
+                            json!({"type": "output_text", "text": r.text, "annotations": [], "logprobs": []});
+                        out.push(
+                            json!({"type": "response.output_text.done", "item_id": id, "output_index": *index,
+                            "content_index": 0, "text": r.text, "logprobs": []}),
+                        );
+                        out.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": *index,
+                            "content_index": 0, "part": part}));
+                        out.push(json!({"type": "response.output_item.done", "output_index": *index,
+                            "item": output_message(id, &r.text, item_status)}));
+                    }
+                    Open::None => {}
+                }
+                out.push(json!({"type": terminal_type(&response), "response": response}));
+            }
+            _ => {}
         }
-    });
-    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|v| (v, rx)) }).boxed()
+        out
+    }
 }
 
 fn close_reasoning(r: &Snapshot, index: usize, out: &mut Vec<Value>) {
@@ -692,7 +727,7 @@ fn close_reasoning(r: &Snapshot, index: usize, out: &mut Vec<Value>) {
     out.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": index,
         "content_index": 0, "part": part}));
     out.push(json!({"type": "response.output_item.done", "output_index": index,
-        "item": reasoning_item(&id, &r.reasoning)}));
+        "item": reasoning_item(id, &r.reasoning)}));
 }
 
 /// The response object of a turn's stored outcome (the `end` names its seq), with the
