@@ -7,6 +7,7 @@ TURNLOG_BASE, TURNLOG_TOKEN (this owner) and TURNLOG_TOKEN2 (another owner).
 
 import os
 import unittest
+import urllib.request
 
 import openai
 from openai import OpenAI
@@ -187,6 +188,30 @@ class ResponsesAndConversations(unittest.TestCase):
             self.client.conversations.items.delete("msg_" + "0" * 32, conversation_id=conv.id)
         with self.assertRaises(openai.AuthenticationError):
             client("wrong-token").conversations.create()
+
+    @unittest.skipUnless(os.environ.get("TURNLOG_RESTART_URL"), "needs servers that outlive turnlog dev")
+    def test_zz_a_killed_ingress_leaves_an_incomplete_response_with_its_checkpoint(self):
+        conv = self.client.conversations.create()
+        stream = self.client.responses.create(
+            model="mock", conversation=conv.id, input="A long one. [mock words=600 delay_ms=10]", stream=True
+        )
+        response_id, seen = None, ""
+        for event in stream:
+            if event.type == "response.created":
+                response_id = event.response.id
+            if event.type == "response.output_text.delta":
+                seen += event.delta
+                if seen.count(" ") >= 300:  # past the first checkpoints (every 2 s)
+                    break
+        # SIGKILL: nothing is finished or flushed; then a restart on the same database and bus.
+        urllib.request.urlopen(urllib.request.Request(os.environ["TURNLOG_RESTART_URL"], method="POST"), timeout=180)
+        stream.close()
+        got = client().responses.retrieve(response_id)
+        self.assertEqual(got.status, "incomplete")
+        self.assertTrue(got.output_text and seen.startswith(got.output_text), (got.output_text[:80], seen[:80]))
+        items = list(client().conversations.items.list(conv.id, order="asc"))
+        self.assertEqual([i.status for i in items], ["completed", "incomplete"])
+        self.assertEqual(items[-1].id, got.output[0].id)
 
 
 if __name__ == "__main__":

@@ -64,8 +64,8 @@ export async function startTurnlog({ logFile, tokens = true, secondOwner = false
     }
 
     const log = openSync(logFile, 'w');
-    const child = spawn(binary, ['dev'], { env, stdio: ['ignore', log, log] });
-    const exited = once(child, 'exit');
+    let child = spawn(binary, ['dev'], { env, stdio: ['ignore', log, log] });
+    let exited = once(child, 'exit');
     const base = `http://127.0.0.1:${port}`;
     await waitReady(base, exited, logFile);
     // As root, a private Postgres lives outside the data directory; the banner names it.
@@ -85,7 +85,20 @@ export async function startTurnlog({ logFile, tokens = true, secondOwner = false
         }
         await cleanUp();
       })());
-    return { base, port, token, token2, owner, stop, logFile };
+    // A crash and a restart on the same database and bus: only on servers that outlive
+    // `turnlog dev` (DATABASE_URL and NATS_URL set), not on the private ones it starts.
+    const killAndRestart = async () => {
+      if (!nonEmpty(process.env.DATABASE_URL) || !nonEmpty(process.env.NATS_URL)) {
+        throw new Error('killAndRestart needs DATABASE_URL and NATS_URL');
+      }
+      child.kill('SIGKILL');
+      await exited;
+      const again = openSync(logFile, 'a');
+      child = spawn(binary, ['dev'], { env, stdio: ['ignore', again, again] });
+      exited = once(child, 'exit');
+      await waitReady(base, exited, logFile);
+    };
+    return { base, port, token, token2, owner, stop, killAndRestart, logFile };
   } catch (e) {
     await cleanUp();
     throw e;
