@@ -136,6 +136,29 @@ class ResponsesAndConversations(unittest.TestCase):
         self.assertTrue(final.output[0].content[0].text)
         self.assertEqual(final.output_text, "".join(e.delta for e in events if e.type == "response.output_text.delta"))
 
+    def test_store_false_passes_through_and_stores_nothing(self):
+        before = self.client.get("/sessions", cast_to=object)["sessions"]
+        history = [
+            {"role": "user", "content": "Hi, I am Ada."},
+            {"role": "assistant", "content": "Hello Ada."},
+            {"role": "user", "content": [{"type": "input_text", "text": "Who am I? [mock words=6]"}]},
+        ]
+        r = self.client.responses.create(model="mock", input=history, store=False, instructions="Be brief.")
+        self.assertEqual((r.status, r.store, r.conversation), ("completed", False, None))
+        self.assertTrue(r.output_text)
+        self.assertGreater(r.usage.input_tokens, 0)
+        events, final = streamed(self.client.responses.create(model="mock", input="Hi [mock words=4]", store=False, stream=True))
+        self.assertEqual(events[0].type, "response.created")
+        self.assertEqual(final.status, "completed")
+        self.assertEqual(final.output_text, "".join(e.delta for e in events if e.type == "response.output_text.delta"))
+        after = self.client.get("/sessions", cast_to=object)["sessions"]
+        self.assertEqual(len(after), len(before), "store: false created a session")
+        with self.assertRaises(openai.NotFoundError):
+            self.client.responses.retrieve(r.id)
+        conv = self.client.conversations.create()
+        with self.assertRaises(openai.BadRequestError):
+            self.client.responses.create(model="mock", input="hi", store=False, conversation=conv.id)
+
     def test_instructions_and_max_output_tokens_reach_the_request(self):
         r = self.client.responses.create(
             model="mock", input="Hello [mock words=5]", instructions="Answer in French.", max_output_tokens=64

@@ -16,8 +16,11 @@ use serde_json::{json, Value};
 use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
 use turnlog_core::events::{BlockType, EventBody, PendingReason};
 use turnlog_core::ids::SessionId;
+use turnlog_core::request_body::{request_body, RequestParams, StreamOptions};
+use turnlog_core::{ChatMessage, Role};
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read::{self, StoredEvent};
+use turnlog_runtime::upstream::{ChatStream, StreamItem};
 use uuid::Uuid;
 
 use super::{conversation_id, message_id, output_message, parse_conversation, parse_response, reasoning_id};
@@ -131,13 +134,27 @@ fn user_text(input: &Input) -> Result<String, OaiError> {
 }
 
 /// What a created response's object repeats of its request.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct Echo {
     instructions: Option<String>,
     previous_response_id: Option<String>,
     max_output_tokens: Option<u32>,
     temperature: Option<f64>,
     top_p: Option<f64>,
+    store: bool,
+}
+
+impl Default for Echo {
+    fn default() -> Self {
+        Self {
+            instructions: None,
+            previous_response_id: None,
+            max_output_tokens: None,
+            temperature: None,
+            top_p: None,
+            store: true,
+        }
+    }
 }
 
 /// Create a model response (OpenAI's Responses API): one turn of a conversation.
@@ -160,9 +177,12 @@ pub async fn create(State(app): State<AppState>, caller: Caller, body: Bytes) ->
         return Err(OaiError::bad_request("background responses are not supported; use stream: true"));
     }
     if req.store == Some(false) {
-        return Err(OaiError::bad_request(
-            "store: false is not supported yet: every response is stored in its conversation",
-        ));
+        if req.conversation.is_some() || req.previous_response_id.is_some() {
+            return Err(OaiError::bad_request(
+                "store: false keeps nothing: it cannot continue a conversation or a previous response",
+            ));
+        }
+        return pass_through(&app, caller.as_str().to_owned(), req).await;
     }
     if req.conversation.is_some() && req.previous_response_id.is_some() {
         return Err(OaiError::bad_request("send conversation or previous_response_id, not both"));
@@ -188,24 +208,160 @@ pub async fn create(State(app): State<AppState>, caller: Caller, body: Bytes) ->
         temperature: req.temperature,
         top_p: req.top_p,
     };
-    let echo = Echo {
-        instructions: req.instructions,
-        previous_response_id: req.previous_response_id,
-        max_output_tokens: req.max_output_tokens,
-        temperature: req.temperature,
-        top_p: req.top_p,
-    };
+    let echo = echo_of(&req);
     let events = begin_turn(&app, &caller, session, message, None, create, options).await?;
     let translated = translate(app.clone(), caller.as_str().to_owned(), events, echo);
     if req.stream {
         return Ok(sse(translated, None));
     }
+    final_response(translated).await
+}
+
+/// `store: false` (DESIGN §13): a stateless client sends its whole history as `input`; it
+/// goes to the gateway as it is (instructions first), is answered in the same format, and
+/// nothing is stored — no session, no event, no turn.
+async fn pass_through(app: &AppState, owner: String, req: CreateResponse) -> Result<Response, OaiError> {
+    let upstream = app.upstream.clone().ok_or_else(|| {
+        OaiError(crate::error::ApiError::Unavailable(
+            "no model gateway is configured (TURNLOG_LLM_URL)".into(),
+        ))
+    })?;
+    let model = req.model.clone().unwrap_or_else(|| app.config.model.clone());
+    crate::validate::model(&app.config, &model)?;
+    let mut messages = Vec::new();
+    if let Some(system) = &req.instructions {
+        messages.push(ChatMessage::text(Role::System, system.clone()));
+    }
+    messages.extend(stateless_messages(&req.input)?);
+    if messages.iter().all(|m| m.role != Role::User) {
+        return Err(OaiError::bad_request("input needs a user message"));
+    }
+    let params = RequestParams {
+        stream: true,
+        stream_options: Some(StreamOptions { include_usage: true }),
+        max_tokens: req.max_output_tokens,
+        temperature: req.temperature,
+        top_p: req.top_p,
+        ..Default::default()
+    };
+    let body = request_body(&model, &messages, &params, None);
+    let chat = upstream.stream_body(&body).await.map_err(|e| {
+        tracing::warn!(error = %e, "upstream failed (store: false)");
+        OaiError(crate::error::ApiError::Unavailable(e.public_message()))
+    })?;
+    let attempt = Uuid::now_v7().hyphenated().to_string();
+    let meta =
+        TurnEvent { id: 1, event: "meta".into(), data: json!({"attempt_id": attempt, "model": model}) };
+    let state = Relay { chat, meta: Some(meta), id: 2, usage: None, finish: None, done: false };
+    let events = futures::stream::unfold(state, |mut s| async move {
+        if let Some(meta) = s.meta.take() {
+            return Some((meta, s));
+        }
+        if s.done {
+            return None;
+        }
+        loop {
+            let (event, data) = match s.chat.next().await {
+                Ok(Some(StreamItem::Text(t))) => ("delta", json!({"text": t})),
+                Ok(Some(StreamItem::Reasoning(t))) => ("reasoning", json!({"text": t})),
+                Ok(Some(StreamItem::Usage(u))) => {
+                    s.usage =
+                        Some(json!([u.prompt_tokens, u.completion_tokens, u.cached_tokens.unwrap_or(0)]));
+                    continue;
+                }
+                Ok(Some(StreamItem::Finish(f))) => {
+                    s.finish = Some(f);
+                    continue;
+                }
+                Ok(None) => {
+                    ("end", json!({"status": "completed", "finish_reason": s.finish, "usage": s.usage}))
+                }
+                Err(e) => ("end", json!({"status": "failed", "message": e.public_message()})),
+            };
+            s.done = event == "end";
+            let e = TurnEvent { id: s.id, event: event.into(), data };
+            s.id += 1;
+            return Some((e, s));
+        }
+    });
+    let echo = Echo { store: false, ..echo_of(&req) };
+    let translated = translate(app.clone(), owner, events.boxed(), echo);
+    if req.stream {
+        return Ok(sse(translated, None));
+    }
+    final_response(translated).await
+}
+
+/// A gateway's stream read as a turn's native events (`store: false`).
+struct Relay {
+    chat: ChatStream,
+    meta: Option<TurnEvent>,
+    id: u64,
+    usage: Option<Value>,
+    finish: Option<String>,
+    done: bool,
+}
+
+/// The messages of a stateless request's `input`: its whole history.
+fn stateless_messages(input: &Input) -> Result<Vec<ChatMessage>, OaiError> {
+    let items = match input {
+        Input::Text(t) => return Ok(vec![ChatMessage::text(Role::User, t.clone())]),
+        Input::Items(items) => items,
+    };
+    items
+        .iter()
+        .map(|item| {
+            let role = match item.role.as_deref() {
+                Some("user") => Role::User,
+                Some("assistant") => Role::Assistant,
+                Some("system" | "developer") => Role::System,
+                _ => return Err(OaiError::bad_request("input items must be messages with a role")),
+            };
+            Ok(ChatMessage::text(role, content_text(item.content.as_ref())?))
+        })
+        .collect()
+}
+
+/// The text of an input item's content: a string, or its text parts joined.
+fn content_text(content: Option<&Content>) -> Result<String, OaiError> {
+    match content {
+        Some(Content::Text(t)) => Ok(t.clone()),
+        Some(Content::Parts(parts)) => parts
+            .iter()
+            .map(|part| {
+                match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                    (Some("input_text" | "output_text"), Some(t)) => Ok(t),
+                    (kind, _) => Err(OaiError::bad_request(format!(
+                        "input content of type {} is not supported here; send input_text",
+                        kind.unwrap_or("(none)")
+                    ))),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(|texts| texts.join("")),
+        None => Ok(String::new()),
+    }
+}
+
+/// The last event's response: what a non-streamed request answers.
+async fn final_response(translated: BoxStream<'static, Value>) -> Result<Response, OaiError> {
     let last = translated.fold(None, |_, e| async move { Some(e) }).await;
     match last.and_then(|mut e| e.get_mut("response").map(Value::take)) {
         Some(response) => Ok(Json(response).into_response()),
         None => Err(OaiError(crate::error::ApiError::internal(anyhow::anyhow!(
             "the turn ended without a response"
         )))),
+    }
+}
+
+fn echo_of(req: &CreateResponse) -> Echo {
+    Echo {
+        instructions: req.instructions.clone(),
+        previous_response_id: req.previous_response_id.clone(),
+        max_output_tokens: req.max_output_tokens,
+        temperature: req.temperature,
+        top_p: req.top_p,
+        store: true,
     }
 }
 
@@ -548,7 +704,7 @@ impl Snapshot {
             "parallel_tool_calls": false,
             "previous_response_id": self.echo.previous_response_id,
             "reasoning": {"effort": null, "summary": null},
-            "store": true,
+            "store": self.echo.store,
             "temperature": self.echo.temperature,
             "text": {"format": {"type": "text"}},
             "tool_choice": "auto",
@@ -557,7 +713,8 @@ impl Snapshot {
             "truncation": "disabled",
             "usage": usage,
             "metadata": {},
-            "conversation": {"id": conversation_id(self.session)},
+            // A stored response's conversation; none for `store: false`.
+            "conversation": self.echo.store.then(|| json!({"id": conversation_id(self.session)})),
         })
     }
 
@@ -685,11 +842,23 @@ impl Translator {
             "end" => {
                 let stored = stored_outcome(app, r, &e.data).await;
                 let response = stored.unwrap_or_else(|| {
+                    // Not from the log (`store: false`): the end carries the usage.
+                    if let Some(u) = e.data["usage"].as_array() {
+                        let n = |k: usize| u.get(k).and_then(Value::as_u64).unwrap_or(0);
+                        r.usage = Some((n(0), n(1), n(2)));
+                    }
+                    let length = e.data["finish_reason"] == "length";
                     let status = match e.data["status"].as_str() {
+                        Some("completed") if length => Status::Incomplete(Some("max_output_tokens")),
                         Some("completed") => Status::Completed,
                         Some("stopped") => Status::Cancelled,
                         Some("interrupted") => Status::Incomplete(None),
-                        _ => Status::Failed(failure.clone().unwrap_or_else(|| "the response failed".into())),
+                        _ => Status::Failed(
+                            failure
+                                .clone()
+                                .or_else(|| e.data["message"].as_str().map(str::to_owned))
+                                .unwrap_or_else(|| "the response failed".into()),
+                        ),
                     };
                     r.finish(status)
                 });
