@@ -82,9 +82,19 @@ class ResponsesAndConversations(unittest.TestCase):
         later = list(self.client.responses.retrieve(answers[2].id, stream=True, starting_after=3))
         self.assertEqual(later[0].sequence_number, 4)
 
-        # The native API sees the same session.
-        native = self.client.get(f"/sessions/{conv.id[len('conv_'):]}", cast_to=object)
-        self.assertIsInstance(native, dict)
+        # The native API sees the same session, and a native session is a conversation.
+        hex_id = conv.id[len("conv_"):]
+        native = self.client.get(f"/sessions/{hex_id}", cast_to=object)["session"]
+        self.assertEqual(native["id"].replace("-", ""), hex_id)
+        listed = self.client.get("/sessions", cast_to=object)["sessions"]
+        self.assertIn(native["id"], [x["id"] for x in listed])
+        created = self.client.post("/sessions", body={}, cast_to=object)
+        as_conv = self.client.conversations.retrieve(created["id"])
+        self.assertEqual(as_conv.id, "conv_" + created["id"].replace("-", ""))
+        r = self.client.responses.create(model="mock", conversation=created["id"], input="Hello [mock words=3]")
+        self.assertEqual(r.conversation.id, as_conv.id)
+        events = self.client.get(f"/sessions/{created['id']}/events", cast_to=object)["events"]
+        self.assertEqual([e["kind"] for e in events][-2:], ["user_message", "assistant_turn"])
 
     def test_non_streaming_and_previous_response_id_continue_or_fork(self):
         first = self.client.responses.create(model="mock", input="Remember the word teal. [mock words=5]")
