@@ -117,6 +117,10 @@ impl BusNames {
     pub fn control_subject(&self, session: SessionId) -> String {
         format!("{}.control.{session}", self.prefix)
     }
+    /// Answered with its session by the ingress copy running attempt `attempt_id`.
+    pub fn attempt_subject(&self, attempt_id: &str) -> String {
+        format!("{}.attempt.{attempt_id}", self.prefix)
+    }
     /// Subjects of one session in each stream, for purging a deleted session.
     pub fn session_filters(&self, partition: u32, session: SessionId) -> [(String, String); 3] {
         [

@@ -18,7 +18,7 @@ use tokio_util::task::TaskTracker;
 use turnlog_core::events::PendingReason;
 use turnlog_core::ids::{Owner, SessionId};
 
-pub use remote::{remote_stop, remote_stream};
+pub use remote::{remote_attempt, remote_stop, remote_stream};
 pub use runner::{start_turn, TurnOptions, TurnStart};
 pub use slots::{CapReached, TurnLimits, TurnSlot};
 
@@ -39,6 +39,8 @@ impl TurnEvent {
 /// A turn this copy runs: its events so far and the means to stop it.
 pub struct ActiveTurn {
     pub session: SessionId,
+    /// The attempt this turn runs (a response's id on the OpenAI-compatible routes).
+    pub attempt_id: String,
     events: Mutex<Vec<Arc<TurnEvent>>>,
     /// The number of events emitted; followers wait on it.
     count: watch::Sender<u64>,
@@ -47,9 +49,10 @@ pub struct ActiveTurn {
 }
 
 impl ActiveTurn {
-    fn new(session: SessionId) -> Arc<Self> {
+    fn new(session: SessionId, attempt_id: String) -> Arc<Self> {
         Arc::new(Self {
             session,
+            attempt_id,
             events: Mutex::new(Vec::new()),
             count: watch::Sender::new(0),
             stop: CancellationToken::new(),
@@ -70,12 +73,6 @@ impl ActiveTurn {
     pub fn events_after(&self, after: u64) -> Vec<Arc<TurnEvent>> {
         let events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
         events.iter().skip(usize::try_from(after).unwrap_or(usize::MAX)).cloned().collect()
-    }
-
-    /// The attempt this turn runs, as its `meta` names it.
-    pub fn attempt_id(&self) -> Option<String> {
-        let events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
-        events.first()?.data.get("attempt_id")?.as_str().map(str::to_owned)
     }
 
     /// Whether the turn has emitted its `end` (nothing follows it).
@@ -125,7 +122,7 @@ impl TurnHub {
     /// The turn of `attempt_id` if this copy runs it.
     pub fn by_attempt(&self, attempt_id: &str) -> Option<Arc<ActiveTurn>> {
         let turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
-        turns.values().find(|t| t.attempt_id().as_deref() == Some(attempt_id)).cloned()
+        turns.values().find(|t| t.attempt_id == attempt_id).cloned()
     }
 
     fn insert(&self, turn: Arc<ActiveTurn>) {

@@ -1,7 +1,9 @@
 //! A turn seen from other ingress copies, over core NATS: every event goes out on
 //! `live.<session>`; the copy running the turn answers `turn.<session>` with the events so
-//! far (in pieces under 512 KiB) and `control.<session>` stop requests. A follower
-//! subscribes to `live` first, then asks for the snapshot, so no event falls in between.
+//! far (in pieces under 512 KiB), `control.<session>` stop requests, and
+//! `attempt.<attempt id>` with its session (how a response is found by its id alone). A
+//! follower subscribes to `live` first, then asks for the snapshot, so no event falls in
+//! between.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,6 +54,7 @@ pub async fn serve(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>) -> Option<tokio::
     let client = app.bus.client.clone();
     let mut snapshots = client.subscribe(names.turn_subject(turn.session)).await.ok()?;
     let mut controls = client.subscribe(names.control_subject(turn.session)).await.ok()?;
+    let mut attempts = client.subscribe(names.attempt_subject(&turn.attempt_id)).await.ok()?;
     let turn = Arc::clone(turn);
     Some(tokio::spawn(async move {
         loop {
@@ -63,6 +66,11 @@ pub async fn serve(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>) -> Option<tokio::
                     }
                     if let Some(reply) = msg.reply {
                         let _ = client.publish(reply, serde_json::json!({"ok": op == "stop"}).to_string().into()).await;
+                    }
+                }
+                Some(msg) = attempts.next() => {
+                    if let Some(reply) = msg.reply {
+                        let _ = client.publish(reply, serde_json::json!({"session_id": turn.session}).to_string().into()).await;
                     }
                 }
                 Some(msg) = snapshots.next() => {
@@ -104,6 +112,15 @@ fn pieces(events: Vec<Arc<TurnEvent>>, over: bool) -> Vec<SnapshotPiece> {
         p.over = over;
     }
     out
+}
+
+/// The session of attempt `attempt_id` when another copy runs it (None at once when no copy
+/// does: NATS answers "no responders").
+pub async fn remote_attempt(app: &Ingress, attempt_id: &str) -> Option<SessionId> {
+    let asked = app.bus.client.request(app.bus.names.attempt_subject(attempt_id), "".into());
+    let reply = tokio::time::timeout(ASK_TIMEOUT, asked).await.ok()?.ok()?;
+    let value: serde_json::Value = serde_json::from_slice(&reply.payload).ok()?;
+    value["session_id"].as_str()?.parse().ok()
 }
 
 /// Asks whichever copy runs the session's turn to stop it; false when none answers.

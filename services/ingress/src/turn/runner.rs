@@ -69,7 +69,7 @@ pub struct TurnOptions {
 
 /// Starts the turn's task and registers it; the returned handle is what clients follow.
 pub fn start_turn(app: &Arc<Ingress>, start: TurnStart) -> Arc<ActiveTurn> {
-    let turn = ActiveTurn::new(start.session);
+    let turn = ActiveTurn::new(start.session, Uuid::now_v7().to_string());
     app.turns.insert(Arc::clone(&turn));
     app.metrics.turns_active(app.turns.active());
     let (app, t) = (Arc::clone(app), Arc::clone(&turn));
@@ -120,7 +120,7 @@ enum Ending {
 #[tracing::instrument(skip_all, fields(session_id = %start.session, attempt_id))]
 async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
     let started = Instant::now();
-    let attempt_id = Uuid::now_v7().to_string();
+    let attempt_id = turn.attempt_id.clone();
     tracing::Span::current().record("attempt_id", attempt_id.as_str());
     let mut t = Turn {
         app,

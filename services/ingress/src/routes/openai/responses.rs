@@ -30,7 +30,7 @@ use crate::extract::ApiPath;
 use crate::routes::forks::fork_request;
 use crate::routes::sessions::owned_session;
 use crate::routes::turns::{begin_turn, follow_local, validated, SendMessage};
-use crate::turn::{TurnEvent, TurnOptions};
+use crate::turn::{remote_attempt, remote_stop, remote_stream, TurnEvent, TurnOptions};
 use crate::AppState;
 
 /// The body of `POST /v1/responses`; fields OpenAI defines that turnlog does not act on
@@ -423,33 +423,31 @@ pub async fn retrieve(
     ApiPath(id): ApiPath<String>,
     Query(params): Query<RetrieveParams>,
 ) -> Result<Response, OaiError> {
-    let attempt = parse_response(&id)?;
     let owner = caller.as_str().to_owned();
-    if let Some(turn) = app.turns.by_attempt(&attempt) {
-        owned_session(&app, &caller, turn.session).await.map_err(|_| OaiError::not_found("response"))?;
-        let translated = translate(app.clone(), owner, follow_local(turn, 0), Echo::default());
-        if params.stream == Some(true) {
-            return Ok(sse(translated, params.starting_after));
+    match locate(&app, &caller, &parse_response(&id)?).await? {
+        Located::Running(_, events) => {
+            let translated = translate(app.clone(), owner, events, Echo::default());
+            if params.stream == Some(true) {
+                return Ok(sse(translated, params.starting_after));
+            }
+            // A running response's object as it was created (status `in_progress`).
+            let mut created = translated.take(1).collect::<Vec<_>>().await;
+            let response = created.first_mut().and_then(|e| e.get_mut("response").map(Value::take));
+            Ok(Json(response.unwrap_or_default()).into_response())
         }
-        // A snapshot of a running response: its last full object so far.
-        let snapshot = translated.take_while(|e| futures::future::ready(e["type"] != "response.in_progress"));
-        let first = snapshot.fold(None, |_, e| async move { Some(e) }).await;
-        let mut response = first.and_then(|mut e| e.get_mut("response").map(Value::take)).unwrap_or_default();
-        response["status"] = json!("in_progress");
-        return Ok(Json(response).into_response());
+        Located::Stored(event) => {
+            let response = from_log(&event, &Echo::default());
+            if params.stream == Some(true) {
+                let events = replay_finished(response);
+                return Ok(sse(futures::stream::iter(events).boxed(), params.starting_after));
+            }
+            Ok(Json(response).into_response())
+        }
     }
-    let event = read::attempt_event(&app.pool, &owner, &attempt)
-        .await?
-        .ok_or_else(|| OaiError::not_found("response"))?;
-    let response = from_log(&event, &Echo::default());
-    if params.stream == Some(true) {
-        let events = replay_finished(response);
-        return Ok(sse(futures::stream::iter(events).boxed(), params.starting_after));
-    }
-    Ok(Json(response).into_response())
 }
 
-/// Cancel a response (= stop: its partial answer is kept as an incomplete item).
+/// Cancel a response (= stop: its partial answer is kept as an incomplete item), on
+/// whichever ingress copy runs it.
 #[utoipa::path(
     post, path = "/v1/responses/{id}/cancel", tag = "openai", security(("bearer" = [])),
     params(("id" = String, Path, description = "resp_<32 hex>")),
@@ -462,10 +460,14 @@ pub async fn cancel(
 ) -> Result<Response, OaiError> {
     let attempt = parse_response(&id)?;
     let owner = caller.as_str().to_owned();
-    if let Some(turn) = app.turns.by_attempt(&attempt) {
-        owned_session(&app, &caller, turn.session).await.map_err(|_| OaiError::not_found("response"))?;
-        turn.stop(PendingReason::Stopped);
-        let last = translate(app.clone(), owner.clone(), follow_local(turn, 0), Echo::default())
+    if let Located::Running(session, events) = locate(&app, &caller, &attempt).await? {
+        match app.turns.by_attempt(&attempt) {
+            Some(turn) => turn.stop(PendingReason::Stopped),
+            None => {
+                remote_stop(&app, session).await;
+            }
+        }
+        let last = translate(app.clone(), owner.clone(), events, Echo::default())
             .fold(None, |_, e| async move { Some(e) })
             .await;
         if let Some(response) = last.and_then(|mut e| e.get_mut("response").map(Value::take)) {
@@ -489,21 +491,14 @@ pub async fn input_items(
     caller: Caller,
     ApiPath(id): ApiPath<String>,
 ) -> Result<Json<Value>, OaiError> {
-    let attempt = parse_response(&id)?;
     let owner = caller.as_str();
     // The session, and a seq after the turn's user message.
-    let (session, after_question) = match app.turns.by_attempt(&attempt) {
-        Some(turn) => {
-            let user_seq =
-                turn.events_after(0).first().and_then(|m| m.data["user_seq"].as_i64()).unwrap_or(0);
-            (turn.session, user_seq + 1)
+    let (session, after_question) = match locate(&app, &caller, &parse_response(&id)?).await? {
+        Located::Running(session, mut events) => {
+            let meta = events.next().await;
+            (session, meta.and_then(|m| m.data["user_seq"].as_i64()).unwrap_or(0) + 1)
         }
-        None => {
-            let event = read::attempt_event(&app.pool, owner, &attempt)
-                .await?
-                .ok_or_else(|| OaiError::not_found("response"))?;
-            (SessionId(event.session_id), event.seq)
-        }
+        Located::Stored(event) => (SessionId(event.session_id), event.seq),
     };
     let events =
         read::all_events(&app.pool, owner, session).await?.ok_or_else(|| OaiError::not_found("response"))?;
@@ -512,6 +507,44 @@ pub async fn input_items(
         _ => None,
     });
     Ok(Json(list_page(question.into_iter().collect(), false)))
+}
+
+/// Where a response is: running (on this copy or another), with its session and its native
+/// events from the first; or stored, by its attempt's newest event.
+enum Located {
+    Running(SessionId, BoxStream<'static, TurnEvent>),
+    Stored(StoredEvent),
+}
+
+/// Finds the caller's response of attempt `attempt` (DESIGN §13): this copy's running
+/// turns; the log, when it holds the attempt's outcome; another copy running it (asked on
+/// its attempt subject); else the log's latest checkpoint (a copy that died mid-answer).
+async fn locate(app: &AppState, caller: &Caller, attempt: &str) -> Result<Located, OaiError> {
+    let not_found = || OaiError::not_found("response");
+    if let Some(turn) = app.turns.by_attempt(attempt) {
+        owned_session(app, caller, turn.session).await.map_err(|_| not_found())?;
+        return Ok(Located::Running(turn.session, follow_local(turn, 0)));
+    }
+    let stored = read::attempt_event(&app.pool, caller.as_str(), attempt).await?;
+    if stored.as_ref().is_some_and(is_outcome) {
+        return Ok(Located::Stored(stored.ok_or_else(not_found)?));
+    }
+    if let Some(session) = remote_attempt(app, attempt).await {
+        owned_session(app, caller, session).await.map_err(|_| not_found())?;
+        if let Some(events) = remote_stream(app, session, 0).await {
+            let mut events = events.boxed().peekable();
+            let first = std::pin::Pin::new(&mut events).peek().await;
+            if first.is_some_and(|m| m.data["attempt_id"] == attempt) {
+                return Ok(Located::Running(session, events.boxed()));
+            }
+        }
+    }
+    stored.map(Located::Stored).ok_or_else(not_found)
+}
+
+/// Whether an attempt's event is its outcome (a checkpoint is not).
+fn is_outcome(event: &StoredEvent) -> bool {
+    event.kind != "pending_state" || event.payload.get("reason").is_some_and(|r| !r.is_null())
 }
 
 /// A response's object read from its attempt's newest event.
