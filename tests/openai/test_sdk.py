@@ -169,6 +169,17 @@ class ResponsesAndConversations(unittest.TestCase):
         with self.assertRaises(openai.BadRequestError):
             self.client.responses.create(model="mock", input="hi", store=False, conversation=conv.id)
 
+    def test_conversation_metadata_is_kept_and_replaced_whole(self):
+        conv = self.client.conversations.create(metadata={"topic": "trains", "team": "blue"})
+        self.assertEqual(conv.metadata, {"topic": "trains", "team": "blue"})
+        updated = self.client.conversations.update(conv.id, metadata={"topic": "boats"})
+        self.assertEqual(updated.metadata, {"topic": "boats"})
+        self.assertEqual(self.client.conversations.retrieve(conv.id).metadata, {"topic": "boats"})
+        with self.assertRaises(openai.BadRequestError):
+            self.client.conversations.update(conv.id, metadata={f"k{i}": "v" for i in range(17)})
+        with self.assertRaises(openai.BadRequestError):
+            self.client.conversations.create(metadata={"k": "v" * 513})
+
     def test_instructions_and_max_output_tokens_reach_the_request(self):
         r = self.client.responses.create(
             model="mock", input="Hello [mock words=5]", instructions="Answer in French.", max_output_tokens=64

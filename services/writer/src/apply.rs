@@ -12,8 +12,8 @@ use turnlog_core::events::{EventBody, EventKind, ForkPoint, SessionStarted};
 use turnlog_core::ids::{EventId, Owner, SessionId};
 use turnlog_core::tokens::event_tokens;
 use turnlog_runtime::bus::{
-    json_len, partition_of, AppendRequest, CommittedEvent, DeadLetter, Op, Outcome, OutcomeStatus,
-    RequestKind, MAX_EVENT_BYTES,
+    json_len, metadata_error, partition_of, AppendRequest, CommittedEvent, DeadLetter, Op, Outcome,
+    OutcomeStatus, RequestKind, MAX_EVENT_BYTES,
 };
 use uuid::Uuid;
 
@@ -390,6 +390,9 @@ fn apply_one(
             return Err(refuse("unstorable_text", "title contains a NUL character"));
         }
     }
+    if let Some(why) = req.metadata.as_ref().and_then(metadata_error) {
+        return Err(refuse("bad_request", why));
+    }
     let now = msg.published;
 
     if req.op == Op::Create {
@@ -397,6 +400,9 @@ fn apply_one(
             return Err(refuse("session_exists", "create for a session that already exists"));
         }
         let mut row = SessionRow::new(req.session_id, owner, req.title.clone(), now);
+        if let Some(m) = &req.metadata {
+            row.metadata = m.clone();
+        }
         if let Some(from) = req.forked_from {
             fork_row(state, &mut row, from)?;
         }
@@ -439,6 +445,9 @@ fn apply_one(
             }
             if let Some(a) = req.archived {
                 session.archived = a;
+            }
+            if let Some(m) = &req.metadata {
+                session.metadata = m.clone();
             }
             Ok(Applied { seq: None, rejected: None })
         }

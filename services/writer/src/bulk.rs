@@ -13,7 +13,9 @@ use sqlx::{Connection as _, PgConnection, PgPool};
 use uuid::Uuid;
 
 use crate::apply::{BatchEffects, LoadedState, SessionRow};
-use crate::store::{bind_memories, bind_sessions, delete_statement, run_delete, upsert_sessions_sql};
+use crate::store::{
+    bind_memories, bind_sessions, delete_statement, run_delete, session_metadata, upsert_sessions_sql,
+};
 
 /// Sessions per statement of the final update.
 const SESSIONS_PER_UPDATE: usize = 5_000;
@@ -237,8 +239,11 @@ pub async fn write_final(
 }
 
 async fn upsert_sessions(conn: &mut PgConnection, sessions: &[&SessionRow]) -> Result<(), sqlx::Error> {
-    static STATEMENT: LazyLock<String> = LazyLock::new(|| upsert_sessions_sql(1, ""));
-    bind_sessions!(sqlx::query(STATEMENT.as_str()), sessions).execute(conn).await?;
+    static STATEMENT: LazyLock<String> = LazyLock::new(|| upsert_sessions_sql(1, 16, ""));
+    bind_sessions!(sqlx::query(STATEMENT.as_str()), sessions)
+        .bind(session_metadata(sessions))
+        .execute(conn)
+        .await?;
     Ok(())
 }
 

@@ -49,6 +49,12 @@ macro_rules! bind_sessions {
 }
 pub(crate) use bind_sessions;
 
+/// The `metadata` column of `rows`, bound apart from [`bind_sessions!`] (as the parameter
+/// [`upsert_sessions_sql`] is told).
+pub(crate) fn session_metadata<'a>(rows: &[&'a SessionRow]) -> Vec<&'a serde_json::Value> {
+    rows.iter().map(|s| &s.metadata).collect()
+}
+
 /// Binds the six `memories` columns of `$rows` (`MemoryRow`s) as arrays, in the order of
 /// every `INSERT INTO memories … SELECT * FROM UNNEST(…)` here and in the bulk load.
 macro_rules! bind_memories {
@@ -69,7 +75,7 @@ pub(crate) use bind_memories;
 /// binds from parameter `$first` on, with `filter` after the `SELECT` (e.g. a `WHERE`).
 /// A lineage travels as the text of a Postgres array (an array of arrays would have to be
 /// rectangular); it is set at create and never changes.
-pub(crate) fn upsert_sessions_sql(first: usize, filter: &str) -> String {
+pub(crate) fn upsert_sessions_sql(first: usize, metadata: usize, filter: &str) -> String {
     let types = [
         "uuid",
         "text",
@@ -87,20 +93,21 @@ pub(crate) fn upsert_sessions_sql(first: usize, filter: &str) -> String {
         "text",
         "int8",
     ];
-    let params: Vec<String> =
+    let mut params: Vec<String> =
         types.iter().enumerate().map(|(i, t)| format!("${}::{t}[]", first + i)).collect();
+    params.push(format!("${metadata}::jsonb[]"));
     format!(
         "INSERT INTO sessions ({SESSION_COLUMNS})
          SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq,
                 created_at, updated_at, forked_from, forked_through, lineage::uuid[], lineage_through::int8[],
-                hidden_seq
+                hidden_seq, metadata
            FROM UNNEST({}) AS u({SESSION_COLUMNS})
          {filter}
          ON CONFLICT (id) DO UPDATE SET
             title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
             last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
             compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at,
-            hidden_seq = EXCLUDED.hidden_seq",
+            hidden_seq = EXCLUDED.hidden_seq, metadata = EXCLUDED.metadata",
         params.join(", ")
     )
 }
@@ -253,7 +260,8 @@ async fn write_effects(
     let outcomes = &fx.outcomes;
     let m = &fx.memories;
     static STATEMENT: LazyLock<String> = LazyLock::new(|| {
-        let upsert = upsert_sessions_sql(4, "WHERE EXISTS (SELECT 1 FROM pos)");
+        // The sessions' metadata is the statement's last parameter.
+        let upsert = upsert_sessions_sql(4, 39, "WHERE EXISTS (SELECT 1 FROM pos)");
         format!(
             "WITH pos AS (
              UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1
@@ -305,7 +313,11 @@ async fn write_effects(
         .bind(outcomes.iter().map(|(o, _)| o.status.as_str()).collect::<Vec<_>>())
         .bind(outcomes.iter().map(|(o, _)| o.seq).collect::<Vec<_>>())
         .bind(outcomes.iter().map(|(o, _)| o.reason.as_deref()).collect::<Vec<_>>());
-    let moved: i64 = bind_memories!(query, m).bind(&fx.redriven).fetch_one(&mut *conn).await?;
+    let moved: i64 = bind_memories!(query, m)
+        .bind(&fx.redriven)
+        .bind(session_metadata(&sessions))
+        .fetch_one(&mut *conn)
+        .await?;
     if moved != 1 {
         return Err(StoreError::Fenced { partition, expected });
     }
@@ -351,7 +363,7 @@ async fn write_delete(
 /// sessions' outcomes go, except this batch's own (a statement must not both delete and
 /// upsert one row) and, for a hidden session, those of the events it keeps.
 pub(crate) fn delete_statement(pos: &str) -> String {
-    let upsert = upsert_sessions_sql(11, "WHERE EXISTS (SELECT 1 FROM pos)");
+    let upsert = upsert_sessions_sql(11, 26, "WHERE EXISTS (SELECT 1 FROM pos)");
     format!(
         "WITH pos AS ({pos}),
          r AS (SELECT * FROM UNNEST($4::uuid[], $5::int8[]) AS r(id, kept)),
@@ -412,7 +424,7 @@ pub(crate) async fn run_delete(
         .bind(outcomes.iter().map(|(o, _)| o.status.as_str()).collect::<Vec<_>>())
         .bind(outcomes.iter().map(|(o, _)| o.seq).collect::<Vec<_>>())
         .bind(outcomes.iter().map(|(o, _)| o.reason.as_deref()).collect::<Vec<_>>());
-    bind_sessions!(query, &kept).fetch_one(conn).await
+    bind_sessions!(query, &kept).bind(session_metadata(&kept)).fetch_one(conn).await
 }
 
 /// session_id, owner, seq, event_id, kind, payload, tokens, stream_seq, created_at, and

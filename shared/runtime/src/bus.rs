@@ -211,6 +211,37 @@ pub struct AppendRequest {
     /// On a `create`: the session is a fork of this branch point (DESIGN §10).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forked_from: Option<ForkPoint>,
+    /// On a `create` or an `update`: the session's metadata, replaced whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Value>,
+}
+
+/// Most metadata pairs a session keeps, and the longest key and value (OpenAI's limits).
+pub const MAX_METADATA_PAIRS: usize = 16;
+pub const MAX_METADATA_KEY: usize = 64;
+pub const MAX_METADATA_VALUE: usize = 512;
+
+/// Why `metadata` cannot be a session's metadata, if it cannot: an object of at most 16
+/// string pairs, keys up to 64 characters, values up to 512, no NUL characters.
+pub fn metadata_error(metadata: &Value) -> Option<String> {
+    let Some(pairs) = metadata.as_object() else { return Some("metadata must be an object".into()) };
+    if pairs.len() > MAX_METADATA_PAIRS {
+        return Some(format!("metadata holds at most {MAX_METADATA_PAIRS} pairs"));
+    }
+    for (key, value) in pairs {
+        let Some(value) = value.as_str() else {
+            return Some(format!("metadata value {key:?} must be a string"));
+        };
+        if key.chars().count() > MAX_METADATA_KEY || value.chars().count() > MAX_METADATA_VALUE {
+            return Some(format!(
+                "metadata keys take at most {MAX_METADATA_KEY} characters and values {MAX_METADATA_VALUE}"
+            ));
+        }
+        if key.contains('\0') || value.contains('\0') {
+            return Some("metadata must not contain NUL characters".into());
+        }
+    }
+    None
 }
 
 impl AppendRequest {
@@ -227,6 +258,7 @@ impl AppendRequest {
             archived: None,
             title_if_empty: None,
             forked_from: None,
+            metadata: None,
         }
     }
     pub fn create(session_id: SessionId, owner: &str, title: Option<String>) -> Self {

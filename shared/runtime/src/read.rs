@@ -40,6 +40,8 @@ pub struct SessionRow {
     /// Set when the session was deleted while forks inherit its prefix: the APPEND
     /// sequence of that delete. A hidden session is not found by any route.
     pub hidden_seq: Option<i64>,
+    /// String pairs a client keeps with the session (at most [`crate::bus::MAX_METADATA_PAIRS`]).
+    pub metadata: serde_json::Value,
 }
 
 impl SessionRow {
@@ -61,6 +63,7 @@ impl SessionRow {
             lineage: Vec::new(),
             lineage_through: Vec::new(),
             hidden_seq: None,
+            metadata: serde_json::Value::Object(Default::default()),
         }
     }
 
@@ -93,7 +96,7 @@ impl SessionRow {
 macro_rules! session_columns {
     () => {
         "id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq, created_at, \
-         updated_at, forked_from, forked_through, lineage, lineage_through, hidden_seq"
+         updated_at, forked_from, forked_through, lineage, lineage_through, hidden_seq, metadata"
     };
 }
 pub const SESSION_COLUMNS: &str = session_columns!();

@@ -266,6 +266,13 @@ impl History {
         let mut update = AppendRequest::update(b, OWNER);
         update.archived = Some(true);
         self.push(b, &update);
+        // Metadata (the OpenAI surface's conversation metadata), set and replaced whole.
+        let mut update = AppendRequest::update(b, OWNER);
+        update.metadata = Some(serde_json::json!({"topic": "lisbon", "tier": "gold"}));
+        self.push(b, &update);
+        let mut update = AppendRequest::update(b, OWNER);
+        update.metadata = Some(serde_json::json!({"topic": "porto"}));
+        self.push(b, &update);
         let mut update = AppendRequest::update(c, OWNER);
         update.title_if_empty = Some("Named by the distiller".into());
         self.push(c, &update);

@@ -37,7 +37,11 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(permissions::resolve))
         .routes(routes!(search::search))
         .routes(routes!(openai::conversations::create))
-        .routes(routes!(openai::conversations::get, openai::conversations::delete))
+        .routes(routes!(
+            openai::conversations::get,
+            openai::conversations::update,
+            openai::conversations::delete
+        ))
         .routes(routes!(openai::conversations::items, openai::conversations::add_items))
         .routes(routes!(openai::conversations::item, openai::conversations::delete_item))
         .routes(routes!(openai::responses::create))

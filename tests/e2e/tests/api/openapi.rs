@@ -24,6 +24,7 @@ const SERVED: &[(&str, &str)] = &[
     ("post", "/v1/sessions/{id}/stop"),
     ("post", "/v1/conversations"),
     ("get", "/v1/conversations/{id}"),
+    ("post", "/v1/conversations/{id}"),
     ("delete", "/v1/conversations/{id}"),
     ("get", "/v1/conversations/{id}/items"),
     ("post", "/v1/conversations/{id}/items"),

@@ -6,7 +6,7 @@ use axum::extract::{Query, State};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use turnlog_runtime::bus::AppendRequest;
+use turnlog_runtime::bus::{metadata_error, AppendRequest};
 use turnlog_runtime::read::{self, SessionRow};
 
 use turnlog_core::events::{
@@ -30,7 +30,7 @@ fn conversation(row: &SessionRow) -> Value {
         "id": conversation_id(row.id),
         "object": "conversation",
         "created_at": row.created_at.timestamp(),
-        "metadata": {},
+        "metadata": row.metadata,
     })
 }
 
@@ -62,11 +62,9 @@ pub async fn create(
         None | Some(Value::Null) => Vec::new(),
         Some(items) => parse_items(items)?,
     };
-    if params.get("metadata").and_then(Value::as_object).is_some_and(|m| !m.is_empty()) {
-        return Err(OaiError::bad_request("conversation metadata is not supported yet"));
-    }
+    let metadata = metadata_of(&params)?;
     let id = SessionId::new();
-    submit(&app, &AppendRequest::create(id, caller.as_str(), None)).await?;
+    submit(&app, &AppendRequest { metadata, ..AppendRequest::create(id, caller.as_str(), None) }).await?;
     let row = read::get_session(&app.pool, caller.as_str(), id).await?.ok_or_else(|| {
         OaiError(crate::error::ApiError::internal(anyhow::anyhow!("session {id} committed but not readable")))
     })?;
@@ -188,6 +186,42 @@ pub async fn add_items(
     }
     let added = append_items(&app, &caller, row.id, items).await?;
     Ok(Json(list_page(added, false)))
+}
+
+/// A request's `metadata`: absent or null, else checked as the writer checks it.
+fn metadata_of(params: &Value) -> Result<Option<Value>, OaiError> {
+    match params.get("metadata") {
+        None | Some(Value::Null) => Ok(None),
+        Some(m) => match metadata_error(m) {
+            Some(why) => Err(OaiError::bad_request(why)),
+            None => Ok(Some(m.clone())),
+        },
+    }
+}
+
+/// Update a conversation's metadata (replaced whole).
+#[utoipa::path(
+    post, path = "/v1/conversations/{id}", tag = "openai", security(("bearer" = [])),
+    params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID")),
+    request_body(content = Object, description = "`{metadata: {key: value, ...}}`, at most 16 string pairs"),
+    responses((status = 200, body = Object), (status = 400, body = Object), (status = 404, body = Object))
+)]
+pub async fn update(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<String>,
+    body: Bytes,
+) -> Result<Json<Value>, OaiError> {
+    let row = owned(&app, &caller, &id).await?;
+    let params: Value = serde_json::from_slice(&body)
+        .map_err(|e| OaiError::bad_request(format!("the body is not JSON: {e}")))?;
+    let metadata = metadata_of(&params)?.ok_or_else(|| OaiError::bad_request("metadata is required"))?;
+    submit(
+        &app,
+        &AppendRequest { metadata: Some(metadata), ..AppendRequest::update(row.id, caller.as_str()) },
+    )
+    .await?;
+    Ok(Json(conversation(&owned(&app, &caller, &id).await?)))
 }
 
 /// A conversation.
