@@ -6,6 +6,7 @@ TURNLOG_BASE, TURNLOG_TOKEN (this owner) and TURNLOG_TOKEN2 (another owner).
 """
 
 import os
+import time
 import unittest
 import urllib.request
 
@@ -181,6 +182,16 @@ class ResponsesAndConversations(unittest.TestCase):
             self.client.conversations.update(conv.id, metadata={f"k{i}": "v" for i in range(17)})
         with self.assertRaises(openai.BadRequestError):
             self.client.conversations.create(metadata={"k": "v" * 513})
+
+    def test_background_answers_at_once_and_is_polled_to_its_end(self):
+        r = self.client.responses.create(model="mock", input="Slowly. [mock words=40 delay_ms=20]", background=True)
+        self.assertEqual((r.status, r.background, r.output), ("in_progress", True, []))
+        deadline = time.monotonic() + 30
+        while (got := self.client.responses.retrieve(r.id)).status == "in_progress":
+            self.assertLess(time.monotonic(), deadline, "the background response never ended")
+            time.sleep(0.1)
+        self.assertEqual(got.status, "completed")
+        self.assertEqual(len(got.output_text.split()), 40)
 
     def test_instructions_and_max_output_tokens_reach_the_request(self):
         r = self.client.responses.create(

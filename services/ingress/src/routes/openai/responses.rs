@@ -91,7 +91,7 @@ enum ConversationRef {
     Object { id: String },
 }
 
-/// The user's text of this turn: a string, or the text parts of user message items.
+/// The user's text of this turn: a string, or the text of user message items.
 fn user_text(input: &Input) -> Result<String, OaiError> {
     let items = match input {
         Input::Text(t) => return Ok(t.clone()),
@@ -100,34 +100,16 @@ fn user_text(input: &Input) -> Result<String, OaiError> {
     let mut texts = Vec::new();
     for item in items {
         match item.role.as_deref() {
-            Some("user") => {}
+            Some("user") => texts.push(content_text(item.content.as_ref())?),
             Some("system" | "developer") => {
                 return Err(OaiError::bad_request("send system text as `instructions`"));
             }
             _ => {
                 return Err(OaiError::bad_request(
                     "input items must be user messages; earlier turns belong in the conversation \
-                     (POST /v1/conversations/{id}/items)",
+                     (POST /v1/conversations/{id}/items), or send store: false with the whole history",
                 ))
             }
-        }
-        match &item.content {
-            Some(Content::Text(t)) => texts.push(t.clone()),
-            Some(Content::Parts(parts)) => {
-                for part in parts {
-                    match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str))
-                    {
-                        (Some("input_text"), Some(t)) => texts.push(t.to_owned()),
-                        (kind, _) => {
-                            return Err(OaiError::bad_request(format!(
-                                "input content of type {} is not supported here; send input_text",
-                                kind.unwrap_or("(none)")
-                            )))
-                        }
-                    }
-                }
-            }
-            None => {}
         }
     }
     Ok(texts.join("\n\n"))
@@ -142,6 +124,7 @@ struct Echo {
     temperature: Option<f64>,
     top_p: Option<f64>,
     store: bool,
+    background: bool,
 }
 
 impl Default for Echo {
@@ -153,6 +136,7 @@ impl Default for Echo {
             temperature: None,
             top_p: None,
             store: true,
+            background: false,
         }
     }
 }
@@ -173,10 +157,10 @@ pub async fn create(State(app): State<AppState>, caller: Caller, body: Bytes) ->
     if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(OaiError::bad_request("tools are not supported: turnlog does not run tools yet"));
     }
-    if req.background {
-        return Err(OaiError::bad_request("background responses are not supported; use stream: true"));
-    }
     if req.store == Some(false) {
+        if req.background {
+            return Err(OaiError::bad_request("background responses are stored: send store: true"));
+        }
         if req.conversation.is_some() || req.previous_response_id.is_some() {
             return Err(OaiError::bad_request(
                 "store: false keeps nothing: it cannot continue a conversation or a previous response",
@@ -213,6 +197,13 @@ pub async fn create(State(app): State<AppState>, caller: Caller, body: Bytes) ->
     let translated = translate(app.clone(), caller.as_str().to_owned(), events, echo);
     if req.stream {
         return Ok(sse(translated, None));
+    }
+    if req.background {
+        // Answered at once, `in_progress`; the turn runs on by itself (as every turn does),
+        // and the client polls or re-attaches by the response's id.
+        let mut created = translated.take(1).collect::<Vec<_>>().await;
+        let response = created.first_mut().and_then(|e| e.get_mut("response").map(Value::take));
+        return Ok(Json(response.unwrap_or_default()).into_response());
     }
     final_response(translated).await
 }
@@ -362,6 +353,7 @@ fn echo_of(req: &CreateResponse) -> Echo {
         temperature: req.temperature,
         top_p: req.top_p,
         store: true,
+        background: req.background,
     }
 }
 
@@ -727,7 +719,7 @@ impl Snapshot {
             "object": "response",
             "created_at": created_at,
             "status": status,
-            "background": false,
+            "background": self.echo.background,
             "error": null,
             "incomplete_details": null,
             "instructions": self.echo.instructions,
