@@ -199,6 +199,14 @@ class ResponsesAndConversations(unittest.TestCase):
         )
         self.assertEqual(r.instructions, "Answer in French.")
         self.assertEqual(r.max_output_tokens, 64)
+        # Recorded with the attempt, so the request rebuilds from the log byte for byte (§11).
+        session = r.conversation.id[len("conv_"):]
+        events = self.client.get(f"/sessions/{session}/events", cast_to=object)["events"]
+        answer = next(e for e in events if e["kind"] == "assistant_turn")
+        audit = self.client.get(f"/sessions/{session}/requests/{answer['seq']}", cast_to=object)
+        self.assertTrue(audit["verified"], audit)
+        self.assertEqual(audit["body"]["messages"][0], {"role": "system", "content": "Answer in French."})
+        self.assertEqual(audit["body"]["max_tokens"], 64)
 
     def test_cancel_keeps_the_partial_answer(self):
         conv = self.client.conversations.create()

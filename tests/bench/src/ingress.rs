@@ -73,65 +73,40 @@ struct Through {
 
 /// One turn through turnlog.
 async fn through(sys: &System, session: &str, text: &str) -> anyhow::Result<Through> {
-    let sent_us = unix_us();
-    let resp = sys
-        .http
-        .post(format!("{}/v1/sessions/{session}/messages", sys.base))
-        .json(&json!({ "text": text }))
-        .send()
-        .await?;
-    anyhow::ensure!(resp.status().is_success(), "turn refused: {}", resp.status());
-    let mut events = resp.bytes_stream().eventsource();
-    let mut latencies = Vec::new();
-    let mut first = None;
-    while let Some(e) = events.next().await {
-        let e = e?;
-        let arrived = unix_us();
-        if e.event == "delta" {
-            first.get_or_insert(arrived);
-            let data: serde_json::Value = serde_json::from_str(&e.data)?;
-            if let Some(stamp) = data["text"].as_str().and_then(|t| t.trim().parse::<u64>().ok()) {
-                latencies.push(arrived.saturating_sub(stamp) as f64 / 1e3);
-            }
-        }
-    }
-    let received_us = sys
-        .mock
-        .log()
-        .entries()
-        .iter()
-        .rev()
-        .find(|r| r.body.to_string().contains(text))
-        .map(|r| r.received_at_us)
-        .ok_or_else(|| anyhow::anyhow!("the mock did not log the turn"))?;
-    Ok(Through {
-        pre_upstream_ms: received_us.saturating_sub(sent_us) as f64 / 1e3,
-        latencies_ms: latencies,
-        first_delta_ms: first.unwrap_or(sent_us).saturating_sub(sent_us) as f64 / 1e3,
-    })
+    let url = format!("{}/v1/sessions/{session}/messages", sys.base);
+    streamed(sys, &url, json!({ "text": text }), ("delta", "text"), text).await
 }
 
 /// One response through the OpenAI-compatible surface (`POST /v1/responses`, streamed, in
 /// conversation `session`): the same figures as [`through`].
 async fn through_responses(sys: &System, session: &str, text: &str) -> anyhow::Result<Through> {
+    let url = format!("{}/v1/responses", sys.base);
+    let body = json!({ "model": "mock", "input": text, "stream": true, "conversation": session });
+    streamed(sys, &url, body, ("response.output_text.delta", "delta"), text).await
+}
+
+/// POSTs `body` to `url` and reads the event stream to its end: each `delta_event`'s
+/// `stamp_field` is the mock's send time; the mock's log says when the model request came.
+async fn streamed(
+    sys: &System,
+    url: &str,
+    body: serde_json::Value,
+    (delta_event, stamp_field): (&str, &str),
+    text: &str,
+) -> anyhow::Result<Through> {
     let sent_us = unix_us();
-    let resp = sys
-        .http
-        .post(format!("{}/v1/responses", sys.base))
-        .json(&json!({ "model": "mock", "input": text, "stream": true, "conversation": session }))
-        .send()
-        .await?;
-    anyhow::ensure!(resp.status().is_success(), "response refused: {}", resp.status());
+    let resp = sys.http.post(url).json(&body).send().await?;
+    anyhow::ensure!(resp.status().is_success(), "{url} refused: {}", resp.status());
     let mut events = resp.bytes_stream().eventsource();
     let mut latencies = Vec::new();
     let mut first = None;
     while let Some(e) = events.next().await {
         let e = e?;
         let arrived = unix_us();
-        if e.event == "response.output_text.delta" {
+        if e.event == delta_event {
             first.get_or_insert(arrived);
             let data: serde_json::Value = serde_json::from_str(&e.data)?;
-            if let Some(stamp) = data["delta"].as_str().and_then(|t| t.trim().parse::<u64>().ok()) {
+            if let Some(stamp) = data[stamp_field].as_str().and_then(|t| t.trim().parse::<u64>().ok()) {
                 latencies.push(arrived.saturating_sub(stamp) as f64 / 1e3);
             }
         }
@@ -144,7 +119,7 @@ async fn through_responses(sys: &System, session: &str, text: &str) -> anyhow::R
         .rev()
         .find(|r| r.body.to_string().contains(text))
         .map(|r| r.received_at_us)
-        .ok_or_else(|| anyhow::anyhow!("the mock did not log the response"))?;
+        .ok_or_else(|| anyhow::anyhow!("the mock did not log the model request"))?;
     Ok(Through {
         pre_upstream_ms: received_us.saturating_sub(sent_us) as f64 / 1e3,
         latencies_ms: latencies,

@@ -52,12 +52,7 @@ pub async fn create(
     caller: Caller,
     body: Bytes,
 ) -> Result<Json<Value>, OaiError> {
-    let params: Value = if body.is_empty() {
-        json!({})
-    } else {
-        serde_json::from_slice(&body)
-            .map_err(|e| OaiError::bad_request(format!("the body is not JSON: {e}")))?
-    };
+    let params = json_body(&body)?;
     let items = match params.get("items") {
         None | Some(Value::Null) => Vec::new(),
         Some(items) => parse_items(items)?,
@@ -178,14 +173,21 @@ pub async fn add_items(
     body: Bytes,
 ) -> Result<Json<Value>, OaiError> {
     let row = owned(&app, &caller, &id).await?;
-    let params: Value = serde_json::from_slice(&body)
-        .map_err(|e| OaiError::bad_request(format!("the body is not JSON: {e}")))?;
+    let params = json_body(&body)?;
     let items = parse_items(params.get("items").unwrap_or(&Value::Null))?;
     if items.is_empty() {
         return Err(OaiError::bad_request("items must name at least one message"));
     }
     let added = append_items(&app, &caller, row.id, items).await?;
     Ok(Json(list_page(added, false)))
+}
+
+/// A request body as JSON; an empty body is `{}`.
+fn json_body(body: &[u8]) -> Result<Value, OaiError> {
+    if body.is_empty() {
+        return Ok(json!({}));
+    }
+    serde_json::from_slice(body).map_err(|e| OaiError::bad_request(format!("the body is not JSON: {e}")))
 }
 
 /// A request's `metadata`: absent or null, else checked as the writer checks it.
@@ -213,8 +215,7 @@ pub async fn update(
     body: Bytes,
 ) -> Result<Json<Value>, OaiError> {
     let row = owned(&app, &caller, &id).await?;
-    let params: Value = serde_json::from_slice(&body)
-        .map_err(|e| OaiError::bad_request(format!("the body is not JSON: {e}")))?;
+    let params = json_body(&body)?;
     let metadata = metadata_of(&params)?.ok_or_else(|| OaiError::bad_request("metadata is required"))?;
     submit(
         &app,

@@ -201,9 +201,7 @@ pub async fn create(State(app): State<AppState>, caller: Caller, body: Bytes) ->
     if req.background {
         // Answered at once, `in_progress`; the turn runs on by itself (as every turn does),
         // and the client polls or re-attaches by the response's id.
-        let mut created = translated.take(1).collect::<Vec<_>>().await;
-        let response = created.first_mut().and_then(|e| e.get_mut("response").map(Value::take));
-        return Ok(Json(response.unwrap_or_default()).into_response());
+        return Ok(Json(created_response(translated).await).into_response());
     }
     final_response(translated).await
 }
@@ -334,10 +332,21 @@ fn content_text(content: Option<&Content>) -> Result<String, OaiError> {
     }
 }
 
+/// The response object of a stream's terminal event (it ends with one).
+async fn last_response(translated: BoxStream<'static, Value>) -> Option<Value> {
+    let mut last = translated.fold(None, |_, e| async move { Some(e) }).await?;
+    last.get_mut("response").map(Value::take)
+}
+
+/// The response object of a stream's first event, `response.created` (`in_progress`).
+async fn created_response(mut translated: BoxStream<'static, Value>) -> Value {
+    let first = translated.next().await;
+    first.and_then(|mut e| e.get_mut("response").map(Value::take)).unwrap_or_default()
+}
+
 /// The last event's response: what a non-streamed request answers.
 async fn final_response(translated: BoxStream<'static, Value>) -> Result<Response, OaiError> {
-    let last = translated.fold(None, |_, e| async move { Some(e) }).await;
-    match last.and_then(|mut e| e.get_mut("response").map(Value::take)) {
+    match last_response(translated).await {
         Some(response) => Ok(Json(response).into_response()),
         None => Err(OaiError(crate::error::ApiError::internal(anyhow::anyhow!(
             "the turn ended without a response"
@@ -423,9 +432,7 @@ pub async fn retrieve(
                 return Ok(sse(translated, params.starting_after));
             }
             // A running response's object as it was created (status `in_progress`).
-            let mut created = translated.take(1).collect::<Vec<_>>().await;
-            let response = created.first_mut().and_then(|e| e.get_mut("response").map(Value::take));
-            Ok(Json(response.unwrap_or_default()).into_response())
+            Ok(Json(created_response(translated).await).into_response())
         }
         Located::Stored(event) => {
             let response = from_log(&event, &Echo::default());
@@ -459,10 +466,9 @@ pub async fn cancel(
                 remote_stop(&app, session).await;
             }
         }
-        let last = translate(app.clone(), owner.clone(), events, Echo::default())
-            .fold(None, |_, e| async move { Some(e) })
-            .await;
-        if let Some(response) = last.and_then(|mut e| e.get_mut("response").map(Value::take)) {
+        if let Some(response) =
+            last_response(translate(app.clone(), owner.clone(), events, Echo::default())).await
+        {
             return Ok(Json(response).into_response());
         }
     }
