@@ -279,5 +279,157 @@ class ResponsesAndConversations(unittest.TestCase):
         self.assertEqual(items[-1].id, got.output[0].id)
 
 
+def chat(c, sid, messages, stream=False, **kw):
+    """One chat completion with session header `sid` (None: none): (branch id, text, the
+    completion or its chunks)."""
+    headers = {"X-Session-Id": sid} if sid else {}
+    raw = c.chat.completions.with_raw_response.create(
+        model="mock", messages=messages, stream=stream, extra_headers=headers, **kw
+    )
+    parsed = raw.parse()
+    if stream:
+        chunks = list(parsed)
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        return raw.headers.get("x-session-id"), text, chunks
+    return raw.headers.get("x-session-id"), parsed.choices[0].message.content, parsed
+
+
+class ChatCompletions(unittest.TestCase):
+    """Chat Completions with durable sessions: a session header names a family of
+    branches; a client resending its whole history continues, forks or switches branch."""
+
+    def setUp(self):
+        self.client = client()
+        self.sid = f"chat-{time.time_ns()}"
+
+    def events(self, branch):
+        page = self.client.get(f"/sessions/{branch}/events?limit=1000", cast_to=object)["events"]
+        return [e for e in page if e["kind"] in ("user_message", "assistant_turn")]
+
+    def session(self, branch):
+        return self.client.get(f"/sessions/{branch}", cast_to=object)
+
+    def test_streamed_and_non_streamed_completions_with_a_session_header(self):
+        history = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello [mock words=6]"}]
+        branch, text, done = chat(self.client, self.sid, history)
+        self.assertEqual(done.object, "chat.completion")
+        self.assertEqual(done.choices[0].finish_reason, "stop")
+        self.assertTrue(text)
+        self.assertGreater(done.usage.prompt_tokens, 0)
+        self.assertIsNotNone(done.usage.prompt_tokens_details.cached_tokens)
+        history += [{"role": "assistant", "content": text}, {"role": "user", "content": "More? [mock words=7]"}]
+        again, text2, chunks = chat(
+            self.client, self.sid, history, stream=True, stream_options={"include_usage": True}
+        )
+        self.assertEqual(again, branch)
+        self.assertEqual(chunks[0].choices[0].delta.role, "assistant")
+        self.assertEqual([c.choices[0].finish_reason for c in chunks if c.choices][-1], "stop")
+        self.assertEqual(chunks[-1].choices, [])
+        self.assertGreater(chunks[-1].usage.completion_tokens, 0)
+        self.assertEqual(len({c.id for c in chunks}), 1)
+        stored = self.events(branch)
+        self.assertEqual([e["kind"] for e in stored], ["user_message", "assistant_turn"] * 2)
+        self.assertEqual(stored[3]["payload"]["ui"]["blocks"][-1]["text"], text2)
+        # The client's system message is the request's system prompt, recorded (§11).
+        audited = self.client.get(f"/sessions/{branch}/requests/{stored[3]['seq']}", cast_to=object)
+        self.assertTrue(audited["verified"])
+        self.assertEqual(audited["body"]["messages"][0], {"role": "system", "content": "You are terse."})
+
+    def test_a_conversation_resent_whole_twenty_times_stores_each_message_once(self):
+        history, branches = [], set()
+        for i in range(20):
+            history.append({"role": "user", "content": f"Turn {i}: go on. [mock words=4]"})
+            branch, text, _ = chat(self.client, self.sid, history, stream=i % 2 == 0)
+            branches.add(branch)
+            history.append({"role": "assistant", "content": text})
+        self.assertEqual(len(branches), 1)
+        stored = self.events(branches.pop())
+        self.assertEqual(len(stored), 40)
+        self.assertEqual([e["payload"].get("text") for e in stored[::2]], [m["content"] for m in history[::2]])
+
+    def test_edit_regenerate_and_switching_back_map_onto_forks(self):
+        history = []
+        for i in range(4):
+            history.append({"role": "user", "content": f"Question {i} [mock words=5]"})
+            branch, text, _ = chat(self.client, self.sid, history, stream=True)
+            history.append({"role": "assistant", "content": text})
+        original = branch
+        seqs = [e["seq"] for e in self.events(original)]
+
+        # Edit turn 3 (the third question): a fork before it, the new text run there.
+        edited = history[:4] + [{"role": "user", "content": "Question 2, edited [mock words=5]"}]
+        fork, text, _ = chat(self.client, self.sid, edited, stream=True)
+        self.assertNotEqual(fork, original)
+        made = self.session(fork)["session"]["forked_from"]
+        self.assertEqual((made["session_id"], made["through_seq"]), (original, seqs[4] - 1))
+        # The next request with the whole edited history continues the fork.
+        edited += [{"role": "assistant", "content": text}, {"role": "user", "content": "Then? [mock words=5]"}]
+        same, _, _ = chat(self.client, self.sid, edited)
+        self.assertEqual(same, fork)
+        own = [e for e in self.events(fork) if e["session_id"] == fork]
+        self.assertEqual([e["kind"] for e in own], ["user_message", "assistant_turn"] * 2)
+
+        # Switching back to the original history (and going on) continues the original.
+        back = history + [{"role": "user", "content": "Back again [mock words=5]"}]
+        again, _, _ = chat(self.client, self.sid, back)
+        self.assertEqual(again, original)
+        self.assertEqual(len(self.events(original)), 10)
+
+        # Regenerate the last answer: a fork through its question, which is not copied.
+        regen, text, _ = chat(self.client, self.sid, back, stream=True)
+        self.assertNotIn(regen, (original, fork))
+        made = self.session(regen)["session"]["forked_from"]
+        self.assertEqual((made["session_id"], made["through_seq"]), (original, self.events(original)[8]["seq"]))
+        own = [e["kind"] for e in self.events(regen) if e["session_id"] == regen]
+        self.assertEqual(own, ["assistant_turn"])
+
+    def test_without_a_session_header_nothing_is_stored(self):
+        before = self.client.get("/sessions", cast_to=object)["sessions"]
+        branch, text, done = chat(self.client, None, [{"role": "user", "content": "Hi [mock words=4]"}])
+        self.assertIsNone(branch)
+        self.assertEqual(done.object, "chat.completion")
+        self.assertTrue(text)
+        _, text, chunks = chat(self.client, None, [{"role": "user", "content": "Hi [mock words=4]"}], stream=True)
+        self.assertTrue(text)
+        after = self.client.get("/sessions", cast_to=object)["sessions"]
+        self.assertEqual([s["id"] for s in after], [s["id"] for s in before])
+
+    def test_a_task_prompt_sent_with_a_chat_id_forks_nothing(self):
+        history = [{"role": "user", "content": "Plan a trip [mock words=5]"}]
+        branch, text, _ = chat(self.client, self.sid, history, stream=True)
+        task = [{"role": "user", "content": "### Task:\nGenerate a concise title.\n### Chat History:\nUSER: Plan a trip"}]
+        passed, title, _ = chat(self.client, self.sid, task)
+        self.assertIsNone(passed)
+        self.assertTrue(title)
+        self.assertEqual(len(self.events(branch)), 2)
+        self.assertEqual(self.session(branch)["forks"], [])
+
+    def test_models_and_refusals(self):
+        ids = [m.id for m in self.client.models.list()]
+        self.assertIn("mock", ids)
+        headers = {"X-Session-Id": self.sid}
+        user = [{"role": "user", "content": "Hi"}]
+        for kw in (
+            {"n": 2},
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+        ):
+            with self.assertRaises(openai.BadRequestError):
+                self.client.chat.completions.create(model="mock", messages=user, extra_headers=headers, **kw)
+        with self.assertRaises(openai.BadRequestError):
+            self.client.chat.completions.create(
+                model="mock", messages=user + [{"role": "assistant", "content": "Hel"}], extra_headers=headers
+            )
+        with self.assertRaises(openai.BadRequestError):
+            image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+            self.client.chat.completions.create(
+                model="mock", messages=[{"role": "user", "content": image}], extra_headers=headers
+            )
+        # Another owner's session id names nothing of theirs: a family of the caller's own.
+        branch, _, _ = chat(self.client, self.sid, [{"role": "user", "content": "Mine [mock words=3]"}])
+        theirs, _, _ = chat(client(os.environ["TURNLOG_TOKEN2"]), branch, [{"role": "user", "content": "X [mock words=3]"}])
+        self.assertNotEqual(theirs, branch)
+        self.assertEqual(len(self.events(branch)), 2)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -29,6 +29,22 @@ pub const DEFAULT_MAX_TURNS_PER_OWNER: u32 = 8;
 /// Turns one ingress copy runs at once, all owners together.
 pub const DEFAULT_MAX_TURNS: u32 = 256;
 
+/// The headers that name a session family on `POST /v1/chat/completions` by default: ours,
+/// Open WebUI's chat id (sent with `ENABLE_FORWARD_USER_INFO_HEADERS=true`), and a common one.
+pub const DEFAULT_COMPAT_SESSION_HEADERS: &str = "X-Session-Id,X-OpenWebUI-Chat-Id,X-Conversation-Id";
+
+/// `TURNLOG_COMPAT_SESSION_HEADERS`: header names separated by commas, lowercased, blanks
+/// ignored; `x-session-id` is always one of them.
+pub fn parse_session_headers(spec: &str) -> Vec<String> {
+    let mut names = vec!["x-session-id".to_owned()];
+    for name in spec.split(',').map(|n| n.trim().to_ascii_lowercase()).filter(|n| !n.is_empty()) {
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    names
+}
+
 /// Everything the ingress runs with, validated.
 #[derive(Debug, Clone)]
 pub struct IngressConfig {
@@ -51,6 +67,9 @@ pub struct IngressConfig {
     pub compact_timeout: Duration,
     /// The caps on concurrent turns of this copy (per owner, and in all).
     pub turn_limits: TurnLimits,
+    /// `TURNLOG_COMPAT_SESSION_HEADERS`: the headers that name a session family on
+    /// `POST /v1/chat/completions` (DESIGN §13), lowercase, `x-session-id` always among them.
+    pub compat_session_headers: Vec<String>,
 }
 
 impl IngressConfig {
@@ -71,6 +90,7 @@ impl IngressConfig {
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             compact_timeout: DEFAULT_COMPACT_TIMEOUT,
             turn_limits: TurnLimits::default(),
+            compat_session_headers: parse_session_headers(DEFAULT_COMPAT_SESSION_HEADERS),
         }
     }
 

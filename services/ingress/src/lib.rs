@@ -57,6 +57,8 @@ pub struct Ingress {
     pub turns: turn::TurnHub,
     /// Names this copy as a turn-lease holder.
     pub instance_id: String,
+    /// The hash chains of the branches Chat Completions requests met (DESIGN §13).
+    pub chains: routes::openai::branches::Chains,
 }
 
 pub type AppState = Arc<Ingress>;
@@ -87,6 +89,7 @@ impl Ingress {
             metrics,
             turns: turn::TurnHub::default(),
             instance_id,
+            chains: Default::default(),
         }))
     }
 

@@ -283,6 +283,10 @@ pub struct IngressArgs {
     /// `model,...`: the models a client may ask for; unset or empty means any.
     #[arg(long, env = "TURNLOG_ALLOWED_MODELS")]
     pub allowed_models: Option<String>,
+    /// Header names, comma-separated, that name a session family on
+    /// `POST /v1/chat/completions` (X-Session-Id always does).
+    #[arg(long, env = "TURNLOG_COMPAT_SESSION_HEADERS", default_value = turnlog_ingress::config::DEFAULT_COMPAT_SESSION_HEADERS)]
+    pub compat_session_headers: String,
     /// `model=tokens,...`: context windows that win over what the gateway lists.
     #[arg(long, env = "TURNLOG_MODEL_WINDOWS", default_value = "")]
     pub model_windows: String,
@@ -482,6 +486,7 @@ fn ingress_config(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Ingre
             per_owner: args.max_turns_per_owner,
             total: args.max_turns,
         },
+        compat_session_headers: turnlog_ingress::config::parse_session_headers(&args.compat_session_headers),
         ..IngressConfig::new(backbone)
     };
     config.check_listen(args.listen)?;

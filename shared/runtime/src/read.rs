@@ -660,6 +660,20 @@ pub async fn forks_of(pool: &PgPool, owner: &str, id: SessionId) -> Result<Vec<F
     .await
 }
 
+/// The owner's visible sessions of the fork tree rooted at `root` (the root itself and every
+/// session whose lineage names it), oldest first, at most 1,000.
+pub async fn family(pool: &PgPool, owner: &str, root: SessionId) -> Result<Vec<SessionRow>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "SELECT {SESSION_COLUMNS} FROM sessions
+          WHERE owner = $2 AND hidden_seq IS NULL AND (id = $1 OR lineage && ARRAY[$1]::uuid[])
+          ORDER BY created_at, id LIMIT 1000"
+    ))
+    .bind(root.0)
+    .bind(owner)
+    .fetch_all(pool)
+    .await
+}
+
 /// The newest event of attempt `attempt_id` (its outcome once it ended: `assistant_turn`,
 /// a final `pending_state` or `turn_failed`; before that, its latest checkpoint), in the
 /// owner's visible session that ran it.

@@ -48,6 +48,8 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(openai::responses::retrieve))
         .routes(routes!(openai::responses::cancel))
         .routes(routes!(openai::responses::input_items))
+        .routes(routes!(openai::chat::completions))
+        .routes(routes!(openai::chat::models))
         .routes(routes!(memories::recall))
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))

@@ -443,6 +443,29 @@ async fn retry_turn(
     id: SessionId,
     slot: TurnSlot,
 ) -> Result<Response, ApiError> {
+    let events = retried(app, caller, id, slot, TurnOptions::default()).await?;
+    Ok(stream_response(app, id, events))
+}
+
+/// [`retry_turn`] for any route, within the caps: the turn's native events.
+pub(crate) async fn retry_last(
+    app: &AppState,
+    caller: &Caller,
+    id: SessionId,
+    options: TurnOptions,
+) -> Result<BoxStream<'static, TurnEvent>, ApiError> {
+    ready_for_turns(app)?;
+    let slot = take_slot(app, caller)?;
+    retried(app, caller, id, slot, options).await
+}
+
+async fn retried(
+    app: &AppState,
+    caller: &Caller,
+    id: SessionId,
+    slot: TurnSlot,
+    options: TurnOptions,
+) -> Result<BoxStream<'static, TurnEvent>, ApiError> {
     let lease = app.leases.acquire(id, &app.instance_id).await?.ok_or_else(turn_running)?;
     let last = match read::last_user_message(&app.pool, caller.as_str(), id).await {
         Ok(Some((seq, message, false))) => (seq, message),
@@ -471,10 +494,9 @@ async fn retry_turn(
         model,
         lease,
         slot,
-        options: TurnOptions::default(),
+        options,
     };
-    let turn = start_turn(app, start);
-    Ok(stream_response(app, id, follow_local(turn, 0)))
+    Ok(follow_local(start_turn(app, start), 0))
 }
 
 /// Re-attach to the turn in flight: its events after `Last-Event-ID`, then live.

@@ -479,6 +479,7 @@ impl Turn<'_> {
         }
         let (failure, body, status, seq_field) = match ending {
             Ending::Done { finish_reason } => {
+                end["finish_reason"] = json!(finish_reason);
                 let answer = self.answer(finish_reason, usage, duration_ms);
                 let size = json_len(&answer.to_payload());
                 if size <= MAX_EVENT_BYTES {

@@ -175,6 +175,13 @@ impl UpstreamError {
     }
 }
 
+/// The gateway's answer to a forwarded request, as it came.
+pub struct Forwarded {
+    pub status: u16,
+    pub content_type: Option<String>,
+    pub body: futures::stream::BoxStream<'static, Result<bytes::Bytes, std::io::Error>>,
+}
+
 #[derive(Clone)]
 pub struct UpstreamClient {
     http: reqwest::Client,
@@ -251,21 +258,35 @@ impl UpstreamClient {
         if let Some(window) = self.config.windows_override.get(model) {
             return Some(*window);
         }
+        self.with_listing(|s| s.window(model)).await
+    }
+
+    /// The gateway's `/models` entries as it lists them (cached like the windows); None
+    /// when the listing failed.
+    pub async fn models(&self) -> Option<Vec<serde_json::Value>> {
+        self.with_listing(|s| s.models().map(<[_]>::to_vec)).await
+    }
+
+    /// `f` of the `/models` listing, fetched at most once per [`MODELS_CACHE_TTL`].
+    async fn with_listing<T>(&self, f: impl FnOnce(&windows::Snapshot) -> Option<T>) -> Option<T> {
         let mut cached = self.windows.lock().await;
         let fresh = cached.as_ref().is_some_and(|s| s.is_fresh(std::time::Instant::now()));
         if !fresh {
             // A failed listing is cached too, so a gateway without `/models` costs one
             // request per TTL rather than one per turn.
-            let windows = self.fetch_windows().await.unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "cannot list upstream models; context windows unknown");
-                HashMap::new()
-            });
-            *cached = Some(windows::Snapshot::new(windows, std::time::Instant::now()));
+            let listing = self
+                .fetch_windows()
+                .await
+                .inspect_err(
+                    |e| tracing::warn!(error = %e, "cannot list upstream models; context windows unknown"),
+                )
+                .ok();
+            *cached = Some(windows::Snapshot::new(listing, std::time::Instant::now()));
         }
-        cached.as_ref().and_then(|s| s.window(model))
+        cached.as_ref().and_then(f)
     }
 
-    async fn fetch_windows(&self) -> Result<HashMap<String, u32>, UpstreamError> {
+    async fn fetch_windows(&self) -> Result<windows::Listing, UpstreamError> {
         let timeout = self.config.timeout;
         let call = async {
             let mut get = self.http.get(self.url("models"));
@@ -279,6 +300,34 @@ impl UpstreamClient {
         tokio::time::timeout(timeout, call)
             .await
             .map_err(|_| UpstreamError::Timeout { phase: TimeoutPhase::Total, after: timeout })?
+    }
+
+    /// A client's own request body POSTed to `chat/completions` and answered as the
+    /// gateway answers it — status, content type and body untouched (the stateless
+    /// pass-through of DESIGN §13). Only reaching the gateway is bounded by the timeout.
+    pub async fn forward(&self, body: bytes::Bytes) -> Result<Forwarded, UpstreamError> {
+        let mut post = self
+            .http
+            .post(self.url("chat/completions"))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body);
+        if let Some(key) = &self.config.api_key {
+            post = post.bearer_auth(key.expose());
+        }
+        let response = tokio::time::timeout(self.config.timeout, post.send())
+            .await
+            .map_err(|_| UpstreamError::Timeout { phase: TimeoutPhase::Total, after: self.config.timeout })?
+            .map_err(send_error)?;
+        let content_type = response
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        Ok(Forwarded {
+            status: response.status().as_u16(),
+            content_type,
+            body: response.bytes_stream().map(|r| r.map_err(std::io::Error::other)).boxed(),
+        })
     }
 
     /// A POST of exactly `body`'s bytes: what its hash was taken of is what is sent.

@@ -39,16 +39,16 @@ pub fn parse_model_windows(spec: &str) -> Result<HashMap<String, u32>, String> {
     Ok(windows)
 }
 
-/// Windows from a `/models` body (`{"data": [{"id", ...}]}`); entries without a window
-/// are left out.
-pub(super) fn parse_listing(body: &[u8]) -> Result<HashMap<String, u32>, UpstreamError> {
+/// A `/models` body (`{"data": [{"id", ...}]}`): its entries that name an id, and the
+/// windows of those that give one.
+pub(super) fn parse_listing(body: &[u8]) -> Result<Listing, UpstreamError> {
     let listing: Value =
         serde_json::from_slice(body).map_err(|e| UpstreamError::Malformed(format!("models listing: {e}")))?;
     let entries = listing
         .get("data")
         .and_then(Value::as_array)
         .ok_or_else(|| UpstreamError::Malformed("models listing without `data`".into()))?;
-    Ok(entries
+    let windows = entries
         .iter()
         .filter_map(|entry| {
             let id = entry.get("id")?.as_str()?;
@@ -56,18 +56,31 @@ pub(super) fn parse_listing(body: &[u8]) -> Result<HashMap<String, u32>, Upstrea
                 WINDOW_FIELDS.iter().filter_map(|field| entry.get(field)?.as_u64()).find(|w| *w > 0)?;
             Some((id.to_owned(), u32::try_from(window).unwrap_or(u32::MAX)))
         })
-        .collect())
+        .collect();
+    let models = entries.iter().filter(|e| e.get("id").and_then(Value::as_str).is_some()).cloned().collect();
+    Ok(Listing { windows, models })
 }
 
-/// One listing and when it was taken.
+/// What a `/models` listing gives: context windows, and the entries as listed.
+#[derive(Debug, Default)]
+pub(super) struct Listing {
+    pub(super) windows: HashMap<String, u32>,
+    pub(super) models: Vec<Value>,
+}
+
+/// One listing (None when it failed) and when it was taken.
 pub(super) struct Snapshot {
-    windows: HashMap<String, u32>,
+    listing: Option<Listing>,
     taken_at: Instant,
 }
 
 impl Snapshot {
-    pub(super) fn new(windows: HashMap<String, u32>, taken_at: Instant) -> Self {
-        Self { windows, taken_at }
+    pub(super) fn new(listing: Option<Listing>, taken_at: Instant) -> Self {
+        Self { listing, taken_at }
+    }
+
+    pub(super) fn models(&self) -> Option<&[Value]> {
+        self.listing.as_ref().map(|l| l.models.as_slice())
     }
 
     pub(super) fn is_fresh(&self, now: Instant) -> bool {
@@ -75,7 +88,7 @@ impl Snapshot {
     }
 
     pub(super) fn window(&self, model: &str) -> Option<u32> {
-        self.windows.get(model).copied()
+        self.listing.as_ref()?.windows.get(model).copied()
     }
 }
 
@@ -109,7 +122,9 @@ mod tests {
             {"id":"ollama","object":"model"},
             {"id":"zero","context_window":0,"max_model_len":4096}
         ]}"#;
-        let windows = parse_listing(body).unwrap();
+        let listing = parse_listing(body).unwrap();
+        assert_eq!(listing.models.len(), 6);
+        let windows = listing.windows;
         assert_eq!(windows.get("openai-like"), Some(&128_000));
         assert_eq!(windows.get("openrouter"), Some(&200_000));
         assert_eq!(windows.get("vllm"), Some(&32_768));
@@ -122,7 +137,7 @@ mod tests {
     #[test]
     fn snapshot_is_trusted_for_thirty_seconds() {
         let taken = Instant::now();
-        let snapshot = Snapshot::new(HashMap::new(), taken);
+        let snapshot = Snapshot::new(None, taken);
         assert!(snapshot.is_fresh(taken + Duration::from_secs(29)));
         assert!(!snapshot.is_fresh(taken + Duration::from_secs(30)));
     }

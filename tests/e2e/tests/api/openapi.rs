@@ -34,6 +34,8 @@ const SERVED: &[(&str, &str)] = &[
     ("get", "/v1/responses/{id}"),
     ("post", "/v1/responses/{id}/cancel"),
     ("get", "/v1/responses/{id}/input_items"),
+    ("post", "/v1/chat/completions"),
+    ("get", "/v1/models"),
     ("post", "/v1/sessions/{id}/retry"),
     ("get", "/v1/sessions/{id}/stream"),
     ("get", "/v1/search"),

@@ -73,9 +73,9 @@ pub async fn create(
 const MAX_NEW_ITEMS: usize = 20;
 
 /// An item to add: a user message or an answer, as text.
-struct NewItem {
-    assistant: bool,
-    text: String,
+pub(super) struct NewItem {
+    pub(super) assistant: bool,
+    pub(super) text: String,
 }
 
 /// `items` of a create: messages whose content is a string or text parts.
@@ -116,7 +116,7 @@ fn parse_item(item: &Value) -> Result<NewItem, OaiError> {
 
 /// Appends `items` in order under the session's turn lease (no turn runs meanwhile), without
 /// calling the model: an import path. Returns them as conversation items.
-async fn append_items(
+pub(super) async fn append_items(
     app: &AppState,
     caller: &Caller,
     session: SessionId,

@@ -4,6 +4,8 @@
 //! visible event (`msg_<32 hex>`: a user message's event id, an answer's attempt id, so
 //! an answer keeps the id it was announced with while it streamed).
 
+pub mod branches;
+pub mod chat;
 pub mod conversations;
 pub mod responses;
 

@@ -1,0 +1,540 @@
+//! `POST /v1/chat/completions` and `GET /v1/models` (DESIGN §13): chat front ends that
+//! resend their whole conversation every time get durable sessions by sending a session
+//! header. The client's history only tells which branch of the header's family the request
+//! continues and what is new ([`super::branches`]); the model gets turnlog's context.
+//! Without a session header the request goes to the gateway as it is and nothing is stored.
+
+use std::convert::Infallible;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::stream::BoxStream;
+use futures::StreamExt as _;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
+use turnlog_core::ids::SessionId;
+use turnlog_runtime::bus::AppendRequest;
+use turnlog_runtime::read::{self, SessionRow};
+use uuid::Uuid;
+
+use super::branches::{plan, request_links, Branch, Plan};
+use super::conversations::{append_items, NewItem};
+use super::OaiError;
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::routes::forks::{create_fork, fork_request};
+use crate::routes::turns::{begin_turn, derived, retry_last, validated, SendMessage};
+use crate::turn::{TurnEvent, TurnOptions};
+use crate::writes::submit;
+use crate::{validate, AppState};
+
+/// Longest session header value.
+const MAX_SESSION_HEADER: usize = 200;
+/// Most messages one request may add to a branch besides the one it runs (a client's
+/// earlier history, the first time it names a session).
+const MAX_NEW_MESSAGES: usize = 1_000;
+
+/// The fields of OpenAI's `ChatCompletionCreateParams` turnlog reads; the rest are ignored
+/// (and forwarded untouched by the pass-through).
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    #[serde(default)]
+    model: Option<String>,
+    messages: Vec<WireMessage>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    temperature: Option<f64>,
+    #[serde(default)]
+    top_p: Option<f64>,
+    #[serde(default)]
+    n: Option<u32>,
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
+    #[serde(default)]
+    functions: Option<Vec<Value>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+struct WireMessage {
+    role: String,
+    #[serde(default)]
+    content: Option<Value>,
+    #[serde(default)]
+    tool_calls: Option<Value>,
+}
+
+/// A request's conversation: its system text, and its other messages as (is_user, text).
+struct Conversation {
+    system: Option<String>,
+    messages: Vec<(bool, String)>,
+}
+
+/// Create a chat completion. With a session header (`X-Session-Id`, or one named in
+/// `TURNLOG_COMPAT_SESSION_HEADERS`), the request continues — or forks — a durable session
+/// of that header's family, and the response's `X-Session-Id` names the branch; without
+/// one, it is passed to the gateway and nothing is stored.
+#[utoipa::path(
+    post, path = "/v1/chat/completions", tag = "openai", security(("bearer" = [])),
+    params(("X-Session-Id" = Option<String>, Header, description = "A session id, or any string naming a family of branches")),
+    request_body(content = Object, description = "OpenAI's `ChatCompletionCreateParams`"),
+    responses(
+        (status = 200, description = "A `chat.completion`, or with `stream: true` text/event-stream of `chat.completion.chunk`s ending with `data: [DONE]`", body = Object),
+        (status = 400, body = Object), (status = 404, body = Object), (status = 409, body = Object),
+        (status = 429, body = Object), (status = 503, body = Object),
+    )
+)]
+#[tracing::instrument(skip_all, fields(session_id), err(Debug, level = "debug"))]
+pub async fn completions(
+    State(app): State<AppState>,
+    caller: Caller,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, OaiError> {
+    let req: CompletionRequest = serde_json::from_slice(&body).map_err(|e| {
+        OaiError::bad_request(format!("the request body is not a valid chat completion request: {e}"))
+    })?;
+    if let Some(model) = &req.model {
+        validate::model(&app.config, model)?;
+    }
+    let Some(family) = session_header(&app, &headers)? else {
+        return pass_through(&app, body, req.model.is_none()).await;
+    };
+    if req.n.is_some_and(|n| n != 1) {
+        return Err(OaiError::bad_request("n must be 1: a session stores one answer per turn"));
+    }
+    if req.tools.as_ref().is_some_and(|t| !t.is_empty())
+        || req.functions.as_ref().is_some_and(|f| !f.is_empty())
+    {
+        return Err(OaiError::bad_request("tools are not supported: turnlog does not run tools yet"));
+    }
+    let conversation = conversation(&req.messages)?;
+    let streamed = req.stream == Some(true);
+    let options = TurnOptions {
+        system: conversation.system.clone(),
+        max_tokens: req.max_completion_tokens.or(req.max_tokens),
+        temperature: req.temperature,
+        top_p: req.top_p,
+    };
+    let request = request_links(conversation.messages.iter().map(|(u, t)| (*u, t.as_str())));
+    let (root, named) = family_root(&app, &caller, &family).await?;
+    let rows = read::family(&app.pool, caller.as_str(), root).await?;
+    let mut branches = Vec::with_capacity(rows.len());
+    for row in rows {
+        let links = app.chains.links(&app.pool, caller.as_str(), &row).await?;
+        branches.push(Branch { named: Some(row.id) == named, row, links });
+    }
+    let (session, from, events) = if branches.is_empty() {
+        let create = new_family(&caller, root);
+        let events =
+            run(&app, &caller, root, Some(create), &conversation, 0, options, req.model.clone()).await?;
+        (root, 0, events)
+    } else {
+        match plan(&branches, &request, streamed) {
+            Plan::PassThrough => return pass_through(&app, body, req.model.is_none()).await,
+            Plan::Continue { branch, from } => {
+                let session = branches[branch].row.id;
+                let events =
+                    run(&app, &caller, session, None, &conversation, from, options, req.model.clone())
+                        .await?;
+                (session, from, events)
+            }
+            Plan::Fork { branch, through, from } => {
+                let parent: &SessionRow = &branches[branch].row;
+                let create = fork_request(&app, &caller, parent, through, None, "chat").await?;
+                let fork = create.session_id;
+                let events =
+                    run(&app, &caller, fork, Some(create), &conversation, from, options, req.model.clone())
+                        .await?;
+                (fork, from, events)
+            }
+        }
+    };
+    tracing::Span::current().record("session_id", tracing::field::display(session));
+    tracing::debug!(new_messages = conversation.messages.len() - from, "chat completion reconciled");
+    let include_usage = req.stream_options.and_then(|o| o.include_usage) == Some(true);
+    let mut response = if streamed { chunks(events, include_usage) } else { completion(events).await? };
+    if let Ok(v) = HeaderValue::from_str(&session.to_string()) {
+        response.headers_mut().insert("x-session-id", v);
+    }
+    Ok(response)
+}
+
+/// The value of the first session header the request carries, if any.
+fn session_header(app: &AppState, headers: &HeaderMap) -> Result<Option<String>, OaiError> {
+    for name in &app.config.compat_session_headers {
+        let Some(v) = headers.get(name.as_str()) else { continue };
+        let value =
+            v.to_str().map_err(|_| OaiError::bad_request(format!("{name} must be visible ASCII")))?.trim();
+        if value.is_empty() {
+            continue;
+        }
+        if value.len() > MAX_SESSION_HEADER {
+            return Err(OaiError::bad_request(format!("{name} is at most {MAX_SESSION_HEADER} characters")));
+        }
+        return Ok(Some(value.to_owned()));
+    }
+    Ok(None)
+}
+
+/// The root of the family a header value names, and the session it named when it is one
+/// of the caller's sessions (then its fork tree is the family). Any other value names the
+/// family of a session whose id derives from the owner and the value.
+async fn family_root(
+    app: &AppState,
+    caller: &Caller,
+    value: &str,
+) -> Result<(SessionId, Option<SessionId>), OaiError> {
+    if let Ok(id) = Uuid::parse_str(value) {
+        if let Some(row) = read::get_session(&app.pool, caller.as_str(), SessionId(id)).await? {
+            let root = row.lineage.first().copied().map_or(row.id, SessionId);
+            return Ok((root, Some(row.id)));
+        }
+    }
+    let root = SessionId(derived(caller.as_str(), "chat completions session", value));
+    Ok((root, Some(root)))
+}
+
+/// The `create` of a family's first session.
+fn new_family(caller: &Caller, root: SessionId) -> AppendRequest {
+    let mut create = AppendRequest::create(root, caller.as_str(), None);
+    create.request_id = derived(caller.as_str(), "chat completions create", &root.to_string());
+    create
+}
+
+/// Checks a request's messages and reads them as a [`Conversation`].
+fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> {
+    let mut system = Vec::new();
+    let mut rest = Vec::new();
+    for m in messages {
+        if m.tool_calls.as_ref().is_some_and(|t| !t.is_null()) {
+            return Err(OaiError::bad_request(
+                "tool calls are not supported: turnlog does not run tools yet",
+            ));
+        }
+        let user = match m.role.as_str() {
+            "system" | "developer" => {
+                system.push(content_text(m.content.as_ref())?);
+                continue;
+            }
+            "user" => true,
+            "assistant" => false,
+            "tool" | "function" => {
+                return Err(OaiError::bad_request(
+                    "tool messages are not supported: turnlog does not run tools yet",
+                ))
+            }
+            other => return Err(OaiError::bad_request(format!("unknown message role {other:?}"))),
+        };
+        rest.push((user, content_text(m.content.as_ref())?));
+    }
+    match rest.last() {
+        None => return Err(OaiError::bad_request("messages need a user message")),
+        Some((false, _)) => {
+            return Err(OaiError::bad_request(
+                "the last message must be a user message (continuing an answer is not supported)",
+            ))
+        }
+        Some(_) => {}
+    }
+    let system = system.join("\n\n");
+    if system.len() > MAX_SYSTEM_PROMPT_BYTES {
+        return Err(OaiError::bad_request(format!(
+            "the system messages take more than {MAX_SYSTEM_PROMPT_BYTES} bytes"
+        )));
+    }
+    Ok(Conversation { system: (!system.is_empty()).then_some(system), messages: rest })
+}
+
+/// A message's text: a string, or its text parts joined.
+fn content_text(content: Option<&Value>) -> Result<String, OaiError> {
+    match content {
+        Some(Value::String(t)) => Ok(t.clone()),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                (Some("text"), Some(t)) => Ok(t),
+                (kind, _) => Err(OaiError::bad_request(format!(
+                    "content parts of type {} cannot be stored yet; send text (or no session header)",
+                    kind.unwrap_or("(none)")
+                ))),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(|texts| texts.join("")),
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(_) => Err(OaiError::bad_request("a message's content must be a string or an array of parts")),
+    }
+}
+
+/// Runs the turn of `conversation` on `session` (created first by `create` when given):
+/// the messages from `from` on are appended, the last one answered; with none new, the
+/// session's last message (which has no answer) is run again.
+#[allow(clippy::too_many_arguments)]
+async fn run(
+    app: &AppState,
+    caller: &Caller,
+    session: SessionId,
+    create: Option<AppendRequest>,
+    conversation: &Conversation,
+    from: usize,
+    options: TurnOptions,
+    model: Option<String>,
+) -> Result<BoxStream<'static, TurnEvent>, OaiError> {
+    let new = &conversation.messages[from.min(conversation.messages.len())..];
+    let Some(((_, last), earlier)) = new.split_last() else {
+        if let Some(create) = &create {
+            create_fork(app, caller, create).await?;
+        }
+        return Ok(retry_last(app, caller, session, options).await?);
+    };
+    if earlier.len() > MAX_NEW_MESSAGES {
+        return Err(OaiError::bad_request(format!(
+            "at most {MAX_NEW_MESSAGES} earlier messages can be added to a session at once"
+        )));
+    }
+    let message = SendMessage {
+        text: last.clone(),
+        category: None,
+        model,
+        images: Vec::new(),
+        documents: Vec::new(),
+        edit_of: None,
+    };
+    validated(app, &message)?;
+    for (_, text) in earlier {
+        validate::text(text)?;
+    }
+    let mut create = create;
+    if !earlier.is_empty() {
+        if let Some(c) = create.take() {
+            submit(app, &c).await?;
+        }
+        let items =
+            earlier.iter().map(|(user, text)| NewItem { assistant: !user, text: text.clone() }).collect();
+        append_items(app, caller, session, items).await?;
+    }
+    Ok(begin_turn(app, caller, session, message, None, create, options).await?)
+}
+
+/// The stateless pass-through: the client's own body to the gateway (with the default
+/// model when it names none), its answer back as it came.
+async fn pass_through(app: &AppState, body: Bytes, without_model: bool) -> Result<Response, OaiError> {
+    let upstream = app.upstream.clone().ok_or_else(|| {
+        OaiError(ApiError::Unavailable("no model gateway is configured (TURNLOG_LLM_URL)".into()))
+    })?;
+    let body = if without_model {
+        let mut v: Value = serde_json::from_slice(&body).map_err(|e| OaiError::bad_request(e.to_string()))?;
+        v["model"] = json!(app.config.model);
+        Bytes::from(v.to_string())
+    } else {
+        body
+    };
+    let answer = upstream.forward(body).await.map_err(|e| {
+        tracing::warn!(error = %e, "upstream failed (chat completions pass-through)");
+        OaiError(ApiError::Unavailable(e.public_message()))
+    })?;
+    let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut response = Response::new(Body::from_stream(answer.body));
+    *response.status_mut() = status;
+    let content_type = answer.content_type.as_deref().unwrap_or("application/json");
+    if let Ok(v) = HeaderValue::from_str(content_type) {
+        response.headers_mut().insert("content-type", v);
+    }
+    response.headers_mut().insert("x-accel-buffering", HeaderValue::from_static("no"));
+    Ok(response)
+}
+
+/// What a turn's native events add up to.
+#[derive(Default)]
+struct Answer {
+    id: String,
+    created: i64,
+    model: String,
+    text: String,
+    reasoning: String,
+    error: Option<String>,
+    end: Value,
+}
+
+impl Answer {
+    /// Takes in a native event; the chunk it streams as, if any.
+    fn on(&mut self, e: &TurnEvent) -> Option<Value> {
+        match e.event.as_str() {
+            "meta" => {
+                let attempt =
+                    e.data["attempt_id"].as_str().and_then(|a| Uuid::parse_str(a).ok()).unwrap_or_default();
+                self.id = format!("chatcmpl-{}", attempt.simple());
+                self.created = attempt.get_timestamp().map_or(0, |t| t.to_unix().0 as i64);
+                self.model = e.data["model"].as_str().unwrap_or_default().to_owned();
+                Some(self.chunk(json!({"role": "assistant", "content": ""}), None))
+            }
+            "delta" => {
+                let t = e.data["text"].as_str().unwrap_or_default();
+                self.text.push_str(t);
+                Some(self.chunk(json!({"content": t}), None))
+            }
+            "reasoning" => {
+                let t = e.data["text"].as_str().unwrap_or_default();
+                self.reasoning.push_str(t);
+                Some(self.chunk(json!({"reasoning_content": t}), None))
+            }
+            "error" => {
+                self.error = e.data["message"].as_str().map(str::to_owned);
+                None
+            }
+            "end" => {
+                self.end = e.data.clone();
+                None
+            }
+            _ => None,
+        }
+    }
+
+    fn chunk(&self, delta: Value, finish_reason: Option<&str>) -> Value {
+        json!({
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}],
+        })
+    }
+
+    /// `stop` or `length` when the turn ended with an answer (stopped ones included); else
+    /// the failure's message.
+    fn finish_reason(&self) -> Result<&'static str, String> {
+        match self.end["status"].as_str() {
+            Some("completed") if self.end["finish_reason"] == "length" => Ok("length"),
+            Some("completed" | "stopped") => Ok("stop"),
+            Some("interrupted") => Err(format!(
+                "the answer was interrupted; its partial text is kept in session {}",
+                self.end["session_id"].as_str().unwrap_or_default()
+            )),
+            _ => Err(self.error.clone().unwrap_or_else(|| "the answer failed".into())),
+        }
+    }
+
+    /// OpenAI's usage object, with the cached share of the prompt.
+    fn usage(&self) -> Value {
+        let u = &self.end["usage"];
+        if u.is_null() {
+            return Value::Null;
+        }
+        let n = |k: &str| u[k].as_u64().unwrap_or(0);
+        let (input, output) = (n("input_tokens"), n("output_tokens"));
+        json!({
+            "prompt_tokens": input, "completion_tokens": output, "total_tokens": input + output,
+            "prompt_tokens_details": {"cached_tokens": n("cached_input_tokens")},
+        })
+    }
+}
+
+/// A streamed completion: `chat.completion.chunk`s, the finish (or an error object, as
+/// OpenAI streams one), the usage chunk when asked for, then `data: [DONE]`.
+fn chunks(events: BoxStream<'static, TurnEvent>, include_usage: bool) -> Response {
+    let chunks = futures::stream::unfold(
+        (events, Answer::default(), false),
+        move |(mut events, mut a, done)| async move {
+            if done {
+                return None;
+            }
+            loop {
+                let Some(e) = events.next().await else {
+                    return Some((end_chunks(&a, include_usage), (events, a, true)));
+                };
+                if let Some(chunk) = a.on(&e) {
+                    return Some((vec![chunk], (events, a, false)));
+                }
+                if e.is_end() {
+                    return Some((end_chunks(&a, include_usage), (events, a, true)));
+                }
+            }
+        },
+    )
+    .flat_map(futures::stream::iter)
+    .map(|chunk| Ok::<_, Infallible>(SseEvent::default().data(chunk.to_string())))
+    .chain(futures::stream::once(async { Ok(SseEvent::default().data("[DONE]")) }));
+    let mut response = Sse::new(chunks).keep_alive(KeepAlive::default()).into_response();
+    let headers = response.headers_mut();
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    headers.insert("cache-control", HeaderValue::from_static("no-cache"));
+    response
+}
+
+fn end_chunks(a: &Answer, include_usage: bool) -> Vec<Value> {
+    let mut out = vec![match a.finish_reason() {
+        Ok(reason) => a.chunk(json!({}), Some(reason)),
+        Err(message) => {
+            json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}})
+        }
+    }];
+    if include_usage {
+        let mut usage = a.chunk(json!({}), None);
+        usage["choices"] = json!([]);
+        usage["usage"] = a.usage();
+        out.push(usage);
+    }
+    out
+}
+
+/// A completion answered whole: `chat.completion`, or the turn's failure as an error.
+async fn completion(mut events: BoxStream<'static, TurnEvent>) -> Result<Response, OaiError> {
+    let mut a = Answer::default();
+    while let Some(e) = events.next().await {
+        a.on(&e);
+    }
+    let finish = a.finish_reason().map_err(|m| OaiError(ApiError::Unavailable(m)))?;
+    let mut message = json!({"role": "assistant", "content": a.text, "refusal": null});
+    if !a.reasoning.is_empty() {
+        message["reasoning_content"] = json!(a.reasoning);
+    }
+    Ok(Json(json!({
+        "id": a.id, "object": "chat.completion", "created": a.created, "model": a.model,
+        "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
+        "usage": a.usage(),
+    }))
+    .into_response())
+}
+
+/// List the models a client may ask for: the gateway's (cached), those turnlog allows.
+#[utoipa::path(
+    get, path = "/v1/models", tag = "openai", security(("bearer" = [])),
+    responses((status = 200, description = "OpenAI's model list", body = Object), (status = 401, body = Object))
+)]
+pub async fn models(State(app): State<AppState>, _caller: Caller) -> Json<Value> {
+    let listed = match &app.upstream {
+        Some(u) => u.models().await.unwrap_or_default(),
+        None => Vec::new(),
+    };
+    let configured = std::iter::once(app.config.model.clone())
+        .chain(app.config.allowed_models.iter().flatten().cloned())
+        .map(|id| json!({"id": id}));
+    let mut seen = std::collections::HashSet::new();
+    let data: Vec<Value> = listed
+        .into_iter()
+        .chain(configured)
+        .filter_map(|e| {
+            let id = e.get("id")?.as_str()?.to_owned();
+            (app.config.allows_model(&id) && seen.insert(id.clone())).then(|| {
+                let created = e.get("created").and_then(Value::as_i64).unwrap_or(0);
+                let owned_by = e.get("owned_by").and_then(Value::as_str).unwrap_or("turnlog");
+                json!({"id": id, "object": "model", "created": created, "owned_by": owned_by})
+            })
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
