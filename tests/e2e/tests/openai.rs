@@ -88,3 +88,282 @@ async fn a_response_running_on_one_copy_is_retrieved_and_cancelled_through_anoth
     b.stop().await.unwrap();
     a.stop().await.unwrap();
 }
+
+/// One `POST /v1/chat/completions`: the branch the response names (None when passed
+/// through) and the answer's text, streamed or not.
+async fn chat_completion(
+    http: &reqwest::Client,
+    base: &str,
+    headers: &[(&str, &str)],
+    body: &Value,
+) -> (Option<String>, String) {
+    let mut req = http.post(format!("{base}/v1/chat/completions")).json(body);
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let resp = req.send().await.unwrap();
+    assert_eq!(resp.status(), 200, "{body}");
+    let branch = resp.headers().get("x-session-id").map(|v| v.to_str().unwrap().to_owned());
+    if body["stream"] != true {
+        let done: Value = resp.json().await.unwrap();
+        return (branch, done["choices"][0]["message"]["content"].as_str().unwrap().to_owned());
+    }
+    let mut text = String::new();
+    let mut events = resp.bytes_stream().eventsource();
+    let mut finished = false;
+    while let Some(e) = events.next().await {
+        let e = e.unwrap();
+        if e.data == "[DONE]" {
+            finished = true;
+            break;
+        }
+        let chunk: Value = serde_json::from_str(&e.data).unwrap();
+        assert!(chunk.get("error").is_none(), "{chunk}");
+        text.push_str(chunk["choices"][0]["delta"]["content"].as_str().unwrap_or_default());
+    }
+    assert!(finished, "the stream ended without [DONE]");
+    (branch, text)
+}
+
+/// The user and assistant events of a branch log, as (session the event belongs to, kind, text).
+async fn conversation_of(http: &reqwest::Client, base: &str, branch: &str) -> Vec<(String, String, String)> {
+    let page: Value = http
+        .get(format!("{base}/v1/sessions/{branch}/events?limit=1000"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    page["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "user_message" || e["kind"] == "assistant_turn")
+        .map(|e| {
+            let text = e["payload"]["text"].as_str().or(e["payload"]["ui"]["blocks"][0]["text"].as_str());
+            let kind = e["kind"].as_str().unwrap().to_owned();
+            (e["session_id"].as_str().unwrap().to_owned(), kind, text.unwrap_or_default().to_owned())
+        })
+        .collect()
+}
+
+/// Open WebUI 0.6.43's title task prompt (`DEFAULT_TITLE_GENERATION_PROMPT_TEMPLATE`, its
+/// `{{MESSAGES:END:2}}` filled in as `utils/task.py` does), abridged in the middle.
+fn title_task(history: &str) -> String {
+    format!(
+        "### Task:\nGenerate a concise, 3-5 word title with an emoji summarizing the chat history.\n### Guidelines:\n\
+         - The title should clearly represent the main theme or subject of the conversation.\n### Output:\n\
+         JSON format: {{ \"title\": \"your concise title here\" }}\n### Chat History:\n<chat_history>\n{history}\n</chat_history>"
+    )
+}
+
+/// Open WebUI 0.6.43's tags task prompt (`DEFAULT_TAGS_GENERATION_PROMPT_TEMPLATE`), abridged.
+fn tags_task(history: &str) -> String {
+    format!(
+        "### Task:\nGenerate 1-3 broad tags categorizing the main themes of the chat history, along with 1-3 more \
+         specific subtopic tags.\n\n### Output:\nJSON format: {{ \"tags\": [\"tag1\", \"tag2\", \"tag3\"] }}\n\n\
+         ### Chat History:\n<chat_history>\n{history}\n</chat_history>"
+    )
+}
+
+/// Open WebUI's wire behaviour (0.6.43, read from its code: `routers/openai.py`,
+/// `routers/tasks.py`, `Chat.svelte`) replayed against turnlog: with
+/// `ENABLE_FORWARD_USER_INFO_HEADERS=true` every request carries its user headers and
+/// `X-OpenWebUI-Chat-Id`; a send resends the chat's active branch (system message first,
+/// answers with their reasoning `<details>` stripped, so they start with a newline); the
+/// title, tags and follow-up tasks are one-message prompts, not streamed, with the same chat
+/// id; regenerate sends the history through the question; an edit sends the history
+/// before the edited message and its new text. Expected: one session family whose
+/// branches are exactly the chat's branches, and task calls that store nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_webui_sends_regenerates_edits_and_task_calls_map_onto_one_family() {
+    let env = test_env().await;
+    let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
+    let stack = turnlog_e2e::serve(
+        config::chat_stack(&env, config::upstream_at(&mock.base_url()), "mock"),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    let base = stack.base_url().to_owned();
+    let http = reqwest::Client::new();
+    let chat_id = uuid::Uuid::new_v4().to_string();
+    let headers = [
+        ("X-OpenWebUI-User-Name", "Ada Lovelace"),
+        ("X-OpenWebUI-User-Id", "8e3c1a52-0d7b-4c4e-9a55-1f0f0b4c2d11"),
+        ("X-OpenWebUI-User-Email", "ada@example.com"),
+        ("X-OpenWebUI-User-Role", "user"),
+        ("X-OpenWebUI-Chat-Id", chat_id.as_str()),
+    ];
+    let system = json!({"role": "system", "content": "You are a helpful assistant. Today is 2026-12-01."});
+    let send = |messages: Vec<Value>| json!({"stream": true, "model": "mock", "messages": messages});
+    let task = |prompt: String, max_tokens: Option<u32>| {
+        let mut body =
+            json!({"model": "mock", "messages": [{"role": "user", "content": prompt}], "stream": false});
+        if let Some(m) = max_tokens {
+            body["max_tokens"] = json!(m);
+        }
+        body
+    };
+    let user = |text: &str| json!({"role": "user", "content": text});
+    // What Open WebUI resends of an answer that streamed reasoning: the text after the
+    // stripped `<details type="reasoning">` block, starting with a newline.
+    let answer = |text: &str| json!({"role": "assistant", "content": format!("\n{text}")});
+
+    // (a) The first message of a new chat, then its background tasks.
+    let q1 = "Plan a weekend in Lisbon. [mock words=12 reasoning=2]";
+    let (root, a1) = chat_completion(&http, &base, &headers, &send(vec![system.clone(), user(q1)])).await;
+    let root = root.unwrap();
+    let history = format!("USER: {q1}\nASSISTANT: {a1}");
+    for body in [task(title_task(&history), Some(1000)), task(tags_task(&history), None)] {
+        let (passed, text) = chat_completion(&http, &base, &headers, &body).await;
+        assert_eq!(passed, None, "a task call is passed through");
+        assert!(!text.is_empty());
+    }
+
+    // (b) A follow-up resends the whole branch.
+    let q2 = "And where should we eat? [mock words=12]";
+    let turn2 = vec![system.clone(), user(q1), answer(&a1), user(q2)];
+    let (same, a2) = chat_completion(&http, &base, &headers, &send(turn2.clone())).await;
+    assert_eq!(same.as_deref(), Some(root.as_str()));
+    let follow_ups = format!("### Task:\nSuggest 3-5 relevant follow-up questions...\n<chat_history>\n{history}\nUSER: {q2}\nASSISTANT: {a2}\n</chat_history>");
+    assert_eq!(chat_completion(&http, &base, &headers, &task(follow_ups, None)).await.0, None);
+    let stored = conversation_of(&http, &base, &root).await;
+    assert_eq!(stored.len(), 4, "{stored:?}");
+    assert_eq!(stored[3].2, a2);
+
+    // (c) Regenerate the last answer: the history through its question.
+    let (regenerated, _) = chat_completion(&http, &base, &headers, &send(turn2.clone())).await;
+    let regenerated = regenerated.unwrap();
+    assert_ne!(regenerated, root);
+    let fork = conversation_of(&http, &base, &regenerated).await;
+    assert_eq!(fork.len(), 4);
+    assert_eq!(
+        fork.iter().filter(|e| e.0 == regenerated).map(|e| e.1.as_str()).collect::<Vec<_>>(),
+        ["assistant_turn"]
+    );
+
+    // (d) Edit the first message and send: the history before it and the new text.
+    let edited = "Plan a weekend in Porto instead. [mock words=12]";
+    let (edit, e1) = chat_completion(&http, &base, &headers, &send(vec![system.clone(), user(edited)])).await;
+    let edit = edit.unwrap();
+    assert!(edit != root && edit != regenerated);
+    let (on_edit, _) = chat_completion(
+        &http,
+        &base,
+        &headers,
+        &send(vec![system.clone(), user(edited), answer(&e1), user("Thanks! [mock words=5]")]),
+    )
+    .await;
+    assert_eq!(on_edit.as_deref(), Some(edit.as_str()));
+
+    // Back on the first branch in the UI: going on there continues the first session.
+    let mut back = turn2.clone();
+    back.extend([answer(&a2), user("One more tip? [mock words=5]")]);
+    let (again, _) = chat_completion(&http, &base, &headers, &send(back)).await;
+    assert_eq!(again.as_deref(), Some(root.as_str()));
+    assert_eq!(conversation_of(&http, &base, &root).await.len(), 6);
+
+    // The family is exactly the chat's three branches, each message stored once.
+    let detail: Value =
+        http.get(format!("{base}/v1/sessions/{root}")).send().await.unwrap().json().await.unwrap();
+    let mut forks: Vec<&str> =
+        detail["forks"].as_array().unwrap().iter().map(|f| f["id"].as_str().unwrap()).collect();
+    forks.sort_unstable();
+    let mut expected = vec![regenerated.as_str(), edit.as_str()];
+    expected.sort_unstable();
+    assert_eq!(forks, expected);
+    let listed: Value = http.get(format!("{base}/v1/sessions")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(listed["sessions"].as_array().unwrap().len(), 3, "{listed}");
+
+    stack.stop().await.unwrap();
+}
+
+/// Prefix stability through the facade (DESIGN §13): the same 30-turn conversation, with
+/// compactions, sent natively and as Chat Completions that resend their whole history —
+/// the mock's prompt cache serves the same share of the input to both (within 2 points).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completions_keep_the_prompt_cache_hitting_like_the_native_api() {
+    const TURNS: usize = 30;
+    let env = test_env().await;
+    let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
+    let mut configs = config::chat_stack(&env, config::upstream_at(&mock.base_url()), "mock-small");
+    // The two conversations differ only in their system prompts, so neither's prefixes
+    // are cached by the other's requests.
+    let native_system = "Conversation one. You are a helpful assistant.";
+    let compat_system = "Conversation two. You are a helpful assistant.";
+    configs.ingress.system_prompt = native_system.into();
+    if let Some(compactor) = &mut configs.compactor {
+        compactor.summary_model = "mock".into();
+    }
+    let stack = turnlog_e2e::serve(configs, Duration::from_secs(30)).await.unwrap();
+    let base = stack.base_url().to_owned();
+    let http = reqwest::Client::new();
+    let question = |turn: usize| {
+        format!("Turn {turn}: we went over the plan again and agreed on the next steps. What now? [mock words=150]")
+    };
+
+    let session: Value =
+        http.post(format!("{base}/v1/sessions")).json(&json!({})).send().await.unwrap().json().await.unwrap();
+    let native = session["id"].as_str().unwrap().to_owned();
+    for turn in 1..=TURNS {
+        let resp = http
+            .post(format!("{base}/v1/sessions/{native}/messages"))
+            .json(&json!({"text": question(turn)}))
+            .send()
+            .await
+            .unwrap();
+        let mut events = resp.bytes_stream().eventsource();
+        while let Some(e) = events.next().await {
+            let e = e.unwrap();
+            if e.event == "end" {
+                assert_eq!(serde_json::from_str::<Value>(&e.data).unwrap()["status"], "completed");
+            }
+        }
+    }
+
+    let sid = [("X-Session-Id", "prefix-stability")];
+    let mut messages = vec![json!({"role": "system", "content": compat_system})];
+    let mut compat = String::new();
+    for turn in 1..=TURNS {
+        messages.push(json!({"role": "user", "content": question(turn)}));
+        let body = json!({"model": "mock-small", "messages": messages, "stream": turn % 2 == 0});
+        let (branch, text) = chat_completion(&http, &base, &sid, &body).await;
+        compat = branch.unwrap();
+        messages.push(json!({"role": "assistant", "content": text}));
+    }
+
+    let compactions = |session: String| {
+        let pool = env.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM session_events WHERE session_id = $1::uuid AND kind = 'compaction_applied'",
+            )
+            .bind(session)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let (native_compactions, compat_compactions) = (compactions(native).await, compactions(compat).await);
+    assert!(native_compactions >= 2 && compat_compactions >= 2, "{native_compactions} {compat_compactions}");
+    let share = |system: &str| {
+        let (mut prompt, mut cached, mut n) = (0u64, 0u64, 0);
+        for r in mock.log().entries() {
+            if r.body["model"] == "mock-small" && r.body["messages"][0]["content"] == system {
+                prompt += u64::from(r.prompt_tokens);
+                cached += u64::from(r.cached_tokens);
+                n += 1;
+            }
+        }
+        assert_eq!(n, TURNS, "one upstream request per turn");
+        cached as f64 / prompt.max(1) as f64
+    };
+    let (a, b) = (share(native_system), share(compat_system));
+    println!("cached share: native {a:.3}, chat completions {b:.3} ({native_compactions}/{compat_compactions} compactions)");
+    assert!(a > 0.3, "the native conversation's prefix is cached ({a:.3})");
+    assert!((a - b).abs() <= 0.02, "native {a:.3} vs chat completions {b:.3}");
+
+    stack.stop().await.unwrap();
+}
