@@ -111,20 +111,88 @@ async fn streamed(
             }
         }
     }
-    let received_us = sys
-        .mock
+    let received_us = upstream_received(sys, text)?;
+    Ok(Through {
+        pre_upstream_ms: received_us.saturating_sub(sent_us) as f64 / 1e3,
+        latencies_ms: latencies,
+        first_delta_ms: first.unwrap_or(sent_us).saturating_sub(sent_us) as f64 / 1e3,
+    })
+}
+
+/// Turns through Chat Completions (DESIGN §13) whose client resends a history of
+/// `history` messages, in 20 session families: the first request brings most of the history
+/// (appended, then answered); the second is the first this ingress copy compares with the
+/// branch, so it reads the branch's log whole (`first_contact`); the third — the history
+/// and a new question — is measured as a conversation that goes on (`going_on`): it hashes
+/// the request and reads only what the branch gained since the second.
+async fn chat_compat(sys: &System, history: usize, directive: &str) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
+    let filler = "a message of the earlier conversation, long enough to be a real one, about plans and dates";
+    let (mut first_contact, mut going_on) = (Vec::new(), Vec::new());
+    for family in 0..20 {
+        let sid = format!("compat-{history}-{family}-{}", unix_us());
+        let mut messages: Vec<serde_json::Value> = (0..history - 4)
+            .map(|i| {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                json!({"role": role, "content": format!("{i}: {filler}")})
+            })
+            .collect();
+        for turn in 0..3 {
+            let text = format!("compat {history} {family} {turn} {directive}");
+            messages.push(json!({"role": "user", "content": text}));
+            let (answer, ms) = chat_turn(sys, &sid, &messages, &text).await?;
+            messages.push(json!({"role": "assistant", "content": answer}));
+            match turn {
+                1 => first_contact.push(ms),
+                2 => going_on.push(ms),
+                _ => {}
+            }
+        }
+    }
+    Ok((first_contact, going_on))
+}
+
+/// When the mock received the model request that carries `text`.
+fn upstream_received(sys: &System, text: &str) -> anyhow::Result<u64> {
+    sys.mock
         .log()
         .entries()
         .iter()
         .rev()
         .find(|r| r.body.to_string().contains(text))
         .map(|r| r.received_at_us)
-        .ok_or_else(|| anyhow::anyhow!("the mock did not log the model request"))?;
-    Ok(Through {
-        pre_upstream_ms: received_us.saturating_sub(sent_us) as f64 / 1e3,
-        latencies_ms: latencies,
-        first_delta_ms: first.unwrap_or(sent_us).saturating_sub(sent_us) as f64 / 1e3,
-    })
+        .ok_or_else(|| anyhow::anyhow!("the mock did not log the model request"))
+}
+
+/// One streamed chat completion in family `sid`: the answer's text, and the time from the
+/// POST to the mock receiving the model request (ms).
+async fn chat_turn(
+    sys: &System,
+    sid: &str,
+    messages: &[serde_json::Value],
+    text: &str,
+) -> anyhow::Result<(String, f64)> {
+    let body = json!({"model": "mock", "messages": messages, "stream": true});
+    let sent_us = unix_us();
+    let resp = sys
+        .http
+        .post(format!("{}/v1/chat/completions", sys.base))
+        .header("X-Session-Id", sid)
+        .json(&body)
+        .send()
+        .await?;
+    anyhow::ensure!(resp.status().is_success(), "chat completion refused: {}", resp.status());
+    let mut answer = String::new();
+    let mut events = resp.bytes_stream().eventsource();
+    while let Some(e) = events.next().await {
+        let e = e?;
+        if e.data == "[DONE]" {
+            break;
+        }
+        let chunk: serde_json::Value = serde_json::from_str(&e.data)?;
+        answer.push_str(chunk["choices"][0]["delta"]["content"].as_str().unwrap_or_default());
+    }
+    let received_us = upstream_received(sys, text)?;
+    Ok((answer, received_us.saturating_sub(sent_us) as f64 / 1e3))
 }
 
 fn pre_upstream(ts: &[Through]) -> Vec<f64> {
@@ -190,6 +258,9 @@ pub async fn run() -> anyhow::Result<()> {
     for i in 0..20 {
         deep.push(through(&sys, &deep_session, &format!("deep {i} {directive}")).await?);
     }
+    // Chat Completions resending a 20- and a 200-message history.
+    let (compat_first, compat) = chat_compat(&sys, 20, &directive).await?;
+    let (compat_first_200, compat_200) = chat_compat(&sys, 200, &directive).await?;
     let durable = u8::from(sys.env.durable().await?);
 
     // turnlog's relay: how much later a delta arrives through turnlog than directly.
@@ -208,6 +279,13 @@ pub async fn run() -> anyhow::Result<()> {
             p50(pre_upstream(ts)), p99(pre_upstream(ts)), p50(relay(ts)), p99(relay(ts)), p50(first(ts))
         );
     }
+    let (compat, compat_200) = (p50(compat), p50(compat_200));
+    let (contact, contact_200) = (p50(compat_first), p50(compat_first_200));
+    println!(
+        "chat completions, the client resending 20 / 200 messages: before the upstream call p50 {compat:.2} / {compat_200:.2} ms ({:.2}x); \
+         the first request a copy compares with the branch {contact:.2} / {contact_200:.2} ms",
+        compat_200 / compat
+    );
     println!("50 streams again ({WARM_BURSTS} bursts, warm pools): before the upstream call, median of their p50s {warm:.2} ms");
     if durable == 0 {
         println!("WARNING: commits are not durable on this server (RESULT says durable=0); set DATABASE_URL to a durable one");
@@ -217,7 +295,9 @@ pub async fn run() -> anyhow::Result<()> {
          relay_p50_ms_50={:.3} relay_p99_ms_50={:.3} pre_upstream_p50_ms_50={:.2} pre_upstream_p99_ms_50={:.2} \
          pre_upstream_p50_ms_deep={:.2} pre_upstream_p99_ms_deep={:.2} first_delta_p50_ms={:.2} \
          first_delta_p50_ms_50={:.2} pre_upstream_p50_ms_50_warm={warm:.2} responses_pre_upstream_p50_ms={:.2} \
-         responses_relay_p50_ms={:.3} turn_cap_per_owner={TURN_CAP_PER_OWNER} durable={durable}",
+         responses_relay_p50_ms={:.3} chat_compat_pre_upstream_p50_ms={compat:.2} \
+         chat_compat_pre_upstream_p50_ms_200={compat_200:.2} chat_compat_first_contact_p50_ms={contact:.2} \
+         chat_compat_first_contact_p50_ms_200={contact_200:.2} turn_cap_per_owner={TURN_CAP_PER_OWNER} durable={durable}",
         p50(pre_upstream(&single)), p99(pre_upstream(&single)), p50(relay(&single)), p99(relay(&single)),
         p50(relay(&fifty)), p99(relay(&fifty)), p50(pre_upstream(&fifty)), p99(pre_upstream(&fifty)),
         p50(pre_upstream(&deep)), p99(pre_upstream(&deep)), p50(first(&single)), p50(first(&fifty)),

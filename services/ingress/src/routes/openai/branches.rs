@@ -27,7 +27,7 @@ use crate::error::ApiError;
 /// One link of a chain: SHA-256 of the previous link, the role and the text.
 pub type Hash = [u8; 32];
 
-/// Links the chains of one copy keep at most (about 56 bytes each); past it the branches
+/// Links the chains of one copy keep at most (48 bytes each); past it the branches
 /// used longest ago are dropped (and read again when they are next used).
 const MAX_LINKS: usize = 1_000_000;
 

@@ -133,6 +133,7 @@ pub async fn completions(
         temperature: req.temperature,
         top_p: req.top_p,
     };
+    let t0 = std::time::Instant::now();
     let request = request_links(conversation.messages.iter().map(|(u, t)| (*u, t.as_str())));
     let (root, named) = family_root(&app, &caller, &family).await?;
     let rows = read::family(&app.pool, caller.as_str(), root).await?;
@@ -141,6 +142,7 @@ pub async fn completions(
         let links = app.chains.links(&app.pool, caller.as_str(), &row).await?;
         branches.push(Branch { named: Some(row.id) == named, row, links });
     }
+    let reconciled = t0.elapsed();
     let (session, from, events) = if branches.is_empty() {
         let create = new_family(&caller, root);
         let events =
@@ -168,7 +170,13 @@ pub async fn completions(
         }
     };
     tracing::Span::current().record("session_id", tracing::field::display(session));
-    tracing::debug!(new_messages = conversation.messages.len() - from, "chat completion reconciled");
+    // The time to hash the request, read the family and compare (µs).
+    tracing::debug!(
+        messages = conversation.messages.len(),
+        new_messages = conversation.messages.len() - from,
+        reconcile_us = reconciled.as_micros() as u64,
+        "chat completion reconciled"
+    );
     let include_usage = req.stream_options.and_then(|o| o.include_usage) == Some(true);
     let mut response = if streamed { chunks(events, include_usage) } else { completion(events).await? };
     if let Ok(v) = HeaderValue::from_str(&session.to_string()) {
