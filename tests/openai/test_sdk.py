@@ -383,6 +383,23 @@ class ChatCompletions(unittest.TestCase):
         own = [e["kind"] for e in self.events(regen) if e["session_id"] == regen]
         self.assertEqual(own, ["assistant_turn"])
 
+    def test_resending_a_message_left_unanswered_runs_it_again(self):
+        messages = [{"role": "user", "content": "Fail, please. [mock status=500]"}]
+        with self.assertRaises(openai.InternalServerError) as failed:
+            chat(self.client, self.sid, messages)
+        response = failed.exception.response
+        self.assertEqual((response.status_code, response.headers.get("x-should-retry")), (502, "false"))
+        self.assertIn("500", failed.exception.message)
+        branch = response.headers.get("x-session-id")
+        # The same messages again: the stored message runs again (its retry's request
+        # notes the failure, so the mock's directive no longer applies), not a copy of it.
+        again, text, _ = chat(self.client, self.sid, messages)
+        self.assertEqual(again, branch)
+        self.assertTrue(text)
+        page = self.client.get(f"/sessions/{branch}/events", cast_to=object)["events"]
+        kinds = [e["kind"] for e in page if e["kind"] in ("user_message", "turn_failed", "assistant_turn")]
+        self.assertEqual(kinds, ["user_message", "turn_failed", "assistant_turn"])
+
     def test_without_a_session_header_nothing_is_stored(self):
         before = self.client.get("/sessions", cast_to=object)["sessions"]
         branch, text, done = chat(self.client, None, [{"role": "user", "content": "Hi [mock words=4]"}])

@@ -41,6 +41,10 @@ pub enum ApiError {
     /// text is logged, not shown.
     #[error("temporarily unavailable: {0}")]
     Unavailable(String),
+    /// The model gateway failed a turn (or could not be reached); the text says how and is
+    /// shown (it never holds the gateway's address or credentials).
+    #[error("{0}")]
+    BadGateway(String),
     /// A fault of this server; the chain is logged, not shown.
     #[error("internal error: {0:#}")]
     Internal(anyhow::Error),
@@ -69,6 +73,7 @@ impl ApiError {
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::BadGateway(_) => StatusCode::BAD_GATEWAY,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -85,6 +90,7 @@ impl ApiError {
             Self::UnsupportedMediaType(_) => "unsupported_media_type",
             Self::TooManyRequests(_) => "too_many_requests",
             Self::Unavailable(_) => "unavailable",
+            Self::BadGateway(_) => "upstream_error",
             Self::Internal(_) => "internal",
         }
     }
@@ -108,8 +114,8 @@ pub struct ErrorBody {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorDetail {
     /// bad_request, unauthorized, forbidden, not_found, method_not_allowed, conflict,
-    /// payload_too_large, unsupported_media_type, too_many_requests, unavailable or
-    /// internal.
+    /// payload_too_large, unsupported_media_type, too_many_requests, unavailable,
+    /// upstream_error or internal.
     pub code: String,
     pub message: String,
 }

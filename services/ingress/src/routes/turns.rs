@@ -443,20 +443,22 @@ async fn retry_turn(
     id: SessionId,
     slot: TurnSlot,
 ) -> Result<Response, ApiError> {
-    let events = retried(app, caller, id, slot, TurnOptions::default()).await?;
+    let events = retried(app, caller, id, slot, None, TurnOptions::default()).await?;
     Ok(stream_response(app, id, events))
 }
 
-/// [`retry_turn`] for any route, within the caps: the turn's native events.
+/// [`retry_turn`] for any route, within the caps: the turn's native events. `model` (an
+/// allowed one) replaces the one the message asked for.
 pub(crate) async fn retry_last(
     app: &AppState,
     caller: &Caller,
     id: SessionId,
+    model: Option<String>,
     options: TurnOptions,
 ) -> Result<BoxStream<'static, TurnEvent>, ApiError> {
     ready_for_turns(app)?;
     let slot = take_slot(app, caller)?;
-    retried(app, caller, id, slot, options).await
+    retried(app, caller, id, slot, model, options).await
 }
 
 async fn retried(
@@ -464,6 +466,7 @@ async fn retried(
     caller: &Caller,
     id: SessionId,
     slot: TurnSlot,
+    model: Option<String>,
     options: TurnOptions,
 ) -> Result<BoxStream<'static, TurnEvent>, ApiError> {
     let lease = app.leases.acquire(id, &app.instance_id).await?.ok_or_else(turn_running)?;
@@ -480,12 +483,13 @@ async fn retried(
         }
     };
     let (user_seq, message) = last;
-    if let Some(Err(e)) = message.model_hint.as_deref().map(|m| validate::model(&app.config, m)) {
+    let model = model.or_else(|| message.model_hint.clone());
+    if let Some(Err(e)) = model.as_deref().map(|m| validate::model(&app.config, m)) {
         // The message asked for a model that is no longer allowed.
         let _ = app.leases.release(lease).await;
         return Err(e);
     }
-    let model = message.model_hint.clone().unwrap_or_else(|| app.config.model.clone());
+    let model = model.unwrap_or_else(|| app.config.model.clone());
     let start = TurnStart {
         session: id,
         owner: caller.owner().clone(),

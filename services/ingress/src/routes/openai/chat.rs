@@ -178,7 +178,12 @@ pub async fn completions(
         "chat completion reconciled"
     );
     let include_usage = req.stream_options.and_then(|o| o.include_usage) == Some(true);
-    let mut response = if streamed { chunks(events, include_usage) } else { completion(events).await? };
+    // A failed turn's error names the branch too: its message is stored there.
+    let mut response = if streamed {
+        chunks(events, include_usage)
+    } else {
+        completion(events).await.unwrap_or_else(IntoResponse::into_response)
+    };
     if let Ok(v) = HeaderValue::from_str(&session.to_string()) {
         response.headers_mut().insert("x-session-id", v);
     }
@@ -251,10 +256,14 @@ fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> {
             }
             other => return Err(OaiError::bad_request(format!("unknown message role {other:?}"))),
         };
-        rest.push((user, content_text(m.content.as_ref())?));
+        let text = content_text(m.content.as_ref())?;
+        // A branch's conversation has no empty messages either (a failed answer, say).
+        if !text.trim().is_empty() {
+            rest.push((user, text));
+        }
     }
     match rest.last() {
-        None => return Err(OaiError::bad_request("messages need a user message")),
+        None => return Err(OaiError::bad_request("messages need a user message with text")),
         Some((false, _)) => {
             return Err(OaiError::bad_request(
                 "the last message must be a user message (continuing an answer is not supported)",
@@ -310,7 +319,7 @@ async fn run(
         if let Some(create) = &create {
             create_fork(app, caller, create).await?;
         }
-        return Ok(retry_last(app, caller, session, options).await?);
+        return Ok(retry_last(app, caller, session, model, options).await?);
     };
     if earlier.len() > MAX_NEW_MESSAGES {
         return Err(OaiError::bad_request(format!(
@@ -356,7 +365,7 @@ async fn pass_through(app: &AppState, body: Bytes, without_model: bool) -> Resul
     };
     let answer = upstream.forward(body).await.map_err(|e| {
         tracing::warn!(error = %e, "upstream failed (chat completions pass-through)");
-        OaiError(ApiError::Unavailable(e.public_message()))
+        OaiError(ApiError::BadGateway(e.public_message()))
     })?;
     let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let mut response = Response::new(Body::from_stream(answer.body));
@@ -505,7 +514,7 @@ async fn completion(mut events: BoxStream<'static, TurnEvent>) -> Result<Respons
     while let Some(e) = events.next().await {
         a.on(&e);
     }
-    let finish = a.finish_reason().map_err(|m| OaiError(ApiError::Unavailable(m)))?;
+    let finish = a.finish_reason().map_err(|m| OaiError(ApiError::BadGateway(m)))?;
     let mut message = json!({"role": "assistant", "content": a.text, "refusal": null});
     if !a.reasoning.is_empty() {
         message["reasoning_content"] = json!(a.reasoning);
@@ -545,4 +554,83 @@ pub async fn models(State(app): State<AppState>, _caller: Caller) -> Json<Value>
         })
         .collect();
     Json(json!({"object": "list", "data": data}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn messages(v: Value) -> Vec<WireMessage> {
+        serde_json::from_value::<Vec<Value>>(v)
+            .unwrap()
+            .into_iter()
+            .map(|m| WireMessage {
+                role: m["role"].as_str().unwrap_or_default().to_owned(),
+                content: m.get("content").cloned(),
+                tool_calls: m.get("tool_calls").cloned(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_conversation_keeps_system_text_apart_and_drops_empty_messages() {
+        let c = conversation(&messages(json!([
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": ""},
+            {"role": "developer", "content": "Use metric units."},
+            {"role": "user", "content": "Weather?"},
+        ])))
+        .unwrap();
+        assert_eq!(c.system.as_deref(), Some("Be brief.\n\nUse metric units."));
+        assert_eq!(c.messages, vec![(true, "Hi there".to_owned()), (true, "Weather?".to_owned())]);
+    }
+
+    #[test]
+    fn what_a_session_cannot_hold_is_refused() {
+        for refused in [
+            json!([]),
+            json!([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]),
+            json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]),
+            json!([{"role": "assistant", "content": null, "tool_calls": [{"id": "c"}]}, {"role": "user", "content": "x"}]),
+            json!([{"role": "tool", "content": "42"}, {"role": "user", "content": "x"}]),
+            json!([{"role": "narrator", "content": "x"}]),
+            json!([{"role": "user", "content": 7}]),
+            json!([{"role": "system", "content": "x".repeat(MAX_SYSTEM_PROMPT_BYTES + 1)}, {"role": "user", "content": "x"}]),
+        ] {
+            assert!(conversation(&messages(refused.clone())).is_err(), "{refused}");
+        }
+    }
+
+    #[test]
+    fn a_turn_reads_as_chunks_and_a_completion() {
+        let event = |id: u64, event: &str, data: Value| TurnEvent { id, event: event.into(), data };
+        let attempt = Uuid::now_v7();
+        let mut a = Answer::default();
+        let first =
+            a.on(&event(1, "meta", json!({"attempt_id": attempt.to_string(), "model": "m"}))).unwrap();
+        assert_eq!(first["id"], format!("chatcmpl-{}", attempt.simple()));
+        assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(
+            a.on(&event(2, "delta", json!({"text": "Hel"}))).unwrap()["choices"][0]["delta"]["content"],
+            "Hel"
+        );
+        a.on(&event(3, "delta", json!({"text": "lo"})));
+        let usage = json!({"input_tokens": 10, "output_tokens": 2, "cached_input_tokens": 8});
+        assert!(a
+            .on(&event(4, "end", json!({"status": "completed", "finish_reason": "length", "usage": usage})))
+            .is_none());
+        assert_eq!((a.text.as_str(), a.finish_reason()), ("Hello", Ok("length")));
+        assert_eq!(a.usage()["prompt_tokens_details"]["cached_tokens"], 8);
+        let ends = end_chunks(&a, true);
+        assert_eq!(ends[0]["choices"][0]["finish_reason"], "length");
+        assert_eq!(
+            (ends[1]["choices"].as_array().map(Vec::len), &ends[1]["usage"]["total_tokens"]),
+            (Some(0), &json!(12))
+        );
+        let mut failed = Answer::default();
+        failed.on(&event(1, "error", json!({"message": "the model gateway answered 500"})));
+        failed.on(&event(2, "end", json!({"status": "failed"})));
+        assert_eq!(end_chunks(&failed, false)[0]["error"]["message"], "the model gateway answered 500");
+    }
 }
