@@ -400,6 +400,27 @@ class ChatCompletions(unittest.TestCase):
         kinds = [e["kind"] for e in page if e["kind"] in ("user_message", "turn_failed", "assistant_turn")]
         self.assertEqual(kinds, ["user_message", "turn_failed", "assistant_turn"])
 
+    def test_a_stopped_answer_matches_the_clients_copy_and_the_conversation_goes_on(self):
+        history = [{"role": "user", "content": "Tell me a long story. [mock words=3000 delay_ms=5]"}]
+        raw = self.client.chat.completions.with_raw_response.create(
+            model="mock", messages=history, stream=True, extra_headers={"X-Session-Id": self.sid}
+        )
+        branch = raw.headers["x-session-id"]
+        text, finish = "", None
+        for n, chunk in enumerate(raw.parse()):
+            if n == 20:
+                stopped = self.client.post(f"/sessions/{branch}/stop", body={}, cast_to=object)
+                self.assertTrue(stopped["stopping"])
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        self.assertEqual(finish, "stop")
+        self.assertTrue(0 < len(text.split()) < 3000, len(text.split()))
+        history += [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on. [mock words=5]"}]
+        again, _, _ = chat(self.client, self.sid, history)
+        self.assertEqual(again, branch)
+        self.assertEqual(self.session(branch)["forks"], [])
+
     def test_without_a_session_header_nothing_is_stored(self):
         before = self.client.get("/sessions", cast_to=object)["sessions"]
         branch, text, done = chat(self.client, None, [{"role": "user", "content": "Hi [mock words=4]"}])
