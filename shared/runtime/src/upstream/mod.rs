@@ -275,7 +275,7 @@ impl UpstreamClient {
             // A failed listing is cached too, so a gateway without `/models` costs one
             // request per TTL rather than one per turn.
             let listing = self
-                .fetch_windows()
+                .fetch_listing()
                 .await
                 .inspect_err(
                     |e| tracing::warn!(error = %e, "cannot list upstream models; context windows unknown"),
@@ -286,7 +286,7 @@ impl UpstreamClient {
         cached.as_ref().and_then(f)
     }
 
-    async fn fetch_windows(&self) -> Result<windows::Listing, UpstreamError> {
+    async fn fetch_listing(&self) -> Result<windows::Listing, UpstreamError> {
         let timeout = self.config.timeout;
         let call = async {
             let mut get = self.http.get(self.url("models"));
