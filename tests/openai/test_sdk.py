@@ -319,7 +319,13 @@ class ChatCompletions(unittest.TestCase):
         self.assertIsNotNone(done.usage.prompt_tokens_details.cached_tokens)
         history += [{"role": "assistant", "content": text}, {"role": "user", "content": "More? [mock words=7]"}]
         again, text2, chunks = chat(
-            self.client, self.sid, history, stream=True, stream_options={"include_usage": True}
+            self.client,
+            self.sid,
+            history,
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=0.25,
+            max_tokens=300,
         )
         self.assertEqual(again, branch)
         self.assertEqual(chunks[0].choices[0].delta.role, "assistant")
@@ -334,6 +340,19 @@ class ChatCompletions(unittest.TestCase):
         audited = self.client.get(f"/sessions/{branch}/requests/{stored[3]['seq']}", cast_to=object)
         self.assertTrue(audited["verified"])
         self.assertEqual(audited["body"]["messages"][0], {"role": "system", "content": "You are terse."})
+        self.assertEqual((audited["body"]["temperature"], audited["body"]["max_tokens"]), (0.25, 300))
+
+    def test_the_first_request_of_a_chat_with_history_brings_it_along(self):
+        history = [
+            {"role": "user", "content": "My sister is called Ines."},
+            {"role": "assistant", "content": "Noted: your sister is Ines."},
+            {"role": "user", "content": "Who is my sister? [mock words=4]"},
+        ]
+        branch, text, _ = chat(self.client, self.sid, history)
+        stored = self.events(branch)
+        self.assertEqual([e["kind"] for e in stored], ["user_message", "assistant_turn"] * 2)
+        self.assertEqual(stored[1]["payload"]["ui"]["blocks"][0]["text"], "Noted: your sister is Ines.")
+        self.assertEqual(stored[3]["payload"]["ui"]["blocks"][-1]["text"], text)
 
     def test_a_conversation_resent_whole_twenty_times_stores_each_message_once(self):
         history, branches = [], set()
