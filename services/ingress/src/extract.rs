@@ -23,7 +23,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, _: &S) -> Result<Self, ApiError> {
-        let bytes = read_body(req).await?;
+        let bytes = read_body(req, MAX_BODY_BYTES).await?;
         let json: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) { b"{}" } else { &bytes };
         // serde_json refuses invalid UTF-8 and escaped lone surrogates ("\ud800") itself.
         serde_json::from_slice(json)
@@ -32,35 +32,34 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
     }
 }
 
-/// Most of an oversized body read (and dropped) before answering 413: a server that
+/// Most of an oversized body read (and dropped) beyond the limit before answering 413: a server that
 /// answers while the client is still sending and then closes makes the client's kernel
 /// see a reset, and many clients then report that instead of the 413.
 const DRAIN_MAX_BYTES: usize = 8 * 1024 * 1024;
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The body, up to [`MAX_BODY_BYTES`]; a larger one is drained (within bounds) and is a
-/// 413 that closes the connection.
-async fn read_body(req: Request) -> Result<Bytes, ApiError> {
-    let too_large =
-        || ApiError::PayloadTooLarge(format!("the request body is limited to {MAX_BODY_BYTES} bytes"));
+/// The body, up to `limit` bytes; a larger one is drained (within bounds) and is a 413
+/// that closes the connection.
+pub(crate) async fn read_body(req: Request, limit: usize) -> Result<Bytes, ApiError> {
+    let too_large = || ApiError::PayloadTooLarge(format!("the request body is limited to {limit} bytes"));
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > DRAIN_MAX_BYTES) {
+    if declared.is_some_and(|n| n > limit + DRAIN_MAX_BYTES) {
         return Err(too_large());
     }
     let mut chunks = req.into_body().into_data_stream();
     let mut body = BytesMut::new();
     while let Some(chunk) = chunks.next().await {
         let chunk = chunk.map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))?;
-        if body.len() + chunk.len() > MAX_BODY_BYTES {
+        if body.len() + chunk.len() > limit {
             let drain = async {
                 let mut drained = body.len() + chunk.len();
                 while let Some(Ok(c)) = chunks.next().await {
                     drained += c.len();
-                    if drained > DRAIN_MAX_BYTES {
+                    if drained > limit + DRAIN_MAX_BYTES {
                         break;
                     }
                 }

@@ -12,6 +12,8 @@ use crate::error::ApiError;
 
 /// Largest request body.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
+/// `POST /v1/chat/completions`' body: a chat front end resends its whole conversation.
+pub const MAX_CHAT_BODY_BYTES: usize = 16 * 1024 * 1024;
 /// Longest session title, in characters.
 pub const MAX_TITLE_CHARS: usize = 512;
 /// Longest message text, in bytes (UTF-8).

@@ -102,7 +102,9 @@ async fn chat_completion(
         req = req.header(*name, *value);
     }
     let resp = req.send().await.unwrap();
-    assert_eq!(resp.status(), 200, "{body}");
+    if resp.status() != 200 {
+        panic!("{}: {}", resp.status(), resp.text().await.unwrap_or_default());
+    }
     let branch = resp.headers().get("x-session-id").map(|v| v.to_str().unwrap().to_owned());
     if body["stream"] != true {
         let done: Value = resp.json().await.unwrap();
@@ -364,6 +366,46 @@ async fn chat_completions_keep_the_prompt_cache_hitting_like_the_native_api() {
     println!("cached share: native {a:.3}, chat completions {b:.3} ({native_compactions}/{compat_compactions} compactions)");
     assert!(a > 0.3, "the native conversation's prefix is cached ({a:.3})");
     assert!((a - b).abs() <= 0.02, "native {a:.3} vs chat completions {b:.3}");
+
+    stack.stop().await.unwrap();
+}
+
+/// Body limits on the OpenAI-compatible routes: 1 MiB, except Chat Completions (a front end
+/// resends its whole conversation: 16 MiB); a larger body is OpenAI's error shape (413).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_conversation_fits_and_an_oversized_body_is_an_openai_413() {
+    let env = test_env().await;
+    let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
+    // A window the long history fits in whole (no compaction to wait for).
+    let mut upstream = config::upstream_at(&mock.base_url());
+    upstream.windows_override.insert("mock".into(), 2_000_000);
+    let stack = turnlog_e2e::serve(config::chat_stack(&env, upstream, "mock"), Duration::from_secs(30))
+        .await
+        .unwrap();
+    let base = stack.base_url().to_owned();
+    let http = reqwest::Client::new();
+    let error_of = |resp: reqwest::Response| async move {
+        let status = resp.status().as_u16();
+        let body: Value = resp.json().await.unwrap();
+        (status, body["error"]["type"].as_str().map(str::to_owned))
+    };
+
+    // Over two MiB of history: twelve long messages and a question.
+    let long = "internationalization ".repeat(9_000);
+    let mut messages: Vec<Value> = (0..12)
+        .map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": format!("{i} {long}")}))
+        .collect();
+    messages.push(json!({"role": "user", "content": "So? [mock words=3]"}));
+    let body = json!({"model": "mock", "messages": messages});
+    let (branch, text) = chat_completion(&http, &base, &[("X-Session-Id", "long")], &body).await;
+    assert!(branch.is_some() && !text.is_empty());
+
+    let huge = json!({"model": "mock", "messages": [{"role": "user", "content": "x".repeat(17 << 20)}]});
+    let resp = http.post(format!("{base}/v1/chat/completions")).json(&huge).send().await.unwrap();
+    assert_eq!(error_of(resp).await, (413, Some("invalid_request_error".to_owned())));
+    let big = json!({"model": "mock", "input": "x".repeat(2 << 20)});
+    let resp = http.post(format!("{base}/v1/responses")).json(&big).send().await.unwrap();
+    assert_eq!(error_of(resp).await, (413, Some("invalid_request_error".to_owned())));
 
     stack.stop().await.unwrap();
 }

@@ -24,12 +24,13 @@ use uuid::Uuid;
 
 use super::branches::{plan, request_links, Branch, Plan};
 use super::conversations::{append_items, NewItem};
-use super::OaiError;
+use super::{OaiBody, OaiError};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::routes::forks::{create_fork, fork_request};
 use crate::routes::turns::{begin_turn, derived, retry_last, validated, SendMessage};
 use crate::turn::{TurnEvent, TurnOptions};
+use crate::validate::MAX_CHAT_BODY_BYTES;
 use crate::writes::submit;
 use crate::{validate, AppState};
 
@@ -106,7 +107,7 @@ pub async fn completions(
     State(app): State<AppState>,
     caller: Caller,
     headers: HeaderMap,
-    body: Bytes,
+    OaiBody(body): OaiBody<MAX_CHAT_BODY_BYTES>,
 ) -> Result<Response, OaiError> {
     let req: CompletionRequest = serde_json::from_slice(&body).map_err(|e| {
         OaiError::bad_request(format!("the request body is not a valid chat completion request: {e}"))

@@ -1,7 +1,6 @@
 //! `/v1/conversations`: sessions as OpenAI's conversations, their visible messages as
 //! items (DESIGN §13).
 
-use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::Json;
 use serde::Deserialize;
@@ -15,7 +14,9 @@ use turnlog_core::events::{
 use turnlog_core::ids::SessionId;
 use uuid::Uuid;
 
-use super::{conversation_id, conversation_items, list_page, message_id, parse_conversation, OaiError};
+use super::{
+    conversation_id, conversation_items, list_page, message_id, parse_conversation, OaiBody, OaiError,
+};
 use crate::auth::Caller;
 use crate::extract::ApiPath;
 use crate::writes::submit;
@@ -50,7 +51,7 @@ async fn owned(app: &AppState, caller: &Caller, id: &str) -> Result<SessionRow, 
 pub async fn create(
     State(app): State<AppState>,
     caller: Caller,
-    body: Bytes,
+    OaiBody(body): OaiBody,
 ) -> Result<Json<Value>, OaiError> {
     let params = json_body(&body)?;
     let items = match params.get("items") {
@@ -170,7 +171,7 @@ pub async fn add_items(
     State(app): State<AppState>,
     caller: Caller,
     ApiPath(id): ApiPath<String>,
-    body: Bytes,
+    OaiBody(body): OaiBody,
 ) -> Result<Json<Value>, OaiError> {
     let row = owned(&app, &caller, &id).await?;
     let params = json_body(&body)?;
@@ -212,7 +213,7 @@ pub async fn update(
     State(app): State<AppState>,
     caller: Caller,
     ApiPath(id): ApiPath<String>,
-    body: Bytes,
+    OaiBody(body): OaiBody,
 ) -> Result<Json<Value>, OaiError> {
     let row = owned(&app, &caller, &id).await?;
     let params = json_body(&body)?;

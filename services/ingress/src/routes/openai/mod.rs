@@ -66,6 +66,18 @@ impl IntoResponse for OaiError {
     }
 }
 
+/// The body of a route here, at most `LIMIT` bytes: a larger one is OpenAI's error shape
+/// (413), as every other refusal on these routes.
+pub struct OaiBody<const LIMIT: usize = { crate::validate::MAX_BODY_BYTES }>(pub axum::body::Bytes);
+
+impl<S: Send + Sync, const LIMIT: usize> axum::extract::FromRequest<S> for OaiBody<LIMIT> {
+    type Rejection = OaiError;
+
+    async fn from_request(req: axum::extract::Request, _: &S) -> Result<Self, OaiError> {
+        Ok(Self(crate::extract::read_body(req, LIMIT).await?))
+    }
+}
+
 /// `conv_` and the session id's 32 hex digits.
 pub fn conversation_id(s: SessionId) -> String {
     format!("conv_{}", s.0.simple())

@@ -3,7 +3,6 @@
 
 use std::convert::Infallible;
 
-use axum::body::Bytes;
 use axum::extract::{Query, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -24,7 +23,7 @@ use turnlog_runtime::upstream::{ChatStream, StreamItem};
 use uuid::Uuid;
 
 use super::{conversation_id, message_id, output_message, parse_conversation, parse_response, reasoning_id};
-use super::{list_page, reasoning_item, response_id, user_item, OaiError};
+use super::{list_page, reasoning_item, response_id, user_item, OaiBody, OaiError};
 use crate::auth::Caller;
 use crate::extract::ApiPath;
 use crate::routes::forks::fork_request;
@@ -150,7 +149,11 @@ impl Default for Echo {
         (status = 400, body = Object), (status = 404, body = Object), (status = 409, body = Object),
     )
 )]
-pub async fn create(State(app): State<AppState>, caller: Caller, body: Bytes) -> Result<Response, OaiError> {
+pub async fn create(
+    State(app): State<AppState>,
+    caller: Caller,
+    OaiBody(body): OaiBody,
+) -> Result<Response, OaiError> {
     let req: CreateResponse = serde_json::from_slice(&body).map_err(|e| {
         OaiError::bad_request(format!("the request body is not a valid response request: {e}"))
     })?;
