@@ -151,11 +151,19 @@ pub struct Chains {
     inner: Mutex<Store>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Store {
     map: HashMap<SessionId, Cached>,
     links: usize,
     clock: u64,
+    /// At most this many links ([`MAX_LINKS`]).
+    cap: usize,
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        Self { map: HashMap::new(), links: 0, clock: 0, cap: MAX_LINKS }
+    }
 }
 
 impl Store {
@@ -189,11 +197,11 @@ impl Store {
         if let Some(old) = self.map.insert(id, cached) {
             self.links -= old.settled.len() + old.tail.len();
         }
-        if self.links > MAX_LINKS {
+        if self.links > self.cap {
             let mut by_use: Vec<(u64, SessionId)> = self.map.iter().map(|(id, c)| (c.used, *id)).collect();
             by_use.sort_unstable();
             for (_, id) in by_use {
-                if self.links <= MAX_LINKS * 3 / 4 {
+                if self.links <= self.cap * 3 / 4 {
                     break;
                 }
                 if let Some(c) = self.map.remove(&id) {
@@ -368,6 +376,37 @@ mod tests {
         assert_eq!(plan(&twins, &back, true), Plan::Continue { branch: 1, from: 4 });
         twins[0].named = true;
         assert_eq!(plan(&twins, &back, true), Plan::Continue { branch: 0, from: 4 });
+    }
+
+    #[test]
+    fn the_store_drops_the_branches_used_longest_ago_past_its_cap() {
+        let mut store = Store { cap: 10, ..Store::default() };
+        let row = |n: u128| branch(n, &[(U, "a", 2), (A, "b", 3), (U, "c", 4)], 10).row;
+        let cached = |row: &SessionRow, links: usize, used: u64| Cached {
+            created_at: row.created_at,
+            settled: vec![Link { seq: 2, user: true, hash: [0; 32] }; links],
+            settled_through: 3,
+            tail: Vec::new(),
+            read_to: row.last_seq,
+            used,
+        };
+        let (a, b, c) = (row(1), row(2), row(3));
+        store.put(a.id, cached(&a, 4, 1));
+        store.put(b.id, cached(&b, 4, 2));
+        // Replacing an entry counts only its new links.
+        store.put(b.id, cached(&b, 5, 3));
+        assert_eq!(store.links, 9);
+        store.put(c.id, cached(&c, 3, 4));
+        // 12 > 10: the least recently used go (a, then b) until at most 3/4 of the cap is left.
+        assert!(store.links <= 7, "{}", store.links);
+        assert!(!store.map.contains_key(&a.id) && store.map.contains_key(&c.id));
+        assert_eq!(store.links, store.map.values().map(|c| c.settled.len() + c.tail.len()).sum::<usize>());
+        // A cached branch whose log has not grown is served whole; one re-created after a
+        // delete (another created_at) is not.
+        assert!(matches!(store.start(&c), Start::Current(links) if links.len() == 3));
+        let mut again = c.clone();
+        again.created_at += chrono::Duration::seconds(1);
+        assert!(matches!(store.start(&again), Start::From(links, 0) if links.is_empty()));
     }
 
     #[test]
