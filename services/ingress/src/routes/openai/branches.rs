@@ -183,10 +183,15 @@ impl Store {
             }
             return Start::From(c.settled.clone(), c.settled_through);
         }
+        // A fork takes its parent's settled links before the last user message at or below
+        // its fork point, and reads its own branch from that message on: a checkpoint the
+        // fork inherits may show there though its answer (past the fork point) hid it in
+        // the parent.
         let seeded = row.forked_from.zip(row.forked_through).and_then(|(parent, through)| {
             let p = self.map.get(&SessionId(parent))?;
             let upto = through.min(p.settled_through);
-            Some((p.settled.iter().copied().filter(|l| l.seq <= upto).collect(), upto))
+            let turn = p.settled.iter().rev().find(|l| l.user && l.seq <= upto)?.seq;
+            Some((p.settled.iter().copied().filter(|l| l.seq < turn).collect(), turn - 1))
         });
         let (links, through) = seeded.unwrap_or((Vec::new(), 0));
         Start::From(links, through)
@@ -407,6 +412,18 @@ mod tests {
         let mut again = c.clone();
         again.created_at += chrono::Duration::seconds(1);
         assert!(matches!(store.start(&again), Start::From(links, 0) if links.is_empty()));
+        // A fork through seq 5 (before the answer at 6) reads its branch from "c", the last
+        // user message at or below its fork point.
+        let mut parent = c.clone();
+        parent.id = SessionId(uuid::Uuid::from_u128(9));
+        let mut seeded = cached(&parent, 0, 5);
+        seeded.settled = branch(9, &[(U, "a", 2), (A, "b", 3), (U, "c", 4), (A, "d", 6)], 10).links;
+        seeded.settled_through = 7;
+        store.put(parent.id, seeded);
+        let mut fork = row(5);
+        fork.forked_from = Some(parent.id.0);
+        fork.forked_through = Some(5);
+        assert!(matches!(store.start(&fork), Start::From(links, 3) if links.len() == 2));
     }
 
     #[test]
