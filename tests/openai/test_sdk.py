@@ -326,6 +326,9 @@ class ChatCompletions(unittest.TestCase):
             stream_options={"include_usage": True},
             temperature=0.25,
             max_tokens=300,
+            stop=["THE END"],
+            seed=42,
+            presence_penalty=0.5,
         )
         self.assertEqual(again, branch)
         self.assertEqual(chunks[0].choices[0].delta.role, "assistant")
@@ -340,7 +343,18 @@ class ChatCompletions(unittest.TestCase):
         audited = self.client.get(f"/sessions/{branch}/requests/{stored[3]['seq']}", cast_to=object)
         self.assertTrue(audited["verified"])
         self.assertEqual(audited["body"]["messages"][0], {"role": "system", "content": "You are terse."})
-        self.assertEqual((audited["body"]["temperature"], audited["body"]["max_tokens"]), (0.25, 300))
+        body = audited["body"]
+        self.assertEqual((body["temperature"], body["max_tokens"]), (0.25, 300))
+        self.assertEqual((body["stop"], body["seed"], body["presence_penalty"]), (["THE END"], 42, 0.5))
+
+    def test_regenerating_an_answer_without_text_runs_it_again_in_a_fork(self):
+        messages = [{"role": "user", "content": "Only think. [mock words=0 reasoning=2]"}]
+        branch, text, _ = chat(self.client, self.sid, messages)
+        self.assertEqual(text, "")
+        again, _, _ = chat(self.client, self.sid, messages)
+        self.assertNotEqual(again, branch)
+        made = self.session(again)["session"]["forked_from"]
+        self.assertEqual(made["session_id"], branch)
 
     def test_the_first_request_of_a_chat_with_history_brings_it_along(self):
         history = [

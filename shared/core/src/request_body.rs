@@ -30,6 +30,14 @@ pub struct RequestParams {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_p: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub presence_penalty: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frequency_penalty: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response_format: Option<ResponseFormat>,
     /// Whether image references were sent as data URLs (resolved from the file store);
     /// when false, each was sent as a short placeholder text.
@@ -84,6 +92,10 @@ pub fn request_body(
         reasoning_effort: params.reasoning_effort.as_deref(),
         temperature: params.temperature,
         top_p: params.top_p,
+        presence_penalty: params.presence_penalty,
+        frequency_penalty: params.frequency_penalty,
+        seed: params.seed,
+        stop: params.stop.as_deref(),
         response_format: params.response_format.as_ref(),
     };
     // Structs of strings, numbers and bools always serialize.
@@ -113,6 +125,14 @@ struct WireBody<'a> {
     temperature: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     top_p: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    presence_penalty: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    frequency_penalty: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seed: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stop: Option<&'a [String]>,
     #[serde(skip_serializing_if = "Option::is_none")]
     response_format: Option<&'a ResponseFormat>,
 }
@@ -173,6 +193,10 @@ mod tests {
             reasoning_effort: Some("low".into()),
             temperature: Some(0.2),
             top_p: Some(0.9),
+            presence_penalty: Some(0.5),
+            frequency_penalty: Some(-0.5),
+            seed: Some(7),
+            stop: Some(vec!["END".into()]),
             response_format: Some(ResponseFormat::json_object()),
             images: true,
         }
@@ -203,6 +227,7 @@ mod tests {
             r#"{"type":"text","text":"[image gone (image/jpeg) unavailable]"}]},"#,
             r#"{"role":"assistant","content":"é"}],"stream":true,"stream_options":{"include_usage":true},"#,
             r#""max_tokens":100,"reasoning_effort":"low","temperature":0.2,"top_p":0.9,"#,
+            r#""presence_penalty":0.5,"frequency_penalty":-0.5,"seed":7,"stop":["END"],"#,
             r#""response_format":{"type":"json_object"}}"#,
         );
         assert_eq!(String::from_utf8(body.bytes.clone()).unwrap(), expected);

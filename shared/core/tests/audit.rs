@@ -82,19 +82,39 @@ fn params() -> impl Strategy<Value = RequestParams> {
         proptest::option::of(0u8..=10),
         any::<bool>(),
         any::<bool>(),
+        (
+            proptest::option::of(-20i8..=20),
+            proptest::option::of(any::<i64>()),
+            proptest::option::of(0usize..=4),
+        ),
     )
-        .prop_map(|(stream, max_tokens, reasoning_effort, temperature, top_p, json, images)| {
-            RequestParams {
+        .prop_map(
+            |(
                 stream,
-                stream_options: stream.then_some(StreamOptions { include_usage: true }),
                 max_tokens,
                 reasoning_effort,
-                temperature: temperature.map(|t| f64::from(t) / 10.0),
-                top_p: top_p.map(|p| f64::from(p) / 10.0),
-                response_format: json.then(ResponseFormat::json_object),
+                temperature,
+                top_p,
+                json,
                 images,
-            }
-        })
+                (penalty, seed, stops),
+            )| {
+                RequestParams {
+                    stream,
+                    stream_options: stream.then_some(StreamOptions { include_usage: true }),
+                    max_tokens,
+                    reasoning_effort,
+                    temperature: temperature.map(|t| f64::from(t) / 10.0),
+                    top_p: top_p.map(|p| f64::from(p) / 10.0),
+                    presence_penalty: penalty.map(|p| f64::from(p) / 10.0),
+                    frequency_penalty: penalty.map(|p| f64::from(-p) / 10.0),
+                    seed,
+                    stop: stops.map(|n| (0..n).map(|i| format!("stop {i}")).collect()),
+                    response_format: json.then(ResponseFormat::json_object),
+                    images,
+                }
+            },
+        )
 }
 
 fn attempt() -> impl Strategy<Value = Attempt> {

@@ -661,17 +661,20 @@ pub async fn forks_of(pool: &PgPool, owner: &str, id: SessionId) -> Result<Vec<F
 }
 
 /// The owner's visible sessions of the fork tree rooted at `root` (the root itself and every
-/// session whose lineage names it), oldest first, at most 1,000.
+/// session whose lineage names it): the 1,000 used last, oldest first (a parent before its
+/// forks).
 pub async fn family(pool: &PgPool, owner: &str, root: SessionId) -> Result<Vec<SessionRow>, sqlx::Error> {
-    sqlx::query_as(&format!(
+    let mut rows: Vec<SessionRow> = sqlx::query_as(&format!(
         "SELECT {SESSION_COLUMNS} FROM sessions
           WHERE owner = $2 AND hidden_seq IS NULL AND (id = $1 OR lineage && ARRAY[$1]::uuid[])
-          ORDER BY created_at, id LIMIT 1000"
+          ORDER BY updated_at DESC LIMIT 1000"
     ))
     .bind(root.0)
     .bind(owner)
     .fetch_all(pool)
-    .await
+    .await?;
+    rows.sort_by_key(|r| (r.created_at, r.id.0));
+    Ok(rows)
 }
 
 /// The newest event of attempt `attempt_id` (its outcome once it ended: `assistant_turn`,

@@ -244,7 +244,7 @@ pub async fn chat(
     send_turn(&app, &caller, id, message, key, create).await
 }
 
-fn ready_for_turns(app: &Ingress) -> Result<(), ApiError> {
+pub(crate) fn ready_for_turns(app: &Ingress) -> Result<(), ApiError> {
     if app.turns.is_closing() {
         return Err(ApiError::Unavailable("shutting down".into()));
     }
@@ -343,7 +343,7 @@ pub(crate) async fn begin_turn(
 
 /// A slot under the concurrent-turn caps (released when the turn ends, or when the guard
 /// is dropped on any earlier exit), or 429.
-fn take_slot(app: &Ingress, caller: &Caller) -> Result<TurnSlot, ApiError> {
+pub(crate) fn take_slot(app: &Ingress, caller: &Caller) -> Result<TurnSlot, ApiError> {
     app.turns
         .take_slot(caller.owner(), app.config.turn_limits)
         .map_err(|cap| ApiError::TooManyRequests(cap.to_string()))

@@ -65,6 +65,11 @@ pub struct TurnOptions {
     pub max_tokens: Option<u32>,
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub seed: Option<i64>,
+    pub stop: Option<Vec<String>>,
+    pub reasoning_effort: Option<String>,
 }
 
 /// Starts the turn's task and registers it; the returned handle is what clients follow.
@@ -353,6 +358,11 @@ impl Turn<'_> {
             max_tokens: Some(options.max_tokens.map_or(MAX_ANSWER_TOKENS, |m| m.min(MAX_ANSWER_TOKENS))),
             temperature: options.temperature,
             top_p: options.top_p,
+            presence_penalty: options.presence_penalty,
+            frequency_penalty: options.frequency_penalty,
+            seed: options.seed,
+            stop: options.stop.clone(),
+            reasoning_effort: options.reasoning_effort.clone(),
             images: images.is_some(),
             ..Default::default()
         };

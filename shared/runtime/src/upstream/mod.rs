@@ -100,9 +100,9 @@ impl ChatRequest {
             max_tokens: self.max_tokens,
             reasoning_effort: self.reasoning_effort.clone(),
             temperature: self.temperature,
-            top_p: None,
             response_format: self.response_format_json.then(ResponseFormat::json_object),
             images,
+            ..RequestParams::default()
         }
     }
 }

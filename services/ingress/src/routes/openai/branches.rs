@@ -1,8 +1,9 @@
 //! Which branch a Chat Completions request continues (DESIGN §13). A session header names a
 //! family of branches (a session and its forks); the request's messages are compared with
-//! each branch's conversation — its user messages and answers, interrupted ones included,
-//! as the transcript shows them — through a hash chain: a message's link hashes the link
-//! before it, its role and its text, so one comparison of two links compares the whole
+//! each branch's conversation — its user messages and answers with text, a stopped or
+//! interrupted answer's partial included (what the client holds a copy of), as the
+//! transcript shows them — through a hash chain: a message's link hashes the link before
+//! it, its role and its text, so one comparison of two links compares the whole
 //! conversations up to them.
 //!
 //! The chains live here, in each ingress copy's memory, and are kept from the log: a
@@ -122,10 +123,11 @@ pub fn plan(branches: &[Branch], request: &[(bool, Hash)], streamed: bool) -> Pl
         // answer again, in a fork after that message.
         return Plan::Fork { branch, through: c[n - 1].seq, from: n };
     }
-    // They part at c[k]: a user message is replaced after everything before it; an answer
-    // after the message it answered (not its checkpoints).
-    let through = match (c[k].user, k.checked_sub(1).map(|p| c[p])) {
-        (false, Some(before)) if before.user => before.seq,
+    // They part at c[k]: a user message is replaced after everything before it (the turn
+    // before it has ended); an answer right after the message before it — its question, or
+    // a final partial — so that no checkpoint of the answer's attempt comes along.
+    let through = match (c[k].user, k.checked_sub(1)) {
+        (false, Some(before)) => c[before].seq,
         _ => c[k].seq - 1,
     };
     Plan::Fork { branch, through, from: k }
@@ -143,6 +145,13 @@ struct Cached {
     tail: Vec<Link>,
     read_to: i64,
     used: u64,
+}
+
+impl Cached {
+    /// What the entry counts against the cap: its links, and one for the entry itself.
+    fn cost(&self) -> usize {
+        1 + self.settled.len() + self.tail.len()
+    }
 }
 
 /// The chains of the branches this copy has met.
@@ -198,9 +207,9 @@ impl Store {
     }
 
     fn put(&mut self, id: SessionId, cached: Cached) {
-        self.links += cached.settled.len() + cached.tail.len();
+        self.links += cached.cost();
         if let Some(old) = self.map.insert(id, cached) {
-            self.links -= old.settled.len() + old.tail.len();
+            self.links -= old.cost();
         }
         if self.links > self.cap {
             let mut by_use: Vec<(u64, SessionId)> = self.map.iter().map(|(id, c)| (c.used, *id)).collect();
@@ -210,7 +219,7 @@ impl Store {
                     break;
                 }
                 if let Some(c) = self.map.remove(&id) {
-                    self.links -= c.settled.len() + c.tail.len();
+                    self.links -= c.cost();
                 }
             }
         }
@@ -267,12 +276,20 @@ fn extend(
     let events =
         events.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>().map_err(ApiError::internal)?;
     let last_user = events.iter().rev().find(|e| matches!(e.body, EventBody::UserMessage(_))).map(|e| e.seq);
+    // Only a final checkpoint (stopped, interrupted) is an answer a client holds a copy of;
+    // a running turn's, a failed or crashed one's is not, so its message stays unanswered.
+    let provisional: std::collections::HashSet<i64> = events
+        .iter()
+        .filter(|e| matches!(&e.body, EventBody::PendingState(p) if p.reason.is_none()))
+        .map(|e| e.seq)
+        .collect();
     let mut prev = settled.last().map_or([0u8; 32], |l| l.hash);
     let mut tail = Vec::new();
     for item in ui_transcript(&events) {
         let user = match item.kind {
             ItemKind::User => true,
-            ItemKind::Assistant | ItemKind::Interrupted => false,
+            ItemKind::Assistant => false,
+            ItemKind::Interrupted if !provisional.contains(&item.seq) => false,
             _ => continue,
         };
         let text = item.text.as_deref().unwrap_or_default();
@@ -385,7 +402,7 @@ mod tests {
 
     #[test]
     fn the_store_drops_the_branches_used_longest_ago_past_its_cap() {
-        let mut store = Store { cap: 10, ..Store::default() };
+        let mut store = Store { cap: 12, ..Store::default() };
         let row = |n: u128| branch(n, &[(U, "a", 2), (A, "b", 3), (U, "c", 4)], 10).row;
         let cached = |row: &SessionRow, links: usize, used: u64| Cached {
             created_at: row.created_at,
@@ -400,12 +417,12 @@ mod tests {
         store.put(b.id, cached(&b, 4, 2));
         // Replacing an entry counts only its new links.
         store.put(b.id, cached(&b, 5, 3));
-        assert_eq!(store.links, 9);
+        assert_eq!(store.links, 11);
         store.put(c.id, cached(&c, 3, 4));
-        // 12 > 10: the least recently used go (a, then b) until at most 3/4 of the cap is left.
-        assert!(store.links <= 7, "{}", store.links);
+        // 15 > 12: the least recently used go (a, then b) until at most 3/4 of the cap is left.
+        assert!(store.links <= 9, "{}", store.links);
         assert!(!store.map.contains_key(&a.id) && store.map.contains_key(&c.id));
-        assert_eq!(store.links, store.map.values().map(|c| c.settled.len() + c.tail.len()).sum::<usize>());
+        assert_eq!(store.links, store.map.values().map(Cached::cost).sum::<usize>());
         // A cached branch whose log has not grown is served whole; one re-created after a
         // delete (another created_at) is not.
         assert!(matches!(store.start(&c), Start::Current(links) if links.len() == 3));
@@ -453,11 +470,20 @@ mod tests {
             attempt_id: Some("x".into()),
             ..Default::default()
         });
+        let stopped = EventBody::PendingState(PendingState {
+            partial: "stop".into(),
+            attempt_id: Some("y".into()),
+            reason: Some(turnlog_core::events::PendingReason::Stopped),
+            ..Default::default()
+        });
         let events = [ev(2, user("a")), ev(3, answer("b")), ev(4, user("c")), ev(5, checkpoint)];
         let (settled, through, tail) = extend(Vec::new(), 1, &events).unwrap();
-        assert_eq!((settled.len(), through, tail.len()), (2, 3, 2));
-        // The running answer's checkpoint shows until its answer replaces it.
-        assert_eq!(tail[1].hash, link(&tail[0].hash, false, "par"));
+        // A running answer's checkpoint is no answer (nor a failed or crashed one's): "c"
+        // is still unanswered.
+        assert_eq!((settled.len(), through, tail.len()), (2, 3, 1));
+        // A stopped answer's partial is, as the client's copy of it.
+        let (_, _, tail) = extend(settled.clone(), through, &[ev(4, user("c")), ev(5, stopped)]).unwrap();
+        assert_eq!(tail[1].hash, link(&tail[0].hash, false, "stop"));
         let more = [ev(4, user("c")), ev(6, answer("partial and more"))];
         let (settled, _, tail) = extend(settled, through, &more).unwrap();
         assert_eq!(settled.len(), 2);

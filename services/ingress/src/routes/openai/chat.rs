@@ -27,8 +27,10 @@ use super::conversations::{append_items, NewItem};
 use super::{OaiBody, OaiError};
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::routes::forks::{create_fork, fork_request};
-use crate::routes::turns::{begin_turn, derived, retry_last, validated, SendMessage};
+use crate::routes::forks::fork_request;
+use crate::routes::turns::{
+    begin_turn, derived, ready_for_turns, retry_last, take_slot, validated, SendMessage,
+};
 use crate::turn::{TurnEvent, TurnOptions};
 use crate::validate::MAX_CHAT_BODY_BYTES;
 use crate::writes::submit;
@@ -60,12 +62,34 @@ struct CompletionRequest {
     #[serde(default)]
     top_p: Option<f64>,
     #[serde(default)]
+    presence_penalty: Option<f64>,
+    #[serde(default)]
+    frequency_penalty: Option<f64>,
+    #[serde(default)]
+    seed: Option<i64>,
+    #[serde(default)]
+    stop: Option<Stop>,
+    #[serde(default)]
+    reasoning_effort: Option<String>,
+    #[serde(default)]
     n: Option<u32>,
     #[serde(default)]
     tools: Option<Vec<Value>>,
     #[serde(default)]
     functions: Option<Vec<Value>>,
 }
+
+/// `stop`: one sequence or up to four.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Most stop sequences, and the longest reasoning effort name, a request may give.
+const MAX_STOP: usize = 4;
+const MAX_PARAM_CHARS: usize = 64;
 
 #[derive(Debug, Deserialize)]
 struct StreamOptions {
@@ -116,7 +140,7 @@ pub async fn completions(
         validate::model(&app.config, model)?;
     }
     let Some(family) = session_header(&app, &headers)? else {
-        return pass_through(&app, body, req.model.is_none()).await;
+        return pass_through(&app, &caller, body, req.model.is_none()).await;
     };
     if req.n.is_some_and(|n| n != 1) {
         return Err(OaiError::bad_request("n must be 1: a session stores one answer per turn"));
@@ -128,12 +152,7 @@ pub async fn completions(
     }
     let conversation = conversation(&req.messages)?;
     let streamed = req.stream == Some(true);
-    let options = TurnOptions {
-        system: conversation.system.clone(),
-        max_tokens: req.max_completion_tokens.or(req.max_tokens),
-        temperature: req.temperature,
-        top_p: req.top_p,
-    };
+    let options = options(&req, conversation.system.clone())?;
     let t0 = std::time::Instant::now();
     let request = request_links(conversation.messages.iter().map(|(u, t)| (*u, t.as_str())));
     let (root, named) = family_root(&app, &caller, &family).await?;
@@ -144,32 +163,21 @@ pub async fn completions(
         branches.push(Branch { named: Some(row.id) == named, row, links });
     }
     let reconciled = t0.elapsed();
-    let (session, from, events) = if branches.is_empty() {
-        let create = new_family(&caller, root);
-        let events =
-            run(&app, &caller, root, Some(create), &conversation, 0, options, req.model.clone()).await?;
-        (root, 0, events)
+    let (target, from) = if branches.is_empty() {
+        (Target::New(new_family(&caller, root)), 0)
     } else {
         match plan(&branches, &request, streamed) {
-            Plan::PassThrough => return pass_through(&app, body, req.model.is_none()).await,
-            Plan::Continue { branch, from } => {
-                let session = branches[branch].row.id;
-                let events =
-                    run(&app, &caller, session, None, &conversation, from, options, req.model.clone())
-                        .await?;
-                (session, from, events)
-            }
+            Plan::PassThrough => return pass_through(&app, &caller, body, req.model.is_none()).await,
+            Plan::Continue { branch, from } => (Target::Existing(branches[branch].row.clone()), from),
             Plan::Fork { branch, through, from } => {
-                let parent: &SessionRow = &branches[branch].row;
-                let create = fork_request(&app, &caller, parent, through, None, "chat").await?;
-                let fork = create.session_id;
-                let events =
-                    run(&app, &caller, fork, Some(create), &conversation, from, options, req.model.clone())
-                        .await?;
-                (fork, from, events)
+                let create =
+                    fork_request(&app, &caller, &branches[branch].row, through, None, "chat").await?;
+                (Target::New(create), from)
             }
         }
     };
+    let turn = Turn { conversation: &conversation, from, options, model: req.model.clone() };
+    let (session, events) = run(&app, &caller, target, turn).await?;
     tracing::Span::current().record("session_id", tracing::field::display(session));
     // The time to hash the request, read the family and compare (µs).
     tracing::debug!(
@@ -238,7 +246,7 @@ fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> {
     let mut system = Vec::new();
     let mut rest = Vec::new();
     for m in messages {
-        if m.tool_calls.as_ref().is_some_and(|t| !t.is_null()) {
+        if m.tool_calls.as_ref().is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty())) {
             return Err(OaiError::bad_request(
                 "tool calls are not supported: turnlog does not run tools yet",
             ));
@@ -301,26 +309,51 @@ fn content_text(content: Option<&Value>) -> Result<String, OaiError> {
     }
 }
 
-/// Runs the turn of `conversation` on `session` (created first by `create` when given):
-/// the messages from `from` on are appended, the last one answered; with none new, the
-/// session's last message (which has no answer) is run again.
-#[allow(clippy::too_many_arguments)]
-async fn run(
-    app: &AppState,
-    caller: &Caller,
-    session: SessionId,
-    create: Option<AppendRequest>,
-    conversation: &Conversation,
+/// Where a turn runs: a session of the family, or one to create first (the family's first,
+/// or a fork).
+enum Target {
+    Existing(SessionRow),
+    New(AppendRequest),
+}
+
+/// The turn a request asks for: its conversation's messages from `from` on are new.
+struct Turn<'a> {
+    conversation: &'a Conversation,
     from: usize,
     options: TurnOptions,
     model: Option<String>,
-) -> Result<BoxStream<'static, TurnEvent>, OaiError> {
+}
+
+/// Runs `turn` on `target`: the new messages are appended, the last one answered; with
+/// none new, the branch's last message is run again — in place when it has no answer (§5.7),
+/// in a fork through it when it has one that left no text to compare (a regenerate). Every
+/// check that can refuse the request comes before the first write. Returns the session the
+/// turn runs in and its native events.
+async fn run(
+    app: &AppState,
+    caller: &Caller,
+    target: Target,
+    turn: Turn<'_>,
+) -> Result<(SessionId, BoxStream<'static, TurnEvent>), OaiError> {
+    let Turn { conversation, from, options, model } = turn;
     let new = &conversation.messages[from.min(conversation.messages.len())..];
     let Some(((_, last), earlier)) = new.split_last() else {
-        if let Some(create) = &create {
-            create_fork(app, caller, create).await?;
-        }
-        return Ok(retry_last(app, caller, session, model, options).await?);
+        let session = match target {
+            Target::New(create) => {
+                submit(app, &create).await?;
+                create.session_id
+            }
+            Target::Existing(row) => match read::last_user_message(&app.pool, caller.as_str(), row.id).await?
+            {
+                Some((seq, _, true)) => {
+                    let create = fork_request(app, caller, &row, seq, None, "chat").await?;
+                    submit(app, &create).await?;
+                    create.session_id
+                }
+                _ => row.id,
+            },
+        };
+        return Ok((session, retry_last(app, caller, session, model, options).await?));
     };
     if earlier.len() > MAX_NEW_MESSAGES {
         return Err(OaiError::bad_request(format!(
@@ -336,29 +369,76 @@ async fn run(
         edit_of: None,
     };
     validated(app, &message)?;
-    for (_, text) in earlier {
-        validate::text(text)?;
+    let items: Vec<NewItem> =
+        earlier.iter().map(|(user, text)| NewItem { assistant: !user, text: text.clone() }).collect();
+    for item in &items {
+        validate::text(&item.text)?;
+        let body = item.body();
+        validate::event_size(body.kind(), &body.to_payload())?;
     }
-    let mut create = create;
-    if !earlier.is_empty() {
+    ready_for_turns(app)?;
+    let (session, mut create) = match target {
+        Target::Existing(row) => (row.id, None),
+        Target::New(create) => (create.session_id, Some(create)),
+    };
+    if !items.is_empty() {
         if let Some(c) = create.take() {
             submit(app, &c).await?;
         }
-        let items =
-            earlier.iter().map(|(user, text)| NewItem { assistant: !user, text: text.clone() }).collect();
         append_items(app, caller, session, items).await?;
     }
-    Ok(begin_turn(app, caller, session, message, None, create, options).await?)
+    Ok((session, begin_turn(app, caller, session, message, None, create, options).await?))
+}
+
+/// The turn options of a request: its system text and the sampling parameters it sets.
+fn options(req: &CompletionRequest, system: Option<String>) -> Result<TurnOptions, OaiError> {
+    let stop = match &req.stop {
+        None => None,
+        Some(Stop::One(s)) => Some(vec![s.clone()]),
+        Some(Stop::Many(v)) => Some(v.clone()),
+    };
+    let too_long = |s: &String| s.is_empty() || s.chars().count() > MAX_PARAM_CHARS;
+    if stop.as_ref().is_some_and(|s| s.len() > MAX_STOP || s.iter().any(too_long)) {
+        return Err(OaiError::bad_request(format!(
+            "stop is at most {MAX_STOP} sequences of 1-{MAX_PARAM_CHARS} characters"
+        )));
+    }
+    if req.reasoning_effort.as_ref().is_some_and(too_long) {
+        return Err(OaiError::bad_request(format!("reasoning_effort is 1-{MAX_PARAM_CHARS} characters")));
+    }
+    Ok(TurnOptions {
+        system,
+        max_tokens: req.max_completion_tokens.or(req.max_tokens),
+        temperature: req.temperature,
+        top_p: req.top_p,
+        presence_penalty: req.presence_penalty,
+        frequency_penalty: req.frequency_penalty,
+        seed: req.seed,
+        stop,
+        reasoning_effort: req.reasoning_effort.clone(),
+    })
 }
 
 /// The stateless pass-through: the client's own body to the gateway (with the default
 /// model when it names none), its answer back as it came.
-async fn pass_through(app: &AppState, body: Bytes, without_model: bool) -> Result<Response, OaiError> {
+async fn pass_through(
+    app: &AppState,
+    caller: &Caller,
+    body: Bytes,
+    without_model: bool,
+) -> Result<Response, OaiError> {
+    // Within the same caps as a stored turn, held until the answer is relayed.
+    ready_for_turns(app)?;
+    let slot = take_slot(app, caller)?;
     let upstream = app.upstream.clone().ok_or_else(|| {
         OaiError(ApiError::Unavailable("no model gateway is configured (TURNLOG_LLM_URL)".into()))
     })?;
+    let mut v: Value = serde_json::from_slice(&body).map_err(|e| OaiError::bad_request(e.to_string()))?;
+    // A gateway's list of fallback models (OpenRouter's `models`) must be allowed too.
+    for m in v.get("models").and_then(Value::as_array).into_iter().flatten() {
+        validate::model(&app.config, m.as_str().unwrap_or_default())?;
+    }
     let body = if without_model {
-        let mut v: Value = serde_json::from_slice(&body).map_err(|e| OaiError::bad_request(e.to_string()))?;
         v["model"] = json!(app.config.model);
         Bytes::from(v.to_string())
     } else {
@@ -369,7 +449,11 @@ async fn pass_through(app: &AppState, body: Bytes, without_model: bool) -> Resul
         OaiError(ApiError::BadGateway(e.public_message()))
     })?;
     let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::BAD_GATEWAY);
-    let mut response = Response::new(Body::from_stream(answer.body));
+    let relayed = answer.body.map(move |chunk| {
+        let _held = &slot;
+        chunk
+    });
+    let mut response = Response::new(Body::from_stream(relayed));
     *response.status_mut() = status;
     let content_type = answer.content_type.as_deref().unwrap_or("application/json");
     if let Ok(v) = HeaderValue::from_str(content_type) {

@@ -115,48 +115,72 @@ fn parse_item(item: &Value) -> Result<NewItem, OaiError> {
     Ok(NewItem { assistant, text })
 }
 
+impl NewItem {
+    /// The event the item becomes: a user message, or an answer with its text.
+    pub(super) fn body(&self) -> EventBody {
+        let text = self.text.clone();
+        if !self.assistant {
+            return EventBody::UserMessage(UserMessage { text, ..Default::default() });
+        }
+        EventBody::AssistantTurn(AssistantTurn {
+            ui: UiPart {
+                blocks: vec![Block { kind: BlockType::Text, text: Some(text.clone()), meta: None }],
+            },
+            llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(text)) } },
+            ..Default::default()
+        })
+    }
+
+    /// The item as a conversation item of id `event_id`.
+    fn item(&self, event_id: Uuid) -> Value {
+        let (role, part) = if self.assistant {
+            (
+                "assistant",
+                json!({"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}),
+            )
+        } else {
+            ("user", json!({"type": "input_text", "text": self.text}))
+        };
+        json!({"type": "message", "id": message_id(event_id), "role": role, "status": "completed", "content": [part]})
+    }
+}
+
 /// Appends `items` in order under the session's turn lease (no turn runs meanwhile), without
-/// calling the model: an import path. Returns them as conversation items.
+/// calling the model: an import path. Returns them as conversation items. Every item is
+/// sized before the first is written, and the appends go on (and the lease is released) if
+/// the client leaves meanwhile.
 pub(super) async fn append_items(
     app: &AppState,
     caller: &Caller,
     session: SessionId,
     items: Vec<NewItem>,
 ) -> Result<Vec<Value>, OaiError> {
+    let bodies: Vec<EventBody> = items.iter().map(NewItem::body).collect();
+    for body in &bodies {
+        crate::validate::event_size(body.kind(), &body.to_payload())?;
+    }
     let lease = app.leases.acquire(session, &app.instance_id).await?.ok_or_else(|| {
         OaiError(crate::error::ApiError::Conflict("a response is running in this conversation".into()))
     })?;
-    let mut added = Vec::new();
-    let mut result = Ok(());
-    for item in items {
-        let event_id = Uuid::now_v7();
-        let text = item.text;
-        let (body, role, part) = if item.assistant {
-            let answer = AssistantTurn {
-                ui: UiPart {
-                    blocks: vec![Block { kind: BlockType::Text, text: Some(text.clone()), meta: None }],
-                },
-                llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(text.clone())) } },
-                ..Default::default()
-            };
-            let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
-            (EventBody::AssistantTurn(answer), "assistant", part)
-        } else {
-            let part = json!({"type": "input_text", "text": text});
-            (EventBody::UserMessage(UserMessage { text, ..Default::default() }), "user", part)
-        };
-        if let Err(e) = submit(app, &AppendRequest::append(session, caller.as_str(), event_id, &body)).await {
-            result = Err(e);
-            break;
+    let (app, owner) = (app.clone(), caller.as_str().to_owned());
+    let appending = tokio::spawn(async move {
+        let mut added = Vec::new();
+        let mut result = Ok(());
+        for (item, body) in items.iter().zip(&bodies) {
+            let event_id = Uuid::now_v7();
+            if let Err(e) = submit(&app, &AppendRequest::append(session, &owner, event_id, body)).await {
+                result = Err(e);
+                break;
+            }
+            added.push(item.item(event_id));
         }
-        let id = message_id(event_id);
-        added.push(
-            json!({"type": "message", "id": id, "role": role, "status": "completed", "content": [part]}),
-        );
+        let _ = app.leases.release(lease).await;
+        result.map(|()| added)
+    });
+    match appending.await {
+        Ok(result) => Ok(result?),
+        Err(e) => Err(OaiError(crate::error::ApiError::internal(e))),
     }
-    let _ = app.leases.release(lease).await;
-    result?;
-    Ok(added)
 }
 
 /// Add messages to a conversation without running the model (an import path).

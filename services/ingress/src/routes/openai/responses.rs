@@ -194,6 +194,7 @@ pub async fn create(
         max_tokens: req.max_output_tokens,
         temperature: req.temperature,
         top_p: req.top_p,
+        ..Default::default()
     };
     let echo = echo_of(&req);
     let events = begin_turn(&app, &caller, session, message, None, create, options).await?;
