@@ -123,7 +123,10 @@ struct Conversation {
     responses(
         (status = 200, description = "A `chat.completion`, or with `stream: true` text/event-stream of `chat.completion.chunk`s ending with `data: [DONE]`", body = Object),
         (status = 400, body = Object), (status = 404, body = Object), (status = 409, body = Object),
-        (status = 429, body = Object), (status = 503, body = Object),
+        (status = 413, description = "Over 16 MiB", body = Object),
+        (status = 429, body = Object),
+        (status = 502, description = "The model gateway failed the turn (its message is stored)", body = Object),
+        (status = 503, body = Object),
     )
 )]
 #[tracing::instrument(skip_all, fields(session_id), err(Debug, level = "debug"))]
