@@ -263,9 +263,29 @@ async fn open_webui_sends_regenerates_edits_and_task_calls_map_onto_one_family()
     // Back on the first branch in the UI: going on there continues the first session.
     let mut back = turn2.clone();
     back.extend([answer(&a2), user("One more tip? [mock words=5]")]);
-    let (again, _) = chat_completion(&http, &base, &headers, &send(back)).await;
+    let (again, a3) = chat_completion(&http, &base, &headers, &send(back.clone())).await;
     assert_eq!(again.as_deref(), Some(root.as_str()));
     assert_eq!(conversation_of(&http, &base, &root).await.len(), 6);
+
+    // A question with an attached file: Open WebUI sends it with the retrieved context
+    // before it (`RAG_TEMPLATE`, a line break, the question), and keeps the bare question in
+    // its history — so the next request resends that, and still goes on in the same branch.
+    let question = "What does the guide say about trams? [mock words=5]";
+    let with_context = format!(
+        "### Task:\nRespond to the user query using the provided context, incorporating inline citations \
+         in the format [id] **only when the <source> tag includes an explicit id attribute**.\n\n\
+         <context>\n<source id=\"1\" name=\"lisbon.pdf\">Tram 28 runs from Martim Moniz.</source>\n</context>\n\
+         \n{question}"
+    );
+    back.extend([answer(&a3), user(&with_context)]);
+    let (rag, a4) = chat_completion(&http, &base, &headers, &send(back.clone())).await;
+    assert_eq!(rag.as_deref(), Some(root.as_str()));
+    let last = back.len() - 1;
+    back[last] = user(question);
+    back.extend([answer(&a4), user("And the castle? [mock words=5]")]);
+    let (after, _) = chat_completion(&http, &base, &headers, &send(back)).await;
+    assert_eq!(after.as_deref(), Some(root.as_str()));
+    assert_eq!(conversation_of(&http, &base, &root).await.len(), 10);
 
     // The family is exactly the chat's three branches, each message stored once.
     let detail: Value =

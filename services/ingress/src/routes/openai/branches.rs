@@ -25,41 +25,77 @@ use turnlog_runtime::read::{self, SessionRow, StoredEvent};
 
 use crate::error::ApiError;
 
-/// One link of a chain: SHA-256 of the previous link, the role and the text.
+/// A SHA-256: of a message's text, or a link of a chain (the previous link, the role and
+/// the text's hash).
 pub type Hash = [u8; 32];
 
-/// Links the chains of one copy keep at most (48 bytes each); past it the branches
+/// Links the chains of one copy keep at most (about 64 bytes each); past it the branches
 /// used longest ago are dropped (and read again when they are next used).
 const MAX_LINKS: usize = 1_000_000;
 
+/// The most line starts of a stored user message whose rest is remembered (see
+/// [`Link::ends_with`]).
+const MAX_SUFFIXES: usize = 64;
+
 /// A message of a conversation: where it is in the branch log, and its link.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Link {
     pub seq: i64,
     pub user: bool,
     pub hash: Hash,
+    /// For a user message of several lines: the first 8 bytes of the text hash of what
+    /// follows each of its last line breaks.
+    pub suffixes: Option<std::sync::Arc<[u64]>>,
 }
 
-/// The link after `prev` for a message of `text`. Surrounding whitespace does not count:
-/// front ends trim what they resend.
-pub fn link(prev: &Hash, user: bool, text: &str) -> Hash {
+impl Link {
+    fn new(prev: &Hash, seq: i64, user: bool, text: &str) -> Self {
+        let suffixes = (user && text.contains('\n')).then(|| {
+            let starts = text.match_indices('\n').map(|(i, _)| i + 1).collect::<Vec<_>>();
+            let from = starts.len().saturating_sub(MAX_SUFFIXES);
+            starts[from..].iter().map(|&i| short(&text_hash(&text[i..]))).collect()
+        });
+        Self { seq, user, hash: link(prev, user, &text_hash(text)), suffixes }
+    }
+
+    /// Whether this stored user message ends, after one of its line breaks, with a message
+    /// of text hash `text`: what a front end resends of a message it sent with retrieved
+    /// context put before it (Open WebUI's retrieval: `RAG_TEMPLATE`, a line break, the
+    /// user's own text), keeping the user's own text in its history.
+    fn ends_with(&self, text: &Hash) -> bool {
+        self.suffixes.as_ref().is_some_and(|s| s.contains(&short(text)))
+    }
+}
+
+fn short(h: &Hash) -> u64 {
+    u64::from_le_bytes([h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]])
+}
+
+/// A message's text hash. Surrounding whitespace does not count: front ends trim what
+/// they resend.
+pub fn text_hash(text: &str) -> Hash {
+    Sha256::digest(text.trim().as_bytes()).into()
+}
+
+/// The link after `prev` for a message whose text hashes to `text`.
+pub fn link(prev: &Hash, user: bool, text: &Hash) -> Hash {
     let mut h = Sha256::new();
     h.update(prev);
     h.update([u8::from(user)]);
-    h.update(text.trim().as_bytes());
+    h.update(text);
     h.finalize().into()
 }
 
-/// The links of a request's messages (`(is_user, text)`, in order).
-pub fn request_links<'a>(messages: impl IntoIterator<Item = (bool, &'a str)>) -> Vec<(bool, Hash)> {
-    let mut prev = [0u8; 32];
-    messages
-        .into_iter()
-        .map(|(user, text)| {
-            prev = link(&prev, user, text);
-            (user, prev)
-        })
-        .collect()
+/// A request's message as [`plan`] compares it: its role and its text hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Message {
+    pub user: bool,
+    pub text: Hash,
+}
+
+/// The request's messages (`(is_user, text)`, in order) as [`Message`]s.
+pub fn request_messages<'a>(messages: impl IntoIterator<Item = (bool, &'a str)>) -> Vec<Message> {
+    messages.into_iter().map(|(user, text)| Message { user, text: text_hash(text) }).collect()
 }
 
 /// A branch of the family as [`plan`] weighs it.
@@ -87,16 +123,28 @@ pub enum Plan {
     PassThrough,
 }
 
-/// How many leading links `links` and `request` share.
-fn shared(links: &[Link], request: &[(bool, Hash)]) -> usize {
-    links.iter().zip(request).take_while(|(l, (_, h))| l.hash == *h).count()
+/// How many leading messages `links` and `request` share: equal ones, and user messages
+/// the branch stored with context before the request's copy ([`Link::ends_with`]) — not
+/// the request's last message, which is what an edit replaces.
+fn shared(links: &[Link], request: &[Message]) -> usize {
+    let mut prev = [0u8; 32];
+    for (i, (l, m)) in links.iter().zip(request).enumerate() {
+        let answered = i + 1 < request.len();
+        let same =
+            link(&prev, m.user, &m.text) == l.hash || (answered && m.user && l.user && l.ends_with(&m.text));
+        if !same {
+            return i;
+        }
+        prev = l.hash;
+    }
+    links.len().min(request.len())
 }
 
 /// The branch a request continues, or where it forks (DESIGN §13): the branch whose whole
 /// conversation is the longest prefix of the request's; else the one sharing the longest
 /// prefix with it, forked where they part. Ties go to the branch the header named, then to
 /// the one used last. `request` is not empty and ends with a user message.
-pub fn plan(branches: &[Branch], request: &[(bool, Hash)], streamed: bool) -> Plan {
+pub fn plan(branches: &[Branch], request: &[Message], streamed: bool) -> Plan {
     let n = request.len();
     let rank = |i: usize| {
         let b = &branches[i];
@@ -200,7 +248,7 @@ impl Store {
             let p = self.map.get(&SessionId(parent))?;
             let upto = through.min(p.settled_through);
             let turn = p.settled.iter().rev().find(|l| l.user && l.seq <= upto)?.seq;
-            Some((p.settled.iter().copied().filter(|l| l.seq < turn).collect(), turn - 1))
+            Some((p.settled.iter().filter(|l| l.seq < turn).cloned().collect(), turn - 1))
         });
         let (links, through) = seeded.unwrap_or((Vec::new(), 0));
         Start::From(links, through)
@@ -296,8 +344,8 @@ fn extend(
         if text.trim().is_empty() {
             continue;
         }
-        prev = link(&prev, user, text);
-        let l = Link { seq: item.seq, user, hash: prev };
+        let l = Link::new(&prev, item.seq, user, text);
+        prev = l.hash;
         if last_user.is_some_and(|u| item.seq < u) {
             settled.push(l);
         } else {
@@ -325,15 +373,28 @@ mod tests {
         let links = messages
             .iter()
             .map(|(user, text, seq)| {
-                prev = link(&prev, *user, text);
-                Link { seq: *seq, user: *user, hash: prev }
+                let l = Link::new(&prev, *seq, *user, text);
+                prev = l.hash;
+                l
             })
             .collect();
         Branch { row, links, named: false }
     }
 
-    fn req(messages: &[(bool, &str)]) -> Vec<(bool, Hash)> {
-        request_links(messages.iter().copied())
+    fn req(messages: &[(bool, &str)]) -> Vec<Message> {
+        request_messages(messages.iter().copied())
+    }
+
+    /// The chain of a conversation's messages.
+    fn chain(messages: &[(bool, &str)]) -> Vec<Hash> {
+        let mut prev = [0u8; 32];
+        messages
+            .iter()
+            .map(|(user, text)| {
+                prev = link(&prev, *user, &text_hash(text));
+                prev
+            })
+            .collect()
     }
 
     const U: bool = true;
@@ -384,6 +445,25 @@ mod tests {
     }
 
     #[test]
+    fn a_message_stored_with_retrieved_context_before_it_matches_the_clients_own_text() {
+        // Open WebUI sent "context…\nquestion" and keeps "question" in its history.
+        let sent = "### Task: answer with the context\n<context>Lisbon has trams.</context>\nWhat is there?";
+        let root = branch(1, &[(U, sent, 2), (A, "Trams.", 5), (U, "Cost?\nIn euros.", 7), (A, "3", 9)], 10);
+        let goes_on =
+            req(&[(U, "What is there?"), (A, "Trams."), (U, "Cost?\nIn euros."), (A, "3"), (U, "Ok")]);
+        assert_eq!(plan(std::slice::from_ref(&root), &goes_on, true), Plan::Continue { branch: 0, from: 4 });
+        // Only what follows a line break counts, and only for user messages.
+        let other = req(&[(U, "there?"), (A, "Trams."), (U, "x")]);
+        assert_eq!(
+            plan(std::slice::from_ref(&root), &other, true),
+            Plan::Fork { branch: 0, through: 1, from: 0 }
+        );
+        // An edit to the last line of a message is an edit (the request's last message).
+        let edited = req(&[(U, "What is there?"), (A, "Trams."), (U, "In euros.")]);
+        assert_eq!(plan(&[root], &edited, true), Plan::Fork { branch: 0, through: 6, from: 2 });
+    }
+
+    #[test]
     fn the_longest_branch_that_is_a_prefix_wins_then_the_named_then_the_latest() {
         let root = branch(1, &[(U, "a", 2), (A, "b", 5), (U, "c", 7), (A, "d", 9)], 10);
         let fork = branch(2, &[(U, "a", 2), (A, "b", 5), (U, "C", 11), (A, "D", 13)], 20);
@@ -406,7 +486,7 @@ mod tests {
         let row = |n: u128| branch(n, &[(U, "a", 2), (A, "b", 3), (U, "c", 4)], 10).row;
         let cached = |row: &SessionRow, links: usize, used: u64| Cached {
             created_at: row.created_at,
-            settled: vec![Link { seq: 2, user: true, hash: [0; 32] }; links],
+            settled: vec![Link { seq: 2, user: true, hash: [0; 32], suffixes: None }; links],
             settled_through: 3,
             tail: Vec::new(),
             read_to: row.last_seq,
@@ -483,12 +563,11 @@ mod tests {
         assert_eq!((settled.len(), through, tail.len()), (2, 3, 1));
         // A stopped answer's partial is, as the client's copy of it.
         let (_, _, tail) = extend(settled.clone(), through, &[ev(4, user("c")), ev(5, stopped)]).unwrap();
-        assert_eq!(tail[1].hash, link(&tail[0].hash, false, "stop"));
+        assert_eq!(tail[1].hash, link(&tail[0].hash, false, &text_hash("stop")));
         let more = [ev(4, user("c")), ev(6, answer("partial and more"))];
         let (settled, _, tail) = extend(settled, through, &more).unwrap();
         assert_eq!(settled.len(), 2);
-        let expected = request_links([(U, "a"), (A, "b"), (U, "c"), (A, "partial and more")]);
         let links: Vec<Hash> = settled.iter().chain(&tail).map(|l| l.hash).collect();
-        assert_eq!(links, expected.iter().map(|(_, h)| *h).collect::<Vec<_>>());
+        assert_eq!(links, chain(&[(U, "a"), (A, "b"), (U, "c"), (A, "partial and more")]));
     }
 }

@@ -22,7 +22,7 @@ use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read::{self, SessionRow};
 use uuid::Uuid;
 
-use super::branches::{plan, request_links, Branch, Plan};
+use super::branches::{plan, request_messages, Branch, Plan};
 use super::conversations::{append_items, NewItem};
 use super::{OaiBody, OaiError};
 use crate::auth::Caller;
@@ -157,7 +157,7 @@ pub async fn completions(
     let streamed = req.stream == Some(true);
     let options = options(&req, conversation.system.clone())?;
     let t0 = std::time::Instant::now();
-    let request = request_links(conversation.messages.iter().map(|(u, t)| (*u, t.as_str())));
+    let request = request_messages(conversation.messages.iter().map(|(u, t)| (*u, t.as_str())));
     let (root, named) = family_root(&app, &caller, &family).await?;
     let rows = read::family(&app.pool, caller.as_str(), root).await?;
     let mut branches = Vec::with_capacity(rows.len());
