@@ -3,7 +3,7 @@
 
 use turnlog_core::compaction::CompactionPlan;
 use turnlog_core::llm_context::{Source, SUMMARY_MARKER};
-use turnlog_core::message::{ChatMessage, Role};
+use turnlog_core::message::{ChatMessage, Content, ContentPart, Role};
 use turnlog_runtime::upstream::{ChatRequest, Completion};
 
 /// Selects the summary task (the mock model keys on it; a real model ignores it).
@@ -40,7 +40,7 @@ pub fn request(model: &str, plan: &CompactionPlan, budget: u32) -> ChatRequest {
 fn transcript(plan: &CompactionPlan) -> String {
     let mut out = String::from("the conversation so far, to summarize:\n");
     for m in &plan.span {
-        let text = m.message.texts().collect::<Vec<_>>().join("\n");
+        let text = shown(&m.message);
         let (label, text) = match m.source {
             Source::Summary => {
                 ("earlier summary", text.strip_prefix(SUMMARY_MARKER).unwrap_or(&text).trim().to_owned())
@@ -53,6 +53,22 @@ fn transcript(plan: &CompactionPlan) -> String {
         out.push_str(&format!("\n[{label}]\n{}\n", text.trim()));
     }
     out
+}
+
+/// A message as the summarizer reads it: its text, and a short note where an image was
+/// attached (never its id or bytes), so a summary can keep that a picture was shared.
+fn shown(message: &ChatMessage) -> String {
+    match &message.content {
+        Content::Text(t) => t.clone(),
+        Content::Parts(parts) => parts
+            .iter()
+            .map(|p| match p {
+                ContentPart::Text { text } => text.clone(),
+                ContentPart::ImageRef { mime, .. } => format!("[an image ({mime}) was attached here]"),
+            })
+            .collect::<Vec<_>>()
+            .join("\n"),
+    }
 }
 
 /// Why a summary cannot be stored, or None when it can.
@@ -116,11 +132,35 @@ mod tests {
         };
         let text = transcript(&plan);
         assert!(text.contains("[earlier summary]\nAlice is 30.\n"), "{text}");
+        assert!(!text.contains("image"));
         assert!(!text.contains(SUMMARY_MARKER));
         assert!(text.contains("[user]\nhi\n") && text.contains("[assistant]\nhello\n"));
         let req = request("m", &plan, 4_000);
         assert_eq!(req.max_tokens, Some(1_000));
         assert_eq!(req.reasoning_effort.as_deref(), Some("low"));
         assert!(req.messages[0].texts().any(|t| t.contains(SUMMARY_MARKER_TASK)));
+    }
+
+    #[test]
+    fn an_attached_image_is_a_note_in_the_summary_input_never_its_id() {
+        let with_image = ChatMessage {
+            role: Role::User,
+            content: Content::Parts(vec![
+                ContentPart::Text { text: "what is on this receipt?".into() },
+                ContentPart::ImageRef { id: "file-7f3a".into(), mime: "image/png".into() },
+            ]),
+        };
+        let plan = CompactionPlan {
+            through_seq: 3,
+            span: vec![ProjectedMessage { seq: 2, source: Source::User, message: with_image }],
+            turn_seqs: vec![],
+            expect_compacted_through: None,
+        };
+        let text = transcript(&plan);
+        assert!(
+            text.contains("[user]\nwhat is on this receipt?\n[an image (image/png) was attached here]\n"),
+            "{text}"
+        );
+        assert!(!text.contains("file-7f3a"));
     }
 }
