@@ -147,7 +147,12 @@ mod tests {
             role: Role::User,
             content: Content::Parts(vec![
                 ContentPart::Text { text: "what is on this receipt?".into() },
-                ContentPart::ImageRef { id: "file-7f3a".into(), mime: "image/png".into() },
+                ContentPart::ImageRef {
+                    id: "file-7f3a".into(),
+                    mime: "image/png".into(),
+                    width: None,
+                    height: None,
+                },
             ]),
         };
         let plan = CompactionPlan {

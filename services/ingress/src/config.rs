@@ -28,6 +28,10 @@ pub const LOCAL_OWNER: &str = "local";
 pub const DEFAULT_MAX_TURNS_PER_OWNER: u32 = 8;
 /// Turns one ingress copy runs at once, all owners together.
 pub const DEFAULT_MAX_TURNS: u32 = 256;
+/// The largest upload by default (`TURNLOG_FILE_MAX_BYTES`).
+pub const DEFAULT_FILE_MAX_BYTES: usize = 20 * 1024 * 1024;
+/// How long a deleted file's blobs stay by default (`TURNLOG_FILE_SWEEP_DELAY`).
+pub const DEFAULT_FILE_SWEEP_DELAY: Duration = Duration::from_secs(3600);
 
 /// The headers that name a session family on `POST /v1/chat/completions` by default: ours,
 /// Open WebUI's chat id (sent with `ENABLE_FORWARD_USER_INFO_HEADERS=true`), and a common one.
@@ -70,6 +74,16 @@ pub struct IngressConfig {
     /// `TURNLOG_COMPAT_SESSION_HEADERS`: the headers that name a session family on
     /// `POST /v1/chat/completions` (DESIGN §13), lowercase, `x-session-id` always among them.
     pub compat_session_headers: Vec<String>,
+    /// `TURNLOG_FILES_URL`: the blob store of uploaded files (DESIGN §12); None turns the
+    /// file routes off (503).
+    pub files_url: Option<String>,
+    /// `TURNLOG_FILE_MAX_BYTES`: the largest upload.
+    pub file_max_bytes: usize,
+    /// `TURNLOG_VISION_MODELS`: the models sent images; None means every model. Others get
+    /// a short note in each image's place.
+    pub vision_models: Option<Vec<String>>,
+    /// How long a deleted file's blobs are kept before the sweep may remove them.
+    pub file_sweep_delay: Duration,
 }
 
 impl IngressConfig {
@@ -91,7 +105,16 @@ impl IngressConfig {
             compact_timeout: DEFAULT_COMPACT_TIMEOUT,
             turn_limits: TurnLimits::default(),
             compat_session_headers: parse_session_headers(DEFAULT_COMPAT_SESSION_HEADERS),
+            files_url: None,
+            file_max_bytes: DEFAULT_FILE_MAX_BYTES,
+            vision_models: None,
+            file_sweep_delay: DEFAULT_FILE_SWEEP_DELAY,
         }
+    }
+
+    /// Whether `model` is sent images (every model when no list is configured).
+    pub fn sees_images(&self, model: &str) -> bool {
+        self.vision_models.as_ref().is_none_or(|models| models.iter().any(|m| m == model))
     }
 
     /// Whether a message may ask for `model`: any model when no list is configured.

@@ -7,6 +7,7 @@ pub mod auth;
 pub mod config;
 pub mod error;
 pub mod extract;
+pub mod files;
 pub mod guard;
 pub mod metrics;
 pub mod openapi;
@@ -39,6 +40,10 @@ pub use error::ApiError;
 
 /// Postgres connections of one ingress: reads only, a few per concurrent request.
 const POOL_SIZE: u32 = 16;
+/// Uploads converted at once by one copy.
+const UPLOADS_AT_ONCE: usize = 4;
+/// How often deleted files' blobs are swept.
+const FILE_SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(600);
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// How long a turn-lease lookup may take before the route answers 503.
 pub(crate) const BUS_READ_TIMEOUT: Duration = Duration::from_secs(2);
@@ -59,6 +64,10 @@ pub struct Ingress {
     pub instance_id: String,
     /// The hash chains of the branches Chat Completions requests met (DESIGN §13).
     pub chains: routes::openai::branches::Chains,
+    /// The blob store of uploaded files; None when TURNLOG_FILES_URL is not set.
+    pub files: Option<files::Blobs>,
+    /// Uploads converted at once (decoding an image or a PDF takes memory and CPU).
+    pub uploads: tokio::sync::Semaphore,
 }
 
 pub type AppState = Arc<Ingress>;
@@ -77,6 +86,8 @@ impl Ingress {
             Some(u) => Some(UpstreamClient::new(u.clone()).context("building the model gateway client")?),
             None => None,
         };
+        let files =
+            config.files_url.as_deref().map(files::Blobs::open).transpose().context("TURNLOG_FILES_URL")?;
         turnlog_core::tokens::warm_up();
         let metrics = Arc::new(metrics::HttpMetrics::new()?);
         let instance_id = format!("ingress-{}", uuid::Uuid::now_v7());
@@ -90,6 +101,8 @@ impl Ingress {
             turns: turn::TurnHub::default(),
             instance_id,
             chains: Default::default(),
+            files,
+            uploads: tokio::sync::Semaphore::new(UPLOADS_AT_ONCE),
         }))
     }
 
@@ -150,6 +163,11 @@ pub async fn run(
     let grace = config.shutdown_grace;
     let state = Ingress::connect(config).await?;
     state.metrics.spawn_upkeep(shutdown.clone());
+    if let Some(blobs) = &state.files {
+        tracing::info!(location = %blobs.location, "files stored");
+        let delay = state.config.file_sweep_delay;
+        files::spawn_sweep(state.pool.clone(), blobs.clone(), delay, FILE_SWEEP_EVERY, shutdown.clone());
+    }
     let auth = if state.config.tokens.is_empty() { "none (owner local)" } else { "bearer tokens" };
     tracing::info!(%addr, auth, "ingress listening");
 

@@ -414,8 +414,8 @@ async fn images_are_resolved_when_the_request_is_built() {
         role: Role::User,
         content: Content::Parts(vec![
             ContentPart::Text { text: "What is in these?".into() },
-            ContentPart::ImageRef { id: "img-1".into(), mime: "image/png".into() },
-            ContentPart::ImageRef { id: "img-2".into(), mime: "image/png".into() },
+            ContentPart::ImageRef { id: "img-1".into(), mime: "image/png".into(), width: None, height: None },
+            ContentPart::ImageRef { id: "img-2".into(), mime: "image/png".into(), width: None, height: None },
         ]),
     };
     let request = ChatRequest { model: "mock".into(), messages: vec![message], ..Default::default() };

@@ -1,5 +1,6 @@
 //! `turnlog verify`: compares two databases — every session (all columns), every event
-//! (seq, event_id, kind, payload, tokens, created_at) and every memory — streaming both in
+//! (seq, event_id, kind, payload, tokens, created_at), every memory, every search row and
+//! every file's metadata — streaming both in
 //! key order, so a large log is never held in memory, and names the first difference.
 //! Each side is read in one snapshot, so a live database can be compared while it grows.
 
@@ -10,6 +11,7 @@ use chrono::{DateTime, Utc};
 use futures::TryStreamExt as _;
 use sqlx::postgres::PgRow;
 use sqlx::{Connection as _, PgConnection};
+use turnlog_runtime::files::FileRow;
 use turnlog_runtime::read::SessionRow;
 use uuid::Uuid;
 
@@ -22,6 +24,8 @@ pub enum Verdict {
         memories: u64,
         /// Rows of the search index (DESIGN §2).
         search: u64,
+        /// Uploaded files' metadata (DESIGN §12).
+        files: u64,
     },
     /// The first difference, in words.
     Different(String),
@@ -36,8 +40,11 @@ impl Verdict {
 impl fmt::Display for Verdict {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Verdict::Identical { sessions, events, memories, search } => {
-                write!(f, "identical: {sessions} sessions, {events} events, {memories} memories, {search} search rows")
+            Verdict::Identical { sessions, events, memories, search, files } => {
+                write!(
+                    f,
+                    "identical: {sessions} sessions, {events} events, {memories} memories, {search} search rows, {files} files"
+                )
             }
             Verdict::Different(what) => write!(f, "different: {what}"),
         }
@@ -66,7 +73,11 @@ pub async fn verify(url_a: &str, url_b: &str) -> anyhow::Result<Verdict> {
             Ok(n) => n,
             Err(d) => return Ok(Verdict::Different(d)),
         };
-        Ok(Verdict::Identical { sessions, events, memories, search })
+        let files = match compare::<FileRow>(&mut a, &mut b).await? {
+            Ok(n) => n,
+            Err(d) => return Ok(Verdict::Different(d)),
+        };
+        Ok(Verdict::Identical { sessions, events, memories, search, files })
     }
     .await?;
     println!("{verdict}");
@@ -242,6 +253,21 @@ impl Compared for MemoryRow {
     }
     fn first_difference(&self, other: &Self) -> Option<String> {
         first_difference!(self, other; owner, session_id, turn_seq, text, created_at);
+        None
+    }
+}
+
+impl Compared for FileRow {
+    const QUERY: &'static str =
+        "SELECT id, owner, name, mime, kind, bytes, sha256, width, height, markdown_chars, \
+                                 note, created_at, deleted_at FROM files ORDER BY id";
+    type Key = IdKey;
+    fn key(&self) -> IdKey {
+        IdKey("file", self.id)
+    }
+    fn first_difference(&self, other: &Self) -> Option<String> {
+        first_difference!(self, other; owner, name, mime, kind, bytes, sha256, width, height, markdown_chars,
+            note, created_at, deleted_at);
         None
     }
 }

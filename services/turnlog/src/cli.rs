@@ -307,6 +307,20 @@ pub struct IngressArgs {
     /// Turns this copy runs at once, all owners together; more are refused with 429.
     #[arg(long, env = "TURNLOG_MAX_TURNS", default_value_t = DEFAULT_MAX_TURNS, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_turns: u32,
+    /// Where uploaded files' bytes live: `file:///dir` or `s3://bucket/prefix` (with the usual
+    /// AWS_* variables). Default: `files` under TURNLOG_DATA_DIR (`.turnlog/files`).
+    #[arg(long, env = "TURNLOG_FILES_URL")]
+    pub files_url: Option<String>,
+    /// The largest upload, in bytes.
+    #[arg(long, env = "TURNLOG_FILE_MAX_BYTES", default_value_t = turnlog_ingress::config::DEFAULT_FILE_MAX_BYTES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_073_741_824))]
+    pub file_max_bytes: usize,
+    /// `model,...`: the models sent images; unset or empty means every model. Others are
+    /// sent a short note in each image's place.
+    #[arg(long, env = "TURNLOG_VISION_MODELS")]
+    pub vision_models: Option<String>,
+    /// How long a deleted file's bytes are kept before they may be swept (e.g. 1h).
+    #[arg(long, env = "TURNLOG_FILE_SWEEP_DELAY", default_value = "1h", value_parser = parse_duration)]
+    pub file_sweep_delay: Duration,
 }
 
 /// The flags of `turnlog dev`: where its private servers live, the servers to use instead,
@@ -487,12 +501,24 @@ fn ingress_config(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Ingre
             total: args.max_turns,
         },
         compat_session_headers: turnlog_ingress::config::parse_session_headers(&args.compat_session_headers),
+        files_url: Some(
+            args.files_url
+                .filter(|u| !u.trim().is_empty())
+                .unwrap_or_else(|| format!("file://{DEFAULT_FILES_DIR}")),
+        ),
+        file_max_bytes: args.file_max_bytes,
+        vision_models: args.vision_models.as_deref().and_then(parse_allowed_models),
+        file_sweep_delay: args.file_sweep_delay,
         ..IngressConfig::new(backbone)
     };
     config.check_listen(args.listen)?;
     config.check_system_prompt()?;
     Ok(config)
 }
+
+/// Where `turnlog ingress` keeps uploaded files without TURNLOG_FILES_URL: where `turnlog
+/// dev` keeps them with its default data directory.
+const DEFAULT_FILES_DIR: &str = ".turnlog/files";
 
 /// `TURNLOG_ALLOWED_MODELS`: names separated by commas, blanks ignored; None when it names
 /// none (any model is allowed).
@@ -520,6 +546,11 @@ impl DevArgs {
         let llm_url = "http://stand-in/v1";
         let mut ingress = self.ingress.clone();
         ingress.llm_url = Some(llm_url.to_owned());
+        // Files live beside the private servers' data unless told otherwise.
+        let data_dir = std::path::absolute(&self.data_dir).context("TURNLOG_DATA_DIR")?;
+        if ingress.files_url.as_deref().is_none_or(|u| u.trim().is_empty()) {
+            ingress.files_url = Some(format!("file://{}", data_dir.join("files").display()));
+        }
         let models = WorkerModels::from_ingress(&ingress, llm_url.to_owned(), self.tasks.clone());
         let worker = WorkerArgs { backbone: backbone.clone(), models, tuning: self.tuning.clone() };
         let services = turnlog_dev::ServiceConfigs {
@@ -530,7 +561,7 @@ impl DevArgs {
             compactor: Some(worker.compactor(&self.compactor)?),
         };
         Ok(turnlog_dev::DevConfig {
-            data_dir: std::path::absolute(&self.data_dir).context("TURNLOG_DATA_DIR")?,
+            data_dir,
             database_url: self.database_url,
             nats_url: self.nats_url,
             llm_url: self.ingress.llm_url,

@@ -15,6 +15,7 @@ use turnlog_runtime::bus::{
     json_len, metadata_error, partition_of, AppendRequest, CommittedEvent, DeadLetter, Op, Outcome,
     OutcomeStatus, RequestKind, MAX_EVENT_BYTES,
 };
+use turnlog_runtime::files::{FileMeta, FileRow};
 use uuid::Uuid;
 
 /// One TURNLOG_APPEND message as the writer received it, decoded.
@@ -157,6 +158,8 @@ pub struct BatchEffects {
     /// Requests among `outcomes` whose outcome replaces a dead-lettered one (redrives).
     pub redriven: Vec<Uuid>,
     pub memories: Vec<MemoryRow>,
+    /// A file op's write (a file op is always alone in its batch).
+    pub file: Option<FileWrite>,
     /// The session a delete batch removes (a delete is always alone in its batch).
     pub deleted: Option<SessionId>,
     /// What that delete removes: the session and any hidden ancestor no surviving fork
@@ -169,6 +172,18 @@ pub struct BatchEffects {
     pub last_stream_seq: u64,
     /// How many of the incoming messages this batch consumed (the rest wait for the next).
     pub consumed: usize,
+}
+
+/// What a file op writes (DESIGN §12).
+#[derive(Debug, Clone)]
+pub enum FileWrite {
+    Put(Box<FileRow>),
+    /// Marks the owner's file deleted at this time (unless it is already).
+    Delete {
+        id: Uuid,
+        owner: String,
+        at: DateTime<Utc>,
+    },
 }
 
 /// One session a delete removes, wholly or down to the prefix forks inherit.
@@ -278,8 +293,8 @@ fn was_dead_lettered(outcome: &Outcome) -> bool {
     outcome.status == OutcomeStatus::Rejected && outcome.reason.as_deref() != Some(EXPECT_FAILED)
 }
 
-/// Applies `batch` in order, moving `state` along. A delete is applied alone: the batch
-/// stops before a delete that is not its first request, and right after one that is;
+/// Applies `batch` in order, moving `state` along. A delete or a file op is applied alone:
+/// the batch stops before one that is not its first request, and right after one that is;
 /// `consumed` says how far it got.
 pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects {
     let mut fx = BatchEffects::default();
@@ -288,8 +303,10 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
 
     for msg in batch {
         // A delete gets a batch of its own: it is written by a separate, rarer path.
-        let is_delete = msg.request.as_ref().is_ok_and(|r| r.op == Op::Delete);
-        if is_delete && fx.consumed > 0 {
+        // A file op too: its few rows are written by a statement of their own.
+        let alone =
+            msg.request.as_ref().is_ok_and(|r| matches!(r.op, Op::Delete | Op::FilePut | Op::FileDelete));
+        if alone && fx.consumed > 0 {
             break;
         }
         fx.consumed += 1;
@@ -338,6 +355,7 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
                 Op::Create => created.push(req.session_id),
                 Op::Delete => fx.deleted = Some(req.session_id),
                 Op::Append | Op::Update => touched.push(req.session_id),
+                Op::FilePut | Op::FileDelete => {}
             }
         }
         state.outcomes.insert(req.request_id, (outcome.clone(), Some(req.session_id)));
@@ -345,7 +363,7 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
         if let Some(r) = &msg.reply_to {
             fx.replies.push((r.clone(), outcome));
         }
-        if fx.deleted.is_some() {
+        if fx.deleted.is_some() || fx.file.is_some() {
             break;
         }
     }
@@ -395,6 +413,26 @@ fn apply_one(
     }
     let now = msg.published;
 
+    match req.op {
+        Op::FilePut => {
+            let meta: FileMeta = req
+                .payload
+                .clone()
+                .and_then(|p| serde_json::from_value(p).ok())
+                .ok_or_else(|| refuse("bad_payload", "file_put needs a file's metadata"))?;
+            if let Some(why) = meta.invalid() {
+                return Err(refuse("bad_payload", why));
+            }
+            fx.file = Some(FileWrite::Put(Box::new(FileRow::new(req.session_id.0, &owner, &meta, now))));
+            return Ok(Applied { seq: None, rejected: None });
+        }
+        Op::FileDelete => {
+            fx.file = Some(FileWrite::Delete { id: req.session_id.0, owner: owner.to_string(), at: now });
+            return Ok(Applied { seq: None, rejected: None });
+        }
+        _ => {}
+    }
+
     if req.op == Op::Create {
         if state.sessions.contains_key(&req.session_id) {
             return Err(refuse("session_exists", "create for a session that already exists"));
@@ -427,8 +465,8 @@ fn apply_one(
     }
 
     match req.op {
-        // (create returned above)
-        Op::Create => Ok(Applied { seq: None, rejected: None }),
+        // (create and file ops returned above)
+        Op::Create | Op::FilePut | Op::FileDelete => Ok(Applied { seq: None, rejected: None }),
         Op::Delete => {
             let at = i64::try_from(msg.stream_seq).unwrap_or(i64::MAX);
             fx.removals = plan_delete(state, req.session_id, at, now);

@@ -14,7 +14,8 @@ use uuid::Uuid;
 
 use crate::apply::{BatchEffects, LoadedState, SessionRow};
 use crate::store::{
-    bind_memories, bind_sessions, delete_statement, run_delete, session_metadata, upsert_sessions_sql,
+    bind_memories, bind_sessions, delete_statement, rebuild_file, run_delete, session_metadata,
+    upsert_sessions_sql,
 };
 
 /// Sessions per statement of the final update.
@@ -25,7 +26,7 @@ pub async fn is_empty(pool: &PgPool) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar(
         "SELECT NOT (EXISTS (SELECT 1 FROM sessions) OR EXISTS (SELECT 1 FROM session_events)
                   OR EXISTS (SELECT 1 FROM request_outcomes) OR EXISTS (SELECT 1 FROM memories)
-                  OR EXISTS (SELECT 1 FROM pending_purges)
+                  OR EXISTS (SELECT 1 FROM pending_purges) OR EXISTS (SELECT 1 FROM files)
                   OR EXISTS (SELECT 1 FROM writer_positions WHERE stream_seq > 0))",
     )
     .fetch_one(pool)
@@ -123,7 +124,9 @@ pub async fn restore(pool: &PgPool, set_aside: SetAside) -> Result<(), sqlx::Err
         sqlx::raw_sql(statement).execute(&mut *tx).await?;
     }
     tx.commit().await?;
-    sqlx::raw_sql("ANALYZE sessions, session_events, request_outcomes, memories").execute(&mut *conn).await?;
+    sqlx::raw_sql("ANALYZE sessions, session_events, request_outcomes, memories, files")
+        .execute(&mut *conn)
+        .await?;
     Ok(())
 }
 
@@ -135,6 +138,10 @@ fn quoted(identifier: &str) -> String {
 /// for a delete, the session's rows and a pending purge, as the live writer leaves them.
 pub async fn write_batch(conn: &mut PgConnection, fx: &BatchEffects) -> Result<(), sqlx::Error> {
     let mut tx = conn.begin().await?;
+    if let Some(file) = &fx.file {
+        rebuild_file(&mut tx, file).await?;
+        return tx.commit().await;
+    }
     if fx.deleted.is_some() {
         // The live writer's statement, with no position to move (the rebuild writes it at
         // the end) and the outcomes written then, from memory.

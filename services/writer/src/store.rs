@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use turnlog_runtime::read::SESSION_COLUMNS;
 
-use crate::apply::{BatchEffects, EventRow, LoadedState, SessionRow};
+use crate::apply::{BatchEffects, EventRow, FileWrite, LoadedState, SessionRow};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -236,10 +236,101 @@ pub async fn commit(
     expected: i64,
     fx: &BatchEffects,
 ) -> Result<(), StoreError> {
+    if let Some(file) = &fx.file {
+        return write_file(conn, partition, expected, fx, file).await;
+    }
     match fx.deleted {
         Some(_) => write_delete(conn, partition, expected, fx).await,
         None => write_effects(conn, partition, expected, fx).await,
     }
+}
+
+/// A file op's batch (it is alone in it): the file's row, its outcome and the position, in
+/// one statement conditional on the position's compare-and-set.
+async fn write_file(
+    conn: &mut PgConnection,
+    partition: i32,
+    expected: i64,
+    fx: &BatchEffects,
+    file: &FileWrite,
+) -> Result<(), StoreError> {
+    let outcome = fx.outcomes.first().map(|(o, _)| o);
+    let write = match file {
+        FileWrite::Put(_) => PUT_FILE,
+        FileWrite::Delete { .. } => DELETE_FILE,
+    };
+    let statement = format!(
+        "WITH pos AS (
+             UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1
+         ), o AS (
+             INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
+             SELECT $4, $5, $6, NULL, NULL WHERE EXISTS (SELECT 1 FROM pos) AND $4::uuid IS NOT NULL
+             ON CONFLICT (request_id) DO UPDATE SET status = EXCLUDED.status, seq = NULL, reason = NULL
+         ), f AS (
+             {write}
+         )
+         SELECT count(*) FROM pos"
+    );
+    let query = sqlx::query_scalar(&statement)
+        .bind(partition)
+        .bind(expected)
+        .bind(i64::try_from(fx.last_stream_seq).unwrap_or(i64::MAX))
+        .bind(outcome.map(|o| o.request_id))
+        .bind(fx.outcomes.first().and_then(|(_, s)| s.map(|s| s.0)))
+        .bind(outcome.map(|o| o.status.as_str()));
+    let moved: i64 = bind_file(query, file).fetch_one(&mut *conn).await?;
+    if moved != 1 {
+        return Err(StoreError::Fenced { partition, expected });
+    }
+    Ok(())
+}
+
+/// The file op's write, parameters from `$7` (see [`bind_file`]); in the live writer's
+/// statement it runs only when the position moved.
+const PUT_FILE: &str = "INSERT INTO files (id, owner, name, mime, kind, bytes, sha256, width, height,
+                                           markdown_chars, note, created_at)
+             SELECT $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18
+              WHERE EXISTS (SELECT 1 FROM pos)
+             ON CONFLICT (id) DO NOTHING";
+const DELETE_FILE: &str = "UPDATE files SET deleted_at = $9
+              WHERE id = $7 AND owner = $8 AND deleted_at IS NULL AND EXISTS (SELECT 1 FROM pos)";
+
+pub(crate) fn bind_file<'q, O>(
+    query: sqlx::query::QueryScalar<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+    file: &'q FileWrite,
+) -> sqlx::query::QueryScalar<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
+    match file {
+        FileWrite::Put(f) => query
+            .bind(f.id)
+            .bind(&f.owner)
+            .bind(&f.name)
+            .bind(&f.mime)
+            .bind(&f.kind)
+            .bind(f.bytes)
+            .bind(&f.sha256)
+            .bind(f.width)
+            .bind(f.height)
+            .bind(f.markdown_chars)
+            .bind(&f.note)
+            .bind(f.created_at),
+        FileWrite::Delete { id, owner, at } => query.bind(*id).bind(owner).bind(*at),
+    }
+}
+
+/// The same write for a rebuild, which moves no position and writes outcomes at the end:
+/// `$1`–`$6` are bound but unused.
+pub(crate) async fn rebuild_file(conn: &mut PgConnection, file: &FileWrite) -> Result<(), sqlx::Error> {
+    let write = match file {
+        FileWrite::Put(_) => PUT_FILE,
+        FileWrite::Delete { .. } => DELETE_FILE,
+    };
+    let statement = format!("WITH pos AS (SELECT 1), f AS ({write}) SELECT 1::int8");
+    let mut query = sqlx::query_scalar::<_, i64>(&statement);
+    for _ in 0..6 {
+        query = query.bind(None::<i32>);
+    }
+    bind_file(query, file).fetch_one(&mut *conn).await?;
+    Ok(())
 }
 
 /// Writes a batch's effects and moves the partition's position from `expected` to the

@@ -100,17 +100,29 @@ pub struct ForkPoint {
     pub through_seq: i64,
 }
 
+/// An attached image: a stored file by id, never its bytes (DESIGN §12). `width` and
+/// `height` are the pixels the model is sent (after scaling), which its cost is counted by.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ImageRef {
     pub id: String,
     pub mime: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub width: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub height: Option<u32>,
 }
 
+/// An attached document: its markdown (what the model reads) and a reference to the file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Document {
     pub id: String,
     pub mime: String,
-    /// The document converted to markdown once, at send time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The size of the uploaded file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// The document converted to markdown once, at upload.
     pub markdown: String,
 }
 

@@ -122,12 +122,16 @@ fn user_message(m: &UserMessage) -> ChatMessage {
         return ChatMessage::text(Role::User, m.text.clone());
     }
     let mut parts = vec![ContentPart::Text { text: m.text.clone() }];
-    parts.extend(
-        m.documents
-            .iter()
-            .map(|d| ContentPart::Text { text: format!("[document {} ({})]\n{}", d.id, d.mime, d.markdown) }),
-    );
-    parts.extend(m.images.iter().map(|i| ContentPart::ImageRef { id: i.id.clone(), mime: i.mime.clone() }));
+    parts.extend(m.documents.iter().map(|d| {
+        let name = d.name.as_deref().unwrap_or(&d.id);
+        ContentPart::Text { text: format!("[document {name} ({})]\n{}", d.mime, d.markdown) }
+    }));
+    parts.extend(m.images.iter().map(|i| ContentPart::ImageRef {
+        id: i.id.clone(),
+        mime: i.mime.clone(),
+        width: i.width,
+        height: i.height,
+    }));
     ChatMessage { role: Role::User, content: Content::Parts(parts) }
 }
 

@@ -171,7 +171,7 @@ fn content<'a>(content: &'a Content, images: Option<ResolveImage<'_>>) -> WireCo
         .iter()
         .map(|part| match part {
             ContentPart::Text { text } => WirePart::Text { text: text.as_str().into() },
-            ContentPart::ImageRef { id, mime } => match images.and_then(|r| r(id, mime)) {
+            ContentPart::ImageRef { id, mime, .. } => match images.and_then(|r| r(id, mime)) {
                 Some(url) => WirePart::ImageUrl { image_url: ImageUrl { url } },
                 // The model should know an image was there even when its bytes are not sent.
                 None => WirePart::Text { text: format!("[image {id} ({mime}) unavailable]").into() },
@@ -212,8 +212,18 @@ mod tests {
                 role: Role::User,
                 content: Content::Parts(vec![
                     ContentPart::Text { text: "look \"here\"\n".into() },
-                    ContentPart::ImageRef { id: "a".into(), mime: "image/png".into() },
-                    ContentPart::ImageRef { id: "gone".into(), mime: "image/jpeg".into() },
+                    ContentPart::ImageRef {
+                        id: "a".into(),
+                        mime: "image/png".into(),
+                        width: None,
+                        height: None,
+                    },
+                    ContentPart::ImageRef {
+                        id: "gone".into(),
+                        mime: "image/jpeg".into(),
+                        width: None,
+                        height: None,
+                    },
                 ]),
             },
             ChatMessage::text(Role::Assistant, "é"),
@@ -245,7 +255,12 @@ mod tests {
     fn images_are_resolved_only_when_the_params_say_so() {
         let messages = vec![ChatMessage {
             role: Role::User,
-            content: Content::Parts(vec![ContentPart::ImageRef { id: "a".into(), mime: "image/png".into() }]),
+            content: Content::Parts(vec![ContentPart::ImageRef {
+                id: "a".into(),
+                mime: "image/png".into(),
+                width: None,
+                height: None,
+            }]),
         }];
         let resolve = |_: &str, _: &str| Some("data:image/png;base64,AAAA".to_owned());
         let off = RequestParams { images: false, ..params() };

@@ -34,11 +34,34 @@ pub fn count(text: &str) -> u32 {
     u32::try_from(bpe().count(text)).unwrap_or(u32::MAX)
 }
 
-/// A message's cost in a request: its texts plus the per-message overhead. Image
-/// references are not counted (providers bill images separately).
+/// A message's cost in a request: its texts, its images and the per-message overhead.
 pub fn message_tokens(m: &ChatMessage) -> u32 {
-    m.texts().map(count).fold(MESSAGE_OVERHEAD, u32::saturating_add)
+    m.texts().map(count).fold(MESSAGE_OVERHEAD, u32::saturating_add).saturating_add(m.image_tokens())
 }
+
+/// What an image costs, by OpenAI's rule for `detail: high` (the default for an image
+/// larger than 512 px; <https://platform.openai.com/docs/guides/images-vision#calculating-costs>,
+/// "GPT-4o, GPT-4.1, GPT-4o-mini, CUA, and o-series"): scaled to fit within 2048 × 2048,
+/// then so that its shortest side is at most 768; then 170 tokens for each 512 px tile
+/// it covers, plus 85. An image of unknown size is counted as the largest the ingress
+/// sends ([`MAX_IMAGE_EDGE`] square: 4 tiles, 765 tokens).
+pub fn image_tokens(width: Option<u32>, height: Option<u32>) -> u32 {
+    let (w, h) = match (width, height) {
+        (Some(w), Some(h)) if w > 0 && h > 0 => (f64::from(w), f64::from(h)),
+        _ => (f64::from(MAX_IMAGE_EDGE), f64::from(MAX_IMAGE_EDGE)),
+    };
+    let fit = (2048.0 / w.max(h)).min(1.0);
+    let (w, h) = (w * fit, h * fit);
+    let short = (768.0 / w.min(h)).min(1.0);
+    let (w, h) = ((w * short).round(), (h * short).round());
+    let tiles = (w / 512.0).ceil() * (h / 512.0).ceil();
+    85 + 170 * tiles as u32
+}
+
+/// The longest edge of an image as the model is sent it: larger ones are scaled down once,
+/// at upload (a provider scales anything larger down itself, so more pixels only cost
+/// bytes on every request).
+pub const MAX_IMAGE_EDGE: u32 = 1536;
 
 /// The whole request: every message plus the request overhead.
 pub fn request_tokens<'a>(messages: impl IntoIterator<Item = &'a ChatMessage>) -> u32 {
@@ -55,6 +78,29 @@ pub fn event_tokens(body: &EventBody) -> u32 {
 mod tests {
     use super::*;
     use crate::message::Role;
+
+    #[test]
+    fn images_cost_by_the_tile_rule() {
+        // OpenAI's own examples: 1024 × 1024 → 768 × 768, 4 tiles; 2048 × 4096 → 1024 × 2048
+        // → 768 × 1536, 6 tiles; a small image is one tile.
+        assert_eq!(image_tokens(Some(1024), Some(1024)), 765);
+        assert_eq!(image_tokens(Some(2048), Some(4096)), 1105);
+        assert_eq!(image_tokens(Some(100), Some(60)), 255);
+        assert_eq!(image_tokens(None, None), 765);
+        let m = ChatMessage {
+            role: Role::User,
+            content: crate::message::Content::Parts(vec![
+                crate::message::ContentPart::Text { text: "see".into() },
+                crate::message::ContentPart::ImageRef {
+                    id: "a".into(),
+                    mime: "image/png".into(),
+                    width: Some(100),
+                    height: Some(60),
+                },
+            ]),
+        };
+        assert_eq!(message_tokens(&m), MESSAGE_OVERHEAD + count("see") + 255);
+    }
 
     #[test]
     fn message_cost_includes_overhead() {

@@ -28,6 +28,10 @@ pub enum ItemKind {
 pub struct DocumentRef {
     pub id: String,
     pub mime: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -133,7 +137,15 @@ pub fn transcript_item(e: &Event) -> Option<TranscriptItem> {
             it.text = Some(m.text.clone());
             it.images = (!m.images.is_empty()).then(|| m.images.clone());
             it.documents = (!m.documents.is_empty()).then(|| {
-                m.documents.iter().map(|d| DocumentRef { id: d.id.clone(), mime: d.mime.clone() }).collect()
+                m.documents
+                    .iter()
+                    .map(|d| DocumentRef {
+                        id: d.id.clone(),
+                        mime: d.mime.clone(),
+                        name: d.name.clone(),
+                        bytes: d.bytes,
+                    })
+                    .collect()
             });
             it
         }

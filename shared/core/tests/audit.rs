@@ -218,12 +218,19 @@ fn apply(log: &mut LogBuilder, op: &Op) -> Option<RecordedRequest> {
             let mut m = UserMessage { text: question.clone(), ..Default::default() };
             if attach % 4 == 1 {
                 let id = if attach % 8 == 1 { "gone1" } else { "img1" };
-                m.images.push(ImageRef { id: id.into(), mime: "image/png".into() });
+                m.images.push(ImageRef {
+                    id: id.into(),
+                    mime: "image/png".into(),
+                    width: None,
+                    height: None,
+                });
             }
             if attach % 4 == 2 {
                 m.documents.push(Document {
                     id: "d1".into(),
                     mime: "text/plain".into(),
+                    name: None,
+                    bytes: None,
                     markdown: "# notes".into(),
                 });
             }

@@ -58,10 +58,12 @@ fn documents_are_text_for_the_model_and_images_stay_references() {
     let mut log = LogBuilder::new();
     log.push(EventBody::UserMessage(UserMessage {
         text: "see attached".into(),
-        images: vec![ImageRef { id: "img1".into(), mime: "image/png".into() }],
+        images: vec![ImageRef { id: "img1".into(), mime: "image/png".into(), width: None, height: None }],
         documents: vec![Document {
             id: "doc1".into(),
             mime: "application/pdf".into(),
+            name: Some("report.pdf".into()),
+            bytes: Some(1234),
             markdown: "# Title\nbody".into(),
         }],
         ..Default::default()
@@ -70,7 +72,10 @@ fn documents_are_text_for_the_model_and_images_stay_references() {
     let Content::Parts(parts) = &msgs[0].content else { panic!("expected parts") };
     assert_eq!(parts[0], ContentPart::Text { text: "see attached".into() });
     assert!(matches!(&parts[1], ContentPart::Text { text } if text.contains("# Title\nbody")));
-    assert_eq!(parts[2], ContentPart::ImageRef { id: "img1".into(), mime: "image/png".into() });
+    assert_eq!(
+        parts[2],
+        ContentPart::ImageRef { id: "img1".into(), mime: "image/png".into(), width: None, height: None }
+    );
     let bytes = String::from_utf8(msgs[0].canonical_bytes()).unwrap();
     assert!(!bytes.contains("base64"), "image bytes never enter the projection");
 

@@ -149,6 +149,11 @@ pub enum Op {
     Append,
     Update,
     Delete,
+    /// A file's metadata (DESIGN §12): `session_id` is the file's id, `payload` its
+    /// [`crate::files::FileMeta`].
+    FilePut,
+    /// Marks a file deleted (its blobs go later, when no stored message refers to them).
+    FileDelete,
 }
 
 /// `expect` of a conditional append; `compacted_through` null means "no compaction yet".
@@ -287,6 +292,13 @@ impl AppendRequest {
     }
     pub fn delete(session_id: SessionId, owner: &str) -> Self {
         Self::base(Op::Delete, session_id, owner)
+    }
+    /// A file's metadata; the file id stands in the session's place (subject and partition).
+    pub fn file_put(file: Uuid, owner: &str, meta: &crate::files::FileMeta) -> Self {
+        Self { payload: serde_json::to_value(meta).ok(), ..Self::base(Op::FilePut, SessionId(file), owner) }
+    }
+    pub fn file_delete(file: Uuid, owner: &str) -> Self {
+        Self::base(Op::FileDelete, SessionId(file), owner)
     }
 }
 

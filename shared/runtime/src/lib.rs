@@ -5,6 +5,7 @@
 
 pub mod bus;
 pub mod db;
+pub mod files;
 pub mod lease;
 pub mod read;
 pub mod settings;

@@ -42,6 +42,10 @@ pub struct Options {
     pub statement_timeout: Duration,
     /// `TURNLOG_PARTITIONS` of the writer, the ingress and the harness's own bus.
     pub partitions: u32,
+    /// `TURNLOG_FILES_URL` (None: a directory of the test's own under the temp directory).
+    pub files_url: Option<String>,
+    /// `TURNLOG_VISION_MODELS` (None: every model).
+    pub vision_models: Option<Vec<String>>,
 }
 
 impl Default for Options {
@@ -58,6 +62,8 @@ impl Default for Options {
             turn_limits: TurnLimits::default(),
             statement_timeout: turnlog_runtime::db::DEFAULT_STATEMENT_TIMEOUT,
             partitions: 1,
+            files_url: None,
+            vision_models: None,
         }
     }
 }
@@ -165,6 +171,11 @@ impl Api {
         config.compact_timeout = opts.compact_timeout;
         config.allowed_models = opts.allowed_models;
         config.turn_limits = opts.turn_limits;
+        config.vision_models = opts.vision_models;
+        config.files_url = Some(opts.files_url.unwrap_or_else(|| {
+            let dir = std::env::temp_dir().join("turnlog-test-files").join(&env.bus_prefix);
+            format!("file://{}", dir.display())
+        }));
         config.backbone.statement_timeout = opts.statement_timeout;
         config.model_windows = opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
         config.upstream = opts.llm_url.map(|base_url| turnlog_runtime::upstream::UpstreamConfig {
@@ -282,6 +293,24 @@ impl Api {
         let req =
             self.request(Method::POST, &path).bearer_auth(token).json(&serde_json::json!({ "text": text }));
         req.send().await.unwrap_or_else(|e| panic!("{path}: {e:#}"))
+    }
+
+    /// Uploads `bytes` as file `name` (`POST /v1/files`, multipart field `file`).
+    pub async fn upload(&self, token: &str, name: &str, bytes: &[u8]) -> Reply {
+        let boundary = "turnlog-test-boundary-7d3f";
+        let mut body = format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\
+             Content-Type: application/octet-stream\r\n\r\n"
+        )
+        .into_bytes();
+        body.extend_from_slice(bytes);
+        body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+        let req = self
+            .request(Method::POST, "/v1/files")
+            .bearer_auth(token)
+            .header("content-type", format!("multipart/form-data; boundary={boundary}"))
+            .body(body);
+        self.send(req).await
     }
 
     /// Alice's `decision` on permission request `permission` of session `id`.

@@ -111,7 +111,7 @@ impl History {
             category: n.is_multiple_of(4).then(|| ["code", "travel", "finance"][n % 3].to_owned()),
             model_hint: n.is_multiple_of(9).then(|| "mock-large".to_owned()),
             images: if n.is_multiple_of(11) {
-                vec![ImageRef { id: format!("img-{n}"), mime: "image/png".into() }]
+                vec![ImageRef { id: format!("img-{n}"), mime: "image/png".into(), width: Some(640), height: Some(480) }]
             } else {
                 vec![]
             },
@@ -119,6 +119,8 @@ impl History {
                 vec![Document {
                     id: format!("doc-{n}"),
                     mime: "text/markdown".into(),
+                    name: Some(format!("notes-{n}.md")),
+                    bytes: Some(40),
                     markdown: format!("# Notes {n}\n\n- item one\n- item two\n"),
                 }]
             } else {

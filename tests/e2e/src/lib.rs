@@ -14,6 +14,7 @@ pub mod api;
 pub mod config;
 pub mod history;
 pub mod rig;
+pub mod s3;
 
 use std::time::Duration;
 

@@ -3,6 +3,7 @@
 //! chat, stop, retry, re-attach) join here from their own modules.
 
 pub mod context;
+pub mod files;
 pub mod forks;
 pub mod memories;
 pub mod openai;
@@ -50,6 +51,9 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(openai::responses::input_items))
         .routes(routes!(openai::chat::completions))
         .routes(routes!(openai::chat::models))
+        .routes(routes!(files::upload, files::list))
+        .routes(routes!(files::get, files::delete))
+        .routes(routes!(files::content))
         .routes(routes!(memories::recall))
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))

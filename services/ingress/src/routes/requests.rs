@@ -87,8 +87,14 @@ pub async fn request(
     let events = read::tail_through(&app.pool, owner, id, recorded.through_seq)
         .await?
         .ok_or_else(ApiError::session_not_found)?;
-    let images = app.upstream.as_ref().and_then(|u| u.image_resolver());
-    let images = images.map(|r| r.as_ref() as ResolveImage<'_>);
+    // Rebuilt with the images' bytes as they were sent: a file a stored message refers to
+    // keeps them (DESIGN §11, §12).
+    let urls = match &app.files {
+        Some(blobs) if recorded.params.images => Some(crate::files::data_urls(blobs, owner, &events).await),
+        _ => None,
+    };
+    let resolve = urls.as_ref().map(|urls| move |id: &str, _: &str| urls.get(id).cloned());
+    let images = resolve.as_ref().map(|r| r as ResolveImage<'_>);
     // The log always gives the system prompt back (the sender records its text whenever it
     // would not); not finding it is a fault of this server.
     let rebuilt = rebuild_from_log(&events, recorded, images).map_err(ApiError::internal)?;

@@ -16,7 +16,7 @@ use futures::stream::BoxStream;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use turnlog_core::events::{Document, EventBody, EventKind, ImageRef, PendingReason, UserMessage};
+use turnlog_core::events::{EventBody, EventKind, PendingReason, UserMessage};
 use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read;
@@ -33,7 +33,7 @@ use crate::turn::{
     remote_stop, remote_stream, start_turn, ActiveTurn, TurnEvent, TurnOptions, TurnSlot, TurnStart,
 };
 use crate::writes::submit;
-use crate::{validate, AppState, Ingress};
+use crate::{files, validate, AppState, Ingress};
 
 const KEEP_ALIVE: Duration = Duration::from_secs(15);
 const IDEMPOTENCY_HEADER: &str = "idempotency-key";
@@ -54,13 +54,13 @@ pub struct SendMessage {
     /// The model to call (default: TURNLOG_MODEL); one of TURNLOG_ALLOWED_MODELS when that is set.
     #[serde(default)]
     pub model: Option<String>,
+    /// Ids of the caller's uploaded images (`POST /v1/files`).
     #[serde(default)]
-    #[schema(value_type = Vec<Object>)]
-    pub images: Vec<ImageRef>,
-    /// Documents already converted to markdown (512 KiB in total).
+    pub images: Vec<String>,
+    /// Ids of the caller's uploaded documents; their markdown (512 KiB in all) goes with
+    /// the message.
     #[serde(default)]
-    #[schema(value_type = Vec<Object>)]
-    pub documents: Vec<Document>,
+    pub documents: Vec<String>,
     /// Edit: the seq of a user message of this session. The message is sent instead into a
     /// new fork through the seq before it (DESIGN §10); the stream's `meta` names the fork.
     #[serde(default)]
@@ -89,12 +89,12 @@ pub struct ChatMessage {
     pub category: Option<String>,
     #[serde(default)]
     pub model: Option<String>,
+    /// Ids of the caller's uploaded images.
     #[serde(default)]
-    #[schema(value_type = Vec<Object>)]
-    pub images: Vec<ImageRef>,
+    pub images: Vec<String>,
+    /// Ids of the caller's uploaded documents.
     #[serde(default)]
-    #[schema(value_type = Vec<Object>)]
-    pub documents: Vec<Document>,
+    pub documents: Vec<String>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -103,40 +103,38 @@ pub struct Stopping {
     pub stopping: bool,
 }
 
-pub(crate) fn validated(app: &Ingress, m: &SendMessage) -> Result<(), ApiError> {
+/// The `user_message` a message becomes, checked: its text, names and model, its
+/// attachments resolved (each must be one of `owner`'s live files, DESIGN §12) and its
+/// size — all before anything is written, so a chat is refused before it creates a session.
+pub(crate) async fn prepared(app: &Ingress, owner: &str, m: &SendMessage) -> Result<UserMessage, ApiError> {
     validate::text(&m.text)?;
-    validate::documents(m.documents.iter().map(|d| d.markdown.as_str()))?;
     if m.images.len() + m.documents.len() > MAX_ATTACHMENTS {
         return Err(ApiError::bad_request(format!("at most {MAX_ATTACHMENTS} attachments")));
     }
-    let names = [m.category.as_deref(), m.model.as_deref()].into_iter().flatten();
-    let ids = m.images.iter().flat_map(|i| [i.id.as_str(), i.mime.as_str()]);
-    let doc_ids = m.documents.iter().flat_map(|d| [d.id.as_str(), d.mime.as_str()]);
-    for value in names.chain(ids).chain(doc_ids) {
+    for value in [m.category.as_deref(), m.model.as_deref()].into_iter().flatten() {
         validate::storable("a name", value)?;
         if value.trim().is_empty() || value.chars().count() > MAX_NAME_CHARS {
             return Err(ApiError::bad_request(format!(
-                "category, model, ids and mime types are 1-{MAX_NAME_CHARS} characters"
+                "category and model are 1-{MAX_NAME_CHARS} characters"
             )));
         }
     }
     if let Some(model) = &m.model {
         validate::model(&app.config, model)?;
     }
-    // Sized here as well as when it is sent, so a chat is refused before it creates a session.
-    let message = EventBody::UserMessage(user_message(m));
-    validate::event_size(message.kind(), &message.to_payload())
-}
-
-/// The `user_message` event a message becomes.
-fn user_message(m: &SendMessage) -> UserMessage {
-    UserMessage {
+    let (images, documents) =
+        files::attachments(&app.pool, app.files.as_ref(), owner, &m.images, &m.documents).await?;
+    validate::documents(documents.iter().map(|d| d.markdown.as_str()))?;
+    let message = UserMessage {
         text: m.text.clone(),
         category: m.category.clone(),
         model_hint: m.model.clone(),
-        images: m.images.clone(),
-        documents: m.documents.clone(),
-    }
+        images,
+        documents,
+    };
+    let body = EventBody::UserMessage(message.clone());
+    validate::event_size(body.kind(), &body.to_payload())?;
+    Ok(message)
 }
 
 pub(crate) fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
@@ -176,10 +174,10 @@ pub async fn send(
     headers: HeaderMap,
     ApiJson(body): ApiJson<SendMessage>,
 ) -> Result<Response, ApiError> {
-    validated(&app, &body)?;
     let key = idempotency_key(&headers)?;
+    let message = prepared(&app, caller.as_str(), &body).await?;
     let session = owned_session(&app, &caller, id).await?;
-    let Some(edit_of) = body.edit_of else { return send_turn(&app, &caller, id, body, key, None).await };
+    let Some(edit_of) = body.edit_of else { return send_turn(&app, &caller, id, message, key, None).await };
     let edited = read::event_at(&app.pool, caller.as_str(), id, edit_of).await?;
     if edited.is_none_or(|e| e.kind != "user_message") {
         return Err(ApiError::bad_request(format!(
@@ -189,7 +187,7 @@ pub async fn send(
     let create = fork_request(&app, &caller, &session, edit_of - 1, key.as_deref(), "edit").await?;
     let fork = create.session_id;
     tracing::Span::current().record("fork_id", tracing::field::display(fork));
-    send_turn(&app, &caller, fork, body, key, Some(create)).await
+    send_turn(&app, &caller, fork, message, key, Some(create)).await
 }
 
 /// Send a message to a session, or to a new one, and stream the turn.
@@ -220,8 +218,8 @@ pub async fn chat(
         documents: body.documents,
         edit_of: None,
     };
-    validated(&app, &message)?;
     let key = idempotency_key(&headers)?;
+    let message = prepared(&app, caller.as_str(), &message).await?;
     let (id, create) = match body.session_id {
         Some(id) => {
             let id = SessionId(id);
@@ -260,11 +258,11 @@ async fn send_turn(
     app: &AppState,
     caller: &Caller,
     session: SessionId,
-    body: SendMessage,
+    message: UserMessage,
     key: Option<String>,
     create: Option<AppendRequest>,
 ) -> Result<Response, ApiError> {
-    let events = begin_turn(app, caller, session, body, key, create, TurnOptions::default()).await?;
+    let events = begin_turn(app, caller, session, message, key, create, TurnOptions::default()).await?;
     Ok(stream_response(app, session, events))
 }
 
@@ -274,7 +272,7 @@ pub(crate) async fn begin_turn(
     app: &AppState,
     caller: &Caller,
     session: SessionId,
-    body: SendMessage,
+    message: UserMessage,
     key: Option<String>,
     create: Option<AppendRequest>,
     options: TurnOptions,
@@ -299,8 +297,7 @@ pub(crate) async fn begin_turn(
     let lease = app.leases.acquire(session, &holder).await?.ok_or_else(turn_running)?;
     let leased = t0.elapsed();
 
-    let model = body.model.clone().unwrap_or_else(|| app.config.model.clone());
-    let message = user_message(&body);
+    let model = message.model_hint.clone().unwrap_or_else(|| app.config.model.clone());
     let user_text = message.text.clone();
     let req = AppendRequest::append(session, owner, event_id, &EventBody::UserMessage(message));
     let outcome = match submit(app, &req).await {

@@ -18,7 +18,7 @@ use turnlog_runtime::bus::{
 };
 use turnlog_runtime::lease::Lease;
 use turnlog_runtime::read;
-use turnlog_runtime::upstream::{StreamItem, UpstreamClient, UpstreamError};
+use turnlog_runtime::upstream::{StreamItem, UpstreamError};
 use uuid::Uuid;
 
 use super::{remote, ActiveTurn, TurnSlot};
@@ -221,7 +221,7 @@ impl Turn<'_> {
                 message: "no model gateway is configured".into(),
             };
         };
-        let body = match self.build_request(&upstream).await {
+        let body = match self.build_request().await {
             Ok(body) => body,
             Err(ending) => return ending,
         };
@@ -299,7 +299,7 @@ impl Turn<'_> {
     /// The pre-send compaction check, then the request: stable system prompt, the
     /// history from the log, this turn's extras last — built as bytes by the same pure
     /// function an audit rebuilds it with, and recorded (`self.request`) before it is sent.
-    async fn build_request(&mut self, upstream: &UpstreamClient) -> Result<RequestBody, Ending> {
+    async fn build_request(&mut self) -> Result<RequestBody, Ending> {
         let app = self.app;
         let owner = self.start.owner.as_str();
         let options = &self.start.options;
@@ -351,7 +351,14 @@ impl Turn<'_> {
                 });
             }
         }
-        let images = upstream.image_resolver();
+        let model = &self.start.model;
+        // Images go as data URLs to a model that sees images, built now and never stored.
+        let urls = match &app.files {
+            Some(blobs) if app.config.sees_images(model) => {
+                Some(crate::files::data_urls(blobs, owner, &tail.events).await)
+            }
+            _ => None,
+        };
         let params = RequestParams {
             stream: true,
             stream_options: Some(StreamOptions { include_usage: true }),
@@ -363,11 +370,11 @@ impl Turn<'_> {
             seed: options.seed,
             stop: options.stop.clone(),
             reasoning_effort: options.reasoning_effort.clone(),
-            images: images.is_some(),
+            images: urls.is_some(),
             ..Default::default()
         };
-        let model = &self.start.model;
-        let resolve = images.map(|r| r.as_ref() as ResolveImage<'_>);
+        let resolve = urls.as_ref().map(|urls| move |id: &str, _: &str| urls.get(id).cloned());
+        let resolve = resolve.as_ref().map(|r| r as ResolveImage<'_>);
         let body = turn_body(&tail.events, system, model, &params, &extras, resolve);
         // Where the time before the model call goes, stage by stage (cumulative, µs).
         tracing::debug!(

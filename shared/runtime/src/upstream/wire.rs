@@ -174,8 +174,18 @@ mod tests {
                 role: Role::User,
                 content: Content::Parts(vec![
                     ContentPart::Text { text: "look".into() },
-                    ContentPart::ImageRef { id: "a".into(), mime: "image/png".into() },
-                    ContentPart::ImageRef { id: "gone".into(), mime: "image/jpeg".into() },
+                    ContentPart::ImageRef {
+                        id: "a".into(),
+                        mime: "image/png".into(),
+                        width: None,
+                        height: None,
+                    },
+                    ContentPart::ImageRef {
+                        id: "gone".into(),
+                        mime: "image/jpeg".into(),
+                        width: None,
+                        height: None,
+                    },
                 ]),
             }],
             max_tokens: Some(100),

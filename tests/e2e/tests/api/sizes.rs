@@ -13,14 +13,18 @@ async fn with_mock() -> (Api, MockHandle) {
     (api, mock)
 }
 
-fn document(markdown: String) -> Value {
-    json!({"id": "doc-1", "mime": "text/markdown", "markdown": markdown})
+/// Uploads `markdown` as a document; its file id.
+async fn document(api: &Api, markdown: String) -> Value {
+    let r = api.upload(ALICE, "doc.md", markdown.as_bytes()).await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    r.json["id"].clone()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_too_large_as_stored_are_413_and_nothing_is_appended_or_dead_lettered() {
     let (api, _mock) = with_mock().await;
     let id = api.create(ALICE, None).await;
+    let (plain, breaks) = (document(&api, "d".repeat(400_000)).await, document(&api, "\n".repeat(270_000)).await);
     let before = api.written().await;
 
     // Each within the limits (text ≤ 256 KiB, documents ≤ 512 KiB, body ≤ 1 MiB), and each
@@ -29,11 +33,8 @@ async fn messages_too_large_as_stored_are_413_and_nothing_is_appended_or_dead_le
     let quotes = "\"".repeat(200_000); // 2 bytes each
     let cases = [
         ("escape-heavy text", json!({"text": control})),
-        ("text and documents", json!({"text": quotes, "documents": [document("d".repeat(400_000))]})),
-        (
-            "a body near 1 MiB",
-            json!({"text": "\"".repeat(250_000), "documents": [document("\n".repeat(270_000))]}),
-        ),
+        ("text and documents", json!({"text": quotes, "documents": [plain]})),
+        ("a body near 1 MiB", json!({"text": "\"".repeat(250_000), "documents": [breaks]})),
     ];
     for (name, body) in &cases {
         let size = body.to_string().len();

@@ -143,7 +143,7 @@ async fn a_session_deleted_and_created_again_rebuilds_as_it_is_live() {
     assert_eq!(summary.unread, 0, "{summary:?}");
     let verdict = turnlog_ops::verify(&env.database_url, &target).await.expect("verify");
     // Search rows: the user messages of the second lives and the bystander's two.
-    assert_eq!(verdict, Verdict::Identical { sessions: 3, events: 8, memories: 1, search: 4 });
+    assert_eq!(verdict, Verdict::Identical { sessions: 3, events: 8, memories: 1, search: 4, files: 0 });
     let rebuilt = turnlog_runtime::db::connect(&target, 1).await.expect("target");
     let title: Option<String> = sqlx::query_scalar("SELECT title FROM sessions WHERE id = $1")
         .bind(queued.0)

@@ -62,6 +62,7 @@ async fn a_rebuild_from_the_append_stream_reproduces_the_live_database() {
             events: events as u64,
             memories: memories(live).await,
             search: count(live, "SELECT count(*) FROM search_entries").await as u64,
+            files: 0,
         }
     );
     // Outcomes, rejected ones included, are recorded as the live writer recorded them —

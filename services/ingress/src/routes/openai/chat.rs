@@ -29,7 +29,7 @@ use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::routes::forks::fork_request;
 use crate::routes::turns::{
-    begin_turn, derived, ready_for_turns, retry_last, take_slot, validated, SendMessage,
+    begin_turn, derived, prepared, ready_for_turns, retry_last, take_slot, SendMessage,
 };
 use crate::turn::{TurnEvent, TurnOptions};
 use crate::validate::MAX_CHAT_BODY_BYTES;
@@ -371,7 +371,7 @@ async fn run(
         documents: Vec::new(),
         edit_of: None,
     };
-    validated(app, &message)?;
+    let message = prepared(app, caller.as_str(), &message).await?;
     let items: Vec<NewItem> =
         earlier.iter().map(|(user, text)| NewItem { assistant: !user, text: text.clone() }).collect();
     for item in &items {

@@ -28,7 +28,7 @@ use crate::auth::Caller;
 use crate::extract::ApiPath;
 use crate::routes::forks::fork_request;
 use crate::routes::sessions::owned_session;
-use crate::routes::turns::{begin_turn, follow_local, validated, SendMessage};
+use crate::routes::turns::{begin_turn, follow_local, prepared, SendMessage};
 use crate::turn::{remote_attempt, remote_stop, remote_stream, TurnEvent, TurnOptions};
 use crate::AppState;
 
@@ -187,7 +187,7 @@ pub async fn create(
         documents: Vec::new(),
         edit_of: None,
     };
-    validated(&app, &message)?;
+    let message = prepared(&app, caller.as_str(), &message).await?;
     let (session, create) = target(&app, &caller, &req).await?;
     let options = TurnOptions {
         system: req.instructions.clone(),

@@ -1,0 +1,273 @@
+//! Files (DESIGN §12): the blob store their bytes live in, resolving a send's file ids to
+//! what its `user_message` keeps, the data URLs a request is built with, and the delayed
+//! sweep of deleted files' blobs.
+
+pub mod convert;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use base64::Engine as _;
+use bytes::Bytes;
+use futures::StreamExt as _;
+use object_store::path::Path;
+use object_store::{GetOptions, ObjectStore, PutOptions, PutPayload};
+use sha2::{Digest as _, Sha256};
+use tokio_util::sync::CancellationToken;
+use turnlog_core::events::{Document, Event, EventBody, ImageRef};
+use turnlog_runtime::files::{self as meta, FileRow};
+use uuid::Uuid;
+
+use crate::error::ApiError;
+
+/// The parts of a file kept in the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// The bytes as uploaded.
+    Original,
+    /// An image as the model is sent it, when scaling changed it.
+    Scaled,
+    /// A document's markdown.
+    Markdown,
+}
+
+impl Part {
+    const ALL: [Part; 3] = [Part::Original, Part::Scaled, Part::Markdown];
+    fn name(self) -> &'static str {
+        match self {
+            Part::Original => "original",
+            Part::Scaled => "scaled",
+            Part::Markdown => "markdown.md",
+        }
+    }
+}
+
+/// The blob store (`TURNLOG_FILES_URL`): a local directory or S3-compatible storage.
+#[derive(Debug, Clone)]
+pub struct Blobs {
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+    /// For logs: where the blobs are, without credentials.
+    pub location: String,
+}
+
+impl Blobs {
+    /// `file:///dir` (created when missing) or `s3://bucket/prefix`, configured by the usual
+    /// `AWS_*` variables (`AWS_ENDPOINT_URL` and `AWS_ALLOW_HTTP=true` for an S3-compatible
+    /// server of your own).
+    pub fn open(url: &str) -> anyhow::Result<Self> {
+        if let Some(dir) = url.strip_prefix("file://") {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating the files directory {dir}"))?;
+            let store = object_store::local::LocalFileSystem::new_with_prefix(dir)
+                .with_context(|| format!("opening the files directory {dir}"))?;
+            return Ok(Self { store: Arc::new(store), prefix: Path::default(), location: url.to_owned() });
+        }
+        if let Some(rest) = url.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                anyhow::bail!("TURNLOG_FILES_URL {url:?} names no bucket");
+            }
+            let store = object_store::aws::AmazonS3Builder::from_env()
+                .with_bucket_name(bucket)
+                .build()
+                .with_context(|| format!("configuring S3 for {url} (AWS_* variables)"))?;
+            let prefix = Path::parse(prefix.trim_matches('/')).context("the S3 prefix")?;
+            return Ok(Self { store: Arc::new(store), prefix, location: url.to_owned() });
+        }
+        anyhow::bail!("TURNLOG_FILES_URL must be file:///dir or s3://bucket/prefix, not {url:?}")
+    }
+
+    /// `<prefix>/<owner's hash>/<file id>/<part>`: keys prefixed by owner (an owner name may
+    /// hold any character, so its SHA-256 stands for it).
+    fn key(&self, owner: &str, id: Uuid, part: Part) -> Path {
+        let owner = hex(&Sha256::digest(owner.as_bytes())[..16]);
+        self.prefix.clone().join(owner.as_str()).join(id.to_string().as_str()).join(part.name())
+    }
+
+    pub async fn put(&self, owner: &str, id: Uuid, part: Part, bytes: Bytes) -> Result<(), ApiError> {
+        let key = self.key(owner, id, part);
+        self.store
+            .put_opts(&key, PutPayload::from_bytes(bytes), PutOptions::default())
+            .await
+            .map_err(|e| unavailable("storing a file", &e))?;
+        Ok(())
+    }
+
+    /// A part's bytes; None when it is not stored.
+    pub async fn get(&self, owner: &str, id: Uuid, part: Part) -> Result<Option<Bytes>, ApiError> {
+        let key = self.key(owner, id, part);
+        match self.store.get_opts(&key, GetOptions::default()).await {
+            Ok(got) => Ok(Some(got.bytes().await.map_err(|e| unavailable("reading a file", &e))?)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(unavailable("reading a file", &e)),
+        }
+    }
+
+    /// Removes every part of a file (parts never stored are no error).
+    pub async fn delete(&self, owner: &str, id: Uuid) -> anyhow::Result<()> {
+        let keys: Vec<object_store::Result<Path>> =
+            Part::ALL.iter().map(|p| Ok(self.key(owner, id, *p))).collect();
+        let mut results = self.store.delete_stream(futures::stream::iter(keys).boxed());
+        while let Some(result) = results.next().await {
+            match result {
+                Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(e).context("deleting a file's blobs"),
+            }
+        }
+        Ok(())
+    }
+}
+
+fn unavailable(what: &str, e: &object_store::Error) -> ApiError {
+    tracing::warn!(error = %e, "{what} failed");
+    ApiError::Unavailable("the file store cannot be reached; try again".into())
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The file ids a send names, parsed; a malformed one is a 400.
+pub fn parse_ids(ids: &[String]) -> Result<Vec<Uuid>, ApiError> {
+    ids.iter().map(|id| id.parse::<Uuid>().map_err(|_| not_yours(id))).collect()
+}
+
+fn not_yours(id: &str) -> ApiError {
+    let shown: String = id.chars().take(80).collect();
+    ApiError::bad_request(format!(
+        "{shown:?} is not one of your files (unknown, another owner's, or deleted)"
+    ))
+}
+
+/// What a `user_message` keeps of the files a send names: images by reference (with the
+/// size and type the model is sent), documents with their markdown. A name that is not one
+/// of the owner's live files, or a file of the other kind, is a 400.
+pub async fn attachments(
+    pool: &sqlx::PgPool,
+    blobs: Option<&Blobs>,
+    owner: &str,
+    images: &[String],
+    documents: &[String],
+) -> Result<(Vec<ImageRef>, Vec<Document>), ApiError> {
+    if images.is_empty() && documents.is_empty() {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    let blobs = blobs.ok_or_else(not_configured)?;
+    let (image_ids, document_ids) = (parse_ids(images)?, parse_ids(documents)?);
+    let all: Vec<Uuid> = image_ids.iter().chain(&document_ids).copied().collect();
+    let rows: HashMap<Uuid, FileRow> =
+        meta::live_files(pool, owner, &all).await?.into_iter().map(|f| (f.id, f)).collect();
+    let row = |id: &Uuid, image: bool| -> Result<&FileRow, ApiError> {
+        let f = rows.get(id).ok_or_else(|| not_yours(&id.to_string()))?;
+        match (image, f.is_image()) {
+            (true, false) => {
+                Err(ApiError::bad_request(format!("file {id} is a document: send it in `documents`")))
+            }
+            (false, true) => {
+                Err(ApiError::bad_request(format!("file {id} is an image: send it in `images`")))
+            }
+            _ => Ok(f),
+        }
+    };
+    let mut image_refs = Vec::with_capacity(image_ids.len());
+    for id in &image_ids {
+        let f = row(id, true)?;
+        let (w, h) = (f.width.unwrap_or(0).max(0) as u32, f.height.unwrap_or(0).max(0) as u32);
+        let (sw, sh) = convert::sent_size(w, h);
+        image_refs.push(ImageRef {
+            id: id.to_string(),
+            mime: convert::sent_mime(&f.mime, (sw, sh) != (w, h)).to_owned(),
+            width: Some(sw),
+            height: Some(sh),
+        });
+    }
+    let mut docs = Vec::with_capacity(document_ids.len());
+    for id in &document_ids {
+        let f = row(id, false)?;
+        let markdown = blobs.get(owner, *id, Part::Markdown).await?.ok_or_else(|| {
+            ApiError::internal(anyhow::anyhow!("file {id}'s markdown is missing from the store"))
+        })?;
+        docs.push(Document {
+            id: id.to_string(),
+            mime: f.mime.clone(),
+            name: Some(f.name.clone()),
+            bytes: u64::try_from(f.bytes).ok(),
+            markdown: String::from_utf8_lossy(&markdown).into_owned(),
+        });
+    }
+    Ok((image_refs, docs))
+}
+
+pub fn not_configured() -> ApiError {
+    ApiError::Unavailable("file storage is not configured on this server (TURNLOG_FILES_URL)".into())
+}
+
+/// The data URLs of the images `events` attach, for building a request: fetched from the
+/// store (the scaled bytes when scaling changed them); an image whose bytes are gone is
+/// left out (the request then says so in its place).
+pub async fn data_urls(blobs: &Blobs, owner: &str, events: &[Event]) -> HashMap<String, String> {
+    let mut urls = HashMap::new();
+    for e in events {
+        let EventBody::UserMessage(m) = &e.body else { continue };
+        for image in &m.images {
+            if urls.contains_key(&image.id) {
+                continue;
+            }
+            let Ok(id) = image.id.parse::<Uuid>() else { continue };
+            let scaled = blobs.get(owner, id, Part::Scaled).await;
+            let bytes = match scaled {
+                Ok(Some(b)) => Some(b),
+                Ok(None) => blobs.get(owner, id, Part::Original).await.ok().flatten(),
+                Err(_) => None,
+            };
+            if let Some(bytes) = bytes {
+                let encoded = base64::engine::general_purpose::STANDARD.encode(&bytes);
+                urls.insert(image.id.clone(), format!("data:{};base64,{encoded}", image.mime));
+            }
+        }
+    }
+    urls
+}
+
+/// Sweeps deleted files' blobs every `every`, once they have been deleted for `delay` and
+/// no stored message refers to them, until `shutdown`.
+pub fn spawn_sweep(
+    pool: sqlx::PgPool,
+    blobs: Blobs,
+    delay: Duration,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            match sweep(&pool, &blobs, delay).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(files = n, "swept deleted files' blobs"),
+                Err(e) => tracing::warn!(error = %e, "sweeping deleted files failed; trying again later"),
+            }
+        }
+    });
+}
+
+/// One sweep: removes the blobs of every file deleted more than `delay` ago that no stored
+/// message refers to; the number of files it went through.
+pub async fn sweep(pool: &sqlx::PgPool, blobs: &Blobs, delay: Duration) -> anyhow::Result<usize> {
+    let before = chrono::Utc::now() - chrono::Duration::from_std(delay).unwrap_or_default();
+    let mut after = None;
+    let mut swept = 0;
+    loop {
+        let page = meta::sweepable(pool, before, after, 500).await?;
+        let Some(last) = page.last() else { return Ok(swept) };
+        after = last.deleted_at.map(|at| (at, last.id));
+        for f in &page {
+            blobs.delete(&f.owner, f.id).await?;
+        }
+        swept += page.len();
+    }
+}

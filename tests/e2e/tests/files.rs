@@ -1,0 +1,361 @@
+//! Files (DESIGN §12) over HTTP against real Postgres, NATS and blob stores — a local
+//! directory and an S3-compatible server (moto) — with the mock model: uploads are sniffed
+//! and converted once, sends name file ids, the model gets data URLs built per request
+//! while the log keeps references, and owners, deletes, restarts and rebuilds hold.
+
+// A failed unwrap in a test is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use std::io::Cursor;
+use std::time::Duration;
+
+use base64::Engine as _;
+use reqwest::Method;
+use serde_json::{json, Value};
+use turnlog_e2e::api::{Api, Body, Options, ALICE, BOB};
+use turnlog_e2e::s3::S3;
+use turnlog_mock_llm::{LoggedRequest, MockConfig, MockHandle};
+use turnlog_ops::Verdict;
+
+/// A PNG of `w` × `h` pixels (a gradient, so it does not compress to nothing).
+fn png(w: u32, h: u32) -> Vec<u8> {
+    let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([(x % 256) as u8, (y % 256) as u8, 128]));
+    let mut out = Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+    out.into_inner()
+}
+
+/// A one-page PDF; with `text`, that text in Helvetica, else an empty page (no text
+/// layer, as a scan has none).
+fn pdf(text: Option<&str>) -> Vec<u8> {
+    let content = text.map_or_else(String::new, |t| format!("BT /F1 18 Tf 72 720 Td ({t}) Tj ET"));
+    let objects = [
+        "<< /Type /Catalog /Pages 2 0 R >>".to_owned(),
+        "<< /Type /Pages /Kids [3 0 R] /Count 1 >>".to_owned(),
+        "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> >> >>"
+            .to_owned(),
+        format!("<< /Length {} >>\nstream\n{content}\nendstream", content.len()),
+        "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>".to_owned(),
+    ];
+    let mut out = b"%PDF-1.4\n".to_vec();
+    let mut offsets = Vec::new();
+    for (i, body) in objects.iter().enumerate() {
+        offsets.push(out.len());
+        out.extend_from_slice(format!("{} 0 obj\n{body}\nendobj\n", i + 1).as_bytes());
+    }
+    let xref = out.len();
+    out.extend_from_slice(format!("xref\n0 {}\n0000000000 65535 f \n", objects.len() + 1).as_bytes());
+    for o in offsets {
+        out.extend_from_slice(format!("{o:010} 00000 n \n").as_bytes());
+    }
+    out.extend_from_slice(
+        format!("trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n", objects.len() + 1)
+            .as_bytes(),
+    );
+    out
+}
+
+async fn stack(files_url: Option<String>) -> (MockHandle, Api) {
+    let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
+    let api = Api::with(Options { llm_url: Some(mock.base_url()), files_url, ..Options::default() }).await;
+    (mock, api)
+}
+
+#[track_caller]
+fn uploaded(r: &turnlog_e2e::api::Reply) -> String {
+    assert_eq!(r.status, 201, "{}", r.text);
+    r.json["id"].as_str().unwrap().to_owned()
+}
+
+/// The chat requests the mock received.
+fn chats(mock: &MockHandle) -> Vec<LoggedRequest> {
+    mock.log().entries().into_iter().filter(|r| r.path.ends_with("/chat/completions")).collect()
+}
+
+/// Every `image_url` URL and every text of a request's messages.
+fn parts(request: &Value) -> (Vec<String>, String) {
+    let mut urls = Vec::new();
+    let mut text = String::new();
+    for m in request["messages"].as_array().unwrap() {
+        match &m["content"] {
+            Value::String(s) => text.push_str(s),
+            Value::Array(parts) => {
+                for p in parts {
+                    match p["type"].as_str() {
+                        Some("image_url") => urls.push(p["image_url"]["url"].as_str().unwrap().to_owned()),
+                        _ => text.push_str(p["text"].as_str().unwrap_or_default()),
+                    }
+                    text.push('\n');
+                }
+            }
+            _ => {}
+        }
+    }
+    (urls, text)
+}
+
+/// Upload, send with an image and a PDF, the model's view on two turns, the log's size,
+/// the transcript, the audit, the routes' owners, delete and the sweep — on `files_url`.
+async fn round_trip(files_url: Option<String>) {
+    let (mock, api) = stack(files_url.clone()).await;
+    let big = png(2000, 1000);
+    let image = api.upload(ALICE, "screen.png", &big).await;
+    let image_id = uploaded(&image);
+    assert_eq!(image.json["kind"], "image");
+    assert_eq!(image.json["mime"], "image/png");
+    assert_eq!((image.json["width"].as_i64(), image.json["height"].as_i64()), (Some(2000), Some(1000)));
+    assert_eq!(image.json["bytes"].as_u64(), Some(big.len() as u64));
+    let doc = api.upload(ALICE, "report.pdf", &pdf(Some("Quarterly revenue grew 12 percent"))).await;
+    let doc_id = uploaded(&doc);
+    assert_eq!(
+        (doc.json["kind"].as_str(), doc.json["mime"].as_str()),
+        (Some("document"), Some("application/pdf"))
+    );
+    assert!(doc.json["markdown_chars"].as_i64().unwrap() > 20, "{}", doc.text);
+
+    let id = api.create(ALICE, None).await;
+    let path = format!("/v1/sessions/{id}/messages");
+    let body = json!({"text": "What do these show?", "images": [image_id], "documents": [doc_id]});
+    let turn = api.turn(Method::POST, &path, ALICE, Some(body), &[]).await;
+    assert_eq!(turn.status, 200, "{:?}", turn.json);
+    assert!(turn.end()["error"].is_null(), "{:?}", turn.end());
+
+    let first = chats(&mock).pop().unwrap();
+    let (urls, text) = parts(&first.body);
+    assert_eq!(urls.len(), 1, "one data URL for the one image");
+    let b64 = urls[0].strip_prefix("data:image/png;base64,").expect("a PNG data URL");
+    let sent =
+        image::load_from_memory(&base64::engine::general_purpose::STANDARD.decode(b64).unwrap()).unwrap();
+    assert_eq!((sent.width(), sent.height()), (1536, 768), "scaled to the longest edge");
+    assert!(text.contains("Quarterly revenue grew 12 percent"), "the PDF's text reaches the model: {text}");
+    assert!(text.contains("[document report.pdf (application/pdf)]"), "{text}");
+
+    // The next turn sends the image again, byte for byte (a stable, cacheable prefix).
+    let next = api.message(id, ALICE, "And the trend?").await;
+    assert!(next.end()["error"].is_null(), "{:?}", next.end());
+    let second = chats(&mock).pop().unwrap();
+    assert_eq!(parts(&second.body).0, urls, "the same data URL on the next turn");
+
+    // The log holds references: a few KB, never bytes.
+    let payloads: Vec<String> =
+        sqlx::query_scalar("SELECT payload::text FROM session_events WHERE session_id = $1")
+            .bind(id.0)
+            .fetch_all(&api.env.pool)
+            .await
+            .unwrap();
+    let total: usize = payloads.iter().map(String::len).sum();
+    assert!(total < 8 * 1024, "the log takes {total} bytes");
+    assert!(payloads.iter().all(|p| !p.contains("base64")), "no bytes in the log");
+    let user: Value =
+        serde_json::from_str(payloads.iter().find(|p| p.contains("What do these show")).unwrap()).unwrap();
+    assert_eq!(user["images"], json!([{"id": image_id, "mime": "image/png", "width": 1536, "height": 768}]));
+    assert_eq!(user["documents"][0]["name"], "report.pdf");
+
+    // The transcript shows references; the audit rebuilds the request, images included.
+    let transcript = api.get(&format!("/v1/sessions/{id}"), ALICE).await;
+    let item = &transcript.json["items"][0];
+    assert_eq!(item["images"][0]["id"], image_id.as_str(), "{}", transcript.text);
+    assert_eq!(item["documents"][0]["name"], "report.pdf");
+    assert!(item["documents"][0].get("markdown").is_none(), "the UI gets a reference");
+    let answer_seq = transcript.json["items"][1]["seq"].as_i64().unwrap();
+    let audit = api.get(&format!("/v1/sessions/{id}/requests/{answer_seq}"), ALICE).await;
+    assert_eq!(audit.status, 200, "{}", audit.text);
+    assert_eq!(audit.json["verified"], true, "{}", audit.text);
+
+    // The routes: list, metadata, bytes, each owner's own.
+    let list = api.get("/v1/files", ALICE).await;
+    assert_eq!(list.json["files"].as_array().unwrap().len(), 2, "{}", list.text);
+    let content = api.get(&format!("/v1/files/{image_id}/content"), ALICE).await;
+    assert_eq!(content.status, 200);
+    assert_eq!(content.headers["content-type"], "image/png");
+    assert_eq!(content.headers["x-content-type-options"], "nosniff");
+    assert!(content.headers.get("content-disposition").is_none(), "an image shows inline");
+    let pdf_content = api.get(&format!("/v1/files/{doc_id}/content"), ALICE).await;
+    assert!(pdf_content.headers["content-disposition"].to_str().unwrap().starts_with("attachment"));
+    for path in [format!("/v1/files/{image_id}"), format!("/v1/files/{image_id}/content")] {
+        assert_eq!(api.get(&path, BOB).await.status, 404, "{path}");
+    }
+    assert!(api.get("/v1/files", BOB).await.json["files"].as_array().unwrap().is_empty());
+    let bob_del = api.call(Method::DELETE, &format!("/v1/files/{image_id}"), Some(BOB), Body::None).await;
+    assert_eq!(bob_del.status, 404);
+    let bobs = api.create(BOB, None).await;
+    let stolen = json!({"text": "mine now", "images": [image_id]});
+    let r = api.turn(Method::POST, &format!("/v1/sessions/{bobs}/messages"), BOB, Some(stolen), &[]).await;
+    assert_eq!((r.status, r.error_code()), (400, "bad_request"));
+
+    // Deleted: no longer sendable (the same 400), still shown where a message attached it.
+    let del = api.call(Method::DELETE, &format!("/v1/files/{doc_id}"), Some(ALICE), Body::None).await;
+    assert_eq!(del.status, 204, "{}", del.text);
+    let again = json!({"text": "once more", "documents": [doc_id]});
+    let r = api.turn(Method::POST, &path, ALICE, Some(again), &[]).await;
+    assert_eq!((r.status, r.error_code()), (400, "bad_request"));
+    assert!(r.json["error"]["message"].as_str().unwrap().contains("not one of your files"));
+    assert_eq!(api.get("/v1/files", ALICE).await.json["files"].as_array().unwrap().len(), 1);
+    assert!(api.get(&format!("/v1/files/{doc_id}"), ALICE).await.json["deleted_at"].is_string());
+
+    // The sweep keeps what a stored message refers to and removes the rest.
+    let loose = uploaded(&api.upload(ALICE, "loose.md", b"# scratch\n").await);
+    api.call(Method::DELETE, &format!("/v1/files/{loose}"), Some(ALICE), Body::None).await;
+    let blobs = turnlog_ingress::files::Blobs::open(&blob_url(&api, files_url.as_deref())).unwrap();
+    let swept = turnlog_ingress::files::sweep(&api.env.pool, &blobs, Duration::ZERO).await.unwrap();
+    assert_eq!(swept, 1, "only the unreferenced file");
+    assert_eq!(api.get(&format!("/v1/files/{loose}/content"), ALICE).await.status, 404);
+    assert_eq!(api.get(&format!("/v1/files/{doc_id}/content"), ALICE).await.status, 200);
+    api.stop().await;
+    mock.stop().await.unwrap();
+}
+
+/// The files URL the harness gave the ingress.
+fn blob_url(api: &Api, configured: Option<&str>) -> String {
+    configured.map_or_else(
+        || {
+            let dir = std::env::temp_dir().join("turnlog-test-files").join(&api.env.bus_prefix);
+            format!("file://{}", dir.display())
+        },
+        str::to_owned,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_round_trip_on_the_filesystem() {
+    round_trip(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_round_trip_on_s3() {
+    let Some(s3) = S3::start().await else {
+        eprintln!("SKIPPED: no S3 server (set TURNLOG_TEST_S3_ENDPOINT or put moto_server on PATH)");
+        return;
+    };
+    round_trip(Some(s3.bucket().await)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_uploads_and_bad_sends_are_clear_client_errors() {
+    let (mock, api) = stack(None).await;
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        ("a.zip", b"PK\x03\x04\x14\0\0\0\x08\0rest".to_vec(), 415, "application/zip"),
+        ("a.bin", vec![0xff, 0xfe, 0x00, 0x9c, 0x01], 415, "not recognized"),
+        ("a.png", b"\x89PNG\r\n\x1a\n\0\0\0\rIHDRbroken".to_vec(), 400, "cannot be read"),
+        ("a.txt", Vec::new(), 400, "empty"),
+        ("long.md", "word ".repeat(120_000).into_bytes(), 413, "512 KiB"),
+        ("huge.png", vec![0; 20 * 1024 * 1024 + 1], 413, "over the limit"),
+    ];
+    for (name, bytes, status, says) in cases {
+        let r = api.upload(ALICE, name, &bytes).await;
+        assert_eq!(r.status, status, "{name}: {}", r.text);
+        assert!(r.json["error"]["message"].as_str().unwrap().contains(says), "{name}: {}", r.text);
+    }
+    // Not multipart, or no `file` field.
+    let r = api.call(Method::POST, "/v1/files", Some(ALICE), Body::Json(json!({"file": "x"}))).await;
+    assert_eq!(r.status, 415, "{}", r.text);
+    let empty = api
+        .request(Method::POST, "/v1/files")
+        .bearer_auth(ALICE)
+        .header("content-type", "multipart/form-data; boundary=b")
+        .body("--b\r\nContent-Disposition: form-data; name=\"other\"\r\n\r\nx\r\n--b--\r\n");
+    let r = api.send(empty).await;
+    assert_eq!((r.status, r.error_code()), (400, "bad_request"), "{}", r.text);
+    assert_eq!(api.call(Method::POST, "/v1/files", None, Body::None).await.status, 401);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM files").fetch_one(&api.env.pool).await.unwrap();
+    assert_eq!(rows, 0, "no metadata for refused uploads");
+
+    // Conversions: HTML to markdown (scripts dropped), a scan's clear note.
+    let html = api
+        .upload(ALICE, "page.html", b"<!doctype html><html><head><script>steal()</script></head><body><h2>Plan</h2><ul><li>ship</li></ul></body></html>")
+        .await;
+    let html_id = uploaded(&html);
+    assert_eq!(html.json["mime"], "text/html");
+    let scan = api.upload(ALICE, "scan.pdf", &pdf(None)).await;
+    let scan_id = uploaded(&scan);
+    assert!(scan.json["note"].as_str().unwrap().contains("no text layer"), "{}", scan.text);
+    let image_id = uploaded(&api.upload(ALICE, "tiny.png", &png(40, 30)).await);
+
+    let id = api.create(ALICE, None).await;
+    let path = format!("/v1/sessions/{id}/messages");
+    let bad_sends = [
+        json!({"text": "x", "images": ["not-a-uuid"]}),
+        json!({"text": "x", "images": [uuid::Uuid::now_v7().to_string()]}),
+        json!({"text": "x", "documents": [image_id]}),
+        json!({"text": "x", "images": [html_id]}),
+    ];
+    for body in bad_sends {
+        let r = api.turn(Method::POST, &path, ALICE, Some(body.clone()), &[]).await;
+        assert_eq!((r.status, r.error_code()), (400, "bad_request"), "{body}: {:?}", r.json);
+    }
+    let body = json!({"text": "summarize", "documents": [html_id, scan_id]});
+    let turn = api.turn(Method::POST, &path, ALICE, Some(body), &[]).await;
+    assert!(turn.end()["error"].is_null(), "{:?}", turn.end());
+    let (_, text) = parts(&chats(&mock).pop().unwrap().body);
+    assert!(text.contains("## Plan") && text.contains("ship") && !text.contains("steal"), "{text}");
+    assert!(text.contains("no text layer"), "{text}");
+    api.stop().await;
+    mock.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_cannot_see_images_gets_a_note_and_the_budget_counts_tiles() {
+    let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
+    let api = Api::with(Options {
+        llm_url: Some(mock.base_url()),
+        vision_models: Some(vec!["mock-vision".into()]),
+        ..Options::default()
+    })
+    .await;
+    let image_id = uploaded(&api.upload(ALICE, "photo.png", &png(1024, 1024)).await);
+    let id = api.create(ALICE, None).await;
+    let body = json!({"text": "what is this?", "images": [image_id]});
+    let turn = api.turn(Method::POST, &format!("/v1/sessions/{id}/messages"), ALICE, Some(body), &[]).await;
+    assert!(turn.end()["error"].is_null(), "{:?}", turn.end());
+    let (urls, text) = parts(&chats(&mock).pop().unwrap().body);
+    assert!(urls.is_empty(), "no image for a model outside TURNLOG_VISION_MODELS");
+    assert!(text.contains(&format!("[image {image_id} (image/png) unavailable]")), "{text}");
+    // The event's stored cost includes the image by the tile rule: 1024² → 4 tiles, 765.
+    let tokens: i32 = sqlx::query_scalar(
+        "SELECT tokens FROM session_events WHERE session_id = $1 AND kind = 'user_message'",
+    )
+    .bind(id.0)
+    .fetch_one(&api.env.pool)
+    .await
+    .unwrap();
+    let text_only = turnlog_core::tokens::count("what is this?") + turnlog_core::tokens::MESSAGE_OVERHEAD;
+    assert_eq!(tokens as u32, text_only + 765);
+    api.stop().await;
+    mock.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_survive_a_restart_and_a_rebuild_restores_them() {
+    let (mock, api) = stack(None).await;
+    let files_url = blob_url(&api, None);
+    let image_id = uploaded(&api.upload(ALICE, "a.png", &png(64, 64)).await);
+    let doc_id = uploaded(&api.upload(ALICE, "notes.md", b"# Notes\n- keep\n").await);
+    let gone = uploaded(&api.upload(ALICE, "gone.txt", b"bye").await);
+    api.call(Method::DELETE, &format!("/v1/files/{gone}"), Some(ALICE), Body::None).await;
+    let id = api.create(ALICE, None).await;
+    let body = json!({"text": "look", "images": [image_id], "documents": [doc_id]});
+    let turn = api.turn(Method::POST, &format!("/v1/sessions/{id}/messages"), ALICE, Some(body), &[]).await;
+    assert!(turn.end()["error"].is_null(), "{:?}", turn.end());
+    let bus = api.bus.clone();
+    let env = api.stop().await;
+
+    // Restarted on the same database, bus and files.
+    let mut configs = turnlog_e2e::config::stack(&env);
+    configs.ingress.tokens = turnlog_ingress::ApiTokens::parse(turnlog_e2e::api::TOKENS).unwrap();
+    configs.ingress.upstream = Some(turnlog_e2e::config::upstream_at(&mock.base_url()));
+    configs.ingress.files_url = Some(files_url);
+    let api = Api::on(env, configs).await;
+    assert_eq!(api.get("/v1/files", ALICE).await.json["files"].as_array().unwrap().len(), 2);
+    assert_eq!(api.get(&format!("/v1/files/{image_id}/content"), ALICE).await.status, 200);
+    let next = api.message(id, ALICE, "and again").await;
+    assert!(next.end()["error"].is_null(), "{:?}", next.end());
+    assert_eq!(parts(&chats(&mock).pop().unwrap().body).0.len(), 1, "the image is still sent");
+
+    // A rebuild from the APPEND stream restores the files table exactly.
+    let target = api.env.extra_database().await;
+    turnlog_ops::rebuild(&target, &bus, false).await.expect("rebuild");
+    let verdict = turnlog_ops::verify(&api.env.database_url, &target).await.expect("verify");
+    assert!(matches!(verdict, Verdict::Identical { files: 3, .. }), "{verdict}");
+    api.stop().await;
+    mock.stop().await.unwrap();
+}
