@@ -5,11 +5,13 @@
 import { after, before, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { once } from 'node:events';
+import { randomBytes } from 'node:crypto';
 import { mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import http from 'node:http';
 import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { deflateSync } from 'node:zlib';
 import { chromium } from 'playwright-core';
 import { startTurnlog, tail } from './harness.mjs';
 
@@ -198,6 +200,93 @@ async function openPage(id) {
   await page.goto(`${server.base}/#/s/${id}`);
   await page.reload();
   await waitForSession(id);
+}
+
+/** A real PNG of `width`×`height` RGB pixels, `pixel(x, y)` giving each [r, g, b]. */
+function png(width, height, pixel) {
+  const crcTable = Array.from({ length: 256 }, (_, n) => {
+    let c = n;
+    for (let k = 0; k < 8; k++) c = c & 1 ? 0xedb88320 ^ (c >>> 1) : c >>> 1;
+    return c >>> 0;
+  });
+  const crc = (buf) => {
+    let c = 0xffffffff;
+    for (const b of buf) c = crcTable[(c ^ b) & 0xff] ^ (c >>> 8);
+    return (c ^ 0xffffffff) >>> 0;
+  };
+  const chunk = (type, data) => {
+    const body = Buffer.concat([Buffer.from(type, 'ascii'), data]);
+    const out = Buffer.alloc(body.length + 8);
+    out.writeUInt32BE(data.length, 0);
+    body.copy(out, 4);
+    out.writeUInt32BE(crc(body), body.length + 4);
+    return out;
+  };
+  const header = Buffer.alloc(13);
+  header.writeUInt32BE(width, 0);
+  header.writeUInt32BE(height, 4);
+  header.set([8, 2, 0, 0, 0], 8); // 8-bit RGB, no interlace
+  const rows = Buffer.alloc(height * (1 + 3 * width));
+  for (let y = 0; y < height; y++) {
+    for (let x = 0; x < width; x++) rows.set(pixel(x, y), y * (1 + 3 * width) + 1 + 3 * x);
+  }
+  return Buffer.concat([
+    Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]),
+    chunk('IHDR', header),
+    chunk('IDAT', deflateSync(rows)),
+    chunk('IEND', Buffer.alloc(0)),
+  ]);
+}
+
+/** A picture to attach: a sun over hills under a sky, 240×160. */
+const PICTURE = { width: 240, height: 160 };
+PICTURE.bytes = png(PICTURE.width, PICTURE.height, (x, y) => {
+  if ((x - 170) ** 2 + (y - 45) ** 2 < 22 ** 2) return [255, 196, 40];
+  if (y > 110 + 18 * Math.sin(x / 25)) return [46, 139, 87];
+  return [120 + y / 2, 170 + y / 3, 235];
+});
+/** A second, smaller picture: a checkerboard. */
+const CHECKS = png(32, 32, (x, y) => ((x >> 3) + (y >> 3)) % 2 ? [47, 111, 222] : [255, 255, 255]);
+const NOTES = Buffer.from('# Trip notes\n\n- Bergen on Monday\n- Flåm railway on Tuesday\n- Back by the fjord ferry\n');
+
+/** Puts files into the page's file list of a synthetic drop or paste. In the page. */
+async function dispatchFiles(selector, type, files) {
+  await page.locator(selector).evaluate(
+    (node, { type, files }) => {
+      const data = new DataTransfer();
+      for (const f of files) {
+        const bytes = Uint8Array.from(atob(f.base64), (c) => c.charCodeAt(0));
+        data.items.add(new File([bytes], f.name, { type: f.mimeType }));
+      }
+      const init = { bubbles: true, cancelable: true, composed: true };
+      if (type === 'paste') node.dispatchEvent(new ClipboardEvent('paste', { ...init, clipboardData: data }));
+      else node.dispatchEvent(new DragEvent(type, { ...init, dataTransfer: data }));
+    },
+    { type, files: files.map((f) => ({ name: f.name, mimeType: f.mimeType, base64: f.buffer.toString('base64') })) },
+  );
+}
+
+/** The composer's attachments: `{name, state, kind, id}` of each. */
+function trayItems() {
+  return page.locator('#tray .attachment').evaluateAll((lis) =>
+    lis.map((li) => ({
+      name: li.querySelector('.name')?.textContent ?? li.querySelector('img')?.alt,
+      state: li.dataset.state,
+      kind: li.dataset.kind,
+      id: li.dataset.id,
+    })),
+  );
+}
+
+/** Waits until every attachment in the composer is uploaded (or refused). */
+async function waitForUploads(count) {
+  await page.waitForFunction(
+    (n) => {
+      const items = [...document.querySelectorAll('#tray .attachment')];
+      return items.length === n && items.every((li) => li.dataset.state !== 'uploading');
+    },
+    count,
+  );
 }
 
 // ------------------------------------------------------------------------------------
@@ -517,6 +606,7 @@ check('renders every transcript item kind, markdown safely, and answers permissi
       json: { session, items: resolved ? items.filter((i) => i.kind !== 'permission') : items, turn_active: false },
     }),
   );
+  await page.route(`**/v1/files/img1/content`, (route) => route.fulfill({ body: CHECKS, contentType: 'image/png' }));
   await page.route(`**/v1/sessions/${id}/permissions/perm-1`, (route) => {
     resolved = route.request().postDataJSON();
     route.fulfill({ json: { id: 'perm-1', decision: resolved.decision, seq: 9 } });
@@ -527,7 +617,10 @@ check('renders every transcript item kind, markdown safely, and answers permissi
   for (const kind of ['user', 'assistant', 'tool', 'compaction', 'permission', 'interrupted', 'error']) {
     assert.equal(await page.locator(`#transcript [data-kind=${kind}]`).count(), 1, `no ${kind} item`);
   }
-  assert.match(await page.locator('[data-kind=user] .chips').textContent(), /image img1.*document doc1/);
+  // An image as a thumbnail, a document without a name as its kind.
+  const user = page.locator('[data-kind=user]');
+  await user.getByRole('button', { name: 'Open image (image/png)' }).locator('img[src^="data:image/png"]').waitFor();
+  assert.equal(await user.locator('.attached .chip.doc').textContent(), 'markdown document');
   const answer = page.locator('[data-kind=assistant]');
   assert.equal(await answer.locator('details.reasoning').evaluate((d) => d.open), false);
   const meta = await answer.locator('.meta').textContent();
@@ -1164,6 +1257,240 @@ check('a branch links to its original at the fork point, and switching branches 
   await page.locator('#transcript .branches', { hasText: 'no longer available' }).waitFor();
   assert.equal(await page.locator('#transcript .branches a').count(), 0);
   assert.deepEqual(await shownSeqs(), (await stored(two)).items.map((i) => i.seq));
+});
+
+// ------------------------------------------------------------------------------------
+// Attachments.
+
+/** The session of the attachment test, with a picture and a document in its first message. */
+let attachSession;
+
+check('attaches a picture and a document, sends their ids, and shows them in the transcript and full size', async () => {
+  await page.setViewportSize({ width: 1280, height: 800 });
+  await page.goto(`${server.base}/#/new`);
+  await page.locator('#message').waitFor();
+  const before = (await api('GET', '/v1/files')).json.files.length;
+
+  // The document's upload is held a moment, to see it pending.
+  let release;
+  const held = new Promise((r) => (release = r));
+  await page.route('**/v1/files', async (route) => {
+    if (route.request().method() === 'POST' && /filename="notes\.md"/.test(route.request().postData() ?? '')) await held;
+    await route.continue();
+  });
+  assert.equal(await page.getByRole('button', { name: 'Attach files' }).count(), 1);
+  await page.locator('#file-input').setInputFiles([
+    { name: 'fjord.png', mimeType: 'image/png', buffer: PICTURE.bytes },
+    { name: 'notes.md', mimeType: 'text/markdown', buffer: NOTES },
+  ]);
+  const tray = page.locator('#tray');
+  await tray.locator('.attachment[data-kind=image][data-state=ready]').waitFor();
+  const doc = tray.locator('.attachment[data-kind=document]');
+  assert.equal(await doc.getAttribute('data-state'), 'uploading');
+  assert.equal(await doc.locator('progress').count(), 1);
+  // Sending waits for the uploads.
+  await page.locator('#message').fill('What is in these? [mock words=24]');
+  await page.locator('#message').press('Enter');
+  await page.locator('#toast', { hasText: 'Wait for the attachment to finish uploading.' }).waitFor();
+  assert.equal(page.url().includes('#/s/'), false, 'sent before the upload ended');
+  release();
+  await waitForUploads(2);
+  await page.unrouteAll();
+
+  const files = (await api('GET', '/v1/files')).json.files;
+  assert.equal(files.length, before + 2);
+  const [picture, notes] = await trayItems();
+  assert.deepEqual([picture.name, picture.kind, picture.state], ['fjord.png', 'image', 'ready']);
+  assert.deepEqual([notes.name, notes.kind, notes.state], ['notes.md', 'document', 'ready']);
+  const pictureMeta = (await api('GET', `/v1/files/${picture.id}`)).json;
+  assert.equal(pictureMeta.kind, 'image');
+  assert.equal(pictureMeta.mime, 'image/png');
+  assert.equal(pictureMeta.bytes, PICTURE.bytes.length);
+  const notesMeta = (await api('GET', `/v1/files/${notes.id}`)).json;
+  assert.equal(notesMeta.kind, 'document');
+  assert.equal(notesMeta.name, 'notes.md');
+  // A thumbnail of the picture, a chip of the document with its size, each removable.
+  const thumb = tray.locator('.attachment.image img');
+  assert.equal(await thumb.getAttribute('alt'), 'fjord.png');
+  assert.equal(await thumb.evaluate((img) => img.naturalWidth), PICTURE.width);
+  assert.equal(await doc.locator('.size').textContent(), `${NOTES.length} B`);
+  assert.equal(await tray.getByRole('button', { name: 'Remove fjord.png' }).count(), 1);
+  assert.equal(await tray.getByRole('button', { name: 'Remove notes.md' }).count(), 1);
+  await page.locator('#toast').evaluate((t) => (t.hidden = true));
+  await shot('attach-tray');
+
+  // Sent with the ids; the tray empties.
+  const sent = page.waitForRequest((r) => r.method() === 'POST' && /\/v1\/sessions\/[0-9a-f-]{36}\/messages$/.test(r.url()));
+  await page.locator('#send').click();
+  const body = (await sent).postDataJSON();
+  assert.deepEqual(body, { text: 'What is in these? [mock words=24]', images: [picture.id], documents: [notes.id] });
+  assert.equal(await tray.isVisible(), false);
+  await page.waitForURL(/#\/s\//);
+  attachSession = currentSessionId();
+  await page.locator('[data-kind=live]').waitFor({ state: 'detached', timeout: 30_000 });
+  await page.locator('article[data-kind=assistant]').waitFor();
+
+  // The stored message has them, and the transcript shows them from it.
+  const item = (await stored(attachSession)).items.find((i) => i.kind === 'user');
+  assert.deepEqual(item.images.map((i) => [i.id, i.mime]), [[picture.id, 'image/png']]);
+  assert.deepEqual(item.documents.map((d) => [d.id, d.name, d.bytes]), [[notes.id, 'notes.md', NOTES.length]]);
+  const message = page.locator(`article[data-kind=user][data-seq="${item.seq}"]`);
+  const open = message.getByRole('button', { name: /^Open image/ });
+  await open.locator('img[src^="data:image/png"]').waitFor();
+  assert.equal(await open.locator('img').evaluate((img) => img.naturalWidth), PICTURE.width);
+  assert.equal(await message.locator('.chip.doc .name').textContent(), 'notes.md');
+  assert.equal(await message.locator('.chip.doc .size').textContent(), `${NOTES.length} B`);
+  assert.equal(await message.locator('.text').textContent(), 'What is in these? [mock words=24]');
+  await shot('attach-sent');
+
+  // Full size in a lightbox, closed by Esc or a click.
+  await open.click();
+  const lightbox = page.locator('#lightbox');
+  await lightbox.locator('img[src^="data:image/png"]').waitFor();
+  assert.equal(await lightbox.getAttribute('data-state'), 'ready');
+  const shown = await lightbox.locator('img').evaluate((img) => ({ natural: img.naturalWidth, drawn: img.getBoundingClientRect().width }));
+  assert.deepEqual(shown, { natural: PICTURE.width, drawn: PICTURE.width });
+  await shot('attach-lightbox');
+  await page.keyboard.press('Escape');
+  await lightbox.waitFor({ state: 'hidden' });
+  assert.equal(await page.locator('article[data-kind=assistant]').count(), 1, 'Esc did more than close the image');
+  await open.click();
+  await lightbox.locator('img[src]').waitFor();
+  await lightbox.click({ position: { x: 20, y: 20 } });
+  await lightbox.waitFor({ state: 'hidden' });
+
+  // An edit resends the message with its attachments' ids, into a new branch.
+  await message.getByRole('button', { name: `Edit message #${item.seq}` }).click();
+  const field = page.getByRole('textbox', { name: `Edit message #${item.seq}` });
+  const resent = page.waitForRequest((r) => r.method() === 'POST' && r.url().endsWith(`/v1/sessions/${attachSession}/messages`));
+  await field.fill('And what about these? [mock words=8]');
+  await field.press('Enter');
+  assert.deepEqual((await resent).postDataJSON(), {
+    text: 'And what about these? [mock words=8]',
+    edit_of: item.seq,
+    images: [picture.id],
+    documents: [notes.id],
+  });
+  await page.waitForURL((u) => u.hash !== `#/s/${attachSession}`);
+  const fork = currentSessionId();
+  await page.locator('[data-kind=live]').waitFor({ state: 'detached', timeout: 30_000 });
+  await waitForSession(fork);
+  const edited = (await stored(fork)).items.findLast((i) => i.kind === 'user');
+  assert.equal(edited.text, 'And what about these? [mock words=8]');
+  assert.deepEqual(edited.images.map((i) => i.id), [picture.id]);
+  assert.deepEqual(edited.documents.map((d) => d.id), [notes.id]);
+  assert.equal(await page.locator(`article[data-seq="${edited.seq}"] .thumb img[src^="data:image/png"]`).count(), 1);
+});
+
+check('thumbnails load with the token when they scroll near, once each', async () => {
+  // Long answers after the message push its picture far above the view.
+  for (let i = 0; i < 3; i++) await turnVia(attachSession, `More about the fjords ${i} [mock words=400]`);
+  const { images } = (await stored(attachSession)).items.find((i) => i.kind === 'user');
+  // Routed, so the browser's cache (which the server's immutable answer allows) is off and
+  // every fetch of the page's own is seen.
+  const contentRequests = [];
+  await page.route(`**/v1/files/${images[0].id}/content`, (route) => {
+    contentRequests.push(route.request());
+    route.continue();
+  });
+  try {
+    await openPage(attachSession);
+    await page.waitForTimeout(500);
+    assert.equal(contentRequests.length, 0, 'a thumbnail far out of view was fetched');
+    const thumb = page.locator('#transcript .attached .thumb').first();
+    assert.equal(await thumb.locator('img').getAttribute('src'), null);
+    await page.locator('#transcript').evaluate((t) => (t.scrollTop = 0));
+    await thumb.locator('img[src^="data:image/png"]').waitFor();
+    assert.equal(contentRequests.length, 1);
+    assert.equal(await contentRequests[0].headerValue('authorization'), `Bearer ${server.token}`);
+    // Drawn again (after a turn), the transcript shows it from what it has.
+    await page.locator('#transcript').evaluate((t) => (t.scrollTop = t.scrollHeight));
+    await send('One more question [mock words=5]');
+    await page.locator('[data-kind=live]').waitFor({ state: 'detached', timeout: 30_000 });
+    await page.locator('#transcript').evaluate((t) => (t.scrollTop = 0));
+    await page.locator('#transcript .attached .thumb img[src^="data:image/png"]').waitFor();
+    assert.equal(contentRequests.length, 1, 'the image was fetched again');
+  } finally {
+    await page.unrouteAll();
+  }
+});
+
+check('a file the server refuses shows its message and attaches nothing', async () => {
+  await page.goto(`${server.base}/#/new`);
+  await page.locator('#message').waitFor();
+  const junk = randomBytes(2048);
+  // What the server says of it, asked directly.
+  const form = new FormData();
+  form.append('file', new Blob([junk]), 'x.bin');
+  const direct = await fetch(`${server.base}/v1/files`, { method: 'POST', headers: { Authorization: `Bearer ${server.token}` }, body: form });
+  assert.equal(direct.status, 415);
+  const { error } = await direct.json();
+  const before = (await api('GET', '/v1/files')).json.files.length;
+
+  await page.locator('#file-input').setInputFiles({ name: 'x.bin', mimeType: 'application/octet-stream', buffer: junk });
+  const refused = page.locator('#tray .attachment[data-state=failed]');
+  await refused.waitFor();
+  assert.equal(await refused.locator('.name').textContent(), 'x.bin');
+  assert.equal(await refused.locator('.error').textContent(), error.message);
+  assert.equal(await refused.locator('[role=alert]').count(), 1);
+  assert.equal((await api('GET', '/v1/files')).json.files.length, before, 'the refused file was stored');
+  await shot('attach-refused');
+
+  // Over the size limit (20 MiB by default): the server's 413 is shown the same way.
+  const huge = Buffer.concat([PICTURE.bytes, Buffer.alloc(21 * 1024 * 1024)]);
+  await page.locator('#file-input').setInputFiles({ name: 'huge.png', mimeType: 'image/png', buffer: huge });
+  const tooBig = page.locator('#tray .attachment[data-state=failed]', { hasText: 'huge.png' });
+  await tooBig.waitFor();
+  const tooBigError = await tooBig.locator('.error').textContent();
+  assert.match(tooBigError, /limit/);
+  assert.doesNotMatch(tooBigError, /did not reach the server/, 'the 413 was not read');
+  await page.getByRole('button', { name: 'Dismiss huge.png' }).click();
+  assert.equal(await page.locator('#tray .attachment').count(), 1);
+  assert.equal((await api('GET', '/v1/files')).json.files.length, before, 'the refused file was stored');
+
+  // Nothing of it goes with the message, and the tray empties.
+  const sent = page.waitForRequest((r) => r.method() === 'POST' && /\/messages$/.test(r.url()));
+  await send('Just text this time [mock words=4]');
+  assert.deepEqual((await sent).postDataJSON(), { text: 'Just text this time [mock words=4]' });
+  assert.equal(await page.locator('#tray').isVisible(), false);
+  await page.locator('[data-kind=live]').waitFor({ state: 'detached', timeout: 30_000 });
+  assert.equal(await page.locator('#transcript .attached').count(), 0);
+});
+
+check('files dropped on the chat or an image pasted into the message are attached', async () => {
+  await page.goto(`${server.base}/#/new`);
+  await page.locator('#message').waitFor();
+  const notes = { name: 'dropped-notes.md', mimeType: 'text/markdown', buffer: NOTES };
+  // Dragged over the transcript: the chat is highlighted as a drop target.
+  await dispatchFiles('#transcript', 'dragenter', [notes]);
+  await dispatchFiles('#transcript', 'dragover', [notes]);
+  assert.equal(await page.locator('#chat.dropping').count(), 1);
+  const overlay = await page.locator('#chat').evaluate((c) => getComputedStyle(c, '::after').content);
+  assert.equal(overlay, '"Drop files to attach them"');
+  await shot('attach-drop');
+  // Leaving takes the highlight away; dropping attaches.
+  await dispatchFiles('#transcript', 'dragleave', [notes]);
+  assert.equal(await page.locator('#chat.dropping').count(), 0);
+  await dispatchFiles('#transcript', 'dragenter', [notes]);
+  await dispatchFiles('#composer', 'drop', [notes]);
+  assert.equal(await page.locator('#chat.dropping').count(), 0);
+  await waitForUploads(1);
+  assert.deepEqual((await trayItems()).map((i) => [i.name, i.kind, i.state]), [['dropped-notes.md', 'document', 'ready']]);
+
+  // A pasted image.
+  await dispatchFiles('#message', 'paste', [{ name: 'image.png', mimeType: 'image/png', buffer: CHECKS }]);
+  await waitForUploads(2);
+  assert.deepEqual((await trayItems()).map((i) => [i.name, i.kind, i.state]), [
+    ['dropped-notes.md', 'document', 'ready'],
+    ['image.png', 'image', 'ready'],
+  ]);
+  await shot('attach-drop-paste');
+
+  // Removed again with ×, nothing is left to send.
+  await page.getByRole('button', { name: 'Remove image.png' }).click();
+  await page.getByRole('button', { name: 'Remove dropped-notes.md' }).click();
+  assert.equal(await page.locator('#tray').isVisible(), false);
+  assert.equal(await page.evaluate(() => document.activeElement?.id), 'message');
 });
 
 check('no script error or content security policy violation happened in any test', () => {

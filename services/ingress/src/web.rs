@@ -52,6 +52,7 @@ const INDEX: Asset = asset("index.html", "text/html; charset=utf-8", include_byt
 const ASSETS: &[Asset] = &[
     asset("app.js", JS, include_bytes!("../web/app.js")),
     asset("api.js", JS, include_bytes!("../web/api.js")),
+    asset("attachments.js", JS, include_bytes!("../web/attachments.js")),
     asset("dom.js", JS, include_bytes!("../web/dom.js")),
     asset("markdown.js", JS, include_bytes!("../web/markdown.js")),
     asset("sse.js", JS, include_bytes!("../web/sse.js")),

@@ -1,5 +1,6 @@
-// The HTTP API: JSON in and out, errors as ApiError with the server's code, and the
-// bearer token, asked for when the server answers 401 and kept in local storage.
+// The HTTP API: JSON in and out (files up as multipart), errors as ApiError with the
+// server's code, and the bearer token, asked for when the server answers 401 and kept in
+// local storage.
 
 import { $ } from './dom.js';
 
@@ -13,7 +14,9 @@ export class ApiError extends Error {
   }
 }
 
-export async function api(path, { method = 'GET', body, headers = {}, raw = false, signal } = {}) {
+/** `cache` is the fetch's: by default nothing comes from the browser's cache (a file's
+ * bytes, which never change, may). */
+export async function api(path, { method = 'GET', body, headers = {}, raw = false, signal, cache = 'no-store' } = {}) {
   for (;;) {
     const token = localStorage.getItem(TOKEN_KEY);
     const all = { ...headers };
@@ -24,7 +27,7 @@ export async function api(path, { method = 'GET', body, headers = {}, raw = fals
       headers: all,
       body: body === undefined ? undefined : JSON.stringify(body),
       signal,
-      cache: 'no-store',
+      cache,
     });
     // Authentication comes before anything is written, so sending again is safe.
     if (res.status === 401) {
@@ -38,11 +41,49 @@ export async function api(path, { method = 'GET', body, headers = {}, raw = fals
 }
 
 async function errorOf(res) {
+  return errorFrom(res.status, res.statusText, await res.text().catch(() => ''));
+}
+
+function errorFrom(status, statusText, text) {
   try {
-    const { error } = await res.json();
-    return new ApiError(res.status, error.code, error.message);
+    const { error } = JSON.parse(text);
+    return new ApiError(status, error.code, error.message);
   } catch {
-    return new ApiError(res.status, `http_${res.status}`, res.statusText || `HTTP ${res.status}`);
+    return new ApiError(status, `http_${status}`, statusText || `HTTP ${status}`);
+  }
+}
+
+/** Uploads `file` (POST /v1/files, multipart, one field `file`) and answers the server's
+ * metadata of it. XMLHttpRequest, as fetch cannot tell how much of a body went out:
+ * `onProgress(sent, total)` follows the upload. An abort of `signal` rejects with an
+ * AbortError; a connection that failed with an ApiError of status 0. */
+export async function uploadFile(file, { name = file.name, onProgress, signal } = {}) {
+  for (;;) {
+    const token = localStorage.getItem(TOKEN_KEY);
+    const res = await new Promise((resolve, reject) => {
+      if (signal?.aborted) return reject(new DOMException('The upload was cancelled.', 'AbortError'));
+      const xhr = new XMLHttpRequest();
+      xhr.open('POST', '/v1/files');
+      if (token) xhr.setRequestHeader('Authorization', `Bearer ${token}`);
+      xhr.upload.addEventListener('progress', (e) => onProgress?.(e.loaded, e.lengthComputable ? e.total : file.size));
+      xhr.addEventListener('load', () => resolve(xhr));
+      xhr.addEventListener('error', () =>
+        // A server refusing a body it will not read may close the connection before it is sent.
+        reject(new ApiError(0, 'network', 'the upload did not reach the server, or the server closed the connection (a file over its size limit?)')),
+      );
+      xhr.addEventListener('abort', () => reject(new DOMException('The upload was cancelled.', 'AbortError')));
+      signal?.addEventListener('abort', () => xhr.abort(), { once: true });
+      const form = new FormData();
+      form.append('file', file, name);
+      xhr.send(form);
+    });
+    // Authentication comes before anything is stored, so sending again is safe.
+    if (res.status === 401) {
+      await askForToken(token ? 'The stored token was not accepted.' : 'This server needs an API token.');
+      continue;
+    }
+    if (res.status < 200 || res.status > 299) throw errorFrom(res.status, res.statusText, res.responseText);
+    return JSON.parse(res.responseText);
   }
 }
 

@@ -1,11 +1,13 @@
 // turnlog's web client: the session list, search (hits with their matched words, opening
 // the session at the message found), a transcript of every item kind (a page at a time,
 // older ones as it scrolls up), a composer that streams turns (and picks a running turn up
-// again after a reload), branches (DESIGN §10: branch, edit, regenerate, and a switcher
-// where branches part), and a context inspector (the next request, or what an answer was
-// sent, §11). Plain DOM, no framework; text from messages reaches the page only as text.
+// again after a reload) and takes attachments (attachments.js), branches (DESIGN §10:
+// branch, edit, regenerate, and a switcher where branches part), and a context inspector
+// (the next request, or what an answer was sent, §11). Plain DOM, no framework; text from
+// messages reaches the page only as text.
 
 import { api, ApiError, setupTokenDialog } from './api.js';
+import { restoreTray, setupAttachments, takeTray, trayContents } from './attachments.js';
 import { $, ask, fmt, h, marked, sleep, time, toast } from './dom.js';
 import { renderMarkdown } from './markdown.js';
 import { readEvents } from './sse.js';
@@ -41,8 +43,10 @@ const state = {
   loadingEarlier: false,
   /** The turn being streamed in the open session, if any. */
   turn: null,
-  /** The message just sent, shown until the transcript has it. */
+  /** The message just sent, shown until the transcript has it, and its attachments
+   * (`{images, documents}` as the transcript has them). */
   pendingText: null,
+  pendingFiles: null,
   opening: 0,
   inspectorOpen: false,
   /** The attempt whose request the inspector shows, `{sessionId, item}`; null: the next
@@ -511,7 +515,7 @@ function renderTranscript() {
     state.turn.checkpoint = { node: nodes.at(-1), text: last.text ?? '' };
   }
   if (state.pendingText !== null) {
-    const pending = renderItem({ kind: 'user', text: state.pendingText, seq: 0, created_at: new Date().toISOString() });
+    const pending = renderItem({ kind: 'user', text: state.pendingText, ...state.pendingFiles, seq: 0, created_at: new Date().toISOString() });
     pending.classList.add('pending');
     nodes.push(pending);
   }
@@ -711,10 +715,20 @@ function editMessage(item, node) {
   input.focus();
 }
 
+/** The edited message goes with the attachments it had. */
 function sendEdit(item, text) {
   const id = state.current.id;
-  const body = { text, edit_of: item.seq, images: item.images };
-  branchTurn(item.seq - 1, text, (signal) => api(`/v1/sessions/${id}/messages`, { method: 'POST', body, raw: true, signal }));
+  const files = { images: item.images ?? [], documents: item.documents ?? [] };
+  const body = { text, edit_of: item.seq, ...attachmentIds(files) };
+  branchTurn(item.seq - 1, text, (signal) => api(`/v1/sessions/${id}/messages`, { method: 'POST', body, raw: true, signal }), files);
+}
+
+/** A message's attachments as a request names them: the ids of its files, none when empty. */
+function attachmentIds({ images, documents }) {
+  return {
+    ...(images.length && { images: images.map((i) => i.id) }),
+    ...(documents.length && { documents: documents.map((d) => d.id) }),
+  };
 }
 
 function regenerate(item) {
@@ -728,12 +742,13 @@ function regenerate(item) {
 /** Runs a turn the server starts in a new branch through `through` (an edit, a
  * regenerate): the view keeps what the branch inherits and follows it once the stream's
  * `meta` names it (see followBranch). */
-function branchTurn(through, text, request) {
+function branchTurn(through, text, request, files = null) {
   const c = state.current;
   if (!c?.session || state.turn || state.pendingText !== null) return;
   // Until the branch is named, no switcher: the open session's are not the branch's.
   state.current = { ...c, items: c.items.filter((i) => i.seq <= through), forks: [], parent: undefined };
   state.pendingText = text;
+  state.pendingFiles = files;
   runTurn(c.id, (signal, turn) => whenFree(turn, request), { through });
 }
 
@@ -813,6 +828,7 @@ async function runTurn(sessionId, open, { resume = null, reattached = false, thr
   if (state.turn !== turn) return failed;
   state.turn = null;
   state.pendingText = null;
+  state.pendingFiles = null;
   clearSnapshot();
   updateComposer();
   if (failed) toast(failed instanceof ApiError ? failed.message : `The answer stream was lost: ${failed.message}`);
@@ -914,6 +930,7 @@ function onTurnEvent(turn, event) {
 /** Stops reading the open session's stream (the turn itself goes on at the server). */
 function leaveTurn() {
   state.pendingText = null;
+  state.pendingFiles = null;
   const turn = state.turn;
   if (!turn) return;
   state.turn = null;
@@ -930,8 +947,20 @@ function attach(sessionId, snapshot) {
 async function send() {
   const input = $('#message');
   const text = input.value;
-  if (!text.trim() || state.turn || state.pendingText !== null) return;
+  if (state.turn || state.pendingText !== null) return;
+  const files = trayContents();
+  if (!text.trim()) {
+    if (files.images.length || files.documents.length || files.pending) toast('Write a message to go with the attachments.');
+    return;
+  }
+  if (files.pending) {
+    toast(`Wait for ${files.pending === 1 ? 'the attachment' : `${files.pending} attachments`} to finish uploading.`);
+    return;
+  }
+  const attached = { images: files.images, documents: files.documents };
+  const taken = takeTray();
   state.pendingText = text;
+  state.pendingFiles = attached;
   input.value = '';
   autosize();
   let id = state.current?.id;
@@ -943,7 +972,9 @@ async function send() {
       session = await api('/v1/sessions', { method: 'POST', body: title ? { title } : {} });
     } catch (e) {
       state.pendingText = null;
+      state.pendingFiles = null;
       input.value = text;
+      restoreTray(taken);
       toast(`Could not create the session: ${e.message}`);
       return;
     }
@@ -956,13 +987,17 @@ async function send() {
     document.title = `${session.title || 'Untitled'} · turnlog`;
     renderHeader();
   }
+  const body = { text, ...attachmentIds(attached) };
   const failed = await runTurn(id, (signal, turn) =>
-    whenFree(turn, () => api(`/v1/sessions/${id}/messages`, { method: 'POST', body: { text }, raw: true, signal })),
+    whenFree(turn, () => api(`/v1/sessions/${id}/messages`, { method: 'POST', body, raw: true, signal })),
   );
-  // Nothing was sent: give the text back to edit.
-  if (failed instanceof ApiError && !input.value) {
-    input.value = text;
-    autosize();
+  // Nothing was sent: give the text and the attachments back to edit.
+  if (failed instanceof ApiError) {
+    restoreTray(taken);
+    if (!input.value) {
+      input.value = text;
+      autosize();
+    }
   }
 }
 
@@ -1345,6 +1380,7 @@ function setupComposer() {
   input.addEventListener('input', () => autosize());
   $('#stop').addEventListener('click', stop);
   $('#retry').addEventListener('click', retry);
+  setupAttachments();
 }
 
 function setupKeys() {

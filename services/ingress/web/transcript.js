@@ -2,6 +2,7 @@
 // interrupted, error), and the live answer of a streaming turn. Model and user text go
 // through the safe markdown renderer or into text nodes, never through HTML parsing.
 
+import { attachmentsOf } from './attachments.js';
 import { fmt, h, time } from './dom.js';
 import { renderMarkdown } from './markdown.js';
 
@@ -89,15 +90,11 @@ function costText(item) {
 
 const RENDERERS = {
   user(item, actions) {
-    const attachments = [
-      ...(item.images ?? []).map((i) => h('span', { class: 'chip', text: `image ${i.id} (${i.mime})` })),
-      ...(item.documents ?? []).map((d) => h('span', { class: 'chip', text: `document ${d.id} (${d.mime})` })),
-    ];
     return h(
       'article',
       { class: 'item user' },
+      attachmentsOf(item),
       h('div', { class: 'bubble' }, h('div', { class: 'text', text: item.text ?? '' })),
-      attachments.length ? h('div', { class: 'chips' }, attachments) : null,
       meta(item, tools(item, actions, 'user')),
     );
   },
