@@ -5,6 +5,8 @@ Run by `tests/openai/run` against a fresh `turnlog dev` (its built-in mock model
 TURNLOG_BASE, TURNLOG_TOKEN (this owner) and TURNLOG_TOKEN2 (another owner).
 """
 
+import base64
+import json
 import os
 import time
 import unittest
@@ -23,6 +25,33 @@ def client(token=None):
         max_retries=0,
         _strict_response_validation=True,
     )
+
+
+# A 1 × 1 PNG.
+PIXEL = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+)
+
+
+def upload(name, data):
+    """POST /v1/files (multipart, field `file`): the file's metadata."""
+    boundary = "turnlog-sdk-test"
+    body = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n\r\n'.encode()
+        + data
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    req = urllib.request.Request(
+        BASE + "/files",
+        data=body,
+        method="POST",
+        headers={
+            "Authorization": "Bearer " + os.environ["TURNLOG_TOKEN"],
+            "Content-Type": f"multipart/form-data; boundary={boundary}",
+        },
+    )
+    with urllib.request.urlopen(req) as resp:
+        return json.load(resp)
 
 
 def streamed(stream):
@@ -207,6 +236,41 @@ class ResponsesAndConversations(unittest.TestCase):
         self.assertTrue(audit["verified"], audit)
         self.assertEqual(audit["body"]["messages"][0], {"role": "system", "content": "Answer in French."})
         self.assertEqual(audit["body"]["max_tokens"], 64)
+
+    def test_an_uploaded_image_and_document_go_by_file_id(self):
+        image = upload("pixel.png", PIXEL)
+        doc = upload("notes.md", b"# Notes\nThe launch is on Friday.\n")
+        self.assertEqual((image["kind"], image["mime"]), ("image", "image/png"))
+        r = self.client.responses.create(
+            model="mock",
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What is in these? [mock words=5]"},
+                        {"type": "input_image", "file_id": image["id"], "detail": "auto"},
+                        {"type": "input_file", "file_id": doc["id"]},
+                    ],
+                }
+            ],
+        )
+        self.assertEqual(r.status, "completed")
+        session = r.conversation.id[len("conv_"):]
+        events = self.client.get(f"/sessions/{session}/events", cast_to=object)["events"]
+        answer = next(e for e in events if e["kind"] == "assistant_turn")
+        audit = self.client.get(f"/sessions/{session}/requests/{answer['seq']}", cast_to=object)
+        self.assertTrue(audit["verified"], audit)
+        parts = next(m["content"] for m in audit["body"]["messages"] if isinstance(m["content"], list))
+        urls = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"]
+        self.assertEqual(urls, ["data:image/png;base64," + base64.b64encode(PIXEL).decode()])
+        self.assertTrue(any("The launch is on Friday." in p.get("text", "") for p in parts), parts)
+        # Bytes inline are refused with the way to send them.
+        with self.assertRaises(openai.BadRequestError) as refused:
+            self.client.responses.create(
+                model="mock",
+                input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}],
+            )
+        self.assertIn("POST /v1/files", str(refused.exception))
 
     def test_cancel_keeps_the_partial_answer(self):
         conv = self.client.conversations.create()

@@ -24,7 +24,8 @@ async fn document(api: &Api, markdown: String) -> Value {
 async fn messages_too_large_as_stored_are_413_and_nothing_is_appended_or_dead_lettered() {
     let (api, _mock) = with_mock().await;
     let id = api.create(ALICE, None).await;
-    let (plain, breaks) = (document(&api, "d".repeat(400_000)).await, document(&api, "\n".repeat(270_000)).await);
+    let (plain, breaks) =
+        (document(&api, "d".repeat(400_000)).await, document(&api, "\n".repeat(270_000)).await);
     let before = api.written().await;
 
     // Each within the limits (text ≤ 256 KiB, documents ≤ 512 KiB, body ≤ 1 MiB), and each

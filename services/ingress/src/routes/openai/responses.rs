@@ -91,15 +91,16 @@ enum ConversationRef {
 }
 
 /// The user's text of this turn: a string, or the text of user message items.
-fn user_text(input: &Input) -> Result<String, OaiError> {
+fn user_input(input: &Input) -> Result<UserInput, OaiError> {
     let items = match input {
-        Input::Text(t) => return Ok(t.clone()),
+        Input::Text(t) => return Ok(UserInput { text: t.clone(), ..Default::default() }),
         Input::Items(items) => items,
     };
     let mut texts = Vec::new();
+    let mut input = UserInput::default();
     for item in items {
         match item.role.as_deref() {
-            Some("user") => texts.push(content_text(item.content.as_ref())?),
+            Some("user") => texts.push(user_content(item.content.as_ref(), &mut input)?),
             Some("system" | "developer") => {
                 return Err(OaiError::bad_request("send system text as `instructions`"));
             }
@@ -111,7 +112,38 @@ fn user_text(input: &Input) -> Result<String, OaiError> {
             }
         }
     }
-    Ok(texts.join("\n\n"))
+    input.text = texts.join("\n\n");
+    Ok(input)
+}
+
+/// A stored turn's input: its text and the uploaded files it attaches (DESIGN §12).
+#[derive(Debug, Default)]
+struct UserInput {
+    text: String,
+    images: Vec<String>,
+    documents: Vec<String>,
+}
+
+/// A user item's text; its `input_image` and `input_file` parts, by `file_id`, go to
+/// `input` (bytes inline are refused: upload them once, send the id every time).
+fn user_content(content: Option<&Content>, input: &mut UserInput) -> Result<String, OaiError> {
+    let Some(Content::Parts(parts)) = content else { return content_text(content) };
+    let mut text = String::new();
+    for part in parts {
+        let kind = part.get("type").and_then(Value::as_str);
+        let file_id = part.get("file_id").and_then(Value::as_str);
+        match (kind, file_id) {
+            (Some("input_image"), Some(id)) => input.images.push(id.to_owned()),
+            (Some("input_file"), Some(id)) => input.documents.push(id.to_owned()),
+            (Some("input_image" | "input_file"), None) => {
+                return Err(OaiError::bad_request(
+                    "send an image or a file by file_id: upload it with POST /v1/files first",
+                ))
+            }
+            _ => text.push_str(part_text(part)?),
+        }
+    }
+    Ok(text)
 }
 
 /// What a created response's object repeats of its request.
@@ -179,12 +211,13 @@ pub async fn create(
             "instructions take more than {MAX_SYSTEM_PROMPT_BYTES} bytes"
         )));
     }
+    let input = user_input(&req.input)?;
     let message = SendMessage {
-        text: user_text(&req.input)?,
+        text: input.text,
         category: None,
         model: req.model.clone(),
-        images: Vec::new(),
-        documents: Vec::new(),
+        images: input.images,
+        documents: input.documents,
         edit_of: None,
     };
     let message = prepared(&app, caller.as_str(), &message).await?;
@@ -319,20 +352,22 @@ fn stateless_messages(input: &Input) -> Result<Vec<ChatMessage>, OaiError> {
 fn content_text(content: Option<&Content>) -> Result<String, OaiError> {
     match content {
         Some(Content::Text(t)) => Ok(t.clone()),
-        Some(Content::Parts(parts)) => parts
-            .iter()
-            .map(|part| {
-                match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
-                    (Some("input_text" | "output_text"), Some(t)) => Ok(t),
-                    (kind, _) => Err(OaiError::bad_request(format!(
-                        "input content of type {} is not supported here; send input_text",
-                        kind.unwrap_or("(none)")
-                    ))),
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map(|texts| texts.join("")),
+        Some(Content::Parts(parts)) => {
+            parts.iter().map(part_text).collect::<Result<Vec<_>, _>>().map(|texts| texts.join(""))
+        }
         None => Ok(String::new()),
+    }
+}
+
+/// A content part's text: `input_text` or `output_text`.
+fn part_text(part: &Value) -> Result<&str, OaiError> {
+    match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+        (Some("input_text" | "output_text"), Some(t)) => Ok(t),
+        (kind, _) => Err(OaiError::bad_request(format!(
+            "input content of type {} is not supported here; send input_text (and, on a stored \
+             response, input_image or input_file by file_id)",
+            kind.unwrap_or("(none)")
+        ))),
     }
 }
 
