@@ -4,6 +4,7 @@
 mod branches;
 mod cache;
 mod context;
+mod files;
 mod ingress;
 mod rebuild;
 mod soak;
@@ -23,9 +24,10 @@ fn main() -> anyhow::Result<()> {
         Some("rebuild") => runtime()?.block_on(rebuild::run()),
         Some("ingress") => runtime()?.block_on(ingress::run()),
         Some("cache") => runtime()?.block_on(cache::run()),
+        Some("files") => runtime()?.block_on(files::run()),
         Some("soak") => runtime()?.block_on(soak::run(&args[1..])),
         other => {
-            eprintln!("usage: turnlog-bench <context|tokenizer|writer|ingress|cache>  (got {other:?})");
+            eprintln!("usage: turnlog-bench <context|tokenizer|writer|rebuild|ingress|cache|files|soak>  (got {other:?})");
             std::process::exit(2);
         }
     }

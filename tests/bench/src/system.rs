@@ -17,6 +17,8 @@ pub struct System {
     pub mock: MockHandle,
     pub base: String,
     pub http: reqwest::Client,
+    /// The ingress's blob store of uploaded files (`file://` under the temp directory).
+    pub files_dir: std::path::PathBuf,
     stack: Stack,
 }
 
@@ -42,6 +44,8 @@ impl System {
         let mut configs = config::chat_stack(&env, upstream, settings.model);
         configs.ingress.system_prompt = settings.system_prompt.into();
         configs.ingress.turn_limits = settings.turn_limits;
+        let files_dir = std::env::temp_dir().join("turnlog-bench-files").join(&env.bus_prefix);
+        configs.ingress.files_url = Some(format!("file://{}", files_dir.display()));
         if let Some(compactor) = &mut configs.compactor {
             compactor.consumer = ConsumerSettings::default();
             compactor.facts_wait = Duration::from_millis(200);
@@ -50,7 +54,7 @@ impl System {
         let stack = turnlog_e2e::serve(configs, Duration::from_secs(30)).await?;
         let base = stack.base_url().to_owned();
         let http = reqwest::Client::builder().pool_max_idle_per_host(64).build()?;
-        Ok(Self { env, mock, base, http, stack })
+        Ok(Self { env, mock, base, http, files_dir, stack })
     }
 
     pub async fn create_session(&self) -> anyhow::Result<String> {
@@ -68,6 +72,7 @@ impl System {
     pub async fn stop(self) -> anyhow::Result<()> {
         self.stack.stop().await?;
         self.env.cleanup().await;
+        let _ = std::fs::remove_dir_all(&self.files_dir);
         Ok(())
     }
 }
