@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 # One image for every turnlog service: a container runs `turnlog <service>` (compose.yaml
 # says which). The toolchain stays in the build stage; the runtime image holds the binary,
-# CA certificates (for an https model gateway) and curl (for the ingress healthcheck).
+# CA certificates (for an https model gateway), curl (for the ingress healthcheck) and
+# poppler-utils (the ingress reads uploaded PDFs with its pdftotext).
 # Container builds are not exercised by CI.
 
 FROM rust:1-bookworm AS build
@@ -15,9 +16,10 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 
 FROM debian:bookworm-slim
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates curl \
+    && apt-get install -y --no-install-recommends ca-certificates curl poppler-utils \
     && rm -rf /var/lib/apt/lists/*
-RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin turnlog
+RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin turnlog \
+    && install -d -o turnlog -g turnlog /var/lib/turnlog/files
 COPY --from=build /usr/local/bin/turnlog /usr/local/bin/turnlog
 USER turnlog
 ENV TURNLOG_LOG_FORMAT=json RUST_LOG=info

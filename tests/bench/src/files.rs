@@ -42,10 +42,9 @@ fn noise_png(bytes: usize, seed: u64) -> Vec<u8> {
 
 fn multipart(name: &str, bytes: &[u8]) -> (String, Vec<u8>) {
     let boundary = "turnlog-bench-7f1e";
-    let mut body = format!(
-        "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\r\n"
-    )
-    .into_bytes();
+    let mut body =
+        format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\r\n")
+            .into_bytes();
     body.extend_from_slice(bytes);
     body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
     (format!("multipart/form-data; boundary={boundary}"), body)
@@ -89,7 +88,8 @@ async fn turn(sys: &System, text: &str, images: &[String]) -> anyhow::Result<f64
     let session = sys.create_session().await?;
     let body = json!({"text": text, "images": images});
     let sent = unix_us();
-    let resp = sys.http.post(format!("{}/v1/sessions/{session}/messages", sys.base)).json(&body).send().await?;
+    let resp =
+        sys.http.post(format!("{}/v1/sessions/{session}/messages", sys.base)).json(&body).send().await?;
     anyhow::ensure!(resp.status().is_success(), "turn refused: {}", resp.status());
     resp.bytes().await?;
     let received = sys
