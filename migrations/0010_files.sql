@@ -17,4 +17,5 @@ CREATE TABLE files (
     deleted_at timestamptz
 );
 CREATE INDEX files_owner_live ON files (owner, created_at DESC, id) WHERE deleted_at IS NULL;
+CREATE INDEX files_owner_bytes ON files (owner, sha256) WHERE deleted_at IS NULL;
 CREATE INDEX files_deleted ON files (deleted_at) WHERE deleted_at IS NOT NULL;

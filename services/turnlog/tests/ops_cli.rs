@@ -65,7 +65,7 @@ async fn dead_rebuild_verify_and_replay_from_the_command_line() {
     rig.env.search_caught_up().await;
     let same = turnlog(&rig, &["verify", &rig.env.database_url, &target]).await;
     assert_eq!(same.status.code(), Some(0));
-    assert_eq!(stdout(&same).trim(), "identical: 2 sessions, 5 events, 0 memories, 3 search rows");
+    assert_eq!(stdout(&same).trim(), "identical: 2 sessions, 5 events, 0 memories, 3 search rows, 0 files");
     let pool = turnlog_runtime::db::connect(&target, 1).await.unwrap();
     sqlx::query("UPDATE sessions SET title = 'edited' WHERE id = $1").bind(s.0).execute(&pool).await.unwrap();
     pool.close().await;

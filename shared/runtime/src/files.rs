@@ -131,6 +131,22 @@ pub async fn live_files(pool: &PgPool, owner: &str, ids: &[Uuid]) -> Result<Vec<
     .await
 }
 
+/// The owner's live file of these bytes, if any (the newest).
+pub async fn live_by_sha256(
+    pool: &PgPool,
+    owner: &str,
+    sha256: &str,
+) -> Result<Option<FileRow>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "SELECT {FILE_COLUMNS} FROM files WHERE owner = $1 AND sha256 = $2 AND deleted_at IS NULL
+          ORDER BY created_at DESC LIMIT 1"
+    ))
+    .bind(owner)
+    .bind(sha256)
+    .fetch_optional(pool)
+    .await
+}
+
 /// The owner's live files, newest first; `before` pages on (created_at, id).
 pub async fn list_files(
     pool: &PgPool,

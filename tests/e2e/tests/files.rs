@@ -356,3 +356,64 @@ async fn files_survive_a_restart_and_a_rebuild_restores_them() {
     api.stop().await;
     mock.stop().await.unwrap();
 }
+
+/// Chat front ends (Open WebUI) send an image as a data URL inside the message, and resend
+/// it with the history on every request: a session family stores it once, as a file, and
+/// the log keeps the reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completions_store_a_data_url_image_once_and_keep_a_reference() {
+    let (mock, api) = stack(None).await;
+    let picture = base64::engine::general_purpose::STANDARD.encode(png(300, 200));
+    let url = format!("data:image/png;base64,{picture}");
+    let first = json!([{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]}]);
+    let chat_in = |family: &'static str, messages: Value| {
+        let req = api
+            .request(Method::POST, "/v1/chat/completions")
+            .bearer_auth(ALICE)
+            .header("X-Session-Id", family)
+            .json(&json!({"model": "mock", "messages": messages}));
+        api.send(req)
+    };
+    let chat = |messages: Value| chat_in("owui-chat-1", messages);
+    let r = chat(first.clone()).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let answer = r.json["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    assert_eq!(parts(&chats(&mock).pop().unwrap().body).0, vec![url.clone()], "the model sees the image");
+
+    // The history comes back whole, the image again, with a new question.
+    let mut second = first.as_array().unwrap().clone();
+    second.push(json!({"role": "assistant", "content": answer}));
+    second.push(json!({"role": "user", "content": "And the colours?"}));
+    let r = chat(Value::Array(second)).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(parts(&chats(&mock).pop().unwrap().body).0, vec![url], "resent from the store");
+
+    let files: i64 = sqlx::query_scalar("SELECT count(*) FROM files").fetch_one(&api.env.pool).await.unwrap();
+    assert_eq!(files, 1, "one file for the image sent twice");
+    let payloads: Vec<String> = sqlx::query_scalar("SELECT payload::text FROM session_events")
+        .fetch_all(&api.env.pool)
+        .await
+        .unwrap();
+    assert!(payloads.iter().all(|p| !p.contains("base64")), "no bytes in the log");
+    let with_images: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM session_events WHERE kind = 'user_message' AND payload ? 'images'",
+    )
+    .fetch_one(&api.env.pool)
+    .await
+    .unwrap();
+    assert_eq!(with_images, 1, "the first message keeps the reference, the second has none");
+
+    // An image by address, or one in a system message, is a clear 400.
+    let remote = json!([{"role": "user", "content": [
+        {"type": "text", "text": "and this?"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+    ]}]);
+    let r = chat_in("owui-chat-2", remote).await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(r.text.contains("data URL"), "{}", r.text);
+    api.stop().await;
+    mock.stop().await.unwrap();
+}

@@ -17,10 +17,13 @@ use object_store::{GetOptions, ObjectStore, PutOptions, PutPayload};
 use sha2::{Digest as _, Sha256};
 use tokio_util::sync::CancellationToken;
 use turnlog_core::events::{Document, Event, EventBody, ImageRef};
-use turnlog_runtime::files::{self as meta, FileRow};
+use turnlog_runtime::bus::AppendRequest;
+use turnlog_runtime::files::{self as meta, FileKind, FileMeta, FileRow};
 use uuid::Uuid;
 
 use crate::error::ApiError;
+use crate::writes::submit;
+use crate::Ingress;
 
 /// The parts of a file kept in the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +130,91 @@ fn unavailable(what: &str, e: &object_store::Error) -> ApiError {
 
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Stores an upload: its type sniffed, an image measured (and scaled once when larger than
+/// the model is sent), a document converted to markdown, the blobs put and the metadata
+/// committed through the writer. Everything that can refuse it runs before anything is
+/// stored. With `reuse`, the owner's live file of the same bytes is answered instead.
+pub async fn store(
+    app: &Ingress,
+    owner: &str,
+    name: String,
+    bytes: Bytes,
+    reuse: bool,
+) -> Result<FileRow, ApiError> {
+    let blobs = app.files.as_ref().ok_or_else(not_configured)?;
+    let sha256 = hex(&Sha256::digest(&bytes));
+    if reuse {
+        if let Some(f) = meta::live_by_sha256(&app.pool, owner, &sha256).await? {
+            return Ok(f);
+        }
+    }
+    let _permit = app.uploads.acquire().await.map_err(|_| ApiError::Unavailable("shutting down".into()))?;
+    let kind = convert::sniff(&name, &bytes)?;
+    let id = Uuid::now_v7();
+    let mut meta = FileMeta {
+        name,
+        mime: kind.mime().to_owned(),
+        kind: kind.kind(),
+        bytes: bytes.len() as u64,
+        sha256,
+        width: None,
+        height: None,
+        markdown_chars: None,
+        note: None,
+    };
+    let derived = match kind.kind() {
+        FileKind::Image => {
+            let original = bytes.clone();
+            let image = tokio::task::spawn_blocking(move || convert::image(kind, &original))
+                .await
+                .map_err(|e| ApiError::internal(anyhow::anyhow!("decoding an image: {e}")))??;
+            (meta.width, meta.height) = (Some(image.width), Some(image.height));
+            image.scaled.map(|s| (Part::Scaled, Bytes::from(s)))
+        }
+        FileKind::Document => {
+            let md = convert::document(kind, &bytes).await?;
+            meta.markdown_chars = Some(md.markdown.chars().count() as u64);
+            meta.note = md.note;
+            Some((Part::Markdown, Bytes::from(md.markdown)))
+        }
+    };
+    blobs.put(owner, id, Part::Original, bytes).await?;
+    if let Some((part, derived)) = derived {
+        blobs.put(owner, id, part, derived).await?;
+    }
+    submit(app, &AppendRequest::file_put(id, owner, &meta)).await?;
+    let row = meta::owned_file(&app.pool, owner, id)
+        .await?
+        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("file {id} committed but not found")))?;
+    tracing::info!(file_id = %id, mime = %row.mime, bytes = row.bytes, "file stored");
+    Ok(row)
+}
+
+/// Stores the image of a `data:` URL (what chat front ends send) as one of the owner's
+/// files, or finds the one already stored with the same bytes; its id.
+pub async fn image_from_data_url(app: &Ingress, owner: &str, url: &str) -> Result<String, ApiError> {
+    let refused = || {
+        ApiError::bad_request("an image must be a data URL (data:image/…;base64,…); turnlog fetches no URLs")
+    };
+    let rest = url.strip_prefix("data:").ok_or_else(refused)?;
+    let (header, data) = rest.split_once(',').ok_or_else(refused)?;
+    if !header.ends_with(";base64") {
+        return Err(refused());
+    }
+    let limit = app.config.file_max_bytes;
+    if data.len() / 4 * 3 > limit + 3 {
+        return Err(ApiError::PayloadTooLarge(format!("an image is over the limit of {limit} bytes")));
+    }
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(data.trim())
+        .map_err(|e| ApiError::bad_request(format!("an image's data URL is not base64: {e}")))?;
+    let row = store(app, owner, "image".into(), Bytes::from(bytes), true).await?;
+    if !row.is_image() {
+        return Err(ApiError::bad_request("a data URL in an image part must hold an image"));
+    }
+    Ok(row.id.to_string())
 }
 
 /// The file ids a send names, parsed; a malformed one is a 400.

@@ -9,16 +9,14 @@ use axum::Json;
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest as _, Sha256};
 use turnlog_runtime::bus::AppendRequest;
-use turnlog_runtime::files::{self as meta, FileKind, FileMeta, FileRow, MAX_FILE_NAME_CHARS};
+use turnlog_runtime::files::{self as meta, FileKind, FileRow, MAX_FILE_NAME_CHARS};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{read_body, ApiPath, ApiQuery};
-use crate::files::convert;
 use crate::files::{not_configured, Blobs, Part};
 use crate::writes::submit;
 use crate::{AppState, Ingress};
@@ -113,7 +111,8 @@ fn blobs(app: &Ingress) -> Result<&Blobs, ApiError> {
 )]
 #[tracing::instrument(skip_all, fields(file_id), err(Display, level = "debug"))]
 pub async fn upload(State(app): State<AppState>, caller: Caller, req: Request) -> Result<Response, ApiError> {
-    let blobs = blobs(&app)?;
+    // Refused before the body is read when there is nowhere to keep it.
+    blobs(&app)?;
     let limit = app.config.file_max_bytes;
     let boundary = req
         .headers()
@@ -127,48 +126,8 @@ pub async fn upload(State(app): State<AppState>, caller: Caller, req: Request) -
         })?;
     let body = read_body(req, limit + MULTIPART_OVERHEAD).await?;
     let (name, bytes) = file_field(body, boundary, limit).await?;
-    let _permit = app.uploads.acquire().await.map_err(|_| ApiError::Unavailable("shutting down".into()))?;
-    let kind = convert::sniff(&name, &bytes)?;
-    let id = Uuid::now_v7();
-    tracing::Span::current().record("file_id", tracing::field::display(id));
-    let owner = caller.as_str();
-    let mut meta = FileMeta {
-        name,
-        mime: kind.mime().to_owned(),
-        kind: kind.kind(),
-        bytes: bytes.len() as u64,
-        sha256: crate::files::hex(&Sha256::digest(&bytes)),
-        width: None,
-        height: None,
-        markdown_chars: None,
-        note: None,
-    };
-    // Converted before anything is stored: a refused file leaves nothing behind.
-    let derived = match kind.kind() {
-        FileKind::Image => {
-            let original = bytes.clone();
-            let image = tokio::task::spawn_blocking(move || convert::image(kind, &original))
-                .await
-                .map_err(|e| ApiError::internal(anyhow::anyhow!("decoding an image: {e}")))??;
-            (meta.width, meta.height) = (Some(image.width), Some(image.height));
-            image.scaled.map(|s| (Part::Scaled, Bytes::from(s)))
-        }
-        FileKind::Document => {
-            let md = convert::document(kind, &bytes).await?;
-            meta.markdown_chars = Some(md.markdown.chars().count() as u64);
-            meta.note = md.note;
-            Some((Part::Markdown, Bytes::from(md.markdown)))
-        }
-    };
-    blobs.put(owner, id, Part::Original, bytes).await?;
-    if let Some((part, derived)) = derived {
-        blobs.put(owner, id, part, derived).await?;
-    }
-    submit(&app, &AppendRequest::file_put(id, owner, &meta)).await?;
-    let row = meta::owned_file(&app.pool, owner, id)
-        .await?
-        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("file {id} committed but not found")))?;
-    tracing::info!(mime = %row.mime, bytes = row.bytes, "file stored");
+    let row = crate::files::store(&app, caller.as_str(), name, bytes, false).await?;
+    tracing::Span::current().record("file_id", tracing::field::display(row.id));
     Ok((StatusCode::CREATED, Json(FileView::from(row))).into_response())
 }
 

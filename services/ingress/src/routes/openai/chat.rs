@@ -34,7 +34,7 @@ use crate::routes::turns::{
 use crate::turn::{TurnEvent, TurnOptions};
 use crate::validate::MAX_CHAT_BODY_BYTES;
 use crate::writes::submit;
-use crate::{validate, AppState};
+use crate::{files, validate, AppState};
 
 /// Longest session header value.
 const MAX_SESSION_HEADER: usize = 200;
@@ -110,6 +110,8 @@ struct WireMessage {
 struct Conversation {
     system: Option<String>,
     messages: Vec<(bool, String)>,
+    /// Each message's images, as the `data:` URLs the client sent (aligned with `messages`).
+    images: Vec<Vec<String>>,
 }
 
 /// Create a chat completion. With a session header (`X-Session-Id`, or one named in
@@ -248,6 +250,7 @@ fn new_family(caller: &Caller, root: SessionId) -> AppendRequest {
 fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> {
     let mut system = Vec::new();
     let mut rest = Vec::new();
+    let mut images = Vec::new();
     for m in messages {
         if m.tool_calls.as_ref().is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty())) {
             return Err(OaiError::bad_request(
@@ -256,7 +259,11 @@ fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> {
         }
         let user = match m.role.as_str() {
             "system" | "developer" => {
-                system.push(content_text(m.content.as_ref())?);
+                let (text, urls) = content(m.content.as_ref())?;
+                if !urls.is_empty() {
+                    return Err(OaiError::bad_request("a system message cannot carry images"));
+                }
+                system.push(text);
                 continue;
             }
             "user" => true,
@@ -268,10 +275,16 @@ fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> {
             }
             other => return Err(OaiError::bad_request(format!("unknown message role {other:?}"))),
         };
-        let text = content_text(m.content.as_ref())?;
+        let (text, urls) = content(m.content.as_ref())?;
+        if !user && !urls.is_empty() {
+            return Err(OaiError::bad_request("an assistant message cannot carry images"));
+        }
         // A branch's conversation has no empty messages either (a failed answer, say).
         if !text.trim().is_empty() {
             rest.push((user, text));
+            images.push(urls);
+        } else if !urls.is_empty() {
+            return Err(OaiError::bad_request("a message with images needs text too"));
         }
     }
     match rest.last() {
@@ -289,27 +302,36 @@ fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> {
             "the system messages take more than {MAX_SYSTEM_PROMPT_BYTES} bytes"
         )));
     }
-    Ok(Conversation { system: (!system.is_empty()).then_some(system), messages: rest })
+    Ok(Conversation { system: (!system.is_empty()).then_some(system), messages: rest, images })
 }
 
-/// A message's text: a string, or its text parts joined.
-fn content_text(content: Option<&Value>) -> Result<String, OaiError> {
-    match content {
-        Some(Value::String(t)) => Ok(t.clone()),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                (Some("text"), Some(t)) => Ok(t),
-                (kind, _) => Err(OaiError::bad_request(format!(
-                    "content parts of type {} cannot be stored yet; send text (or no session header)",
+/// A message's text (a string, or its text parts joined) and its images' URLs (`image_url`
+/// parts, stored as files when the message is).
+fn content(content: Option<&Value>) -> Result<(String, Vec<String>), OaiError> {
+    let parts = match content {
+        Some(Value::String(t)) => return Ok((t.clone(), Vec::new())),
+        Some(Value::Array(parts)) => parts,
+        None | Some(Value::Null) => return Ok((String::new(), Vec::new())),
+        Some(_) => {
+            return Err(OaiError::bad_request("a message's content must be a string or an array of parts"))
+        }
+    };
+    let (mut text, mut urls) = (String::new(), Vec::new());
+    for p in parts {
+        let url = p.get("image_url").and_then(|i| i.get("url").or(Some(i))).and_then(Value::as_str);
+        match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str), url) {
+            (Some("text"), Some(t), _) => text.push_str(t),
+            (Some("image_url"), _, Some(url)) => urls.push(url.to_owned()),
+            (kind, _, _) => {
+                return Err(OaiError::bad_request(format!(
+                    "content parts of type {} cannot be stored; send text and image_url parts (or no \
+                     session header)",
                     kind.unwrap_or("(none)")
-                ))),
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map(|texts| texts.join("")),
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(_) => Err(OaiError::bad_request("a message's content must be a string or an array of parts")),
+                )))
+            }
+        }
     }
+    Ok((text, urls))
 }
 
 /// Where a turn runs: a session of the family, or one to create first (the family's first,
@@ -339,7 +361,9 @@ async fn run(
     turn: Turn<'_>,
 ) -> Result<(SessionId, BoxStream<'static, TurnEvent>), OaiError> {
     let Turn { conversation, from, options, model } = turn;
-    let new = &conversation.messages[from.min(conversation.messages.len())..];
+    let from = from.min(conversation.messages.len());
+    let new = &conversation.messages[from..];
+    let new_images = &conversation.images[from..];
     let Some(((_, last), earlier)) = new.split_last() else {
         let session = match target {
             Target::New(create) => {
@@ -363,17 +387,31 @@ async fn run(
             "at most {MAX_NEW_MESSAGES} earlier messages can be added to a session at once"
         )));
     }
+    // The new messages' images become the owner's files (the same bytes resent on every
+    // request are one file), so the log keeps references (DESIGN §12).
+    let owner = caller.as_str();
+    let mut stored = Vec::with_capacity(new_images.len());
+    for urls in new_images {
+        let mut ids = Vec::with_capacity(urls.len());
+        for url in urls {
+            ids.push(files::image_from_data_url(app, owner, url).await?);
+        }
+        stored.push(ids);
+    }
     let message = SendMessage {
         text: last.clone(),
         category: None,
         model,
-        images: Vec::new(),
+        images: stored.pop().unwrap_or_default(),
         documents: Vec::new(),
         edit_of: None,
     };
-    let message = prepared(app, caller.as_str(), &message).await?;
-    let items: Vec<NewItem> =
-        earlier.iter().map(|(user, text)| NewItem { assistant: !user, text: text.clone() }).collect();
+    let message = prepared(app, owner, &message).await?;
+    let mut items: Vec<NewItem> = Vec::with_capacity(earlier.len());
+    for ((user, text), ids) in earlier.iter().zip(&stored) {
+        let images = files::attachments(&app.pool, app.files.as_ref(), owner, ids, &[]).await?.0;
+        items.push(NewItem { assistant: !user, text: text.clone(), images });
+    }
     for item in &items {
         validate::text(&item.text)?;
         let body = item.body();
@@ -675,11 +713,28 @@ mod tests {
     }
 
     #[test]
+    fn image_parts_ride_beside_their_message() {
+        let c = conversation(&messages(json!([
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "auto"}},
+            ]},
+        ])))
+        .unwrap();
+        assert_eq!(c.messages.last(), Some(&(true, "What is this?".to_owned())));
+        assert_eq!(c.images, vec![vec![], vec![], vec!["data:image/png;base64,AAAA".to_owned()]]);
+    }
+
+    #[test]
     fn what_a_session_cannot_hold_is_refused() {
         for refused in [
             json!([]),
             json!([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]),
             json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]),
+            json!([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}, {"role": "user", "content": "x"}]),
+            json!([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}, {"type": "text", "text": "x"}]}]),
             json!([{"role": "assistant", "content": null, "tool_calls": [{"id": "c"}]}, {"role": "user", "content": "x"}]),
             json!([{"role": "tool", "content": "42"}, {"role": "user", "content": "x"}]),
             json!([{"role": "narrator", "content": "x"}]),

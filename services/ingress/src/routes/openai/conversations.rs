@@ -9,7 +9,8 @@ use turnlog_runtime::bus::{metadata_error, AppendRequest};
 use turnlog_runtime::read::{self, SessionRow};
 
 use turnlog_core::events::{
-    AssistantTurn, Block, BlockType, EventBody, LlmMessage, LlmPart, MessageContent, UiPart, UserMessage,
+    AssistantTurn, Block, BlockType, EventBody, ImageRef, LlmMessage, LlmPart, MessageContent, UiPart,
+    UserMessage,
 };
 use turnlog_core::ids::SessionId;
 use uuid::Uuid;
@@ -77,6 +78,8 @@ const MAX_NEW_ITEMS: usize = 20;
 pub(super) struct NewItem {
     pub(super) assistant: bool,
     pub(super) text: String,
+    /// A user message's images (stored files), from Chat Completions' image parts.
+    pub(super) images: Vec<ImageRef>,
 }
 
 /// `items` of a create: messages whose content is a string or text parts.
@@ -112,7 +115,7 @@ fn parse_item(item: &Value) -> Result<NewItem, OaiError> {
     if text.is_empty() {
         return Err(OaiError::bad_request("an item's text must not be empty"));
     }
-    Ok(NewItem { assistant, text })
+    Ok(NewItem { assistant, text, images: Vec::new() })
 }
 
 impl NewItem {
@@ -120,7 +123,11 @@ impl NewItem {
     pub(super) fn body(&self) -> EventBody {
         let text = self.text.clone();
         if !self.assistant {
-            return EventBody::UserMessage(UserMessage { text, ..Default::default() });
+            return EventBody::UserMessage(UserMessage {
+                text,
+                images: self.images.clone(),
+                ..Default::default()
+            });
         }
         EventBody::AssistantTurn(AssistantTurn {
             ui: UiPart {
