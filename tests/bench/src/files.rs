@@ -5,7 +5,7 @@
 //! store and sent as a data URL), beside the same turn without it.
 
 use std::io::Cursor;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use bytes::Bytes;
 use serde_json::json;
@@ -13,18 +13,10 @@ use turnlog_ingress::files::{Blobs, Part};
 use turnlog_ingress::turn::TurnLimits;
 use uuid::Uuid;
 
+use crate::ingress::{p50, unix_us};
 use crate::system::{Settings, System};
 
 const TURNS: usize = 30;
-
-fn unix_us() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
-}
-
-fn p50(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
-}
 
 /// A PNG of noise (it does not compress) of about `bytes` bytes, different per `seed`.
 fn noise_png(bytes: usize, seed: u64) -> Vec<u8> {

@@ -26,11 +26,11 @@ const DEEP_HISTORY: usize = 50;
 /// (8) would refuse most of them with 429.
 const TURN_CAP_PER_OWNER: u32 = 64;
 
-fn unix_us() -> u64 {
+pub(crate) fn unix_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
-fn p50(mut xs: Vec<f64>) -> f64 {
+pub(crate) fn p50(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs.get(xs.len() / 2).copied().unwrap_or(f64::NAN)
 }

@@ -214,13 +214,17 @@ pub async fn document(kind: Sniffed, bytes: &[u8]) -> Result<Markdown, ApiError>
             Markdown { markdown: text(bytes).unwrap_or_default().to_owned(), note: None }
         }
         Sniffed::Html => {
-            let html = String::from_utf8_lossy(bytes);
-            let converter = htmd::HtmlToMarkdown::builder()
-                .skip_tags(vec!["script", "style", "head", "noscript", "template", "iframe"])
-                .build();
-            let markdown = converter
-                .convert(&html)
-                .map_err(|e| ApiError::bad_request(format!("the HTML document cannot be read: {e}")))?;
+            // Parsing megabytes of HTML takes a while: off the async threads.
+            let html = String::from_utf8_lossy(bytes).into_owned();
+            let markdown = tokio::task::spawn_blocking(move || {
+                htmd::HtmlToMarkdown::builder()
+                    .skip_tags(vec!["script", "style", "head", "noscript", "template", "iframe"])
+                    .build()
+                    .convert(&html)
+            })
+            .await
+            .map_err(|e| ApiError::internal(anyhow::anyhow!("converting HTML: {e}")))?
+            .map_err(|e| ApiError::bad_request(format!("the HTML document cannot be read: {e}")))?;
             Markdown { markdown, note: None }
         }
         Sniffed::Pdf => pdf(bytes).await?,
