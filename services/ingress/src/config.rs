@@ -84,6 +84,8 @@ pub struct IngressConfig {
     pub vision_models: Option<Vec<String>>,
     /// How long a deleted file's blobs are kept before the sweep may remove them.
     pub file_sweep_delay: Duration,
+    /// How often the sweep runs (tests shorten it).
+    pub file_sweep_every: Duration,
 }
 
 impl IngressConfig {
@@ -109,6 +111,7 @@ impl IngressConfig {
             file_max_bytes: DEFAULT_FILE_MAX_BYTES,
             vision_models: None,
             file_sweep_delay: DEFAULT_FILE_SWEEP_DELAY,
+            file_sweep_every: Duration::from_secs(600),
         }
     }
 

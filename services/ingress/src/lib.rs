@@ -42,8 +42,8 @@ pub use error::ApiError;
 const POOL_SIZE: u32 = 16;
 /// Uploads converted at once by one copy.
 const UPLOADS_AT_ONCE: usize = 4;
-/// How often deleted files' blobs are swept.
-const FILE_SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(600);
+/// Bytes of upload bodies one copy holds at once (more wait for room).
+const UPLOAD_BYTES_AT_ONCE: usize = 160 * 1024 * 1024;
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// How long a turn-lease lookup may take before the route answers 503.
 pub(crate) const BUS_READ_TIMEOUT: Duration = Duration::from_secs(2);
@@ -68,6 +68,8 @@ pub struct Ingress {
     pub files: Option<files::Blobs>,
     /// Uploads converted at once (decoding an image or a PDF takes memory and CPU).
     pub uploads: tokio::sync::Semaphore,
+    /// Bytes of upload bodies held at once, in all (a permit a byte).
+    pub upload_bytes: tokio::sync::Semaphore,
 }
 
 pub type AppState = Arc<Ingress>;
@@ -91,6 +93,8 @@ impl Ingress {
         turnlog_core::tokens::warm_up();
         let metrics = Arc::new(metrics::HttpMetrics::new()?);
         let instance_id = format!("ingress-{}", uuid::Uuid::now_v7());
+        // Always room for the largest upload, twice.
+        let upload_room = UPLOAD_BYTES_AT_ONCE.max(config.file_max_bytes.saturating_mul(2));
         Ok(Arc::new(Self {
             config,
             pool,
@@ -103,6 +107,7 @@ impl Ingress {
             chains: Default::default(),
             files,
             uploads: tokio::sync::Semaphore::new(UPLOADS_AT_ONCE),
+            upload_bytes: tokio::sync::Semaphore::new(upload_room),
         }))
     }
 
@@ -166,7 +171,7 @@ pub async fn run(
     if let Some(blobs) = &state.files {
         tracing::info!(location = %blobs.location, "files stored");
         let delay = state.config.file_sweep_delay;
-        files::spawn_sweep(state.pool.clone(), blobs.clone(), delay, FILE_SWEEP_EVERY, shutdown.clone());
+        files::spawn_sweep(Arc::clone(&state), delay, state.config.file_sweep_every, shutdown.clone());
     }
     let auth = if state.config.tokens.is_empty() { "none (owner local)" } else { "bearer tokens" };
     tracing::info!(%addr, auth, "ingress listening");

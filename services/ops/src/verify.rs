@@ -260,14 +260,14 @@ impl Compared for MemoryRow {
 impl Compared for FileRow {
     const QUERY: &'static str =
         "SELECT id, owner, name, mime, kind, bytes, sha256, width, height, markdown_chars, \
-                                 note, created_at, deleted_at FROM files ORDER BY id";
+                                 note, sent_mime, created_at, deleted_at, swept_at FROM files ORDER BY id";
     type Key = IdKey;
     fn key(&self) -> IdKey {
         IdKey("file", self.id)
     }
     fn first_difference(&self, other: &Self) -> Option<String> {
         first_difference!(self, other; owner, name, mime, kind, bytes, sha256, width, height, markdown_chars,
-            note, created_at, deleted_at);
+            note, sent_mime, created_at, deleted_at, swept_at);
         None
     }
 }

@@ -184,6 +184,12 @@ pub enum FileWrite {
         owner: String,
         at: DateTime<Utc>,
     },
+    /// Marks the owner's deleted file swept at this time (unless it is already).
+    Swept {
+        id: Uuid,
+        owner: String,
+        at: DateTime<Utc>,
+    },
 }
 
 /// One session a delete removes, wholly or down to the prefix forks inherit.
@@ -304,8 +310,10 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
     for msg in batch {
         // A delete gets a batch of its own: it is written by a separate, rarer path.
         // A file op too: its few rows are written by a statement of their own.
-        let alone =
-            msg.request.as_ref().is_ok_and(|r| matches!(r.op, Op::Delete | Op::FilePut | Op::FileDelete));
+        let alone = msg
+            .request
+            .as_ref()
+            .is_ok_and(|r| matches!(r.op, Op::Delete | Op::FilePut | Op::FileDelete | Op::FileSwept));
         if alone && fx.consumed > 0 {
             break;
         }
@@ -355,7 +363,7 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
                 Op::Create => created.push(req.session_id),
                 Op::Delete => fx.deleted = Some(req.session_id),
                 Op::Append | Op::Update => touched.push(req.session_id),
-                Op::FilePut | Op::FileDelete => {}
+                Op::FilePut | Op::FileDelete | Op::FileSwept => {}
             }
         }
         state.outcomes.insert(req.request_id, (outcome.clone(), Some(req.session_id)));
@@ -430,6 +438,10 @@ fn apply_one(
             fx.file = Some(FileWrite::Delete { id: req.session_id.0, owner: owner.to_string(), at: now });
             return Ok(Applied { seq: None, rejected: None });
         }
+        Op::FileSwept => {
+            fx.file = Some(FileWrite::Swept { id: req.session_id.0, owner: owner.to_string(), at: now });
+            return Ok(Applied { seq: None, rejected: None });
+        }
         _ => {}
     }
 
@@ -466,7 +478,9 @@ fn apply_one(
 
     match req.op {
         // (create and file ops returned above)
-        Op::Create | Op::FilePut | Op::FileDelete => Ok(Applied { seq: None, rejected: None }),
+        Op::Create | Op::FilePut | Op::FileDelete | Op::FileSwept => {
+            Ok(Applied { seq: None, rejected: None })
+        }
         Op::Delete => {
             let at = i64::try_from(msg.stream_seq).unwrap_or(i64::MAX);
             fx.removals = plan_delete(state, req.session_id, at, now);

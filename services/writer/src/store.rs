@@ -255,10 +255,7 @@ async fn write_file(
     file: &FileWrite,
 ) -> Result<(), StoreError> {
     let outcome = fx.outcomes.first().map(|(o, _)| o);
-    let write = match file {
-        FileWrite::Put(_) => PUT_FILE,
-        FileWrite::Delete { .. } => DELETE_FILE,
-    };
+    let write = file_write_sql(file);
     let statement = format!(
         "WITH pos AS (
              UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1
@@ -288,12 +285,22 @@ async fn write_file(
 /// The file op's write, parameters from `$7` (see [`bind_file`]); in the live writer's
 /// statement it runs only when the position moved.
 const PUT_FILE: &str = "INSERT INTO files (id, owner, name, mime, kind, bytes, sha256, width, height,
-                                           markdown_chars, note, created_at)
-             SELECT $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18
+                                           markdown_chars, note, sent_mime, created_at)
+             SELECT $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19
               WHERE EXISTS (SELECT 1 FROM pos)
              ON CONFLICT (id) DO NOTHING";
 const DELETE_FILE: &str = "UPDATE files SET deleted_at = $9
               WHERE id = $7 AND owner = $8 AND deleted_at IS NULL AND EXISTS (SELECT 1 FROM pos)";
+const SWEPT_FILE: &str = "UPDATE files SET swept_at = $9
+              WHERE id = $7 AND owner = $8 AND swept_at IS NULL AND EXISTS (SELECT 1 FROM pos)";
+
+fn file_write_sql(file: &FileWrite) -> &'static str {
+    match file {
+        FileWrite::Put(_) => PUT_FILE,
+        FileWrite::Delete { .. } => DELETE_FILE,
+        FileWrite::Swept { .. } => SWEPT_FILE,
+    }
+}
 
 pub(crate) fn bind_file<'q, O>(
     query: sqlx::query::QueryScalar<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
@@ -312,18 +319,18 @@ pub(crate) fn bind_file<'q, O>(
             .bind(f.height)
             .bind(f.markdown_chars)
             .bind(&f.note)
+            .bind(&f.sent_mime)
             .bind(f.created_at),
-        FileWrite::Delete { id, owner, at } => query.bind(*id).bind(owner).bind(*at),
+        FileWrite::Delete { id, owner, at } | FileWrite::Swept { id, owner, at } => {
+            query.bind(*id).bind(owner).bind(*at)
+        }
     }
 }
 
 /// The same write for a rebuild, which moves no position and writes outcomes at the end:
 /// `$1`–`$6` are bound but unused.
 pub(crate) async fn rebuild_file(conn: &mut PgConnection, file: &FileWrite) -> Result<(), sqlx::Error> {
-    let write = match file {
-        FileWrite::Put(_) => PUT_FILE,
-        FileWrite::Delete { .. } => DELETE_FILE,
-    };
+    let write = file_write_sql(file);
     let statement = format!("WITH pos AS (SELECT 1), f AS ({write}) SELECT 1::int8");
     let mut query = sqlx::query_scalar::<_, i64>(&statement);
     for _ in 0..6 {

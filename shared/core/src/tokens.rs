@@ -43,12 +43,13 @@ pub fn message_tokens(m: &ChatMessage) -> u32 {
 /// larger than 512 px; <https://platform.openai.com/docs/guides/images-vision#calculating-costs>,
 /// "GPT-4o, GPT-4.1, GPT-4o-mini, CUA, and o-series"): scaled to fit within 2048 × 2048,
 /// then so that its shortest side is at most 768; then 170 tokens for each 512 px tile
-/// it covers, plus 85. An image of unknown size is counted as the largest the ingress
-/// sends ([`MAX_IMAGE_EDGE`] square: 4 tiles, 765 tokens).
+/// it covers, plus 85. An image of unknown size counts 0: only references written before
+/// sizes were recorded lack one, and their stored counts (which a rebuild reproduces) were
+/// made without images.
 pub fn image_tokens(width: Option<u32>, height: Option<u32>) -> u32 {
     let (w, h) = match (width, height) {
         (Some(w), Some(h)) if w > 0 && h > 0 => (f64::from(w), f64::from(h)),
-        _ => (f64::from(MAX_IMAGE_EDGE), f64::from(MAX_IMAGE_EDGE)),
+        _ => return 0,
     };
     let fit = (2048.0 / w.max(h)).min(1.0);
     let (w, h) = (w * fit, h * fit);
@@ -86,7 +87,7 @@ mod tests {
         assert_eq!(image_tokens(Some(1024), Some(1024)), 765);
         assert_eq!(image_tokens(Some(2048), Some(4096)), 1105);
         assert_eq!(image_tokens(Some(100), Some(60)), 255);
-        assert_eq!(image_tokens(None, None), 765);
+        assert_eq!(image_tokens(None, None), 0, "an old reference without a size");
         let m = ChatMessage {
             role: Role::User,
             content: crate::message::Content::Parts(vec![

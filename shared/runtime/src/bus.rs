@@ -154,6 +154,8 @@ pub enum Op {
     FilePut,
     /// Marks a file deleted (its blobs go later, when no stored message refers to them).
     FileDelete,
+    /// Records that a deleted file's blobs are gone (the sweep's, after it removed them).
+    FileSwept,
 }
 
 /// `expect` of a conditional append; `compacted_through` null means "no compaction yet".
@@ -299,6 +301,9 @@ impl AppendRequest {
     }
     pub fn file_delete(file: Uuid, owner: &str) -> Self {
         Self::base(Op::FileDelete, SessionId(file), owner)
+    }
+    pub fn file_swept(file: Uuid, owner: &str) -> Self {
+        Self::base(Op::FileSwept, SessionId(file), owner)
     }
 }
 

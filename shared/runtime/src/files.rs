@@ -46,17 +46,26 @@ pub struct FileMeta {
     /// What the conversion could not do (a PDF without a text layer, say).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// An image sent as a re-encoded copy (scaled, or lightened): that copy's type.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sent_mime: Option<String>,
 }
 
 impl FileMeta {
     /// Why the writer cannot store this, if it cannot.
     pub fn invalid(&self) -> Option<&'static str> {
-        let texts = [Some(&self.name), Some(&self.mime), Some(&self.sha256), self.note.as_ref()];
+        let texts = [
+            Some(&self.name),
+            Some(&self.mime),
+            Some(&self.sha256),
+            self.note.as_ref(),
+            self.sent_mime.as_ref(),
+        ];
         if texts.into_iter().flatten().any(|t| t.contains('\0')) {
             return Some("file metadata contains a NUL character");
         }
-        if self.name.chars().count() > MAX_FILE_NAME_CHARS || self.mime.len() > 200 || self.sha256.len() != 64
-        {
+        let long_mime = self.mime.len() > 200 || self.sent_mime.as_ref().is_some_and(|m| m.len() > 200);
+        if self.name.chars().count() > MAX_FILE_NAME_CHARS || long_mime || self.sha256.len() != 64 {
             return Some("file name, mime type or sha256 out of range");
         }
         if self.note.as_ref().is_some_and(|n| n.len() > 1000) {
@@ -80,8 +89,10 @@ pub struct FileRow {
     pub height: Option<i32>,
     pub markdown_chars: Option<i64>,
     pub note: Option<String>,
+    pub sent_mime: Option<String>,
     pub created_at: DateTime<Utc>,
     pub deleted_at: Option<DateTime<Utc>>,
+    pub swept_at: Option<DateTime<Utc>>,
 }
 
 impl FileRow {
@@ -98,8 +109,10 @@ impl FileRow {
             height: meta.height.and_then(|h| i32::try_from(h).ok()),
             markdown_chars: meta.markdown_chars.and_then(|c| i64::try_from(c).ok()),
             note: meta.note.clone(),
+            sent_mime: meta.sent_mime.clone(),
             created_at: at,
             deleted_at: None,
+            swept_at: None,
         }
     }
 
@@ -109,7 +122,8 @@ impl FileRow {
 }
 
 pub const FILE_COLUMNS: &str =
-    "id, owner, name, mime, kind, bytes, sha256, width, height, markdown_chars, note, created_at, deleted_at";
+    "id, owner, name, mime, kind, bytes, sha256, width, height, markdown_chars, note, \
+                                sent_mime, created_at, deleted_at, swept_at";
 
 /// The owner's file `id`, deleted or not; None when it is another owner's or unknown.
 pub async fn owned_file(pool: &PgPool, owner: &str, id: Uuid) -> Result<Option<FileRow>, sqlx::Error> {
@@ -169,10 +183,10 @@ pub async fn list_files(
     .await
 }
 
-/// Files deleted before `before` that no stored user message refers to: those whose blobs
-/// may go. A message keeps its attachments' bytes for as long as it exists (an audited
-/// request is rebuilt with them, and the transcript shows them). Pages on (deleted_at, id)
-/// after `after`.
+/// Files deleted before `before`, not swept yet, that no stored user message refers to:
+/// those whose blobs may go. A message keeps its attachments' bytes for as long as it
+/// exists (an audited request is rebuilt with them, and the transcript shows them). Pages
+/// on (deleted_at, id) after `after`.
 pub async fn sweepable(
     pool: &PgPool,
     before: DateTime<Utc>,
@@ -182,7 +196,7 @@ pub async fn sweepable(
     let (after_at, after_id) = after.unzip();
     sqlx::query_as(&format!(
         "SELECT {FILE_COLUMNS} FROM files f
-          WHERE f.deleted_at < $1
+          WHERE f.deleted_at < $1 AND f.swept_at IS NULL
             AND ($3::timestamptz IS NULL OR (f.deleted_at, f.id) > ($3, $4))
             AND NOT EXISTS (
                 SELECT 1 FROM sessions s JOIN session_events e ON e.session_id = s.id

@@ -46,6 +46,8 @@ pub struct Options {
     pub files_url: Option<String>,
     /// `TURNLOG_VISION_MODELS` (None: every model).
     pub vision_models: Option<Vec<String>>,
+    /// Sweep deleted files this often, without the delay (None: the defaults).
+    pub file_sweep_every: Option<Duration>,
 }
 
 impl Default for Options {
@@ -64,6 +66,7 @@ impl Default for Options {
             partitions: 1,
             files_url: None,
             vision_models: None,
+            file_sweep_every: None,
         }
     }
 }
@@ -172,6 +175,9 @@ impl Api {
         config.allowed_models = opts.allowed_models;
         config.turn_limits = opts.turn_limits;
         config.vision_models = opts.vision_models;
+        if let Some(every) = opts.file_sweep_every {
+            (config.file_sweep_delay, config.file_sweep_every) = (Duration::ZERO, every);
+        }
         config.files_url = Some(opts.files_url.unwrap_or_else(|| {
             let dir = std::env::temp_dir().join("turnlog-test-files").join(&env.bus_prefix);
             format!("file://{}", dir.display())

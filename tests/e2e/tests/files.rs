@@ -57,7 +57,13 @@ fn pdf(text: Option<&str>) -> Vec<u8> {
 
 async fn stack(files_url: Option<String>) -> (MockHandle, Api) {
     let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
-    let api = Api::with(Options { llm_url: Some(mock.base_url()), files_url, ..Options::default() }).await;
+    let api = Api::with(Options {
+        llm_url: Some(mock.base_url()),
+        files_url,
+        file_sweep_every: Some(Duration::from_millis(200)),
+        ..Options::default()
+    })
+    .await;
     (mock, api)
 }
 
@@ -193,13 +199,30 @@ async fn round_trip(files_url: Option<String>) {
     assert_eq!(api.get("/v1/files", ALICE).await.json["files"].as_array().unwrap().len(), 1);
     assert!(api.get(&format!("/v1/files/{doc_id}"), ALICE).await.json["deleted_at"].is_string());
 
-    // The sweep keeps what a stored message refers to and removes the rest.
+    // The sweep (every 200 ms here, without the delay) keeps what a stored message refers
+    // to and removes the rest, once.
     let loose = uploaded(&api.upload(ALICE, "loose.md", b"# scratch\n").await);
     api.call(Method::DELETE, &format!("/v1/files/{loose}"), Some(ALICE), Body::None).await;
-    let blobs = turnlog_ingress::files::Blobs::open(&blob_url(&api, files_url.as_deref())).unwrap();
-    let swept = turnlog_ingress::files::sweep(&api.env.pool, &blobs, Duration::ZERO).await.unwrap();
-    assert_eq!(swept, 1, "only the unreferenced file");
+    let swept_at = |id: String| {
+        let pool = api.env.pool.clone();
+        async move {
+            let at: Option<String> =
+                sqlx::query_scalar("SELECT swept_at::text FROM files WHERE id = $1::uuid")
+                    .bind(id)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            at
+        }
+    };
+    turnlog_testkit::eventually(Duration::from_secs(15), || {
+        let swept = swept_at(loose.clone());
+        async move { swept.await.is_some().then_some(()) }
+    })
+    .await;
     assert_eq!(api.get(&format!("/v1/files/{loose}/content"), ALICE).await.status, 404);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(swept_at(doc_id.clone()).await.is_none(), "a referenced file is not swept");
     assert_eq!(api.get(&format!("/v1/files/{doc_id}/content"), ALICE).await.status, 200);
     api.stop().await;
     mock.stop().await.unwrap();

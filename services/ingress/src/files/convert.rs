@@ -22,9 +22,19 @@ use crate::error::ApiError;
 /// A document's markdown is refused above this (DESIGN §12): it is sent with every request
 /// of the session until a compaction summarizes it.
 pub const MAX_MARKDOWN_BYTES: usize = 512 * 1024;
-/// Pixels decoded at most, either side: a small file can claim a huge canvas.
+/// Pixels decoded at most, either side and in all: a small file can claim a huge canvas.
 const MAX_IMAGE_SIDE: u32 = 16_384;
-const MAX_DECODE_BYTES: u64 = 512 * 1024 * 1024;
+const MAX_IMAGE_PIXELS: u64 = 40_000_000;
+const MAX_DECODE_BYTES: u64 = 256 * 1024 * 1024;
+/// An image not larger than the model is sent but heavier than this is re-encoded once
+/// (metadata dropped), so no turn carries more than a few MiB of it.
+const MAX_SENT_IMAGE_BYTES: usize = 4 * 1024 * 1024;
+/// Deepest HTML nesting converted (the converter recurses once a level).
+const MAX_HTML_DEPTH: usize = 2_000;
+/// The converter's thread stack: room for [`MAX_HTML_DEPTH`] levels many times over.
+const HTML_STACK_BYTES: usize = 64 * 1024 * 1024;
+/// Longest an HTML conversion may take.
+const HTML_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest a PDF's text extraction may take.
 const PDF_TIMEOUT: Duration = Duration::from_secs(30);
 /// The JPEG quality a scaled JPEG is written with.
@@ -119,13 +129,14 @@ fn text(bytes: &[u8]) -> Option<&str> {
     std::str::from_utf8(bytes).ok().filter(|s| !s.contains('\0'))
 }
 
-/// An image as stored: its size, and the bytes the model is sent when they are not the
-/// upload's own (it was larger than [`MAX_IMAGE_EDGE`]).
+/// An image as stored: its size, and the bytes the model is sent (with their type) when
+/// they are not the upload's own: it was larger than [`MAX_IMAGE_EDGE`], or heavier than
+/// [`MAX_SENT_IMAGE_BYTES`].
 #[derive(Debug)]
 pub struct Image {
     pub width: u32,
     pub height: u32,
-    pub scaled: Option<Vec<u8>>,
+    pub scaled: Option<(Vec<u8>, &'static str)>,
 }
 
 /// The size the model is sent an image of `width` × `height` at: within [`MAX_IMAGE_EDGE`]
@@ -142,16 +153,6 @@ pub fn sent_size(width: u32, height: u32) -> (u32, u32) {
     (scale(width), scale(height))
 }
 
-/// The mime type of what the model is sent of an image of type `mime`: a scaled JPEG stays
-/// JPEG, anything else scaled becomes PNG.
-pub fn sent_mime(mime: &str, scaled: bool) -> &str {
-    if scaled && mime != "image/jpeg" {
-        "image/png"
-    } else {
-        mime
-    }
-}
-
 /// Decodes the image (bounded), and scales it down when it is larger than the model is
 /// sent — deterministically: the same bytes always give the same scaled bytes.
 pub fn image(kind: Sniffed, bytes: &[u8]) -> Result<Image, ApiError> {
@@ -161,9 +162,14 @@ pub fn image(kind: Sniffed, bytes: &[u8]) -> Result<Image, ApiError> {
     let (width, height) = reader
         .into_dimensions()
         .map_err(|e| ApiError::bad_request(format!("the {} image cannot be read: {e}", kind.mime())))?;
-    if width > MAX_IMAGE_SIDE || height > MAX_IMAGE_SIDE {
+    if width > MAX_IMAGE_SIDE
+        || height > MAX_IMAGE_SIDE
+        || u64::from(width) * u64::from(height) > MAX_IMAGE_PIXELS
+    {
         return Err(ApiError::bad_request(format!(
-            "the image is {width} × {height} pixels; at most {MAX_IMAGE_SIDE} on a side are taken"
+            "the image is {width} × {height} pixels; at most {MAX_IMAGE_SIDE} on a side and {} million in all \
+             are taken",
+            MAX_IMAGE_PIXELS / 1_000_000
         )));
     }
     let (w, h) = sent_size(width, height);
@@ -173,19 +179,34 @@ pub fn image(kind: Sniffed, bytes: &[u8]) -> Result<Image, ApiError> {
     let decoded = reader
         .decode()
         .map_err(|e| ApiError::bad_request(format!("the {} image cannot be read: {e}", kind.mime())))?;
-    if (w, h) == (width, height) {
+    if (w, h) == (width, height) && bytes.len() <= MAX_SENT_IMAGE_BYTES {
         return Ok(Image { width, height, scaled: None });
     }
-    let resized = decoded.resize_exact(w, h, image::imageops::FilterType::Lanczos3);
-    let mut out = Cursor::new(Vec::new());
-    let written = if kind == Sniffed::Jpeg {
-        let encoder = image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, JPEG_QUALITY);
-        DynamicImage::ImageRgb8(resized.to_rgb8()).write_with_encoder(encoder)
+    let resized = if (w, h) == (width, height) {
+        decoded
     } else {
-        resized.write_to(&mut out, ImageFormat::Png)
+        decoded.resize_exact(w, h, image::imageops::FilterType::Lanczos3)
     };
-    written.map_err(|e| ApiError::internal(anyhow::anyhow!("scaling an image: {e}")))?;
-    Ok(Image { width, height, scaled: Some(out.into_inner()) })
+    // A JPEG stays JPEG; anything else becomes PNG, or JPEG when that PNG is still heavy.
+    let png = if kind == Sniffed::Jpeg { None } else { Some(encode(&resized, ImageFormat::Png)?) };
+    let scaled = match png {
+        Some(png) if png.len() <= MAX_SENT_IMAGE_BYTES => (png, "image/png"),
+        _ => (encode(&resized, ImageFormat::Jpeg)?, "image/jpeg"),
+    };
+    Ok(Image { width, height, scaled: Some(scaled) })
+}
+
+fn encode(image: &DynamicImage, format: ImageFormat) -> Result<Vec<u8>, ApiError> {
+    let mut out = Cursor::new(Vec::new());
+    let written = match format {
+        ImageFormat::Jpeg => {
+            let encoder = image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, JPEG_QUALITY);
+            DynamicImage::ImageRgb8(image.to_rgb8()).write_with_encoder(encoder)
+        }
+        other => image.write_to(&mut out, other),
+    };
+    written.map_err(|e| ApiError::internal(anyhow::anyhow!("encoding a scaled image: {e}")))?;
+    Ok(out.into_inner())
 }
 
 fn limits_for_decode() -> Limits {
@@ -214,18 +235,7 @@ pub async fn document(kind: Sniffed, bytes: &[u8]) -> Result<Markdown, ApiError>
             Markdown { markdown: text(bytes).unwrap_or_default().to_owned(), note: None }
         }
         Sniffed::Html => {
-            // Parsing megabytes of HTML takes a while: off the async threads.
-            let html = String::from_utf8_lossy(bytes).into_owned();
-            let markdown = tokio::task::spawn_blocking(move || {
-                htmd::HtmlToMarkdown::builder()
-                    .skip_tags(vec!["script", "style", "head", "noscript", "template", "iframe"])
-                    .build()
-                    .convert(&html)
-            })
-            .await
-            .map_err(|e| ApiError::internal(anyhow::anyhow!("converting HTML: {e}")))?
-            .map_err(|e| ApiError::bad_request(format!("the HTML document cannot be read: {e}")))?;
-            Markdown { markdown, note: None }
+            Markdown { markdown: html(String::from_utf8_lossy(bytes).into_owned()).await?, note: None }
         }
         Sniffed::Pdf => pdf(bytes).await?,
         _ => return Err(ApiError::bad_request("not a document")),
@@ -242,21 +252,98 @@ pub async fn document(kind: Sniffed, bytes: &[u8]) -> Result<Markdown, ApiError>
     Ok(converted)
 }
 
+/// HTML as markdown, by `htmd` (scripts, styles and the head dropped). The converter
+/// recurses once per nesting level, so deeper documents are refused before it runs, and it
+/// runs on a thread of its own with a large stack and a deadline.
+async fn html(html: String) -> Result<String, ApiError> {
+    let depth = nesting_depth(&html);
+    if depth > MAX_HTML_DEPTH {
+        return Err(ApiError::bad_request(format!(
+            "the HTML document nests {depth} elements deep; at most {MAX_HTML_DEPTH} are read"
+        )));
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("html-to-markdown".into())
+        .stack_size(HTML_STACK_BYTES)
+        .spawn(move || {
+            let converted = htmd::HtmlToMarkdown::builder()
+                .skip_tags(vec!["script", "style", "head", "noscript", "template", "iframe"])
+                .build()
+                .convert(&html);
+            let _ = tx.send(converted);
+        })
+        .map_err(|e| ApiError::internal(anyhow::anyhow!("starting the HTML converter: {e}")))?;
+    match tokio::time::timeout(HTML_TIMEOUT, rx).await {
+        Ok(Ok(Ok(markdown))) => Ok(markdown),
+        Ok(Ok(Err(e))) => Err(ApiError::bad_request(format!("the HTML document cannot be read: {e}"))),
+        Ok(Err(_)) => Err(ApiError::internal(anyhow::anyhow!("the HTML converter stopped"))),
+        Err(_) => Err(ApiError::bad_request(format!(
+            "the HTML document could not be converted within {} s",
+            HTML_TIMEOUT.as_secs()
+        ))),
+    }
+}
+
+/// How deep the elements of `html` nest, at most, as a parser would build them: start tags
+/// open a level and end tags close one, except void elements and those whose end tag is
+/// implied by the next sibling (`<p>`, `<li>`, `<td>`, …), which a parser never nests in
+/// themselves. Over-counts at worst, for markup a parser would repair.
+fn nesting_depth(html: &str) -> usize {
+    const FLAT: [&str; 27] = [
+        "area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param", "source",
+        "track", "wbr", "p", "li", "dt", "dd", "tr", "td", "th", "option", "optgroup", "rb", "rt", "rp", "!",
+    ];
+    let bytes = html.as_bytes();
+    let (mut depth, mut deepest, mut i) = (0usize, 0usize, 0usize);
+    while let Some(at) = bytes[i..].iter().position(|&b| b == b'<') {
+        i += at + 1;
+        let closing = bytes.get(i) == Some(&b'/');
+        let start = if closing { i + 1 } else { i };
+        let name_len = bytes[start..].iter().take_while(|b| b.is_ascii_alphanumeric() || **b == b'!').count();
+        if name_len == 0 {
+            continue;
+        }
+        let name = html[start..start + name_len].to_ascii_lowercase();
+        let flat = FLAT.contains(&name.as_str()) || name.starts_with('!');
+        let self_closing = bytes[start..]
+            .iter()
+            .position(|&b| b == b'>')
+            .is_some_and(|end| end > 0 && bytes[start + end - 1] == b'/');
+        if closing {
+            if !flat {
+                depth = depth.saturating_sub(1);
+            }
+        } else if !flat && !self_closing {
+            depth += 1;
+            deepest = deepest.max(depth);
+        }
+    }
+    deepest
+}
+
 /// A PDF's text by `pdftotext`, pages separated by a blank line.
 async fn pdf(bytes: &[u8]) -> Result<Markdown, ApiError> {
-    let path = std::env::temp_dir().join(format!("turnlog-upload-{}.pdf", uuid::Uuid::now_v7()));
-    tokio::fs::write(&path, bytes)
+    let file = TempFile(std::env::temp_dir().join(format!("turnlog-upload-{}.pdf", uuid::Uuid::now_v7())));
+    tokio::fs::write(&file.0, bytes)
         .await
-        .map_err(|e| ApiError::internal(anyhow::anyhow!("writing {path:?}: {e}")))?;
-    let result = run_pdftotext(&path).await;
-    let _ = tokio::fs::remove_file(&path).await;
-    let raw = result?;
+        .map_err(|e| ApiError::internal(anyhow::anyhow!("writing {:?}: {e}", file.0)))?;
+    let raw = run_pdftotext(&file.0).await?;
     let pages: Vec<&str> = raw.split('\u{c}').map(str::trim_end).collect();
     let markdown = pages.iter().filter(|p| !p.trim().is_empty()).copied().collect::<Vec<_>>().join("\n\n");
     if markdown.trim().is_empty() {
         return Ok(Markdown { markdown: format!("[{NO_TEXT_LAYER}]"), note: Some(NO_TEXT_LAYER.into()) });
     }
     Ok(Markdown { markdown, note: None })
+}
+
+/// A temporary file, removed when dropped (also when the upload's request is dropped).
+struct TempFile(std::path::PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 async fn run_pdftotext(path: &std::path::Path) -> Result<String, ApiError> {
@@ -285,6 +372,10 @@ async fn run_pdftotext(path: &std::path::Path) -> Result<String, ApiError> {
     let cap = (MAX_MARKDOWN_BYTES * 2) as u64;
     let run = async {
         (&mut stdout).take(cap).read_to_end(&mut out).await?;
+        if out.len() as u64 >= cap {
+            // Refused below; a blocked writer would otherwise run until the deadline.
+            child.start_kill()?;
+        }
         child.wait().await
     };
     let status = match tokio::time::timeout(PDF_TIMEOUT, run).await {
@@ -339,11 +430,29 @@ mod tests {
         let a = image(Sniffed::Png, png.get_ref()).unwrap();
         let b = image(Sniffed::Png, png.get_ref()).unwrap();
         assert_eq!((a.width, a.height), (2000, 1000));
-        let scaled = a.scaled.unwrap();
-        assert_eq!(Some(scaled.clone()), b.scaled, "scaling is deterministic");
+        let (scaled, mime) = a.scaled.unwrap();
+        assert_eq!(mime, "image/png");
+        assert_eq!(Some((scaled.clone(), mime)), b.scaled, "scaling is deterministic");
         let back = image::load_from_memory(&scaled).unwrap();
         assert_eq!((back.width(), back.height()), (1536, 768));
         assert!(image(Sniffed::Png, b"\x89PNG\r\n\x1a\nbroken").is_err());
+        // A huge canvas in a small file is refused before it is decoded.
+        let mut wide = Cursor::new(Vec::new());
+        DynamicImage::new_luma8(16_000, 4_000).write_to(&mut wide, ImageFormat::Png).unwrap();
+        let err = image(Sniffed::Png, wide.get_ref()).unwrap_err();
+        assert!(err.to_string().contains("40 million"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn deeply_nested_html_is_refused_before_the_converter_recurses() {
+        assert_eq!(nesting_depth("<html><body><p>a<p>b<br><img src=x/><div><b>c</b></div></body></html>"), 4);
+        assert_eq!(nesting_depth("<ul><li>a<li>b<li>c</ul><!-- <x> --><!doctype html>"), 1);
+        let deep = format!("<html><body>{}</body></html>", "<span>".repeat(5_000));
+        let err = document(Sniffed::Html, deep.as_bytes()).await.unwrap_err();
+        assert!(err.to_string().contains("nests"), "{err}");
+        // As deep as is taken converts (on the converter's own large stack).
+        let ok = format!("<html><body>{}x</body></html>", "<span>".repeat(MAX_HTML_DEPTH - 2));
+        assert_eq!(document(Sniffed::Html, ok.as_bytes()).await.unwrap().markdown.trim(), "x");
     }
 
     #[tokio::test]

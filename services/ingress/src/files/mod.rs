@@ -167,6 +167,7 @@ pub async fn store(
         height: None,
         markdown_chars: None,
         note: None,
+        sent_mime: None,
     };
     let derived = match kind.kind() {
         FileKind::Image => {
@@ -175,7 +176,10 @@ pub async fn store(
                 .await
                 .map_err(|e| ApiError::internal(anyhow::anyhow!("decoding an image: {e}")))??;
             (meta.width, meta.height) = (Some(image.width), Some(image.height));
-            image.scaled.map(|s| (Part::Scaled, Bytes::from(s)))
+            image.scaled.map(|(bytes, mime)| {
+                meta.sent_mime = Some(mime.to_owned());
+                (Part::Scaled, Bytes::from(bytes))
+            })
         }
         FileKind::Document => {
             let md = convert::document(kind, &bytes).await?;
@@ -214,11 +218,10 @@ pub async fn image_from_data_url(app: &Ingress, owner: &str, url: &str) -> Resul
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(data.trim())
         .map_err(|e| ApiError::bad_request(format!("an image's data URL is not base64: {e}")))?;
-    let row = store(app, owner, "image".into(), Bytes::from(bytes), true).await?;
-    if !row.is_image() {
+    if convert::sniff("image", &bytes)?.kind() != FileKind::Image {
         return Err(ApiError::bad_request("a data URL in an image part must hold an image"));
     }
-    Ok(row.id.to_string())
+    Ok(store(app, owner, "image".into(), Bytes::from(bytes), true).await?.id.to_string())
 }
 
 /// The file ids a send names, parsed; a malformed one is a 400.
@@ -270,7 +273,7 @@ pub async fn attachments(
         let (sw, sh) = convert::sent_size(w, h);
         image_refs.push(ImageRef {
             id: id.to_string(),
-            mime: convert::sent_mime(&f.mime, (sw, sh) != (w, h)).to_owned(),
+            mime: f.sent_mime.clone().unwrap_or_else(|| f.mime.clone()),
             width: Some(sw),
             height: Some(sh),
         });
@@ -297,9 +300,14 @@ pub fn not_configured() -> ApiError {
 }
 
 /// The data URLs of the images `events` attach, for building a request: fetched from the
-/// store (the scaled bytes when scaling changed them); an image whose bytes are gone is
-/// left out (the request then says so in its place).
-pub async fn data_urls(blobs: &Blobs, owner: &str, events: &[Event]) -> HashMap<String, String> {
+/// store (the re-encoded copy when there is one). An image whose bytes are gone is left out
+/// (the request then says so in its place); a store that cannot be read is an error, so a
+/// turn never goes out without an image that is only unreachable for a moment.
+pub async fn data_urls(
+    blobs: &Blobs,
+    owner: &str,
+    events: &[Event],
+) -> Result<HashMap<String, String>, ApiError> {
     let mut urls = HashMap::new();
     for e in events {
         let EventBody::UserMessage(m) = &e.body else { continue };
@@ -308,37 +316,35 @@ pub async fn data_urls(blobs: &Blobs, owner: &str, events: &[Event]) -> HashMap<
                 continue;
             }
             let Ok(id) = image.id.parse::<Uuid>() else { continue };
-            let scaled = blobs.get(owner, id, Part::Scaled).await;
-            let bytes = match scaled {
-                Ok(Some(b)) => Some(b),
-                Ok(None) => blobs.get(owner, id, Part::Original).await.ok().flatten(),
-                Err(_) => None,
+            let bytes = match blobs.get(owner, id, Part::Scaled).await? {
+                Some(b) => Some(b),
+                None => blobs.get(owner, id, Part::Original).await?,
             };
             if let Some(bytes) = bytes {
-                let encoded = base64::engine::general_purpose::STANDARD.encode(&bytes);
-                urls.insert(image.id.clone(), format!("data:{};base64,{encoded}", image.mime));
+                let mime = image.mime.clone();
+                // Megabytes of base64: off the async threads.
+                let url = tokio::task::spawn_blocking(move || {
+                    format!("data:{mime};base64,{}", base64::engine::general_purpose::STANDARD.encode(&bytes))
+                })
+                .await
+                .map_err(|e| ApiError::internal(anyhow::anyhow!("encoding an image: {e}")))?;
+                urls.insert(image.id.clone(), url);
             }
         }
     }
-    urls
+    Ok(urls)
 }
 
 /// Sweeps deleted files' blobs every `every`, once they have been deleted for `delay` and
 /// no stored message refers to them, until `shutdown`.
-pub fn spawn_sweep(
-    pool: sqlx::PgPool,
-    blobs: Blobs,
-    delay: Duration,
-    every: Duration,
-    shutdown: CancellationToken,
-) {
+pub fn spawn_sweep(app: crate::AppState, delay: Duration, every: Duration, shutdown: CancellationToken) {
     tokio::spawn(async move {
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}
             }
-            match sweep(&pool, &blobs, delay).await {
+            match sweep(&app, delay).await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(files = n, "swept deleted files' blobs"),
                 Err(e) => tracing::warn!(error = %e, "sweeping deleted files failed; trying again later"),
@@ -348,17 +354,21 @@ pub fn spawn_sweep(
 }
 
 /// One sweep: removes the blobs of every file deleted more than `delay` ago that no stored
-/// message refers to; the number of files it went through.
-pub async fn sweep(pool: &sqlx::PgPool, blobs: &Blobs, delay: Duration) -> anyhow::Result<usize> {
+/// message refers to, and records each as swept (a `file_swept` op, so no later sweep goes
+/// over it again); the number of files swept.
+pub async fn sweep(app: &Ingress, delay: Duration) -> anyhow::Result<usize> {
+    let blobs = app.files.as_ref().context("no file store")?;
     let before = chrono::Utc::now() - chrono::Duration::from_std(delay).unwrap_or_default();
     let mut after = None;
     let mut swept = 0;
     loop {
-        let page = meta::sweepable(pool, before, after, 500).await?;
+        let page = meta::sweepable(&app.pool, before, after, 500).await?;
         let Some(last) = page.last() else { return Ok(swept) };
         after = last.deleted_at.map(|at| (at, last.id));
         for f in &page {
             blobs.delete(&f.owner, f.id).await?;
+            let swept_op = AppendRequest::file_swept(f.id, &f.owner);
+            submit(app, &swept_op).await.map_err(|e| anyhow::anyhow!("recording a sweep: {e}"))?;
         }
         swept += page.len();
     }

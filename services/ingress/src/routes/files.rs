@@ -124,6 +124,19 @@ pub async fn upload(State(app): State<AppState>, caller: Caller, req: Request) -
                 "send the file as multipart/form-data, in a field named `file`".into(),
             )
         })?;
+    // Room for the body in the copy's upload budget first: a body is held whole until it is
+    // stored, so many at once must not add up past it.
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    let room = declared.unwrap_or(usize::MAX).min(limit + MULTIPART_OVERHEAD);
+    let _room = app
+        .upload_bytes
+        .acquire_many(u32::try_from(room).unwrap_or(u32::MAX))
+        .await
+        .map_err(|_| ApiError::Unavailable("shutting down".into()))?;
     let body = read_body(req, limit + MULTIPART_OVERHEAD).await?;
     let (name, bytes) = file_field(body, boundary, limit).await?;
     let row = crate::files::store(&app, caller.as_str(), name, bytes, false).await?;

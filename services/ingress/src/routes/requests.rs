@@ -90,7 +90,7 @@ pub async fn request(
     // Rebuilt with the images' bytes as they were sent: a file a stored message refers to
     // keeps them (DESIGN §11, §12).
     let urls = match &app.files {
-        Some(blobs) if recorded.params.images => Some(crate::files::data_urls(blobs, owner, &events).await),
+        Some(blobs) if recorded.params.images => Some(crate::files::data_urls(blobs, owner, &events).await?),
         _ => None,
     };
     let resolve = urls.as_ref().map(|urls| move |id: &str, _: &str| urls.get(id).cloned());

@@ -355,7 +355,12 @@ impl Turn<'_> {
         // Images go as data URLs to a model that sees images, built now and never stored.
         let urls = match &app.files {
             Some(blobs) if app.config.sees_images(model) => {
-                Some(crate::files::data_urls(blobs, owner, &tail.events).await)
+                Some(crate::files::data_urls(blobs, owner, &tail.events).await.map_err(|_| {
+                    Ending::Failed {
+                        code: "unavailable",
+                        message: "the file store could not be read; retry the turn".into(),
+                    }
+                })?)
             }
             _ => None,
         };

@@ -247,6 +247,12 @@ fn new_family(caller: &Caller, root: SessionId) -> AppendRequest {
 }
 
 /// Checks a request's messages and reads them as a [`Conversation`].
+/// Most images the new messages of one request may add (the native API's attachment cap).
+const MAX_NEW_IMAGES: usize = 32;
+/// Most image parts a request may carry in all (the history's included), so a body of tiny
+/// images is refused before anything else is done with it.
+const MAX_IMAGE_PARTS: usize = 1_000;
+
 fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> {
     let mut system = Vec::new();
     let mut rest = Vec::new();
@@ -301,6 +307,9 @@ fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> {
         return Err(OaiError::bad_request(format!(
             "the system messages take more than {MAX_SYSTEM_PROMPT_BYTES} bytes"
         )));
+    }
+    if images.iter().map(Vec::len).sum::<usize>() > MAX_IMAGE_PARTS {
+        return Err(OaiError::bad_request(format!("a request carries at most {MAX_IMAGE_PARTS} images")));
     }
     Ok(Conversation { system: (!system.is_empty()).then_some(system), messages: rest, images })
 }
@@ -388,8 +397,21 @@ async fn run(
         )));
     }
     // The new messages' images become the owner's files (the same bytes resent on every
-    // request are one file), so the log keeps references (DESIGN §12).
+    // request are one file), so the log keeps references (DESIGN §12) — after every check
+    // that needs no file, so a refused request stores none.
     let owner = caller.as_str();
+    let images: usize = new_images.iter().map(Vec::len).sum();
+    if images > MAX_NEW_IMAGES {
+        return Err(OaiError::bad_request(format!(
+            "at most {MAX_NEW_IMAGES} images can be added to a session at once"
+        )));
+    }
+    for (_, text) in new {
+        validate::text(text)?;
+    }
+    if let Some(model) = &model {
+        validate::model(&app.config, model)?;
+    }
     let mut stored = Vec::with_capacity(new_images.len());
     for urls in new_images {
         let mut ids = Vec::with_capacity(urls.len());
