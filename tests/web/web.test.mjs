@@ -1486,11 +1486,20 @@ check('files dropped on the chat or an image pasted into the message are attache
   ]);
   await shot('attach-drop-paste');
 
-  // Removed again with ×, nothing is left to send.
+  // Removed again with ×, nothing is left to send, and the unsent uploads are deleted.
+  const uploaded = (await trayItems()).map((i) => i.id);
   await page.getByRole('button', { name: 'Remove image.png' }).click();
   await page.getByRole('button', { name: 'Remove dropped-notes.md' }).click();
   assert.equal(await page.locator('#tray').isVisible(), false);
   assert.equal(await page.evaluate(() => document.activeElement?.id), 'message');
+  for (const id of uploaded) {
+    let deleted = false;
+    for (let i = 0; i < 50 && !deleted; i++) {
+      deleted = Boolean((await api('GET', `/v1/files/${id}`)).json?.deleted_at);
+      if (!deleted) await page.waitForTimeout(100);
+    }
+    assert.ok(deleted, `the unsent upload ${id} is deleted`);
+  }
 });
 
 check('no script error or content security policy violation happened in any test', () => {

@@ -316,6 +316,9 @@ function removeEntry(entry) {
   const i = tray.indexOf(entry);
   if (i < 0) return;
   tray.splice(i, 1);
+  // Uploaded but never sent: it goes from the user's files too (a message that already
+  // attached the same file keeps its bytes, DESIGN §12).
+  if (entry.meta?.id) api(`/v1/files/${entry.meta.id}`, { method: 'DELETE' }).catch(() => {});
   drawTray();
   // Keyboard users stay in the tray, or go back to the message.
   const next = tray[Math.min(i, tray.length - 1)]?.node.querySelector('button.remove');
