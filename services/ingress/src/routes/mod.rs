@@ -3,6 +3,7 @@
 //! chat, stop, retry, re-attach) join here from their own modules.
 
 pub mod context;
+pub mod export;
 pub mod files;
 pub mod forks;
 pub mod memories;
@@ -51,6 +52,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(openai::responses::input_items))
         .routes(routes!(openai::chat::completions))
         .routes(routes!(openai::chat::models))
+        .routes(routes!(export::export))
         .routes(routes!(files::upload, files::list))
         .routes(routes!(files::get, files::delete))
         .routes(routes!(files::content))

@@ -6,6 +6,7 @@
 
 mod bad_inputs;
 mod context;
+mod export;
 mod gateway;
 mod local_mode;
 mod openapi;
