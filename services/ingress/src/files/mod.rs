@@ -14,9 +14,9 @@ use bytes::Bytes;
 use futures::StreamExt as _;
 use object_store::path::Path;
 use object_store::{GetOptions, ObjectStore, PutOptions, PutPayload};
-use sha2::{Digest as _, Sha256};
 use tokio_util::sync::CancellationToken;
 use turnlog_core::events::{Document, Event, EventBody, ImageRef};
+use turnlog_core::request_body::sha256_hex;
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::files::{self as meta, FileKind, FileMeta, FileRow};
 use uuid::Uuid;
@@ -85,8 +85,8 @@ impl Blobs {
     /// `<prefix>/<owner's hash>/<file id>/<part>`: keys prefixed by owner (an owner name may
     /// hold any character, so its SHA-256 stands for it).
     fn key(&self, owner: &str, id: Uuid, part: Part) -> Path {
-        let owner = hex(&Sha256::digest(owner.as_bytes())[..16]);
-        self.prefix.clone().join(owner.as_str()).join(id.to_string().as_str()).join(part.name())
+        let owner = &sha256_hex(owner.as_bytes())[..32];
+        self.prefix.clone().join(owner).join(id.to_string().as_str()).join(part.name())
     }
 
     pub async fn put(&self, owner: &str, id: Uuid, part: Part, bytes: Bytes) -> Result<(), ApiError> {
@@ -128,10 +128,6 @@ fn unavailable(what: &str, e: &object_store::Error) -> ApiError {
     ApiError::Unavailable("the file store cannot be reached; try again".into())
 }
 
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// Stores an upload: its type sniffed, an image measured (and scaled once when larger than
 /// the model is sent), a document converted to markdown, the blobs put and the metadata
 /// committed through the writer. Everything that can refuse it runs before anything is
@@ -146,7 +142,7 @@ pub async fn store(
     let blobs = app.files.as_ref().ok_or_else(not_configured)?;
     // Hashing 20 MiB takes tens of milliseconds: off the async threads.
     let hashed = bytes.clone();
-    let sha256 = tokio::task::spawn_blocking(move || hex(&Sha256::digest(&hashed)))
+    let sha256 = tokio::task::spawn_blocking(move || sha256_hex(&hashed))
         .await
         .map_err(|e| ApiError::internal(anyhow::anyhow!("hashing a file: {e}")))?;
     if reuse {

@@ -155,7 +155,16 @@ async fn file_field(body: Bytes, boundary: String, limit: usize) -> Result<(Stri
         }
         let name: String = field
             .file_name()
-            .map(|n| n.rsplit(['/', '\\']).next().unwrap_or(n).replace('\0', ""))
+            // A base name without control characters: it is shown, and sent to the model
+            // beside the document's text.
+            .map(|n| {
+                n.rsplit(['/', '\\'])
+                    .next()
+                    .unwrap_or(n)
+                    .chars()
+                    .filter(|c| !c.is_control())
+                    .collect::<String>()
+            })
             .filter(|n| !n.trim().is_empty())
             .unwrap_or_else(|| "upload".into())
             .chars()
@@ -189,7 +198,7 @@ pub async fn list(
     }
     let before = match p.before {
         Some(id) => {
-            let f = meta::owned_file(&app.pool, caller.as_str(), id).await?.ok_or_else(file_not_found)?;
+            let f = owned(&app, caller.as_str(), id).await?;
             Some((f.created_at, f.id))
         }
         None => None,
@@ -199,6 +208,11 @@ pub async fn list(
     files.truncate(limit as usize);
     let next_before = if more { files.last().map(|f| f.id) } else { None };
     Ok(Json(FileList { files: files.into_iter().map(FileView::from).collect(), next_before }))
+}
+
+/// The owner's file `id` (deleted or not); another owner's, or none, is a 404.
+async fn owned(app: &Ingress, owner: &str, id: Uuid) -> Result<FileRow, ApiError> {
+    meta::owned_file(&app.pool, owner, id).await?.ok_or_else(file_not_found)
 }
 
 fn file_not_found() -> ApiError {
@@ -216,7 +230,7 @@ pub async fn get(
     caller: Caller,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<Json<FileView>, ApiError> {
-    let f = meta::owned_file(&app.pool, caller.as_str(), id).await?.ok_or_else(file_not_found)?;
+    let f = owned(&app, caller.as_str(), id).await?;
     Ok(Json(f.into()))
 }
 
@@ -234,7 +248,7 @@ pub async fn content(
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<Response, ApiError> {
     let owner = caller.as_str();
-    let f = meta::owned_file(&app.pool, owner, id).await?.ok_or_else(file_not_found)?;
+    let f = owned(&app, owner, id).await?;
     let bytes = blobs(&app)?.get(owner, id, Part::Original).await?.ok_or_else(file_not_found)?;
     let mut response = Response::new(Body::from(bytes));
     let headers = response.headers_mut();
@@ -276,7 +290,7 @@ pub async fn delete(
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<StatusCode, ApiError> {
     let owner = caller.as_str();
-    let f = meta::owned_file(&app.pool, owner, id).await?.ok_or_else(file_not_found)?;
+    let f = owned(&app, owner, id).await?;
     if f.deleted_at.is_none() {
         submit(&app, &AppendRequest::file_delete(id, owner)).await?;
     }
@@ -291,7 +305,7 @@ mod tests {
     #[tokio::test]
     async fn the_file_field_is_read_and_its_name_cut_to_a_base_name() {
         let body = "--b\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nx\r\n--b\r\n\
-                    Content-Disposition: form-data; name=\"file\"; filename=\"../../etc/notes.md\"\r\n\
+                    Content-Disposition: form-data; name=\"file\"; filename=\"../../etc/no\ttes.md\"\r\n\
                     Content-Type: text/plain\r\n\r\n# hi\r\n--b--\r\n";
         let (name, bytes) = file_field(Bytes::from(body), "b".into(), 100).await.unwrap();
         assert_eq!((name.as_str(), &bytes[..]), ("notes.md", &b"# hi"[..]));
