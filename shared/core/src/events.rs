@@ -126,6 +126,17 @@ pub struct Document {
     pub markdown: String,
 }
 
+/// Where an imported message came from (`POST /v1/import`): the export it was in
+/// (`chatgpt`, `sharegpt`, `turnlog`), its id there and its original time, when the export
+/// kept one. The event's own `created_at` is when it was imported (§2); the UI shows this.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Imported {
+    pub source: String,
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct UserMessage {
     pub text: String,
@@ -137,6 +148,8 @@ pub struct UserMessage {
     pub images: Vec<ImageRef>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub documents: Vec<Document>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imported: Option<Imported>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -232,9 +245,13 @@ pub struct AssistantTurn {
     pub currency: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finish_reason: Option<String>,
-    /// The request this attempt sent (§11).
+    /// The request this attempt sent (§11); an imported answer has none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request: Option<RecordedRequest>,
+    /// Set on an answer brought in by an import: no attempt of this log produced it, so the
+    /// distiller and the post-turn compaction leave it alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imported: Option<Imported>,
 }
 
 impl AssistantTurn {

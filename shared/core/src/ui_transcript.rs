@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use crate::events::{
-    Block, Event, EventBody, ImageRef, PendingReason, PermissionRequest, ToolExecution, Usage,
+    Block, Event, EventBody, ImageRef, Imported, PendingReason, PermissionRequest, ToolExecution, Usage,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,6 +73,9 @@ pub struct TranscriptItem {
     pub code: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt_id: Option<String>,
+    /// An imported message's origin, with its original time (`created_at` is the import's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub imported: Option<Imported>,
     pub created_at: DateTime<Utc>,
 }
 
@@ -97,6 +100,7 @@ impl TranscriptItem {
             reason: None,
             code: None,
             attempt_id: None,
+            imported: None,
             created_at: e.created_at,
         }
     }
@@ -147,6 +151,7 @@ pub fn transcript_item(e: &Event) -> Option<TranscriptItem> {
                     })
                     .collect()
             });
+            it.imported = m.imported.clone();
             it
         }
         EventBody::AssistantTurn(t) => {
@@ -160,6 +165,7 @@ pub fn transcript_item(e: &Event) -> Option<TranscriptItem> {
             it.cost = t.cost;
             it.currency = t.currency.clone();
             it.attempt_id = t.attempt_id.clone();
+            it.imported = t.imported.clone();
             it
         }
         EventBody::ToolExecution(t) => {

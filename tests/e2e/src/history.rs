@@ -126,6 +126,7 @@ impl History {
             } else {
                 vec![]
             },
+            imported: None,
         };
         self.append(s, Uuid::now_v7(), &EventBody::UserMessage(user));
         let answer = format!(
@@ -206,6 +207,7 @@ impl History {
             currency: Some("USD".into()),
             finish_reason: Some("stop".into()),
             request: None,
+            imported: None,
         };
         let turn_seq = self.append(s, Uuid::now_v7(), &EventBody::AssistantTurn(assistant));
         if turn == 0 && !i.is_multiple_of(3) {

@@ -131,6 +131,7 @@ pub(crate) async fn prepared(app: &Ingress, owner: &str, m: &SendMessage) -> Res
         model_hint: m.model.clone(),
         images,
         documents,
+        imported: None,
     };
     let body = EventBody::UserMessage(message.clone());
     validate::event_size(body.kind(), &body.to_payload())?;
