@@ -119,6 +119,11 @@ struct PostTurn(Arc<Compactor>);
 
 impl Handler for PostTurn {
     async fn handle(&self, event: CommittedEvent, _delivery: Delivery) -> Result<(), HandleError> {
+        // An import (issue 25) appends many answers at once: its sessions are compacted by
+        // the pre-send check of their next live turn, not once per imported answer.
+        if event.payload.get("imported").is_some() {
+            return Ok(());
+        }
         // The model that served the turn sizes the budget; a residue names none.
         let model = event.payload.get("model").and_then(|m| m.as_str());
         // The system prompt and extras are not known here; the pre-send check counts them.

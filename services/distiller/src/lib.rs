@@ -61,6 +61,10 @@ impl TurnTask for Distiller {
         event: CommittedEvent,
         _delivery: Delivery,
     ) -> Result<(), HandleError> {
+        // An imported answer (issue 25) has no raw material to distill, and its session a title.
+        if event.payload.get("imported").is_some() {
+            return Ok(());
+        }
         distill_turn(w, &event).await?;
         title_session(w, &event).await
     }

@@ -30,6 +30,8 @@ pub const DEFAULT_MAX_TURNS_PER_OWNER: u32 = 8;
 pub const DEFAULT_MAX_TURNS: u32 = 256;
 /// The largest upload by default (`TURNLOG_FILE_MAX_BYTES`).
 pub const DEFAULT_FILE_MAX_BYTES: usize = 20 * 1024 * 1024;
+/// The largest import file, by default (256 MiB).
+pub const DEFAULT_IMPORT_MAX_BYTES: usize = 256 * 1024 * 1024;
 /// How long a deleted file's blobs stay by default (`TURNLOG_FILE_SWEEP_DELAY`).
 pub const DEFAULT_FILE_SWEEP_DELAY: Duration = Duration::from_secs(3600);
 
@@ -86,6 +88,8 @@ pub struct IngressConfig {
     pub file_sweep_delay: Duration,
     /// How often the sweep runs (tests shorten it).
     pub file_sweep_every: Duration,
+    /// `TURNLOG_IMPORT_MAX_BYTES`: the largest file `POST /v1/import` takes.
+    pub import_max_bytes: usize,
 }
 
 impl IngressConfig {
@@ -112,6 +116,7 @@ impl IngressConfig {
             vision_models: None,
             file_sweep_delay: DEFAULT_FILE_SWEEP_DELAY,
             file_sweep_every: Duration::from_secs(600),
+            import_max_bytes: DEFAULT_IMPORT_MAX_BYTES,
         }
     }
 

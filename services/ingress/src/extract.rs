@@ -41,35 +41,57 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 /// The body, up to `limit` bytes; a larger one is drained (within bounds) and is a 413
 /// that closes the connection.
 pub(crate) async fn read_body(req: Request, limit: usize) -> Result<Bytes, ApiError> {
-    let too_large = || ApiError::PayloadTooLarge(format!("the request body is limited to {limit} bytes"));
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limit + DRAIN_MAX_BYTES) {
-        return Err(too_large());
-    }
-    let mut chunks = req.into_body().into_data_stream();
+    let mut chunks = LimitedBody::new(req, limit)?;
     let mut body = BytesMut::new();
-    while let Some(chunk) = chunks.next().await {
+    while let Some(chunk) = chunks.next().await? {
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
+}
+
+/// A body read chunk by chunk, up to `limit` bytes in all; a larger one is drained (within
+/// bounds) and is a 413 that closes the connection.
+pub(crate) struct LimitedBody {
+    chunks: axum::body::BodyDataStream,
+    read: usize,
+    limit: usize,
+}
+
+impl LimitedBody {
+    pub(crate) fn new(req: Request, limit: usize) -> Result<Self, ApiError> {
+        let declared = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<usize>().ok());
+        if declared.is_some_and(|n| n > limit + DRAIN_MAX_BYTES) {
+            return Err(too_large(limit));
+        }
+        Ok(Self { chunks: req.into_body().into_data_stream(), read: 0, limit })
+    }
+
+    pub(crate) async fn next(&mut self) -> Result<Option<Bytes>, ApiError> {
+        let Some(chunk) = self.chunks.next().await else { return Ok(None) };
         let chunk = chunk.map_err(|e| ApiError::bad_request(format!("cannot read the request body: {e}")))?;
-        if body.len() + chunk.len() > limit {
+        self.read += chunk.len();
+        if self.read > self.limit {
             let drain = async {
-                let mut drained = body.len() + chunk.len();
-                while let Some(Ok(c)) = chunks.next().await {
-                    drained += c.len();
-                    if drained > limit + DRAIN_MAX_BYTES {
+                while let Some(Ok(c)) = self.chunks.next().await {
+                    self.read += c.len();
+                    if self.read > self.limit + DRAIN_MAX_BYTES {
                         break;
                     }
                 }
             };
             let _ = tokio::time::timeout(DRAIN_TIMEOUT, drain).await;
-            return Err(too_large());
+            return Err(too_large(self.limit));
         }
-        body.extend_from_slice(&chunk);
+        Ok(Some(chunk))
     }
-    Ok(body.freeze())
+}
+
+fn too_large(limit: usize) -> ApiError {
+    ApiError::PayloadTooLarge(format!("the request body is limited to {limit} bytes"))
 }
 
 /// Path parameters; one that does not parse (e.g. a malformed session id) is a 400.

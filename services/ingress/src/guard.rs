@@ -21,8 +21,9 @@ pub struct LocalMode(pub bool);
 
 /// The middleware: refuses what [`admit`] refuses, before a handler reads anything.
 pub async fn check(State(LocalMode(local)): State<LocalMode>, req: Request, next: Next) -> Response {
-    // The one route that takes another type (DESIGN §12); it checks its own.
-    let multipart = req.method() == axum::http::Method::POST && req.uri().path() == "/v1/files";
+    // The routes that take other types (DESIGN §12, imports); they check their own.
+    let multipart =
+        req.method() == axum::http::Method::POST && matches!(req.uri().path(), "/v1/files" | "/v1/import");
     match admit(local, multipart, req.headers()) {
         Ok(()) => next.run(req).await,
         Err(e) => e.into_response(),

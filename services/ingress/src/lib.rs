@@ -70,6 +70,8 @@ pub struct Ingress {
     pub uploads: tokio::sync::Semaphore,
     /// Bytes of upload bodies held at once, in all (a permit a byte).
     pub upload_bytes: tokio::sync::Semaphore,
+    /// The appends imports keep in flight, per partition, all imports of this copy together.
+    pub imports: Arc<turnlog_runtime::import::ImportLanes>,
 }
 
 pub type AppState = Arc<Ingress>;
@@ -95,6 +97,7 @@ impl Ingress {
         let instance_id = format!("ingress-{}", uuid::Uuid::now_v7());
         // Always room for the largest upload, twice.
         let upload_room = UPLOAD_BYTES_AT_ONCE.max(config.file_max_bytes.saturating_mul(2));
+        let imports = Arc::new(turnlog_runtime::import::ImportLanes::new(bus.partitions));
         Ok(Arc::new(Self {
             config,
             pool,
@@ -108,6 +111,7 @@ impl Ingress {
             files,
             uploads: tokio::sync::Semaphore::new(UPLOADS_AT_ONCE),
             upload_bytes: tokio::sync::Semaphore::new(upload_room),
+            imports,
         }))
     }
 

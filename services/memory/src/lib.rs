@@ -32,10 +32,62 @@ const MAX_ERROR_CHARS: usize = 500;
 /// `call_deadline` for one extraction (its retry included).
 pub type MemoryConfig = TurnWorkerConfig;
 
-/// Extracts memories from committed turns until `shutdown`.
+/// Extracts memories from committed turns until `shutdown`: live turns on the `memory`
+/// consumer, imported ones (issue 25) on `memory-imported`, one at a time, so a large
+/// import never delays the facts of a live turn. A replay goes over both kinds at once.
 pub async fn run(config: MemoryConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     let started = "memory extraction running";
-    turnlog_runtime::turn_worker::run("memory", started, config, Extractor, shutdown.cancelled_owned()).await
+    if config.consumer.replay.is_some() {
+        let task = Extractor(Turns::All);
+        return turnlog_runtime::turn_worker::run(
+            "memory",
+            started,
+            config,
+            task,
+            shutdown.cancelled_owned(),
+        )
+        .await;
+    }
+    let mut low = config.clone();
+    low.consumer.concurrency = 1;
+    let live = turnlog_runtime::turn_worker::run(
+        "memory",
+        started,
+        config,
+        Extractor(Turns::Live),
+        shutdown.clone().cancelled_owned(),
+    );
+    let imported = turnlog_runtime::turn_worker::run(
+        "memory-imported",
+        "memory extraction of imported turns running",
+        low,
+        Extractor(Turns::Imported),
+        shutdown.cancelled_owned(),
+    );
+    let (live, imported) = tokio::join!(live, imported);
+    live.and(imported)
+}
+
+/// Which turns a consumer extracts from (the others it acknowledges unhandled).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Turns {
+    Live,
+    Imported,
+    All,
+}
+
+impl Turns {
+    /// Whether `turn` is this consumer's. A turn imported from a turnlog export is no one's:
+    /// the export brought its `memory_extracted` along.
+    fn takes(self, turn: &CommittedEvent) -> bool {
+        let source = turn.payload.pointer("/imported/source").and_then(|s| s.as_str());
+        match (self, source) {
+            (_, Some("turnlog")) => false,
+            (Turns::All, _) | (Turns::Live, None) => true,
+            (Turns::Imported, Some(_)) => true,
+            _ => false,
+        }
+    }
 }
 
 /// The id of the `i`-th memory of a `memory_extracted` event: the same on every replay, so
@@ -44,7 +96,7 @@ pub fn memory_id(event_id: EventId, index: usize) -> Uuid {
     Uuid::new_v5(&event_id.0, index.to_string().as_bytes())
 }
 
-struct Extractor;
+struct Extractor(Turns);
 
 impl TurnTask for Extractor {
     #[tracing::instrument(skip_all, fields(session_id = %turn.session_id, turn_seq = turn.seq, attempt = delivery.attempt), err)]
@@ -54,6 +106,9 @@ impl TurnTask for Extractor {
         turn: CommittedEvent,
         delivery: Delivery,
     ) -> Result<(), HandleError> {
+        if !self.0.takes(&turn) {
+            return Ok(());
+        }
         let event_id = EventId::derived(turn.session_id, turn.seq, "memory_extracted");
         let Some(material) = w.material_to(&turn, event_id, "extract").await? else { return Ok(()) };
         let extracted = match extract(w, &material).await {

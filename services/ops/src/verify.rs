@@ -173,7 +173,8 @@ impl fmt::Display for IdKey {
 impl Compared for SessionRow {
     const QUERY: &'static str =
         "SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq, created_at,
-                updated_at, forked_from, forked_through, lineage, lineage_through, hidden_seq, metadata
+                updated_at, active_at, forked_from, forked_through, lineage, lineage_through, hidden_seq,
+                metadata
            FROM sessions ORDER BY id";
     type Key = IdKey;
     fn key(&self) -> IdKey {
@@ -181,8 +182,8 @@ impl Compared for SessionRow {
     }
     fn first_difference(&self, other: &Self) -> Option<String> {
         first_difference!(self, other; owner, title, archived, last_category, last_seq, compacted_through,
-            compaction_seq, created_at, updated_at, forked_from, forked_through, lineage, lineage_through,
-            hidden_seq, metadata);
+            compaction_seq, created_at, updated_at, active_at, forked_from, forked_through, lineage,
+            lineage_through, hidden_seq, metadata);
         None
     }
 }

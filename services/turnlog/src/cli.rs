@@ -115,6 +115,33 @@ pub enum Command {
     /// Compare two databases' sessions, events and memories; exit 0 only when identical
     /// (1 when they differ, 2 when they cannot be compared).
     Verify { url_a: String, url_b: String },
+    /// Import conversations into an owner's sessions, through the writer: ChatGPT's
+    /// conversations.json, ShareGPT JSON or JSON lines, or a turnlog export. Importing a file
+    /// again adds nothing; running an interrupted import again completes it. Exits 1 when a
+    /// conversation could not be imported.
+    Import {
+        /// The owner the sessions are created for.
+        #[arg(long)]
+        owner: String,
+        /// chatgpt, sharegpt or turnlog; told from the file when absent.
+        #[arg(long)]
+        format: Option<String>,
+        /// The export file.
+        file: std::path::PathBuf,
+        #[command(flatten)]
+        backbone: BackboneArgs,
+    },
+    /// Write every session of an owner to stdout: turnlog (lossless JSON lines that
+    /// `turnlog import` reads back), markdown, openai (a `{"messages": …}` line a session) or
+    /// sharegpt (a JSON array).
+    Export {
+        #[arg(long)]
+        owner: String,
+        #[arg(long, default_value = "turnlog")]
+        format: String,
+        #[command(flatten)]
+        backbone: BackboneArgs,
+    },
     /// Inspect the dead letters (TURNLOG_DEAD) and redrive a writer's once its cause is fixed.
     Dead {
         #[command(subcommand)]
@@ -321,6 +348,9 @@ pub struct IngressArgs {
     /// How long a deleted file's bytes are kept before they may be swept (e.g. 1h).
     #[arg(long, env = "TURNLOG_FILE_SWEEP_DELAY", default_value = "1h", value_parser = parse_duration)]
     pub file_sweep_delay: Duration,
+    /// The largest file `POST /v1/import` takes, in bytes.
+    #[arg(long, env = "TURNLOG_IMPORT_MAX_BYTES", default_value_t = turnlog_ingress::config::DEFAULT_IMPORT_MAX_BYTES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=17_179_869_184))]
+    pub import_max_bytes: usize,
 }
 
 /// The flags of `turnlog dev`: where its private servers live, the servers to use instead,
@@ -509,6 +539,7 @@ fn ingress_config(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Ingre
         file_max_bytes: args.file_max_bytes,
         vision_models: args.vision_models.as_deref().and_then(parse_allowed_models),
         file_sweep_delay: args.file_sweep_delay,
+        import_max_bytes: args.import_max_bytes,
         ..IngressConfig::new(backbone)
     };
     config.check_listen(args.listen)?;

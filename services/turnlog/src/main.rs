@@ -6,6 +6,7 @@ mod cli;
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 use turnlog_compactor::CompactorConfig;
+use turnlog_core::ids::Owner;
 use turnlog_runtime::turn_worker::TurnWorkerConfig;
 use turnlog_runtime::worker::ConsumerSettings;
 
@@ -103,6 +104,23 @@ async fn run() -> anyhow::Result<()> {
         Command::Rebuild { database_url, nats_url, bus } => {
             let bus = turnlog_runtime::bus::Bus::connect(&nats_url, &bus.bus_prefix, bus.partitions).await?;
             turnlog_ops::rebuild(database_url.expose(), &bus, true).await.map(drop)
+        }
+        Command::Import { owner, format, file, backbone } => {
+            let owner = Owner::parse(&owner)?;
+            let format = format.as_deref().map(str::parse).transpose().map_err(anyhow::Error::msg)?;
+            let summary =
+                turnlog_ops::transfer::import(&backbone.backbone(), &owner, format, &file, true).await?;
+            if !summary.failed.is_empty() {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        Command::Export { owner, format, backbone } => {
+            let owner = Owner::parse(&owner)?;
+            let format = format.parse().map_err(anyhow::Error::msg)?;
+            let n = turnlog_ops::transfer::export(&backbone.backbone(), &owner, format).await?;
+            eprintln!("exported {n} sessions");
+            Ok(())
         }
         Command::Verify { url_a, url_b } => {
             let code = match turnlog_ops::verify(&url_a, &url_b).await {

@@ -643,6 +643,7 @@ fn plan_delete(state: &mut LoadedState, deleted: SessionId, at: i64, now: DateTi
                 row.compaction_seq = None;
                 row.last_seq = kept;
                 row.updated_at = now;
+                row.active_at = now;
                 if let Some(list) = state.compactions.get_mut(&id) {
                     list.retain(|(seq, _)| *seq <= kept);
                 }
@@ -665,6 +666,9 @@ fn push_event(
     let Some(session) = sessions.get_mut(&req.session_id) else { return 0 };
     session.last_seq += 1;
     session.updated_at = msg.published;
+    if let Some(at) = active_at(kind, &payload, msg.published) {
+        session.active_at = at;
+    }
     fx.events.push(EventRow {
         event: CommittedEvent {
             session_id: req.session_id,
@@ -680,6 +684,19 @@ fn push_event(
         session_created_at: session.created_at,
     });
     session.last_seq
+}
+
+/// When a message (`user_message`, `assistant_turn`) published at `published` makes its
+/// session last active: then, or at its original time when an import brought it
+/// (`imported.created_at`). None for the other kinds: a turn's progress and what the workers
+/// derive from a turn follow a message, and an import's memory extraction must not list
+/// its old conversations as new.
+fn active_at(kind: EventKind, payload: &Value, published: DateTime<Utc>) -> Option<DateTime<Utc>> {
+    if !matches!(kind, EventKind::UserMessage | EventKind::AssistantTurn) {
+        return None;
+    }
+    let original = payload.get("imported").and_then(|i| i.get("created_at")).and_then(Value::as_str);
+    Some(original.and_then(|t| t.parse().ok()).unwrap_or(published))
 }
 
 /// Postgres cannot store U+0000 in text or jsonb.

@@ -246,7 +246,7 @@ pub async fn write_final(
 }
 
 async fn upsert_sessions(conn: &mut PgConnection, sessions: &[&SessionRow]) -> Result<(), sqlx::Error> {
-    static STATEMENT: LazyLock<String> = LazyLock::new(|| upsert_sessions_sql(1, 16, ""));
+    static STATEMENT: LazyLock<String> = LazyLock::new(|| upsert_sessions_sql(1, 17, ""));
     bind_sessions!(sqlx::query(STATEMENT.as_str()), sessions)
         .bind(session_metadata(sessions))
         .execute(conn)

@@ -24,7 +24,7 @@ pub enum StoreError {
     Fenced { partition: i32, expected: i64 },
 }
 
-/// Binds the fifteen `sessions` columns of `$rows` (`&SessionRow`s) as arrays, in the order
+/// Binds the sixteen `sessions` columns of `$rows` (`&SessionRow`s) as arrays, in the order
 /// of every `INSERT INTO sessions … SELECT * FROM UNNEST(…)` here and in the bulk load.
 macro_rules! bind_sessions {
     ($query:expr, $rows:expr) => {{
@@ -40,6 +40,7 @@ macro_rules! bind_sessions {
             .bind(rows.iter().map(|s| s.compaction_seq).collect::<Vec<_>>())
             .bind(rows.iter().map(|s| s.created_at).collect::<Vec<_>>())
             .bind(rows.iter().map(|s| s.updated_at).collect::<Vec<_>>())
+            .bind(rows.iter().map(|s| s.active_at).collect::<Vec<_>>())
             .bind(rows.iter().map(|s| s.forked_from).collect::<Vec<_>>())
             .bind(rows.iter().map(|s| s.forked_through).collect::<Vec<_>>())
             .bind(rows.iter().map(|s| crate::store::uuid_array(&s.lineage)).collect::<Vec<_>>())
@@ -87,6 +88,7 @@ pub(crate) fn upsert_sessions_sql(first: usize, metadata: usize, filter: &str) -
         "int8",
         "timestamptz",
         "timestamptz",
+        "timestamptz",
         "uuid",
         "int8",
         "text",
@@ -99,15 +101,15 @@ pub(crate) fn upsert_sessions_sql(first: usize, metadata: usize, filter: &str) -
     format!(
         "INSERT INTO sessions ({SESSION_COLUMNS})
          SELECT id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq,
-                created_at, updated_at, forked_from, forked_through, lineage::uuid[], lineage_through::int8[],
-                hidden_seq, metadata
+                created_at, updated_at, active_at, forked_from, forked_through, lineage::uuid[],
+                lineage_through::int8[], hidden_seq, metadata
            FROM UNNEST({}) AS u({SESSION_COLUMNS})
          {filter}
          ON CONFLICT (id) DO UPDATE SET
             title = EXCLUDED.title, archived = EXCLUDED.archived, last_category = EXCLUDED.last_category,
             last_seq = EXCLUDED.last_seq, compacted_through = EXCLUDED.compacted_through,
             compaction_seq = EXCLUDED.compaction_seq, updated_at = EXCLUDED.updated_at,
-            hidden_seq = EXCLUDED.hidden_seq, metadata = EXCLUDED.metadata",
+            active_at = EXCLUDED.active_at, hidden_seq = EXCLUDED.hidden_seq, metadata = EXCLUDED.metadata",
         params.join(", ")
     )
 }
@@ -359,7 +361,7 @@ async fn write_effects(
     let m = &fx.memories;
     static STATEMENT: LazyLock<String> = LazyLock::new(|| {
         // The sessions' metadata is the statement's last parameter.
-        let upsert = upsert_sessions_sql(4, 39, "WHERE EXISTS (SELECT 1 FROM pos)");
+        let upsert = upsert_sessions_sql(4, 40, "WHERE EXISTS (SELECT 1 FROM pos)");
         format!(
             "WITH pos AS (
              UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1
@@ -367,26 +369,26 @@ async fn write_effects(
              {upsert}
          ), e AS (
              INSERT INTO session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
-             SELECT * FROM UNNEST($19::uuid[], $20::int8[], $21::uuid[], $22::text[], $23::jsonb[], $24::int4[],
-                                  $25::int8[], $26::timestamptz[])
+             SELECT * FROM UNNEST($20::uuid[], $21::int8[], $22::uuid[], $23::text[], $24::jsonb[], $25::int4[],
+                                  $26::int8[], $27::timestamptz[])
               WHERE EXISTS (SELECT 1 FROM pos)
          ), oi AS (
-             SELECT * FROM UNNEST($27::uuid[], $28::uuid[], $29::text[], $30::int8[], $31::text[])
+             SELECT * FROM UNNEST($28::uuid[], $29::uuid[], $30::text[], $31::int8[], $32::text[])
                  AS u(request_id, session_id, status, seq, reason)
               WHERE EXISTS (SELECT 1 FROM pos)
          ), o AS (
              INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
-             SELECT * FROM oi WHERE NOT (request_id = ANY($38::uuid[]))
+             SELECT * FROM oi WHERE NOT (request_id = ANY($39::uuid[]))
          ), r AS (
              INSERT INTO request_outcomes (request_id, session_id, status, seq, reason)
-             SELECT * FROM oi WHERE request_id = ANY($38::uuid[])
+             SELECT * FROM oi WHERE request_id = ANY($39::uuid[])
              ON CONFLICT (request_id) DO UPDATE SET
                 session_id = EXCLUDED.session_id, status = EXCLUDED.status, seq = EXCLUDED.seq,
                 reason = EXCLUDED.reason
          ), m AS (
              INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
-             SELECT * FROM UNNEST($32::uuid[], $33::text[], $34::uuid[], $35::int8[], $36::text[],
-                                  $37::timestamptz[])
+             SELECT * FROM UNNEST($33::uuid[], $34::text[], $35::uuid[], $36::int8[], $37::text[],
+                                  $38::timestamptz[])
               WHERE EXISTS (SELECT 1 FROM pos)
              ON CONFLICT (id) DO NOTHING
          )
@@ -461,7 +463,7 @@ async fn write_delete(
 /// sessions' outcomes go, except this batch's own (a statement must not both delete and
 /// upsert one row) and, for a hidden session, those of the events it keeps.
 pub(crate) fn delete_statement(pos: &str) -> String {
-    let upsert = upsert_sessions_sql(11, 26, "WHERE EXISTS (SELECT 1 FROM pos)");
+    let upsert = upsert_sessions_sql(11, 27, "WHERE EXISTS (SELECT 1 FROM pos)");
     format!(
         "WITH pos AS ({pos}),
          r AS (SELECT * FROM UNNEST($4::uuid[], $5::int8[]) AS r(id, kept)),

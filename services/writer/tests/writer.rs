@@ -592,11 +592,70 @@ async fn updates_set_title_archive_and_category() {
     h.stop().await;
 }
 
+/// An imported message's original time (`imported.created_at`) is when its session was
+/// last active, what the list sorts by; every stored timestamp stays the stream's (§2), and
+/// what the workers derive from the import later does not make it active.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_imported_message_sets_active_at_to_its_original_time() {
+    let h = Harness::start().await;
+    let live = h.create("alice").await;
+    let imported = h.create("alice").await;
+    let at = |t: &str| t.parse::<chrono::DateTime<chrono::Utc>>().unwrap();
+    let from = |id: &str, t: &str| {
+        Some(Imported { source: "chatgpt".into(), id: id.into(), created_at: Some(at(t)) })
+    };
+    let question = EventBody::UserMessage(UserMessage {
+        text: "an old question".into(),
+        imported: from("m1", "2023-03-01T10:00:00Z"),
+        ..Default::default()
+    });
+    let answer = EventBody::AssistantTurn(AssistantTurn {
+        imported: from("m2", "2023-03-01T10:00:05Z").map(Box::new),
+        ..Default::default()
+    });
+    let o = h.send(&AppendRequest::append(imported, "alice", Uuid::now_v7(), &question)).await;
+    assert_eq!(o.status, OutcomeStatus::Committed);
+    let row = read::get_session(&h.env.pool, "alice", imported).await.unwrap().unwrap();
+    assert_eq!(row.active_at, at("2023-03-01T10:00:00Z"));
+    let o = h.send(&AppendRequest::append(imported, "alice", Uuid::now_v7(), &answer)).await;
+    assert_eq!(o.status, OutcomeStatus::Committed);
+    // The memory worker's extraction from the imported answer.
+    let extracted = EventBody::MemoryExtracted(MemoryExtracted { turn_seq: 3, ..Default::default() });
+    let o = h.send(&AppendRequest::append(imported, "alice", Uuid::now_v7(), &extracted)).await;
+    assert_eq!((o.status, o.seq), (OutcomeStatus::Committed, Some(4)));
+
+    let row = read::get_session(&h.env.pool, "alice", imported).await.unwrap().unwrap();
+    assert_eq!(row.active_at, at("2023-03-01T10:00:05Z"), "each message sets it, nothing else");
+    let newest: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT max(created_at) FROM session_events WHERE session_id = $1")
+            .bind(imported.0)
+            .fetch_one(&h.env.pool)
+            .await
+            .unwrap();
+    assert_eq!(row.updated_at, newest, "the session's updated_at is the stream time");
+    assert!(newest > chrono::Utc::now() - chrono::Duration::minutes(5), "events keep the stream time");
+    // Listed by its original time: after the session created before it.
+    let list = || async {
+        let q = ListQuery { limit: 10, ..Default::default() };
+        let (page, _) = read::list_sessions(&h.env.pool, "alice", &q).await.unwrap();
+        page.iter().map(|s| s.id).collect::<Vec<_>>()
+    };
+    assert_eq!(list().await, [live, imported]);
+
+    // A live message makes it active at the stream time again.
+    h.user(imported, "alice", "a new question").await;
+    let row = read::get_session(&h.env.pool, "alice", imported).await.unwrap().unwrap();
+    assert!(row.updated_at > newest);
+    assert_eq!(row.active_at, row.updated_at);
+    assert_eq!(list().await, [imported, live]);
+    h.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paging_over_tied_timestamps_loses_and_repeats_nothing() {
     let h = Harness::start().await;
     // 500 sessions in one batch of requests: many share one stream timestamp; force all to
-    // one updated_at to be sure.
+    // one active_at to be sure.
     let mut ids = Vec::new();
     for _ in 0..500 {
         let id = SessionId::new();
@@ -604,7 +663,7 @@ async fn paging_over_tied_timestamps_loses_and_repeats_nothing() {
         ids.push(id);
     }
     h.create("alice").await;
-    sqlx::query("UPDATE sessions SET updated_at = '2026-01-02T03:04:05.123456Z'")
+    sqlx::query("UPDATE sessions SET active_at = '2026-01-02T03:04:05.123456Z'")
         .execute(&h.env.pool)
         .await
         .unwrap();
@@ -897,8 +956,8 @@ async fn deleting_200_sessions_keeps_a_steady_appenders_p99_within_twice() {
     let h = Harness::start().await;
     let pool = &h.env.pool;
     for sql in [
-        "INSERT INTO sessions (id, owner, last_seq, created_at, updated_at)
-         SELECT gen_random_uuid(), 'seeded', 1, now(), now() FROM generate_series(1, 2000)",
+        "INSERT INTO sessions (id, owner, last_seq, created_at, updated_at, active_at)
+         SELECT gen_random_uuid(), 'seeded', 1, now(), now(), now() FROM generate_series(1, 2000)",
         "INSERT INTO request_outcomes (request_id, session_id, status, seq)
          SELECT gen_random_uuid(), id, 'committed', g FROM sessions, generate_series(1, 100) g",
         "INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)

@@ -249,9 +249,10 @@ pub struct AssistantTurn {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request: Option<RecordedRequest>,
     /// Set on an answer brought in by an import: no attempt of this log produced it, so the
-    /// distiller and the post-turn compaction leave it alone.
+    /// distiller and the post-turn compaction leave it alone. (Boxed: every event body is
+    /// as large as its largest kind.)
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub imported: Option<Imported>,
+    pub imported: Option<Box<Imported>>,
 }
 
 impl AssistantTurn {

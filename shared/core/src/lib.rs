@@ -11,6 +11,7 @@ pub mod budget;
 pub mod compaction;
 pub mod events;
 pub mod ids;
+pub mod import;
 pub mod llm_context;
 pub mod log_builder;
 pub mod message;

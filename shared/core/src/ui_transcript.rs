@@ -165,7 +165,7 @@ pub fn transcript_item(e: &Event) -> Option<TranscriptItem> {
             it.cost = t.cost;
             it.currency = t.currency.clone();
             it.attempt_id = t.attempt_id.clone();
-            it.imported = t.imported.clone();
+            it.imported = t.imported.as_deref().cloned();
             it
         }
         EventBody::ToolExecution(t) => {

@@ -289,6 +289,21 @@ impl AppendRequest {
             ..Self::base(Op::Append, session_id, owner)
         }
     }
+    /// An append of a payload as it is (an import's: fields this build does not know kept).
+    pub fn append_payload(
+        session_id: SessionId,
+        owner: &str,
+        event_id: Uuid,
+        kind: EventKind,
+        payload: Value,
+    ) -> Self {
+        Self {
+            request_id: event_id,
+            kind: Some(RequestKind::Known(kind)),
+            payload: Some(payload),
+            ..Self::base(Op::Append, session_id, owner)
+        }
+    }
     pub fn update(session_id: SessionId, owner: &str) -> Self {
         Self::base(Op::Update, session_id, owner)
     }

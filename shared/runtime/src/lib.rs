@@ -5,7 +5,9 @@
 
 pub mod bus;
 pub mod db;
+pub mod export;
 pub mod files;
+pub mod import;
 pub mod lease;
 pub mod read;
 pub mod settings;

@@ -30,6 +30,11 @@ pub struct SessionRow {
     pub compaction_seq: Option<i64>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+    /// When the session was last active, what the list sorts by: the stream time of its
+    /// newest message (`user_message` or `assistant_turn`; of its creation before one), or,
+    /// for a message brought in by an import, that message's original time (derived from the
+    /// payload, so a rebuild reproduces it). Other events leave it.
+    pub active_at: DateTime<Utc>,
     /// The parent and fork point a fork was created from (DESIGN §10).
     pub forked_from: Option<Uuid>,
     pub forked_through: Option<i64>,
@@ -58,6 +63,7 @@ impl SessionRow {
             compaction_seq: None,
             created_at: now,
             updated_at: now,
+            active_at: now,
             forked_from: None,
             forked_through: None,
             lineage: Vec::new(),
@@ -96,7 +102,7 @@ impl SessionRow {
 macro_rules! session_columns {
     () => {
         "id, owner, title, archived, last_category, last_seq, compacted_through, compaction_seq, created_at, \
-         updated_at, forked_from, forked_through, lineage, lineage_through, hidden_seq, metadata"
+         updated_at, active_at, forked_from, forked_through, lineage, lineage_through, hidden_seq, metadata"
     };
 }
 pub const SESSION_COLUMNS: &str = session_columns!();
@@ -373,7 +379,7 @@ pub async fn permission_status(
         .map(|(request_seq, seq, decision)| PermissionStatus { request_seq, resolution: seq.zip(decision) }))
 }
 
-/// The composite paging cursor: the `(updated_at, id)` of the last row of a page.
+/// The composite paging cursor: the `(active_at, id)` of the last row of a page.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cursor {
     pub before: DateTime<Utc>,
@@ -403,8 +409,8 @@ const LIST_SESSIONS: &str = concat!(
     session_columns!(),
     " FROM sessions
   WHERE owner = $1 AND archived = $3 AND hidden_seq IS NULL
-    AND ($4::timestamptz IS NULL OR (updated_at, id) < ($4, $5))
-  ORDER BY updated_at DESC, id DESC
+    AND ($4::timestamptz IS NULL OR (active_at, id) < ($4, $5))
+  ORDER BY active_at DESC, id DESC
   LIMIT $6"
 );
 
@@ -418,7 +424,7 @@ const SEARCH_SESSIONS: &str = concat!(
     session_columns!(),
     " FROM sessions
   WHERE owner = $1 AND hidden_seq IS NULL
-    AND ($4::timestamptz IS NULL OR (updated_at, id) < ($4, $5))
+    AND ($4::timestamptz IS NULL OR (active_at, id) < ($4, $5))
     AND id IN (SELECT t.id FROM sessions t
                 WHERE t.owner = $1
                   AND to_tsvector('simple', coalesce(t.title, '')) @@ plainto_tsquery('simple', $2)
@@ -426,7 +432,7 @@ const SEARCH_SESSIONS: &str = concat!(
                SELECT e.session_id FROM search_entries e
                 WHERE e.owner = $1 AND e.kind = 'user'
                   AND to_tsvector('simple', e.body) @@ plainto_tsquery('simple', $2))
-  ORDER BY updated_at DESC, id DESC
+  ORDER BY active_at DESC, id DESC
   LIMIT $6"
 );
 
@@ -453,7 +459,7 @@ fn list_sql(query: &ListQuery) -> &'static str {
     }
 }
 
-/// Newest first by `(updated_at, id)`; returns the page and the cursor of the next one.
+/// Newest first by `(active_at, id)`; returns the page and the cursor of the next one.
 pub async fn list_sessions(
     pool: &PgPool,
     owner: &str,
@@ -465,7 +471,7 @@ pub async fn list_sessions(
         .fetch_all(pool)
         .await?;
     let next = (rows.len() as i64 == limit)
-        .then(|| rows.last().map(|s| Cursor { before: s.updated_at, before_id: s.id.0 }))
+        .then(|| rows.last().map(|s| Cursor { before: s.active_at, before_id: s.id.0 }))
         .flatten();
     Ok((rows, next))
 }
@@ -667,7 +673,7 @@ pub async fn family(pool: &PgPool, owner: &str, root: SessionId) -> Result<Vec<S
     let mut rows: Vec<SessionRow> = sqlx::query_as(&format!(
         "SELECT {SESSION_COLUMNS} FROM sessions
           WHERE owner = $2 AND hidden_seq IS NULL AND (id = $1 OR lineage && ARRAY[$1]::uuid[])
-          ORDER BY updated_at DESC LIMIT 1000"
+          ORDER BY active_at DESC LIMIT 1000"
     ))
     .bind(root.0)
     .bind(owner)

@@ -74,8 +74,8 @@ async fn store(env: &TestEnv, id: SessionId, lineage: &[(SessionId, i64)], own: 
     };
     sqlx::query(
         "INSERT INTO sessions (id, owner, archived, last_seq, compacted_through, compaction_seq, created_at,
-                               updated_at, lineage, lineage_through)
-         VALUES ($1, $2, false, $3, $4, $5, now(), now(), $6, $7)",
+                               updated_at, active_at, lineage, lineage_through)
+         VALUES ($1, $2, false, $3, $4, $5, now(), now(), now(), $6, $7)",
     )
     .bind(id.0)
     .bind(OWNER)

@@ -5,6 +5,7 @@ mod branches;
 mod cache;
 mod context;
 mod files;
+mod import;
 mod ingress;
 mod rebuild;
 mod soak;
@@ -25,9 +26,10 @@ fn main() -> anyhow::Result<()> {
         Some("ingress") => runtime()?.block_on(ingress::run()),
         Some("cache") => runtime()?.block_on(cache::run()),
         Some("files") => runtime()?.block_on(files::run()),
+        Some("import") => runtime()?.block_on(import::run()),
         Some("soak") => runtime()?.block_on(soak::run(&args[1..])),
         other => {
-            eprintln!("usage: turnlog-bench <context|tokenizer|writer|rebuild|ingress|cache|files|soak>  (got {other:?})");
+            eprintln!("usage: turnlog-bench <context|tokenizer|writer|rebuild|ingress|cache|files|import|soak>  (got {other:?})");
             std::process::exit(2);
         }
     }

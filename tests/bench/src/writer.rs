@@ -17,7 +17,7 @@ use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, REPLY_HEADER};
 use turnlog_testkit::{test_env, TestEnv};
 use uuid::Uuid;
 
-const OWNER: &str = "bench";
+pub(crate) const OWNER: &str = "bench";
 
 fn message(i: usize) -> EventBody {
     EventBody::UserMessage(UserMessage {
@@ -26,27 +26,27 @@ fn message(i: usize) -> EventBody {
     })
 }
 
-struct Rig {
-    env: TestEnv,
-    bus: Bus,
+pub(crate) struct Rig {
+    pub(crate) env: TestEnv,
+    pub(crate) bus: Bus,
     writer: Option<(CancellationToken, tokio::task::JoinHandle<anyhow::Result<()>>)>,
 }
 
 impl Rig {
-    async fn new() -> anyhow::Result<Self> {
+    pub(crate) async fn new() -> anyhow::Result<Self> {
         let env = test_env().await;
         let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await?;
         bus.ensure_topology(None).await?;
         Ok(Self { env, bus, writer: None })
     }
 
-    fn start_writer(&mut self) {
+    pub(crate) fn start_writer(&mut self) {
         let config = turnlog_e2e::config::writer(&self.env);
         let token = CancellationToken::new();
         self.writer = Some((token.clone(), tokio::spawn(turnlog_writer::run(config, token))));
     }
 
-    async fn stop_writer(&mut self) -> anyhow::Result<()> {
+    pub(crate) async fn stop_writer(&mut self) -> anyhow::Result<()> {
         if let Some((token, handle)) = self.writer.take() {
             token.cancel();
             handle.await??;
@@ -54,7 +54,7 @@ impl Rig {
         Ok(())
     }
 
-    async fn sessions(&self, n: usize) -> anyhow::Result<Vec<SessionId>> {
+    pub(crate) async fn sessions(&self, n: usize) -> anyhow::Result<Vec<SessionId>> {
         let ids: Vec<SessionId> = (0..n).map(|_| SessionId::new()).collect();
         let reqs: Vec<AppendRequest> = ids.iter().map(|id| AppendRequest::create(*id, OWNER, None)).collect();
         let futs =
@@ -117,7 +117,7 @@ async fn end_to_end(rig: &Rig, sessions: &[SessionId], total: usize) -> anyhow::
 /// `append_and_wait` latency at a steady offered rate (open loop), after a pause that lets
 /// the machine settle from the runs before (the writer's index merges, the servers' flushes)
 /// and a first second at the rate that is not recorded.
-async fn latency_at(
+pub(crate) async fn latency_at(
     rig: &Rig,
     sessions: &[SessionId],
     per_s: u64,
@@ -220,11 +220,13 @@ async fn baseline(env: &TestEnv, sessions: &[SessionId], total: usize) -> anyhow
                 .bind(turnlog_core::tokens::event_tokens(&body) as i32)
                 .execute(&mut *tx)
                 .await?;
-                sqlx::query("UPDATE sessions SET last_seq = $2, updated_at = now() WHERE id = $1")
-                    .bind(session.0)
-                    .bind(last + 1)
-                    .execute(&mut *tx)
-                    .await?;
+                sqlx::query(
+                    "UPDATE sessions SET last_seq = $2, updated_at = now(), active_at = now() WHERE id = $1",
+                )
+                .bind(session.0)
+                .bind(last + 1)
+                .execute(&mut *tx)
+                .await?;
                 tx.commit().await?;
             }
         }));

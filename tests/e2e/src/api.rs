@@ -48,6 +48,8 @@ pub struct Options {
     pub vision_models: Option<Vec<String>>,
     /// Sweep deleted files this often, without the delay (None: the defaults).
     pub file_sweep_every: Option<Duration>,
+    /// `TURNLOG_IMPORT_MAX_BYTES` (None: the default).
+    pub import_max_bytes: Option<usize>,
 }
 
 impl Default for Options {
@@ -67,6 +69,7 @@ impl Default for Options {
             files_url: None,
             vision_models: None,
             file_sweep_every: None,
+            import_max_bytes: None,
         }
     }
 }
@@ -182,6 +185,9 @@ impl Api {
             let dir = std::env::temp_dir().join("turnlog-test-files").join(&env.bus_prefix);
             format!("file://{}", dir.display())
         }));
+        if let Some(max) = opts.import_max_bytes {
+            config.import_max_bytes = max;
+        }
         config.backbone.statement_timeout = opts.statement_timeout;
         config.model_windows = opts.model_windows.iter().map(|(m, w)| (m.to_string(), *w)).collect();
         config.upstream = opts.llm_url.map(|base_url| turnlog_runtime::upstream::UpstreamConfig {
@@ -313,6 +319,34 @@ impl Api {
         body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
         let req = self
             .request(Method::POST, "/v1/files")
+            .bearer_auth(token)
+            .header("content-type", format!("multipart/form-data; boundary={boundary}"))
+            .body(body);
+        self.send(req).await
+    }
+
+    /// Imports `bytes` as an export file (`POST /v1/import`, multipart field `file`, with the
+    /// field `format` when given).
+    pub async fn import(&self, token: &str, format: Option<&str>, bytes: &[u8]) -> Reply {
+        let boundary = "turnlog-test-boundary-9a1c";
+        let mut body = Vec::new();
+        if let Some(f) = format {
+            body.extend_from_slice(
+                format!("--{boundary}\r\nContent-Disposition: form-data; name=\"format\"\r\n\r\n{f}\r\n")
+                    .as_bytes(),
+            );
+        }
+        body.extend_from_slice(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"export.json\"\r\n\
+                 Content-Type: application/json\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        body.extend_from_slice(bytes);
+        body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+        let req = self
+            .request(Method::POST, "/v1/import")
             .bearer_auth(token)
             .header("content-type", format!("multipart/form-data; boundary={boundary}"))
             .body(body);

@@ -6,6 +6,7 @@ pub mod context;
 pub mod export;
 pub mod files;
 pub mod forks;
+pub mod import;
 pub mod memories;
 pub mod openai;
 pub mod ops;
@@ -53,6 +54,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(openai::chat::completions))
         .routes(routes!(openai::chat::models))
         .routes(routes!(export::export))
+        .routes(routes!(import::import))
         .routes(routes!(files::upload, files::list))
         .routes(routes!(files::get, files::delete))
         .routes(routes!(files::content))

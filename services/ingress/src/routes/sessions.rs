@@ -38,6 +38,10 @@ pub struct SessionView {
     pub last_category: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+    /// When the session was last active, what the list is ordered by: the time of its newest
+    /// message (its creation before one), or, for a message brought in by an import, that
+    /// message's original time.
+    pub active_at: DateTime<Utc>,
     /// Set on a fork: the session and seq it branched from (DESIGN §10).
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
@@ -54,6 +58,7 @@ impl From<SessionRow> for SessionView {
             last_category: s.last_category,
             created_at: s.created_at,
             updated_at: s.updated_at,
+            active_at: s.active_at,
         }
     }
 }
@@ -126,7 +131,7 @@ pub struct NextCursor {
     pub before_id: Uuid,
 }
 
-/// List sessions, newest first by `(updated_at, id)`.
+/// List sessions, most recently active first by `(active_at, id)`.
 #[utoipa::path(
     get, path = "/v1/sessions", tag = "sessions", security(("bearer" = [])), params(ListParams),
     responses(

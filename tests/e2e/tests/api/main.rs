@@ -8,6 +8,7 @@ mod bad_inputs;
 mod context;
 mod export;
 mod gateway;
+mod import;
 mod local_mode;
 mod openapi;
 mod owners;

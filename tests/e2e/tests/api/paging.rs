@@ -1,5 +1,5 @@
-//! Paging by the composite `(updated_at, id)` cursor through HTTP, where every session has
-//! the same `updated_at`: nothing lost, nothing repeated, the cursor echoed exactly.
+//! Paging by the composite `(active_at, id)` cursor through HTTP, where every session has
+//! the same `active_at`: nothing lost, nothing repeated, the cursor echoed exactly.
 
 use std::collections::HashSet;
 
@@ -24,7 +24,7 @@ async fn paging_over_tied_timestamps_loses_and_repeats_nothing() {
         .await;
     assert_eq!(created.len(), SESSIONS);
     // The test may write Postgres; the service may not.
-    sqlx::query("UPDATE sessions SET updated_at = $1::timestamptz")
+    sqlx::query("UPDATE sessions SET active_at = $1::timestamptz")
         .bind(TIED)
         .execute(&api.env.pool)
         .await

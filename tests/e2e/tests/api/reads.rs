@@ -61,8 +61,8 @@ async fn a_write_through_a_readers_pool_fails() {
     let ingress = turnlog_ingress::Ingress::connect(config).await.unwrap();
     let readers =
         turnlog_runtime::db::connect_reads(&api.env.database_url, 1, Duration::from_secs(5)).await.unwrap();
-    let write = "INSERT INTO sessions (id, owner, last_seq, created_at, updated_at) \
-                 VALUES (gen_random_uuid(), 'mallory', 0, now(), now())";
+    let write = "INSERT INTO sessions (id, owner, last_seq, created_at, updated_at, active_at) \
+                 VALUES (gen_random_uuid(), 'mallory', 0, now(), now(), now())";
     for pool in [&ingress.pool, &readers] {
         let err = sqlx::query(write).execute(pool).await.unwrap_err();
         let code = err.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned());
@@ -80,9 +80,10 @@ async fn a_write_through_a_readers_pool_fails() {
 /// not), so the planner has the statistics of a real deployment.
 async fn seed_many_sessions(pool: &sqlx::PgPool) {
     sqlx::query(
-        "INSERT INTO sessions (id, owner, title, archived, last_seq, created_at, updated_at)
+        "INSERT INTO sessions (id, owner, title, archived, last_seq, created_at, updated_at, active_at)
          SELECT gen_random_uuid(), CASE WHEN i % 2 = 0 THEN 'alice' ELSE 'bob' END, 'session ' || i,
-                i % 7 = 0, 11, now() - i * interval '1 second', now() - i * interval '1 second'
+                i % 7 = 0, 11, now() - i * interval '1 second', now() - i * interval '1 second',
+                now() - i * interval '1 second'
            FROM generate_series(1, 3000) AS i",
     )
     .execute(pool)
@@ -142,7 +143,7 @@ async fn search_uses_the_full_text_indexes_and_finds_what_a_scan_would() {
                 AND ($1 = ANY (string_to_array(s.title, ' '))
                      OR EXISTS (SELECT 1 FROM session_events e WHERE e.session_id = s.id
                                    AND $1 = ANY (string_to_array(e.payload ->> 'text', ' '))))
-              ORDER BY s.updated_at DESC, s.id DESC LIMIT 50",
+              ORDER BY s.active_at DESC, s.id DESC LIMIT 50",
         )
         .bind(q)
         .fetch_all(pool)

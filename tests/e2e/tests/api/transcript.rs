@@ -228,8 +228,9 @@ async fn store_log(pool: &sqlx::PgPool, id: SessionId, events: &[Event]) {
 /// its branch reads) is `lineage`.
 async fn store_branch(pool: &sqlx::PgPool, id: SessionId, lineage: &[(SessionId, i64)], events: &[Event]) {
     sqlx::query(
-        "INSERT INTO sessions (id, owner, archived, last_seq, created_at, updated_at, lineage, lineage_through)
-         VALUES ($1, 'alice', false, $2, now(), now(), $3, $4)",
+        "INSERT INTO sessions (id, owner, archived, last_seq, created_at, updated_at, active_at, lineage,
+                               lineage_through)
+         VALUES ($1, 'alice', false, $2, now(), now(), now(), $3, $4)",
     )
     .bind(id.0)
     .bind(events.last().map_or(0, |e| e.seq))

@@ -1,0 +1,195 @@
+//! `POST /v1/import` (issue 25): conversations from ChatGPT's data export, ShareGPT files
+//! or turnlog's own export become the caller's sessions, through the writer. The upload is
+//! streamed to a temporary file (at most `TURNLOG_IMPORT_MAX_BYTES`), read once to check it
+//! whole, then imported conversation by conversation (`turnlog_runtime::import`).
+
+use std::path::PathBuf;
+
+use axum::extract::{Request, State};
+use axum::http::header;
+use axum::Json;
+use serde::Deserialize;
+use tokio::io::AsyncWriteExt as _;
+use turnlog_core::import::{FileError, Format};
+use turnlog_runtime::import::{Importer, Summary};
+use utoipa::IntoParams;
+
+use crate::auth::Caller;
+use crate::error::{ApiError, ErrorBody};
+use crate::extract::{ApiQuery, LimitedBody};
+use crate::AppState;
+
+/// Room for the multipart framing around the file.
+const MULTIPART_OVERHEAD: usize = 64 * 1024;
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ImportParams {
+    /// `chatgpt`, `sharegpt` or `turnlog`; told from the file when absent.
+    pub format: Option<String>,
+}
+
+/// Import conversations: ChatGPT's `conversations.json`, ShareGPT JSON or JSON lines, or a
+/// turnlog export, as the multipart field `file` (with an optional field `format`) or as
+/// the body itself. Importing the same file again adds nothing; an import cut short is
+/// completed by sending it again.
+#[utoipa::path(
+    post, path = "/v1/import", tag = "sessions", security(("bearer" = [])),
+    params(ImportParams),
+    request_body(content_type = "multipart/form-data", description = "The field `file` (TURNLOG_IMPORT_MAX_BYTES, default 256 MiB) and optionally `format`; or the file as an application/json body"),
+    responses(
+        (status = 200, description = "What was imported, skipped and could not be"),
+        (status = 400, description = "Not an export of the format, or cut short: nothing was imported", body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 413, description = "Over TURNLOG_IMPORT_MAX_BYTES", body = ErrorBody),
+        (status = 415, body = ErrorBody), (status = 503, body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(owner = %caller.as_str()), err(Display, level = "debug"))]
+pub async fn import(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiQuery(params): ApiQuery<ImportParams>,
+    req: Request,
+) -> Result<Json<Summary>, ApiError> {
+    let mut format = params.format.as_deref().map(parse_format).transpose()?;
+    let limit = app.config.import_max_bytes;
+    let content_type =
+        req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+    let media = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let spool = Spool::new();
+    match media.as_str() {
+        "multipart/form-data" => {
+            let boundary = multer::parse_boundary(&content_type)
+                .map_err(|e| ApiError::bad_request(format!("a malformed multipart body: {e}")))?;
+            if declared_length(&req).is_some_and(|n| n > limit + MULTIPART_OVERHEAD) {
+                return Err(too_large(limit));
+            }
+            let mut parts = multer::Multipart::new(req.into_body().into_data_stream(), boundary);
+            let mut got_file = false;
+            while let Some(mut field) = parts.next_field().await.map_err(multipart_error)? {
+                match field.name() {
+                    Some("format") => {
+                        let text = field.text().await.map_err(multipart_error)?;
+                        format = Some(parse_format(text.trim())?);
+                    }
+                    Some("file") if !got_file => {
+                        got_file = true;
+                        let mut out = spool.writer().await?;
+                        let mut written = 0usize;
+                        while let Some(chunk) = field.chunk().await.map_err(multipart_error)? {
+                            written += chunk.len();
+                            if written > limit {
+                                return Err(too_large(limit));
+                            }
+                            out.write(&chunk).await?;
+                        }
+                        out.done().await?;
+                    }
+                    // Other fields are read past.
+                    _ => while field.chunk().await.map_err(multipart_error)?.is_some() {},
+                }
+            }
+            if !got_file {
+                return Err(ApiError::bad_request("send the export in a multipart field named `file`"));
+            }
+        }
+        "application/json" | "application/x-ndjson" | "application/jsonl" | "application/json-lines" => {
+            let mut body = LimitedBody::new(req, limit)?;
+            let mut out = spool.writer().await?;
+            while let Some(chunk) = body.next().await? {
+                out.write(&chunk).await?;
+            }
+            out.done().await?;
+        }
+        _ => return Err(ApiError::UnsupportedMediaType(
+            "send the export as multipart/form-data (a field named `file`) or as an application/json body"
+                .into(),
+        )),
+    }
+    let importer = Importer {
+        bus: app.bus.clone(),
+        pool: app.pool.clone(),
+        owner: caller.owner().clone(),
+        lanes: app.imports.clone(),
+        append_timeout: app.config.append_timeout,
+    };
+    // On a task of its own: a client that goes away does not stop a conversation halfway.
+    let import = tokio::spawn(async move {
+        let result = importer.file(&spool.path, format, |_, _| {}).await;
+        drop(spool);
+        result
+    });
+    let summary = import
+        .await
+        .map_err(|e| ApiError::internal(anyhow::anyhow!("the import stopped: {e}")))?
+        .map_err(file_error)?;
+    tracing::info!(
+        conversations = summary.conversations,
+        sessions = summary.sessions,
+        messages = summary.messages,
+        failed = summary.failed.len(),
+        "import done"
+    );
+    Ok(Json(summary))
+}
+
+fn parse_format(s: &str) -> Result<Format, ApiError> {
+    s.parse().map_err(ApiError::bad_request)
+}
+
+fn declared_length(req: &Request) -> Option<usize> {
+    req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok())
+}
+
+fn too_large(limit: usize) -> ApiError {
+    ApiError::PayloadTooLarge(format!(
+        "an import file is limited to {limit} bytes (TURNLOG_IMPORT_MAX_BYTES)"
+    ))
+}
+
+fn multipart_error(e: multer::Error) -> ApiError {
+    ApiError::bad_request(format!("a malformed multipart body: {e}"))
+}
+
+fn file_error(e: FileError) -> ApiError {
+    ApiError::bad_request(format!("nothing was imported: {e}"))
+}
+
+/// The upload on disk while it is imported; removed when dropped (also when the request is).
+struct Spool {
+    path: PathBuf,
+}
+
+impl Spool {
+    fn new() -> Self {
+        Self { path: std::env::temp_dir().join(format!("turnlog-import-{}.json", uuid::Uuid::now_v7())) }
+    }
+
+    async fn writer(&self) -> Result<SpoolWriter, ApiError> {
+        let file = tokio::fs::File::create(&self.path).await.map_err(spool_error)?;
+        Ok(SpoolWriter(tokio::io::BufWriter::with_capacity(1 << 16, file)))
+    }
+}
+
+impl Drop for Spool {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+struct SpoolWriter(tokio::io::BufWriter<tokio::fs::File>);
+
+impl SpoolWriter {
+    async fn write(&mut self, chunk: &[u8]) -> Result<(), ApiError> {
+        self.0.write_all(chunk).await.map_err(spool_error)
+    }
+
+    async fn done(mut self) -> Result<(), ApiError> {
+        self.0.flush().await.map_err(spool_error)
+    }
+}
+
+fn spool_error(e: std::io::Error) -> ApiError {
+    ApiError::internal(anyhow::anyhow!("writing the import's temporary file: {e}"))
+}

@@ -1,0 +1,302 @@
+//! turnlog's own export: JSON lines, each session a header line
+//! `{"format": "turnlog", "version": 1, "session": {id, title, archived, metadata,
+//! forked_from?, deleted?, …}}` followed by its own events `{seq, event_id, kind, payload,
+//! created_at}` in seq order. A fork's block comes after its parent's; a root and the forks
+//! after it are one conversation (a session family).
+//!
+//! Payloads come back as they were, with `imported` added to messages and answers. Seqs that
+//! payloads name (turn_seq, replaces_through_seq, a request's through_seq) and memory ids are
+//! mapped by the importer ([`rewrite`]) to what the target log holds.
+
+use std::collections::HashMap;
+
+use serde_json::Value;
+
+use super::{Conversation, FileError, PlannedEvent, PlannedFork, PlannedSession, Rejected};
+use crate::events::{EventBody, EventKind, Imported};
+
+pub const VERSION: u64 = 1;
+const SOURCE: &str = "turnlog";
+
+/// Gathers a file's lines into session families, handing each on when the next begins.
+#[derive(Default)]
+pub struct Families {
+    current: Option<Family>,
+}
+
+struct Family {
+    blocks: Vec<Block>,
+    /// Why the family cannot be imported, found while its lines came in.
+    error: Option<String>,
+}
+
+struct Block {
+    header: Value,
+    id: String,
+    events: Vec<Value>,
+}
+
+impl Families {
+    /// Takes the next line; returns the family it ends, if it starts another.
+    pub fn push(&mut self, line: Value) -> Result<Option<Result<Conversation, Rejected>>, FileError> {
+        if line.get("format").is_none() {
+            let Some(family) = &mut self.current else {
+                return Err(FileError::Shape("an event line comes before any session header".into()));
+            };
+            if let Some(block) = family.blocks.last_mut() {
+                block.events.push(line);
+            }
+            return Ok(None);
+        }
+        if line.get("format").and_then(Value::as_str) != Some("turnlog") {
+            return Err(FileError::Shape("a header line names another format than turnlog".into()));
+        }
+        let version = line.get("version").and_then(Value::as_u64).unwrap_or(0);
+        if version != VERSION {
+            return Err(FileError::Shape(format!(
+                "turnlog export version {version}: this build reads version {VERSION}"
+            )));
+        }
+        let session = line.get("session").unwrap_or(&Value::Null);
+        let id = session.get("id").and_then(Value::as_str).unwrap_or("").to_owned();
+        let parent = session.pointer("/forked_from/session_id").and_then(Value::as_str);
+        let block = Block { header: line.clone(), id, events: Vec::new() };
+        let joins = match (parent, &self.current) {
+            (Some(p), Some(family)) => family.blocks.iter().any(|b| b.id == p),
+            _ => false,
+        };
+        if joins {
+            if let Some(family) = &mut self.current {
+                family.blocks.push(block);
+            }
+            return Ok(None);
+        }
+        let error =
+            parent.map(|p| format!("it is a fork of session {p}, which is not before it in the file"));
+        let done = self.current.replace(Family { blocks: vec![block], error });
+        Ok(done.map(Family::conversation))
+    }
+
+    /// The last family, once the file ends.
+    pub fn finish(&mut self) -> Option<Result<Conversation, Rejected>> {
+        self.current.take().map(Family::conversation)
+    }
+}
+
+impl Family {
+    fn conversation(self) -> Result<Conversation, Rejected> {
+        let root = &self.blocks[0];
+        let title = root.header.pointer("/session/title").and_then(Value::as_str).map(str::to_owned);
+        let source_id = root.id.clone();
+        let reject = |reason: String| Rejected::new(title.as_deref(), &source_id, reason);
+        if let Some(e) = self.error {
+            return Err(reject(e));
+        }
+        if uuid::Uuid::parse_str(&source_id).is_err() {
+            return Err(reject("a session header has no id".into()));
+        }
+        let index: HashMap<&str, usize> =
+            self.blocks.iter().enumerate().map(|(i, b)| (b.id.as_str(), i)).collect();
+        let mut sessions = Vec::with_capacity(self.blocks.len());
+        for block in &self.blocks {
+            let s = &block.header["session"];
+            let fork = match s.get("forked_from").filter(|f| !f.is_null()) {
+                None => None,
+                Some(f) => {
+                    let parent =
+                        f.get("session_id").and_then(Value::as_str).and_then(|p| index.get(p)).copied();
+                    let through = f.get("through_seq").and_then(Value::as_i64).filter(|t| *t >= 1);
+                    match (parent, through) {
+                        (Some(parent), Some(through_seq)) => Some(PlannedFork { parent, through_seq }),
+                        _ => return Err(reject(format!("session {} has a malformed forked_from", block.id))),
+                    }
+                }
+            };
+            let first_seq = fork.map_or(1, |f| f.through_seq + 1);
+            let events =
+                events(&block.events, first_seq).map_err(|e| reject(format!("session {}: {e}", block.id)))?;
+            sessions.push(PlannedSession {
+                key: block.id.clone(),
+                title: s.get("title").and_then(Value::as_str).map(str::to_owned),
+                fork,
+                events,
+                archived: s.get("archived").and_then(Value::as_bool).unwrap_or(false),
+                metadata: s.get("metadata").filter(|m| m.as_object().is_some_and(|o| !o.is_empty())).cloned(),
+                deleted: s.get("deleted").and_then(Value::as_bool).unwrap_or(false),
+            });
+        }
+        Ok(Conversation { source_id, title, sessions, skipped: Vec::new() })
+    }
+}
+
+/// A block's event lines as the events to append: gapless from its `session_started` at
+/// `first_seq` (which the importer's create makes), each payload one its kind decodes.
+/// Lines before `first_seq` (a fork's inherited events, as a branch-log export holds them)
+/// are its parent's and skipped.
+fn events(lines: &[Value], first_seq: i64) -> Result<Vec<PlannedEvent>, String> {
+    let mut out = Vec::with_capacity(lines.len());
+    let mut expected = first_seq;
+    for line in lines {
+        let seq = line.get("seq").and_then(Value::as_i64).ok_or("an event line has no seq")?;
+        if seq < first_seq {
+            continue;
+        }
+        if seq != expected {
+            return Err(format!("its events skip from seq {} to {seq}", expected - 1));
+        }
+        expected += 1;
+        let kind_name = line.get("kind").and_then(Value::as_str).unwrap_or("");
+        let kind: EventKind = kind_name.parse().map_err(|e| format!("seq {seq}: {e}"))?;
+        if seq == first_seq {
+            if kind != EventKind::SessionStarted {
+                return Err(format!("seq {seq} should be its session_started, not {kind_name}"));
+            }
+            continue;
+        }
+        let event_id =
+            line.get("event_id").and_then(Value::as_str).ok_or(format!("seq {seq} has no event_id"))?;
+        let mut payload = line.get("payload").cloned().unwrap_or(Value::Null);
+        EventBody::decode(kind, &payload, seq).map_err(|e| format!("seq {seq}: {e}"))?;
+        if matches!(kind, EventKind::UserMessage | EventKind::AssistantTurn)
+            && payload.get("imported").is_none()
+        {
+            let imported = Imported {
+                source: SOURCE.to_owned(),
+                id: event_id.to_owned(),
+                created_at: line.get("created_at").and_then(Value::as_str).and_then(|t| t.parse().ok()),
+            };
+            payload["imported"] = serde_json::to_value(imported).unwrap_or(Value::Null);
+        }
+        out.push(PlannedEvent { source_id: event_id.to_owned(), seq, kind, payload });
+    }
+    if expected == first_seq {
+        return Err("it has no session_started event".into());
+    }
+    Ok(out)
+}
+
+/// Maps what an exported payload names in its own log to the target log: `seq` maps a seq
+/// of the branch log, `memory` a memory id. A seq with no mapping stays as it was.
+pub fn rewrite(
+    kind: EventKind,
+    payload: &mut Value,
+    seq: impl Fn(i64) -> Option<i64>,
+    memory: impl Fn(&str) -> String,
+) {
+    let map_seq = |v: Option<&mut Value>| {
+        if let Some(v) = v {
+            if let Some(mapped) = v.as_i64().and_then(&seq) {
+                *v = Value::from(mapped);
+            }
+        }
+    };
+    match kind {
+        EventKind::TurnMemory => map_seq(payload.get_mut("turn_seq")),
+        EventKind::MemoryExtracted => {
+            map_seq(payload.get_mut("turn_seq"));
+            for m in payload.get_mut("memories").and_then(Value::as_array_mut).into_iter().flatten() {
+                if let Some(id) = m.get("id").and_then(Value::as_str).map(&memory) {
+                    m["id"] = Value::String(id);
+                }
+            }
+        }
+        EventKind::CompactionApplied => {
+            map_seq(payload.get_mut("replaces_through_seq"));
+            for id in payload.get_mut("facts_extracted").and_then(Value::as_array_mut).into_iter().flatten() {
+                if let Some(mapped) = id.as_str().map(&memory) {
+                    *id = Value::String(mapped);
+                }
+            }
+        }
+        EventKind::AssistantTurn | EventKind::PendingState | EventKind::TurnFailed => {
+            map_seq(payload.get_mut("request").and_then(|r| r.get_mut("through_seq")));
+        }
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const ROOT: &str = "0190a0e4-3b1c-7cc1-9a2b-5f0e3d2c1b0a";
+    const FORK: &str = "0190a0e4-3b1c-7cc1-9a2b-5f0e3d2c1b0b";
+
+    fn header(id: &str, forked: Option<(&str, i64)>) -> Value {
+        let from = forked.map(|(p, t)| json!({"session_id": p, "through_seq": t}));
+        json!({"format": "turnlog", "version": 1, "session": {"id": id, "title": "Trip", "archived": false,
+               "metadata": {}, "forked_from": from}})
+    }
+
+    fn event(seq: i64, kind: &str, payload: Value) -> Value {
+        json!({"seq": seq, "event_id": format!("0190a0e4-0000-7000-8000-{seq:012}"), "kind": kind, "payload": payload,
+               "created_at": "2026-05-01T10:00:00Z"})
+    }
+
+    fn push_all(lines: Vec<Value>) -> Vec<Result<Conversation, Rejected>> {
+        let mut families = Families::default();
+        let mut out: Vec<_> = lines.into_iter().filter_map(|l| families.push(l).unwrap()).collect();
+        out.extend(families.finish());
+        out
+    }
+
+    #[test]
+    fn a_family_is_one_conversation_and_a_fork_starts_after_its_point() {
+        let out = push_all(vec![
+            header(ROOT, None),
+            event(1, "session_started", json!({})),
+            event(2, "user_message", json!({"text": "hi"})),
+            event(3, "assistant_turn", json!({"llm": {"message": {"content": "yo"}}})),
+            header(FORK, Some((ROOT, 2))),
+            event(3, "session_started", json!({"forked_from": {"session_id": ROOT, "through_seq": 2}})),
+            event(4, "assistant_turn", json!({"llm": {"message": {"content": "hey"}}})),
+            header(FORK, None),
+        ]);
+        assert_eq!(out.len(), 2, "a second root starts a second family");
+        let c = out[0].as_ref().unwrap();
+        assert_eq!(c.sessions.len(), 2);
+        assert_eq!(c.sessions[1].fork, Some(PlannedFork { parent: 0, through_seq: 2 }));
+        assert_eq!(c.sessions[1].events[0].seq, 4);
+        let imported = &c.sessions[0].events[0].payload["imported"];
+        assert_eq!(imported["source"], "turnlog");
+        assert_eq!(imported["created_at"], "2026-05-01T10:00:00Z");
+        assert!(out[1].as_ref().unwrap_err().reason.contains("no session_started"));
+    }
+
+    #[test]
+    fn gaps_unknown_kinds_and_orphan_forks_are_refused() {
+        let gap = push_all(vec![
+            header(ROOT, None),
+            event(1, "session_started", json!({})),
+            event(3, "user_message", json!({"text": "x"})),
+        ]);
+        assert!(gap[0].as_ref().unwrap_err().reason.contains("skip from seq 1 to 3"));
+        let unknown = push_all(vec![
+            header(ROOT, None),
+            event(1, "session_started", json!({})),
+            event(2, "nope", json!({})),
+        ]);
+        assert!(unknown[0].as_ref().unwrap_err().reason.contains("unknown"));
+        let bad = push_all(vec![
+            header(ROOT, None),
+            event(1, "session_started", json!({})),
+            event(2, "user_message", json!({"text": 3})),
+        ]);
+        assert!(bad[0].is_err());
+        let orphan = push_all(vec![header(FORK, Some((ROOT, 2))), event(3, "session_started", json!({}))]);
+        assert!(orphan[0].as_ref().unwrap_err().reason.contains("not before it"));
+        let mut families = Families::default();
+        assert!(families.push(event(1, "session_started", json!({}))).is_err());
+    }
+
+    #[test]
+    fn rewrite_maps_seqs_and_memory_ids() {
+        let mut p = json!({"turn_seq": 3, "memories": [{"id": "m1", "text": "x"}]});
+        rewrite(EventKind::MemoryExtracted, &mut p, |s| Some(s + 10), |m| format!("{m}'"));
+        assert_eq!(p, json!({"turn_seq": 13, "memories": [{"id": "m1'", "text": "x"}]}));
+        let mut p = json!({"summary": "s", "replaces_through_seq": 5, "facts_extracted": ["m1"]});
+        rewrite(EventKind::CompactionApplied, &mut p, |_| None, |m| format!("{m}'"));
+        assert_eq!(p, json!({"summary": "s", "replaces_through_seq": 5, "facts_extracted": ["m1'"]}));
+    }
+}

@@ -1,0 +1,124 @@
+//! Import (issue 25): a generated ChatGPT export of 1,000 conversations and 100,000
+//! messages (every tenth conversation with a regenerated answer, so a fork) imported
+//! through the writer as `POST /v1/import` and `turnlog import` do, and what it does to
+//! live appends meanwhile: their p99 at 100/s before the import (the baseline) and during it.
+//! Then the same file again, which adds nothing.
+
+use std::io::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use turnlog_core::ids::Owner;
+use turnlog_runtime::import::{ImportLanes, Importer};
+
+use crate::writer::{latency_at, Rig};
+
+const CONVERSATIONS: usize = 1_000;
+const MESSAGES: usize = 100;
+/// Live appends per second while the import runs, and how long they are measured.
+const LIVE_PER_S: u64 = 100;
+const LIVE_SECONDS: u64 = 10;
+
+/// One conversation of `MESSAGES` messages; every tenth has a second answer to its last
+/// question (a branch, so a fork).
+fn conversation(c: usize) -> Value {
+    let t0 = 1_700_000_000.0 + c as f64 * 3_600.0;
+    let mut mapping = serde_json::Map::new();
+    mapping.insert("root".into(), json!({"id": "root", "message": null, "parent": null, "children": ["m0"]}));
+    let branch = c.is_multiple_of(10);
+    for i in 0..MESSAGES {
+        let id = format!("m{i}");
+        let role = if i.is_multiple_of(2) { "user" } else { "assistant" };
+        let parent = if i == 0 { "root".to_owned() } else { format!("m{}", i - 1) };
+        let mut children = if i + 1 < MESSAGES { vec![format!("m{}", i + 1)] } else { vec![] };
+        if branch && i == MESSAGES - 2 {
+            children.push("alt".into());
+        }
+        let text = format!(
+            "Conversation {c}, message {i}: the Lisbon office's quarterly numbers, invoice {} and the shipment \
+             of {} crates to Porto on the {}th.",
+            1000 + i,
+            i % 40,
+            1 + i % 28
+        );
+        let message = json!({"id": id, "author": {"role": role}, "create_time": t0 + i as f64,
+            "content": {"content_type": "text", "parts": [text]}, "metadata": {"model_slug": "gpt-4o"}});
+        mapping.insert(
+            id.clone(),
+            json!({"id": id, "message": message, "parent": parent, "children": children}),
+        );
+    }
+    if branch {
+        let message = json!({"id": "alt", "author": {"role": "assistant"}, "create_time": t0 + 500.0,
+            "content": {"content_type": "text", "parts": ["Another answer."]}});
+        let parent = format!("m{}", MESSAGES - 2);
+        mapping
+            .insert("alt".into(), json!({"id": "alt", "message": message, "parent": parent, "children": []}));
+    }
+    json!({"conversation_id": format!("bench-{c}"), "title": format!("Bench conversation {c}"),
+           "create_time": t0, "current_node": format!("m{}", MESSAGES - 1), "mapping": mapping})
+}
+
+pub async fn run() -> anyhow::Result<()> {
+    turnlog_core::tokens::warm_up();
+    let path = std::env::temp_dir().join(format!("turnlog-bench-import-{}.json", uuid::Uuid::now_v7()));
+    {
+        let mut out = std::io::BufWriter::new(std::fs::File::create(&path)?);
+        out.write_all(b"[")?;
+        for c in 0..CONVERSATIONS {
+            if c > 0 {
+                out.write_all(b",\n")?;
+            }
+            serde_json::to_writer(&mut out, &conversation(c))?;
+        }
+        out.write_all(b"]\n")?;
+    }
+    let file_mb = std::fs::metadata(&path)?.len() as f64 / 1e6;
+    let mut rig = Rig::new().await?;
+    rig.start_writer();
+    let live = rig.sessions(16).await?;
+    let (_, alone_p99, _) = latency_at(&rig, &live, LIVE_PER_S, LIVE_SECONDS).await?;
+
+    let importer = Importer {
+        bus: rig.bus.clone(),
+        pool: rig.env.pool.clone(),
+        owner: Owner::parse("importer")?,
+        lanes: Arc::new(ImportLanes::new(rig.bus.partitions)),
+        append_timeout: Duration::from_secs(60),
+    };
+    let started = Instant::now();
+    let import = {
+        let (importer, path) = (importer.clone(), path.clone());
+        tokio::spawn(async move { importer.file(&path, None, |_, _| {}).await })
+    };
+    let (_, during_p99, during_max) = latency_at(&rig, &live, LIVE_PER_S, LIVE_SECONDS).await?;
+    let summary = import.await??;
+    let elapsed = started.elapsed();
+    anyhow::ensure!(summary.failed.is_empty(), "conversations failed: {:?}", summary.failed);
+    let per_s = summary.messages as f64 / elapsed.as_secs_f64();
+
+    let again = Instant::now();
+    let repeat = importer.file(&path, None, |_, _| {}).await?;
+    anyhow::ensure!(repeat.events == 0 && repeat.unchanged == CONVERSATIONS, "a repeat added {repeat:?}");
+    let again = again.elapsed();
+    let _ = std::fs::remove_file(&path);
+
+    println!(
+        "import of {CONVERSATIONS} conversations ({file_mb:.1} MB, {} messages, {} sessions) in {:.1} s: {per_s:.0} messages/s",
+        summary.messages,
+        summary.sessions,
+        elapsed.as_secs_f64()
+    );
+    println!(
+        "live appends at {LIVE_PER_S}/s: p99 {alone_p99:.2} ms alone (baseline), {during_p99:.2} ms during the import (max {during_max:.1} ms)"
+    );
+    println!("the same file again: nothing added, {:.1} s", again.as_secs_f64());
+    println!(
+        "RESULT import messages_per_s={per_s:.0} live_p99_ms={during_p99:.2} live_p99_alone_ms={alone_p99:.2} repeat_s={:.1}",
+        again.as_secs_f64()
+    );
+    rig.stop_writer().await?;
+    rig.env.cleanup().await;
+    Ok(())
+}
