@@ -6,7 +6,7 @@ import { after, before, test } from 'node:test';
 import assert from 'node:assert/strict';
 import { once } from 'node:events';
 import { randomBytes } from 'node:crypto';
-import { mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import http from 'node:http';
 import os from 'node:os';
 import path from 'node:path';
@@ -1499,6 +1499,214 @@ check('files dropped on the chat or an image pasted into the message are attache
       if (!deleted) await page.waitForTimeout(100);
     }
     assert.ok(deleted, `the unsent upload ${id} is deleted`);
+  }
+});
+
+/** The labels of the Export menu's items, in order. */
+const EXPORT_ITEMS = [
+  'Export as Markdown',
+  'Export as turnlog (lossless JSONL)',
+  'Export as OpenAI messages (JSON)',
+  'Export as ShareGPT (JSON)',
+];
+
+const focusedText = () => page.evaluate(() => document.activeElement?.textContent);
+
+check('"Export" downloads the session as Markdown or as turnlog JSONL, from a menu a keyboard can use', async () => {
+  const text = 'Export me: the trams of Lisbon [mock words=6]';
+  await page.goto(`${server.base}/#/new`);
+  await page.locator('#message').waitFor();
+  await send(text);
+  await page.waitForURL(/#\/s\//);
+  const id = currentSessionId();
+  await page.locator('article[data-kind=assistant]').waitFor();
+  await waitForSession(id);
+
+  // The keyboard: Enter opens the menu on its first item, the arrows move, Esc closes it and
+  // gives the focus back to the button.
+  const button = page.locator('#export');
+  const menu = page.locator('#export-menu');
+  assert.equal(await menu.isVisible(), false);
+  await button.focus();
+  await page.keyboard.press('Enter');
+  await menu.waitFor({ state: 'visible' });
+  assert.equal(await button.getAttribute('aria-expanded'), 'true');
+  assert.deepEqual(await page.getByRole('menuitem').allTextContents(), EXPORT_ITEMS);
+  assert.equal(await focusedText(), EXPORT_ITEMS[0]);
+  await page.keyboard.press('ArrowDown');
+  assert.equal(await focusedText(), EXPORT_ITEMS[1]);
+  await page.keyboard.press('ArrowUp');
+  await page.keyboard.press('ArrowUp');
+  assert.equal(await focusedText(), EXPORT_ITEMS[3], 'the arrows wrap around');
+  await page.keyboard.press('Escape');
+  await menu.waitFor({ state: 'hidden' });
+  assert.equal(await button.getAttribute('aria-expanded'), 'false');
+  assert.equal(await page.evaluate(() => document.activeElement?.id), 'export');
+  // A click elsewhere closes it too.
+  await button.click();
+  await menu.waitFor({ state: 'visible' });
+  await shot('export-menu');
+  await page.locator('#chat-title').click();
+  await menu.waitFor({ state: 'hidden' });
+
+  // Markdown, by mouse: a file download (fetched with the token) named by the server.
+  await button.click();
+  const [md] = await Promise.all([
+    page.waitForEvent('download'),
+    page.getByRole('menuitem', { name: 'Export as Markdown' }).click(),
+  ]);
+  assert.match(md.suggestedFilename(), /\.md$/);
+  const markdown = readFileSync(await md.path(), 'utf8');
+  assert.ok(markdown.includes('Export me: the trams of Lisbon'), `the user's message is not in the Markdown:\n${markdown}`);
+  await menu.waitFor({ state: 'hidden' });
+  assert.equal(await button.textContent(), 'Export');
+
+  // turnlog, by keyboard: a header line, then the session's events as stored.
+  await button.focus();
+  await page.keyboard.press('ArrowDown');
+  await page.keyboard.press('ArrowDown');
+  assert.equal(await focusedText(), EXPORT_ITEMS[1]);
+  const [jsonl] = await Promise.all([page.waitForEvent('download'), page.keyboard.press('Enter')]);
+  assert.match(jsonl.suggestedFilename(), /\.jsonl$/);
+  const lines = readFileSync(await jsonl.path(), 'utf8').trimEnd().split('\n');
+  const head = JSON.parse(lines[0]);
+  assert.equal(head.format, 'turnlog');
+  assert.equal(head.session.id, id);
+  assert.ok(lines.slice(1).some((l) => l.includes(JSON.stringify(text))), 'the user message is not among the events');
+  for (const line of lines) JSON.parse(line);
+  assert.equal(await page.evaluate(() => document.activeElement?.id), 'export');
+});
+
+/** A ChatGPT export (conversations.json) of one conversation, four messages in November 2023. */
+const t0 = 1700000000; // 2023-11-14T22:13:20Z
+const chatgptMessage = (id, parent, child, role, at, text, metadata) => ({
+  id,
+  parent,
+  children: child ? [child] : [],
+  message: {
+    id,
+    author: { role },
+    create_time: at,
+    content: { content_type: 'text', parts: [text] },
+    ...(metadata && { metadata }),
+  },
+});
+const PORTO = [
+  {
+    id: 'c0ffee00-1111-4222-8333-444455556666',
+    conversation_id: 'c0ffee00-1111-4222-8333-444455556666',
+    title: 'Trip to Porto',
+    create_time: t0,
+    update_time: t0 + 500,
+    current_node: 'n4',
+    mapping: {
+      root: { id: 'root', message: null, parent: null, children: ['n1'] },
+      n1: chatgptMessage('n1', 'root', 'n2', 'user', t0, 'Plan a day in Porto'),
+      n2: chatgptMessage('n2', 'n1', 'n3', 'assistant', t0 + 100, 'Start at Ribeira.', { model_slug: 'gpt-4o' }),
+      n3: chatgptMessage('n3', 'n2', 'n4', 'user', t0 + 300, 'And for dinner?'),
+      n4: chatgptMessage('n4', 'n3', null, 'assistant', t0 + 400, 'Try a francesinha.', { model_slug: 'gpt-4o' }),
+    },
+  },
+];
+
+/** The row of the session titled `title`, the list scrolled (pages loading) until it shows. */
+async function findRow(title) {
+  const row = sessionRows().filter({ has: page.locator('.title', { hasText: title }) });
+  const deadline = Date.now() + WAIT;
+  while (!(await row.count())) {
+    assert.ok(Date.now() < deadline, `no session “${title}” in the list`);
+    await page.locator('#session-scroll').evaluate((s) => (s.scrollTop = s.scrollHeight));
+    await page.waitForTimeout(100);
+  }
+  return row;
+}
+
+/** Picks `files` in the file chooser the Import button opens. */
+async function importVia(files) {
+  const [chooser] = await Promise.all([page.waitForEvent('filechooser'), page.locator('#import').click()]);
+  assert.equal(chooser.isMultiple(), false);
+  const answered = page.waitForResponse((r) => r.request().method() === 'POST' && r.url().endsWith('/v1/import'), { timeout: 60_000 });
+  await chooser.setFiles(files);
+  return answered;
+}
+
+check('"Import…" takes a ChatGPT export, says what it imported, and shows the messages at their original times', async () => {
+  const dir = mkdtempSync(path.join(os.tmpdir(), 'turnlog-web-import-'));
+  try {
+    const file = path.join(dir, 'conversations.json');
+    writeFileSync(file, JSON.stringify(PORTO));
+    await page.goto(`${server.base}/#/`);
+    await sessionRows().first().waitFor();
+    assert.match(await page.locator('#import-input').getAttribute('accept'), /\.json,\.jsonl,application\/json/);
+    // Every state the button goes through.
+    await page.locator('#import').evaluate((b) => {
+      window.__importButton = [];
+      new MutationObserver(() => window.__importButton.push(`${b.textContent}|${b.disabled}`)).observe(b, {
+        attributes: true,
+        childList: true,
+        characterData: true,
+        subtree: true,
+      });
+    });
+
+    const res = await importVia(file);
+    assert.equal(res.status(), 200, await res.text());
+    assert.match((await res.request().allHeaders())['content-type'], /^multipart\/form-data; boundary=/);
+    assert.doesNotMatch(res.request().url(), /format=/, "the format is the server's to detect");
+    const result = page.locator('#import-result');
+    await page.locator('#import-result[data-state=done]').waitFor();
+    assert.equal(await page.locator('#import-status').textContent(), 'Imported 1 conversation, 4 messages.');
+    assert.equal(await page.locator('#import-failed').isVisible(), false);
+    const states = await page.evaluate(() => window.__importButton);
+    assert.ok(states.includes('Importing…|true'), `the button never showed the import under way: ${states.join(', ')}`);
+    assert.equal(await page.locator('#import').textContent(), 'Import…');
+    assert.equal(await page.locator('#import').isEnabled(), true);
+
+    // In the list (newest activity first, so far down), at its last activity: its last
+    // message's original time.
+    const row = await findRow('Trip to Porto');
+    assert.equal(Date.parse(await row.locator('time').getAttribute('datetime')), (t0 + 400) * 1000);
+    await shot('import');
+
+    // Opened: the messages as they were, each at its original time (older than a week, so
+    // `time()` writes the date: 11/14/2023 in en-US, in this machine's time zone) and marked
+    // as imported from ChatGPT.
+    const id = (await row.getAttribute('data-id')) ?? '';
+    await row.locator('a').click();
+    await waitForSession(id);
+    const items = page.locator('#transcript article.item');
+    assert.deepEqual(await items.evaluateAll((nodes) => nodes.map((n) => n.dataset.kind)), ['user', 'assistant', 'user', 'assistant']);
+    assert.equal(await items.nth(0).locator('.text').textContent(), 'Plan a day in Porto');
+    assert.equal(squash(await items.nth(1).locator('.md').textContent()), 'Start at Ribeira.');
+    assert.equal(await items.nth(2).locator('.text').textContent(), 'And for dinner?');
+    assert.equal(squash(await items.nth(3).locator('.md').textContent()), 'Try a francesinha.');
+    const shown = await page.evaluate((ms) => new Date(ms).toLocaleDateString(), t0 * 1000);
+    assert.match(shown, /2023/);
+    for (const [i, at] of [t0, t0 + 100, t0 + 300, t0 + 400].entries()) {
+      const time = items.nth(i).locator('.meta time');
+      assert.equal(Date.parse(await time.getAttribute('datetime')), at * 1000, `item ${i} is not at its original time`);
+      assert.equal(await time.textContent(), shown);
+      assert.equal(await items.nth(i).locator('.imported-tag').textContent(), 'imported from ChatGPT');
+    }
+    await shot('imported');
+
+    // The same file again adds nothing, and says so.
+    await page.goto(`${server.base}/#/`);
+    await sessionRows().first().waitFor();
+    assert.equal((await importVia(file)).status(), 200);
+    await page.locator('#import-status', { hasText: 'Nothing new: 1 conversation was imported before.' }).waitFor();
+    assert.equal(await (await findRow('Trip to Porto')).count(), 1, 'imported twice');
+
+    // A file that is no export: the server's error, in the status line.
+    const bad = await importVia({ name: 'notes.json', mimeType: 'application/json', buffer: Buffer.from('{"not": "an export"}') });
+    assert.ok(bad.status() >= 400 && bad.status() < 500, `status ${bad.status()}`);
+    const { error } = await bad.json();
+    await page.locator('#import-result[data-state=error]').waitFor();
+    assert.equal(await page.locator('#import-status').textContent(), `Could not import notes.json: ${error.message}`);
+    await page.locator('#import-dismiss').click();
+    assert.equal(await result.isVisible(), false);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
   }
 });
 

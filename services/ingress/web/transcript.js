@@ -18,13 +18,29 @@ export function renderItem(item, actions) {
   return node;
 }
 
+/** Names of the apps messages are imported from (`imported.source`). */
+const SOURCES = { chatgpt: 'ChatGPT', sharegpt: 'ShareGPT', turnlog: 'turnlog' };
+
+/** The line under an item: `parts`, its seq and its time. An imported message shows its
+ * original time (when the export kept one) and where it came from. */
 function meta(item, ...parts) {
+  const imported = item.imported;
+  let origin = null;
+  if (imported) {
+    const source = SOURCES[imported.source] ?? imported.source ?? 'another app';
+    origin = h('span', {
+      class: 'imported-tag',
+      text: `imported from ${source}`,
+      title: `Imported ${new Date(item.created_at).toLocaleString()}${imported.id ? ` (id ${imported.id} there)` : ''}`,
+    });
+  }
   return h(
     'div',
     { class: 'meta' },
     ...parts.filter(Boolean).map((p) => (typeof p === 'string' ? h('span', { text: p }) : p)),
     item.seq ? h('span', { class: 'seq', text: `#${item.seq}` }) : null,
-    time(item.created_at),
+    time(imported?.created_at ?? item.created_at),
+    origin,
   );
 }
 

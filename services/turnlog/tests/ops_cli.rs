@@ -96,3 +96,75 @@ async fn dead_rebuild_verify_and_replay_from_the_command_line() {
     assert_eq!(rig.events_of(s, "turn_memory").await.len(), 1, "and only once");
     rig.stop().await;
 }
+
+/// `turnlog import` / `turnlog export` (issue 25) with the workers running: the imported
+/// answers get their memories on the low-priority consumer and no residue from the
+/// distiller; the export writes every family; a repeat adds nothing; a bad file exits 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn import_and_export_from_the_command_line() {
+    let mut rig = Rig::start().await;
+    let (memory, distiller) = (
+        turnlog_e2e::config::memory(&rig.env, &rig.mock.base_url()),
+        turnlog_e2e::config::distiller(&rig.env, &rig.mock.base_url()),
+    );
+    rig.spawn(|stop| turnlog_memory::run(memory, stop));
+    rig.spawn(|stop| turnlog_distiller::run(distiller, stop));
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/e2e/fixtures/chatgpt/conversations.json");
+
+    let imported = turnlog(&rig, &["import", "--owner", OWNER, "--format", "chatgpt", fixture]).await;
+    assert!(imported.status.success());
+    assert!(
+        stdout(&imported)
+            .starts_with("imported 3 conversations (0 already there whole): 5 sessions, 13 messages"),
+        "{}",
+        stdout(&imported)
+    );
+    assert!(stdout(&imported).contains("skipped 4 parts"), "{}", stdout(&imported));
+    rig.settle(&["memory-imported", "distiller"]).await;
+    let counts: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT kind, count(*) FROM session_events WHERE kind IN ('assistant_turn', 'memory_extracted', 'turn_memory') \
+         GROUP BY kind ORDER BY kind",
+    )
+    .fetch_all(&rig.env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        counts,
+        [("assistant_turn".into(), 7), ("memory_extracted".into(), 7)],
+        "one extraction an answer, no residue"
+    );
+
+    let again = turnlog(&rig, &["import", "--owner", OWNER, fixture]).await;
+    assert!(again.status.success());
+    assert!(
+        stdout(&again)
+            .starts_with("imported 3 conversations (3 already there whole): 0 sessions, 0 messages"),
+        "{}",
+        stdout(&again)
+    );
+
+    let exported = turnlog(&rig, &["export", "--owner", OWNER]).await;
+    assert!(exported.status.success());
+    let headers: Vec<serde_json::Value> = stdout(&exported)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|l| l["format"] == "turnlog")
+        .collect();
+    assert_eq!(headers.len(), 5, "every session of the three families");
+    let markdown = turnlog(&rig, &["export", "--owner", OWNER, "--format", "markdown"]).await;
+    assert!(
+        stdout(&markdown).contains("## You · 2023-11-16 22:13 UTC\n\n日本の首都はどこですか？"),
+        "{}",
+        stdout(&markdown)
+    );
+
+    let dir = std::env::temp_dir().join(format!("turnlog-cli-import-{}", Uuid::now_v7()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let truncated = dir.join("truncated.json");
+    std::fs::write(&truncated, &std::fs::read(fixture).unwrap()[..500]).unwrap();
+    let refused = turnlog(&rig, &["import", "--owner", OWNER, truncated.to_str().unwrap()]).await;
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("nothing was imported"));
+    std::fs::remove_dir_all(&dir).unwrap();
+    rig.stop().await;
+}

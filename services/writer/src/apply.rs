@@ -105,7 +105,7 @@ fn new_event(req: &AppendRequest, body_len: usize) -> Result<NewEvent, Refusal> 
     if size > MAX_EVENT_BYTES {
         return Err(refuse("too_large", format!("event is {size} bytes; the limit is {MAX_EVENT_BYTES}")));
     }
-    if has_nul(payload) {
+    if turnlog_runtime::bus::has_nul(payload) {
         return Err(refuse("unstorable_text", "payload text contains a NUL character"));
     }
     let tokens = i32::try_from(event_tokens(&body)).unwrap_or(i32::MAX);
@@ -697,16 +697,6 @@ fn active_at(kind: EventKind, payload: &Value, published: DateTime<Utc>) -> Opti
     }
     let original = payload.get("imported").and_then(|i| i.get("created_at")).and_then(Value::as_str);
     Some(original.and_then(|t| t.parse().ok()).unwrap_or(published))
-}
-
-/// Postgres cannot store U+0000 in text or jsonb.
-fn has_nul(v: &Value) -> bool {
-    match v {
-        Value::String(s) => s.contains('\0'),
-        Value::Array(a) => a.iter().any(has_nul),
-        Value::Object(o) => o.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
-        _ => false,
-    }
 }
 
 fn dead_letter(fx: &mut BatchEffects, msg: &Incoming, session: Option<SessionId>, refusal: Refusal) {

@@ -322,6 +322,17 @@ impl AppendRequest {
     }
 }
 
+/// Whether `v` holds U+0000, which Postgres cannot store in text or jsonb (the writer
+/// refuses such an event as `unstorable_text`).
+pub fn has_nul(v: &Value) -> bool {
+    match v {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(a) => a.iter().any(has_nul),
+        Value::Object(o) => o.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
+        _ => false,
+    }
+}
+
 /// The length of `value` serialized as JSON, escapes included (a quote or a line break
 /// takes two bytes, another control character six), without building the text.
 pub fn json_len(value: &(impl Serialize + ?Sized)) -> usize {
@@ -816,6 +827,13 @@ mod tests {
         assert_eq!(v["kind"], "turn_failed");
         assert_eq!(v["expect"], serde_json::json!({"compacted_through": null}));
         assert_eq!(serde_json::from_value::<AppendRequest>(v).unwrap(), r);
+    }
+
+    #[test]
+    fn nul_is_found_anywhere() {
+        assert!(has_nul(&serde_json::json!({"a": ["x\0"]})));
+        assert!(has_nul(&serde_json::json!({"a\0": 1})));
+        assert!(!has_nul(&serde_json::json!({"a": ["x", 1, null]})));
     }
 
     #[test]

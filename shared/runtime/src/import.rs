@@ -20,7 +20,6 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use serde::Serialize;
-use serde_json::Value;
 use sqlx::PgPool;
 use tokio::sync::{mpsc, Semaphore};
 use turnlog_core::events::{EventKind, ForkPoint};
@@ -29,7 +28,7 @@ use turnlog_core::import::{self, Conversation, FileError, Format, PlannedSession
 use uuid::Uuid;
 
 use crate::bus::{
-    append_and_wait, json_len, partition_of, AppendRequest, Bus, Op, RequestKind, MAX_EVENT_BYTES,
+    append_and_wait, has_nul, json_len, partition_of, AppendRequest, Bus, Op, RequestKind, MAX_EVENT_BYTES,
 };
 
 /// Most appends imports keep in flight on one partition.
@@ -38,17 +37,22 @@ pub const IN_FLIGHT_PER_PARTITION: usize = 200;
 /// Imported ids are name-based uuids in this namespace.
 const IMPORT_NAMESPACE: Uuid = Uuid::from_u128(0x2b9e_51c7_0f4a_4d38_a6e2_7c15_93d0_4e81);
 
-/// The appends imports may have in flight, one lane per partition, shared by every import
-/// a process runs.
+/// Files a process imports at once (each holds a few hundred conversations in memory);
+/// more wait their turn.
+pub const FILES_AT_ONCE: usize = 2;
+
+/// The appends imports may have in flight, one lane per partition, and the files imported
+/// at once, shared by every import a process runs.
 pub struct ImportLanes {
     lanes: Vec<Arc<Semaphore>>,
+    files: Semaphore,
 }
 
 impl ImportLanes {
     pub fn new(partitions: u32) -> Self {
         let lanes =
             (0..partitions.max(1)).map(|_| Arc::new(Semaphore::new(IN_FLIGHT_PER_PARTITION))).collect();
-        Self { lanes }
+        Self { lanes, files: Semaphore::new(FILES_AT_ONCE) }
     }
 
     fn lane(&self, partition: u32) -> &Semaphore {
@@ -136,6 +140,7 @@ impl Importer {
         format: Option<Format>,
         progress: impl Fn(&Summary, &Checked),
     ) -> Result<Summary, FileError> {
+        let _turn = self.lanes.files.acquire().await.map_err(|_| FileError::Shape("shutting down".into()))?;
         let reader = open(path)?;
         let checked = tokio::task::spawn_blocking(move || check(reader, format))
             .await
@@ -384,16 +389,6 @@ fn checked(c: &Conversation) -> Result<(), String> {
     Ok(())
 }
 
-/// Postgres cannot store U+0000 in text or jsonb.
-pub fn has_nul(v: &Value) -> bool {
-    match v {
-        Value::String(s) => s.contains('\0'),
-        Value::Array(a) => a.iter().any(has_nul),
-        Value::Object(o) => o.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
-        _ => false,
-    }
-}
-
 /// A session already in the log: whether it is hidden (deleted, kept for its forks), and
 /// its own events' seqs by event id.
 struct Existing {
@@ -415,16 +410,4 @@ async fn existing(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<Ex
             .fetch_all(pool)
             .await?;
     Ok(Some(Existing { hidden, events: events.into_iter().collect() }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn nul_is_found_anywhere() {
-        assert!(has_nul(&serde_json::json!({"a": ["x\0"]})));
-        assert!(has_nul(&serde_json::json!({"a\0": 1})));
-        assert!(!has_nul(&serde_json::json!({"a": ["x", 1, null]})));
-    }
 }

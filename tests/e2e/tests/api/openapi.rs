@@ -22,6 +22,7 @@ const SERVED: &[(&str, &str)] = &[
     ("post", "/v1/sessions/{id}/messages"),
     ("post", "/v1/chat"),
     ("get", "/v1/sessions/{id}/export"),
+    ("post", "/v1/import"),
     ("post", "/v1/files"),
     ("get", "/v1/files"),
     ("get", "/v1/files/{id}"),
