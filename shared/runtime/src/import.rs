@@ -217,7 +217,7 @@ impl Importer {
         for (i, s) in c.sessions.iter().enumerate() {
             let parent = s.fork.map(|f| (&placed[f.parent], f.through_seq));
             let id = match parent {
-                None => self.root_id(&c.source_id),
+                None => self.root_id(c.format, &c.source_id),
                 Some((p, _)) => self.fork_id(p.id, &s.key),
             };
             let session = self
@@ -326,8 +326,9 @@ impl Importer {
         }
     }
 
-    fn root_id(&self, source_id: &str) -> SessionId {
-        SessionId(name(&format!("{}\nroot\n{source_id}", self.owner.as_str())))
+    /// A conversation's main session: named by the owner, the export's kind and its id there.
+    fn root_id(&self, format: Format, source_id: &str) -> SessionId {
+        SessionId(name(&format!("{}\nroot\n{}\n{source_id}", self.owner.as_str(), format.as_str())))
     }
 
     /// A fork's id: derived from its parent's and its key, drawn again (with a counter)

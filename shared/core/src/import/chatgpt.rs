@@ -187,7 +187,7 @@ pub fn conversation(v: &Value) -> Result<Conversation, Rejected> {
             s
         })
         .collect();
-    Ok(Conversation { source_id: id, title, sessions, skipped: plan.skipped })
+    Ok(Conversation { format: super::Format::ChatGpt, source_id: id, title, sessions, skipped: plan.skipped })
 }
 
 /// Places paths of nodes as sessions, numbering their events as the writer will.

@@ -69,6 +69,8 @@ impl std::str::FromStr for Format {
 /// One conversation of an export, as the sessions it makes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Conversation {
+    /// The export it came from.
+    pub format: Format,
     /// Its id in the export (for an export without ids, a hash of its content), from which
     /// the importer derives its sessions' ids: importing it again names the same sessions.
     pub source_id: String,

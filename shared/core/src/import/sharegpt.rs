@@ -83,7 +83,13 @@ pub fn conversation(v: &Value, index: usize) -> Result<Conversation, Rejected> {
         metadata: None,
         deleted: false,
     };
-    Ok(Conversation { source_id: id, title, sessions: vec![session], skipped })
+    Ok(Conversation {
+        format: super::Format::ShareGpt,
+        source_id: id,
+        title,
+        sessions: vec![session],
+        skipped,
+    })
 }
 
 #[cfg(test)]

@@ -125,7 +125,7 @@ impl Family {
                 deleted: s.get("deleted").and_then(Value::as_bool).unwrap_or(false),
             });
         }
-        Ok(Conversation { source_id, title, sessions, skipped: Vec::new() })
+        Ok(Conversation { format: super::Format::Turnlog, source_id, title, sessions, skipped: Vec::new() })
     }
 }
 
