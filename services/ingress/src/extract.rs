@@ -55,19 +55,21 @@ pub(crate) struct LimitedBody {
     chunks: axum::body::BodyDataStream,
     read: usize,
     limit: usize,
+    drain_max: usize,
 }
 
 impl LimitedBody {
     pub(crate) fn new(req: Request, limit: usize) -> Result<Self, ApiError> {
-        let declared = req
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<usize>().ok());
-        if declared.is_some_and(|n| n > limit + DRAIN_MAX_BYTES) {
+        Self::draining(req, limit, DRAIN_MAX_BYTES)
+    }
+
+    /// Like [`LimitedBody::new`], draining up to `drain_max` bytes past the limit (a
+    /// declared length past that is refused before anything is read).
+    pub(crate) fn draining(req: Request, limit: usize, drain_max: usize) -> Result<Self, ApiError> {
+        if declared_length(&req).is_some_and(|n| n > limit + drain_max) {
             return Err(too_large(limit));
         }
-        Ok(Self { chunks: req.into_body().into_data_stream(), read: 0, limit })
+        Ok(Self { chunks: req.into_body().into_data_stream(), read: 0, limit, drain_max })
     }
 
     pub(crate) async fn next(&mut self) -> Result<Option<Bytes>, ApiError> {
@@ -78,7 +80,7 @@ impl LimitedBody {
             let drain = async {
                 while let Some(Ok(c)) = self.chunks.next().await {
                     self.read += c.len();
-                    if self.read > self.limit + DRAIN_MAX_BYTES {
+                    if self.read > self.limit + self.drain_max {
                         break;
                     }
                 }
@@ -88,6 +90,18 @@ impl LimitedBody {
         }
         Ok(Some(chunk))
     }
+
+    /// Reads (and drops) the rest of a body already known to be too large, within the
+    /// drain's bounds, so the client hears the 413 the caller answers instead of a reset.
+    pub(crate) async fn refuse(mut self) {
+        self.read = self.limit;
+        while let Ok(Some(_)) = self.next().await {}
+    }
+}
+
+/// The body's declared `Content-Length`, if any.
+pub(crate) fn declared_length(req: &Request) -> Option<usize> {
+    req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok())
 }
 
 fn too_large(limit: usize) -> ApiError {

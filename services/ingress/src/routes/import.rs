@@ -16,11 +16,14 @@ use utoipa::IntoParams;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::extract::{ApiQuery, LimitedBody};
+use crate::extract::{declared_length, ApiQuery, LimitedBody};
 use crate::AppState;
 
 /// Room for the multipart framing around the file.
 const MULTIPART_OVERHEAD: usize = 64 * 1024;
+/// Most of an oversized upload read (and dropped) before the 413, so that a client still
+/// sending hears it instead of a reset.
+const DRAIN_MAX_BYTES: usize = 64 * 1024 * 1024;
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -63,6 +66,9 @@ pub async fn import(
             let boundary = multer::parse_boundary(&content_type)
                 .map_err(|e| ApiError::bad_request(format!("a malformed multipart body: {e}")))?;
             if declared_length(&req).is_some_and(|n| n > limit + MULTIPART_OVERHEAD) {
+                if let Ok(body) = LimitedBody::draining(req, limit, DRAIN_MAX_BYTES) {
+                    body.refuse().await;
+                }
                 return Err(too_large(limit));
             }
             let mut parts = multer::Multipart::new(req.into_body().into_data_stream(), boundary);
@@ -95,9 +101,13 @@ pub async fn import(
             }
         }
         "application/json" | "application/x-ndjson" | "application/jsonl" | "application/json-lines" => {
-            let mut body = LimitedBody::new(req, limit)?;
+            let named = |e: ApiError| match e {
+                ApiError::PayloadTooLarge(_) => too_large(limit),
+                other => other,
+            };
+            let mut body = LimitedBody::draining(req, limit, DRAIN_MAX_BYTES).map_err(named)?;
             let mut out = spool.writer().await?;
-            while let Some(chunk) = body.next().await? {
+            while let Some(chunk) = body.next().await.map_err(named)? {
                 out.write(&chunk).await?;
             }
             out.done().await?;
@@ -136,10 +146,6 @@ pub async fn import(
 
 fn parse_format(s: &str) -> Result<Format, ApiError> {
     s.parse().map_err(ApiError::bad_request)
-}
-
-fn declared_length(req: &Request) -> Option<usize> {
-    req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse().ok())
 }
 
 fn too_large(limit: usize) -> ApiError {
