@@ -227,7 +227,8 @@ impl Compactor {
     /// owns the turn (DESIGN §10: a fork's inherited turns belong to its ancestors). Waits
     /// until `deadline` for a `memory_extracted` of every own turn, then takes what exists:
     /// a slow or failing extractor delays compaction a little, never blocks it. Inherited
-    /// turns are not waited for: their facts were extracted in the parent, or never will be.
+    /// and imported turns are not waited for: their facts were extracted in the parent, or
+    /// come later (or never).
     async fn facts_of(
         &self,
         session: SessionId,
@@ -236,8 +237,23 @@ impl Compactor {
         deadline: tokio::time::Instant,
     ) -> Result<Vec<Uuid>, CompactError> {
         let owners: Vec<Uuid> = turn_seqs.iter().map(|seq| owner_of_seq(session, lineage, *seq).0).collect();
-        let wanted: HashSet<i64> =
-            turn_seqs.iter().copied().filter(|seq| *seq >= first_own_seq(lineage)).collect();
+        // Imported answers (issue 25) are extracted by a consumer of their own, one at a
+        // time, possibly hours behind a large import: they are not waited for either.
+        let imported: HashSet<i64> = sqlx::query_scalar(
+            "SELECT seq FROM session_events
+              WHERE (session_id, seq) IN (SELECT * FROM UNNEST($1::uuid[], $2::int8[])) AND payload ? 'imported'",
+        )
+        .bind(&owners)
+        .bind(turn_seqs)
+        .fetch_all(&self.pool)
+        .await?
+        .into_iter()
+        .collect();
+        let wanted: HashSet<i64> = turn_seqs
+            .iter()
+            .copied()
+            .filter(|seq| *seq >= first_own_seq(lineage) && !imported.contains(seq))
+            .collect();
         loop {
             let rows: Vec<(Option<i64>, Value)> = sqlx::query_as(
                 "SELECT (payload->>'turn_seq')::bigint, payload FROM session_events

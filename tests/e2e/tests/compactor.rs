@@ -289,3 +289,45 @@ async fn refused_summaries_are_never_stored_and_shrink_the_span_after_three() {
     assert!(spans[3] < spans[0], "after three refusals the span is halved: {spans:?}");
     rig.stop().await;
 }
+
+/// Imported answers (issue 25) are compacted by the next pre-send check, not once each as
+/// they arrive, and their facts (extracted later, on a consumer of their own) are not
+/// waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn imported_answers_are_compacted_before_the_next_turn_without_waiting_for_their_facts() {
+    use turnlog_core::events::{
+        AssistantTurn, Block, BlockType, EventBody, Imported, LlmMessage, LlmPart, MessageContent, UiPart,
+    };
+    let mut rig = Rig::start().await;
+    let mut c = compactor_config(&rig, &rig.mock.base_url());
+    c.facts_wait = Duration::from_secs(25);
+    rig.spawn(|stop| turnlog_compactor::run(c, stop));
+
+    let s = rig.create_session().await;
+    for i in 0..30 {
+        rig.user(s, &question(i)).await;
+        let text = filler(130, i);
+        let imported = Imported { source: "chatgpt".into(), id: format!("a{i}"), created_at: None };
+        let body = EventBody::AssistantTurn(AssistantTurn {
+            ui: UiPart {
+                blocks: vec![Block { kind: BlockType::Text, text: Some(text.clone()), meta: None }],
+            },
+            llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(text)) } },
+            imported: Some(Box::new(imported)),
+            ..Default::default()
+        });
+        let request = turnlog_runtime::bus::AppendRequest::append(s, OWNER, uuid::Uuid::now_v7(), &body);
+        rig.send(&request).await;
+    }
+    rig.settle(&["compactor"]).await;
+    assert!(compactions(&rig, s).await.is_empty(), "no post-turn compaction of imported answers");
+    assert!(rig.next_request_tokens(s).await > BUDGET);
+
+    let asked = std::time::Instant::now();
+    let reply = pre_send(&rig, s, OWNER, None, 200).await;
+    assert_eq!(reply.status, CompactStatus::Compacted, "{reply:?}");
+    // No memory worker runs: a wait for the turns' facts would take the whole 25 s.
+    assert!(asked.elapsed() < Duration::from_secs(15), "{:?}", asked.elapsed());
+    assert!(rig.next_request_tokens(s).await + 200 <= BUDGET);
+    rig.stop().await;
+}
