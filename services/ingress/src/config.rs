@@ -64,6 +64,9 @@ pub struct IngressConfig {
     pub model: String,
     /// `TURNLOG_ALLOWED_MODELS`: the models a message may name; None means any.
     pub allowed_models: Option<Vec<String>>,
+    /// `TURNLOG_CATEGORY_MODELS`: the model a message's `category` picks when the message
+    /// names none.
+    pub category_models: HashMap<String, String>,
     pub context_budget: u32,
     pub system_prompt: String,
     /// Deadline of one write through `append_and_wait`.
@@ -104,6 +107,7 @@ impl IngressConfig {
             model_windows: HashMap::new(),
             model: "mock".into(),
             allowed_models: None,
+            category_models: HashMap::new(),
             context_budget: DEFAULT_BUDGET,
             system_prompt: String::new(),
             append_timeout: DEFAULT_APPEND_TIMEOUT,
@@ -123,6 +127,39 @@ impl IngressConfig {
     /// Whether `model` is sent images (every model when no list is configured).
     pub fn sees_images(&self, model: &str) -> bool {
         self.vision_models.as_ref().is_none_or(|models| models.iter().any(|m| m == model))
+    }
+
+    /// The model a turn of `message` goes to: the one it names, else its category's
+    /// (`TURNLOG_CATEGORY_MODELS`), else `TURNLOG_MODEL`.
+    pub fn model_for(&self, message: &turnlog_core::events::UserMessage) -> String {
+        message
+            .model_hint
+            .clone()
+            .or_else(|| message.category.as_ref().and_then(|c| self.category_models.get(c)).cloned())
+            .unwrap_or_else(|| self.model.clone())
+    }
+
+    /// `TURNLOG_CATEGORY_MODELS` (`category=model,...`, blanks ignored), checked against
+    /// the allowed models.
+    pub fn parse_category_models(
+        spec: &str,
+        allowed: Option<&[String]>,
+    ) -> Result<HashMap<String, String>, String> {
+        let mut models = HashMap::new();
+        for entry in spec.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let Some((category, model)) = entry.split_once('=') else {
+                return Err(format!("`{entry}` is not category=model"));
+            };
+            let (category, model) = (category.trim(), model.trim());
+            if category.is_empty() || model.is_empty() {
+                return Err(format!("`{entry}` names no category or no model"));
+            }
+            if allowed.is_some_and(|a| !a.iter().any(|m| m == model)) {
+                return Err(format!("`{entry}`: {model:?} is not in TURNLOG_ALLOWED_MODELS"));
+            }
+            models.insert(category.to_owned(), model.to_owned());
+        }
+        Ok(models)
     }
 
     /// Whether a message may ask for `model`: any model when no list is configured.
@@ -226,6 +263,27 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
+
+    #[test]
+    fn a_category_picks_the_model_unless_the_message_names_one() {
+        let allowed = vec!["mock".to_owned(), "mock-large".to_owned()];
+        let models = IngressConfig::parse_category_models(" code = mock-large ,, ", Some(&allowed)).unwrap();
+        let mut config = IngressConfig::new(backbone());
+        config.category_models = models;
+        let message = |category: Option<&str>, model: Option<&str>| turnlog_core::events::UserMessage {
+            category: category.map(Into::into),
+            model_hint: model.map(Into::into),
+            ..Default::default()
+        };
+        assert_eq!(config.model_for(&message(Some("code"), None)), "mock-large");
+        assert_eq!(config.model_for(&message(Some("code"), Some("mock"))), "mock");
+        assert_eq!(config.model_for(&message(Some("travel"), None)), "mock");
+        assert_eq!(config.model_for(&message(None, None)), "mock");
+        for bad in ["code", "=mock", "code=", "code=gpt-5"] {
+            assert!(IngressConfig::parse_category_models(bad, Some(&allowed)).is_err(), "{bad}");
+        }
+        assert!(IngressConfig::parse_category_models("code=gpt-5", None).is_ok(), "any model without a list");
+    }
 
     #[test]
     fn tokens_map_to_owners_and_never_print() {

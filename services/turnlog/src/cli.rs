@@ -12,7 +12,7 @@ use clap::{Parser, Subcommand};
 use turnlog_core::budget::DEFAULT_BUDGET;
 use turnlog_ingress::config::{DEFAULT_MAX_TURNS, DEFAULT_MAX_TURNS_PER_OWNER};
 use turnlog_ingress::{ApiTokens, IngressConfig};
-use turnlog_runtime::settings::{parse_duration, Backbone, Secret};
+use turnlog_runtime::settings::{parse_duration, parse_replicas, Backbone, Secret};
 use turnlog_runtime::upstream::{parse_model_windows, UpstreamConfig};
 
 /// How long a worker waits for the writer to apply its append.
@@ -66,10 +66,20 @@ pub enum Command {
         #[command(flatten)]
         args: IngressArgs,
     },
-    /// Apply the database migrations and exit.
+    /// Apply the database migrations and exit. With `--bus`, instead (the database is left
+    /// alone, DATABASE_URL not needed): bring every stream and the lease bucket to
+    /// TURNLOG_STREAM_REPLICAS replicas with a stream update (creating any that is missing)
+    /// and print one line per stream, e.g. `TURNLOG_APPEND: replicas 1 → 3`.
     Migrate {
-        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-        database_url: Secret,
+        #[arg(long, env = "DATABASE_URL", hide_env_values = true, required_unless_present = "bus")]
+        database_url: Option<Secret>,
+        /// Migrate the NATS streams' replicas rather than the database.
+        #[arg(long)]
+        bus: bool,
+        #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+        nats_url: String,
+        #[command(flatten)]
+        layout: BusArgs,
     },
     /// Run everything in one process for development: private Postgres and nats-server
     /// (unless DATABASE_URL / NATS_URL are set), the mock model (unless TURNLOG_LLM_URL is).
@@ -212,10 +222,27 @@ pub struct BusArgs {
     /// Writer partitions (a stable hash of the session id); fixed for a deployment.
     #[arg(long, env = "TURNLOG_PARTITIONS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub partitions: u32,
+    /// Replicas of every stream and the lease bucket (1, 3 or 5; 3 on a NATS cluster) when
+    /// created; `turnlog migrate --bus` changes existing ones.
+    #[arg(long, env = "TURNLOG_STREAM_REPLICAS", default_value_t = 1, value_parser = parse_replicas)]
+    pub stream_replicas: usize,
     /// How long TURNLOG_APPEND keeps requests (e.g. 30d); unlimited by default, so the
     /// database can be rebuilt from it.
     #[arg(long, env = "TURNLOG_APPEND_MAX_AGE", value_parser = parse_duration)]
     pub append_max_age: Option<Duration>,
+}
+
+impl BusArgs {
+    /// The bus at `nats_url` laid out by these flags (prefix, partitions, replicas), for the
+    /// operator commands that take NATS_URL on its own.
+    pub async fn connect(
+        &self,
+        nats_url: &str,
+    ) -> Result<turnlog_runtime::bus::Bus, turnlog_runtime::bus::BusError> {
+        Ok(turnlog_runtime::bus::Bus::connect(nats_url, &self.bus_prefix, self.partitions)
+            .await?
+            .with_replicas(self.stream_replicas))
+    }
 }
 
 /// A worker's flags: where the log is, its models and its tuning.
@@ -310,6 +337,9 @@ pub struct IngressArgs {
     /// `model,...`: the models a client may ask for; unset or empty means any.
     #[arg(long, env = "TURNLOG_ALLOWED_MODELS")]
     pub allowed_models: Option<String>,
+    /// `category=model,...`: the model a message's category picks when it names none.
+    #[arg(long, env = "TURNLOG_CATEGORY_MODELS", default_value = "")]
+    pub category_models: String,
     /// Header names, comma-separated, that name a session family on
     /// `POST /v1/chat/completions` (X-Session-Id always does).
     #[arg(long, env = "TURNLOG_COMPAT_SESSION_HEADERS", default_value = turnlog_ingress::config::DEFAULT_COMPAT_SESSION_HEADERS)]
@@ -387,6 +417,7 @@ impl BackboneArgs {
             nats_url: self.nats_url.clone(),
             bus_prefix: self.bus.bus_prefix.clone(),
             partitions: self.bus.partitions,
+            stream_replicas: self.bus.stream_replicas,
             append_max_age: self.bus.append_max_age,
             statement_timeout: self.reads.statement_timeout,
         }
@@ -516,6 +547,10 @@ fn ingress_config(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Ingre
             );
         }
     }
+    let category_models =
+        IngressConfig::parse_category_models(&args.category_models, allowed_models.as_deref())
+            .map_err(anyhow::Error::msg)
+            .context("TURNLOG_CATEGORY_MODELS")?;
     let config = IngressConfig {
         listen: args.listen,
         tokens,
@@ -523,6 +558,7 @@ fn ingress_config(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Ingre
         model_windows,
         model: args.model,
         allowed_models,
+        category_models,
         context_budget: args.context_budget,
         system_prompt: args.system_prompt,
         compact_timeout: args.compact_timeout,
@@ -673,6 +709,42 @@ mod tests {
         assert_eq!(env_source(&command, &err), None);
         assert_eq!(env_of(&command, "partitions").as_deref(), Some("TURNLOG_PARTITIONS"));
         assert_eq!(env_of(&command, "no-such-flag"), None);
+    }
+
+    #[test]
+    fn stream_replicas_are_one_three_or_five_and_reach_the_backbone() {
+        let writer = |extra: &[&str]| {
+            Cli::try_parse_from(
+                ["t", "writer", "--database-url", "x"].into_iter().chain(extra.iter().copied()),
+            )
+        };
+        let replicas = |extra: &[&str]| match writer(extra) {
+            Ok(Cli { command: Sub::Writer { backbone } }) => backbone.backbone().stream_replicas,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(replicas(&[]), 1);
+        assert_eq!(replicas(&["--stream-replicas", "3"]), 3);
+        assert_eq!(replicas(&["--stream-replicas", "5"]), 5);
+        for bad in ["0", "2", "4", "three"] {
+            assert!(writer(&["--stream-replicas", bad]).is_err(), "{bad}");
+        }
+        let command = <Cli as clap::CommandFactory>::command();
+        assert_eq!(env_of(&command, "stream-replicas").as_deref(), Some("TURNLOG_STREAM_REPLICAS"));
+    }
+
+    #[test]
+    fn migrate_needs_a_database_unless_it_migrates_the_bus() {
+        let parse = |args: &[&str]| super::Cli::try_parse_from(["turnlog", "migrate"].iter().chain(args));
+        let database = |cli: super::Cli| match cli.command {
+            super::Command::Migrate { database_url, bus, .. } => (database_url.is_some(), bus),
+            _ => panic!("not migrate"),
+        };
+        // DATABASE_URL may be set in the environment running the tests.
+        if std::env::var_os("DATABASE_URL").is_none() {
+            assert!(parse(&[]).is_err(), "the database migration needs DATABASE_URL");
+            assert_eq!(database(parse(&["--bus"]).unwrap()), (false, true));
+        }
+        assert_eq!(database(parse(&["--database-url", "postgres://x"]).unwrap()), (true, false));
     }
 
     /// A worker's flags: where the log is, its models and tuning.

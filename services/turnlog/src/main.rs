@@ -55,7 +55,15 @@ async fn run() -> anyhow::Result<()> {
                 .with_context(|| format!("cannot listen on {}", config.listen))?;
             turnlog_ingress::run(config, listener, shutdown).await
         }
-        Command::Migrate { database_url } => {
+        Command::Migrate { bus: true, nats_url, layout, .. } => {
+            let bus = layout.connect(&nats_url).await?;
+            for change in bus.migrate_replicas(layout.append_max_age).await? {
+                println!("{change}");
+            }
+            Ok(())
+        }
+        Command::Migrate { database_url, .. } => {
+            let database_url = database_url.context("DATABASE_URL (or --database-url) is required")?;
             let pool = turnlog_runtime::db::connect(database_url.expose(), 2)
                 .await
                 .context("connecting to Postgres")?;
@@ -102,7 +110,7 @@ async fn run() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Rebuild { database_url, nats_url, bus } => {
-            let bus = turnlog_runtime::bus::Bus::connect(&nats_url, &bus.bus_prefix, bus.partitions).await?;
+            let bus = bus.connect(&nats_url).await?;
             turnlog_ops::rebuild(database_url.expose(), &bus, true).await.map(drop)
         }
         Command::Import { owner, format, file, backbone } => {
@@ -134,7 +142,7 @@ async fn run() -> anyhow::Result<()> {
             std::process::exit(code)
         }
         Command::Dead { command, nats_url, bus } => {
-            let bus = turnlog_runtime::bus::Bus::connect(&nats_url, &bus.bus_prefix, bus.partitions).await?;
+            let bus = bus.connect(&nats_url).await?;
             match command {
                 DeadCommand::List => turnlog_ops::dead::list(&bus, |_| {}).await.map(drop),
                 DeadCommand::Show { seq } => turnlog_ops::dead::show(&bus, seq).await.map(drop),

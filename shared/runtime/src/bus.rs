@@ -469,14 +469,54 @@ pub struct Bus {
     pub js: jetstream::Context,
     pub names: BusNames,
     pub partitions: u32,
+    /// `TURNLOG_STREAM_REPLICAS`: the replicas [`Bus::ensure_topology`] creates streams and
+    /// the lease bucket with (1 unless [`Bus::with_replicas`] says otherwise).
+    pub replicas: usize,
     /// Counts reconnects after a lost connection (not the first connect).
     reconnects: tokio::sync::watch::Receiver<u64>,
 }
 
+/// The streams' replica counts one can configure (`TURNLOG_STREAM_REPLICAS`): a JetStream
+/// cluster needs an odd count to keep a majority.
+pub const STREAM_REPLICAS: [usize; 3] = [1, 3, 5];
+
+/// What a service logs when it finds a stream with fewer replicas than configured: it does
+/// not change the stream itself (an operator's step, since it moves data across the cluster).
+pub fn replicas_warning(stream: &str, have: usize, want: usize) -> String {
+    format!(
+        "stream {stream} has {have} replica(s) but TURNLOG_STREAM_REPLICAS is {want}; \
+         run `turnlog migrate --bus` to change it"
+    )
+}
+
+/// What `turnlog migrate --bus` did to one stream ([`Bus::migrate_replicas`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaChange {
+    pub stream: String,
+    /// None when the stream did not exist (then it was created with `after`).
+    pub before: Option<usize>,
+    pub after: usize,
+}
+
+impl std::fmt::Display for ReplicaChange {
+    /// `TURNLOG_APPEND: replicas 1 → 3`, `… replicas 3 (unchanged)` or `… created with replicas 3`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.before {
+            Some(before) if before == self.after => {
+                write!(f, "{}: replicas {before} (unchanged)", self.stream)
+            }
+            Some(before) => write!(f, "{}: replicas {before} → {}", self.stream, self.after),
+            None => write!(f, "{}: created with replicas {}", self.stream, self.after),
+        }
+    }
+}
+
 impl Bus {
-    /// Connects (retrying in the background after a disconnect, as async-nats does).
+    /// Connects (retrying in the background after a disconnect, as async-nats does). `url`
+    /// may list several servers of a cluster, comma-separated.
     pub async fn connect(url: &str, prefix: &str, partitions: u32) -> Result<Self, BusError> {
         let names = BusNames::new(prefix)?;
+        let servers: Vec<&str> = url.split(',').map(str::trim).filter(|u| !u.is_empty()).collect();
         let (reconnected, reconnects) = tokio::sync::watch::channel(0u64);
         let lost = Arc::new(AtomicBool::new(false));
         let client = async_nats::ConnectOptions::new()
@@ -493,7 +533,7 @@ impl Bus {
             .connection_timeout(Duration::from_secs(5))
             .retry_on_initial_connect()
             .max_reconnects(None)
-            .connect(url)
+            .connect(servers)
             .await
             .map_err(|source| BusError::Connect { url: url.to_owned(), source })?;
         // First contact: fail fast rather than hang when nothing listens.
@@ -502,7 +542,13 @@ impl Bus {
             .map_err(|_| BusError::JetStream(format!("no answer from NATS at {url} within 10 s")))?
             .map_err(js_err)?;
         let js = jetstream::new(client.clone());
-        Ok(Self { client, js, names, partitions: partitions.max(1), reconnects })
+        Ok(Self { client, js, names, partitions: partitions.max(1), replicas: 1, reconnects })
+    }
+
+    /// The same bus, creating streams with `replicas` replicas (`TURNLOG_STREAM_REPLICAS`).
+    pub fn with_replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas.max(1);
+        self
     }
 
     /// Changes each time the client reconnects after losing its connection. A restarted
@@ -516,10 +562,26 @@ impl Bus {
         partition_of(session, self.partitions)
     }
 
-    /// Creates the streams and the turn-lease bucket, or verifies that existing ones carry
-    /// the expected subjects. `append_max_age` None keeps appends forever (rebuildable).
+    /// Creates the streams and the turn-lease bucket with [`Bus::replicas`] replicas, or
+    /// verifies that existing ones carry the expected subjects (and warns, naming `turnlog
+    /// migrate --bus`, about one with fewer replicas). `append_max_age` None keeps appends
+    /// forever (rebuildable).
     pub async fn ensure_topology(&self, append_max_age: Option<Duration>) -> Result<(), BusError> {
+        for config in self.topology(append_max_age) {
+            let (name, want) = (config.name.clone(), config.num_replicas);
+            let have = self.ensure_stream(config).await?;
+            if have < want {
+                tracing::warn!(stream = %name, have, want, "{}", replicas_warning(&name, have, want));
+            }
+        }
+        Ok(())
+    }
+
+    /// The four streams' configs, in order: TURNLOG_APPEND, TURNLOG_EVENTS, TURNLOG_DEAD and
+    /// the lease bucket's backing stream `KV_<bucket>`.
+    fn topology(&self, append_max_age: Option<Duration>) -> [stream::Config; 4] {
         let n = &self.names;
+        let num_replicas = self.replicas;
         let log_stream = |name: String, subject: String, max_age: Duration| stream::Config {
             name,
             subjects: vec![subject],
@@ -527,38 +589,36 @@ impl Bus {
             retention: stream::RetentionPolicy::Limits,
             duplicate_window: DUPLICATE_WINDOW,
             max_age,
+            num_replicas,
             ..Default::default()
         };
         let p = n.prefix();
-        self.ensure_stream(log_stream(
-            n.append_stream(),
-            format!("{p}.append.>"),
-            append_max_age.unwrap_or_default(),
-        ))
-        .await?;
-        self.ensure_stream(log_stream(n.events_stream(), format!("{p}.events.>"), Duration::ZERO)).await?;
-        self.ensure_stream(log_stream(n.dead_stream(), format!("{p}.dead.>"), Duration::ZERO)).await?;
         // The KV bucket through its backing stream: on nats-server 2.9 async-nats'
         // create_key_value cannot parse the server's account reply.
         let bucket = n.turns_bucket();
-        self.ensure_stream(stream::Config {
-            name: format!("KV_{bucket}"),
-            subjects: vec![format!("$KV.{bucket}.>")],
-            max_messages_per_subject: 1,
-            max_age: TURN_LEASE_TTL,
-            allow_rollup: true,
-            deny_delete: true,
-            allow_direct: true,
-            discard: stream::DiscardPolicy::New,
-            storage: stream::StorageType::File,
-            duplicate_window: Duration::from_secs(2),
-            ..Default::default()
-        })
-        .await?;
-        Ok(())
+        [
+            log_stream(n.append_stream(), format!("{p}.append.>"), append_max_age.unwrap_or_default()),
+            log_stream(n.events_stream(), format!("{p}.events.>"), Duration::ZERO),
+            log_stream(n.dead_stream(), format!("{p}.dead.>"), Duration::ZERO),
+            stream::Config {
+                name: format!("KV_{bucket}"),
+                subjects: vec![format!("$KV.{bucket}.>")],
+                max_messages_per_subject: 1,
+                max_age: TURN_LEASE_TTL,
+                allow_rollup: true,
+                deny_delete: true,
+                allow_direct: true,
+                discard: stream::DiscardPolicy::New,
+                storage: stream::StorageType::File,
+                duplicate_window: Duration::from_secs(2),
+                num_replicas,
+                ..Default::default()
+            },
+        ]
     }
 
-    async fn ensure_stream(&self, config: stream::Config) -> Result<(), BusError> {
+    /// Creates the stream unless it exists, checks its subjects, and returns its replicas.
+    async fn ensure_stream(&self, config: stream::Config) -> Result<usize, BusError> {
         let (name, expected) = (config.name.clone(), config.subjects.clone());
         // Services starting together race to create the streams; the loser's create fails
         // ("subjects overlap"), and a second look finds the winner's stream.
@@ -571,14 +631,66 @@ impl Bus {
                     attempt += 1;
                     tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
                 }
+                // "replicas > 1 not supported in non-clustered mode", "insufficient resources".
+                Err(e) if config.num_replicas > 1 => {
+                    return Err(BusError::JetStream(format!(
+                        "creating stream {name} with {} replicas (TURNLOG_STREAM_REPLICAS): {e}",
+                        config.num_replicas
+                    )))
+                }
                 Err(e) => return Err(js_err(e)),
             }
         };
-        let found = s.info().await.map_err(js_err)?.config.subjects.clone();
+        let info = s.info().await.map_err(js_err)?;
+        let found = info.config.subjects.clone();
         if found != expected {
             return Err(BusError::Mismatch { name, found, expected });
         }
-        Ok(())
+        Ok(info.config.num_replicas.max(1))
+    }
+
+    /// `turnlog migrate --bus`: brings each of the four streams to [`Bus::replicas`] with a
+    /// stream update of its own config (the KV bucket's backing stream too: async-nats'
+    /// `update_key_value` asks `query_account`, which fails on nats-server 2.9), creates
+    /// any that is missing, and says what it did to each, in topology order.
+    pub async fn migrate_replicas(
+        &self,
+        append_max_age: Option<Duration>,
+    ) -> Result<Vec<ReplicaChange>, BusError> {
+        let want = self.replicas;
+        let mut changes = Vec::new();
+        for config in self.topology(append_max_age) {
+            let name = config.name.clone();
+            let existing = match self.js.get_stream(&name).await {
+                Ok(mut s) => Some(s.info().await.map_err(js_err)?.config.clone()),
+                Err(e) => match e.kind() {
+                    jetstream::context::GetStreamErrorKind::JetStream(j)
+                        if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
+                    {
+                        None
+                    }
+                    _ => return Err(BusError::JetStream(format!("{name}: {e}"))),
+                },
+            };
+            let before = match existing {
+                Some(mut current) => {
+                    let have = current.num_replicas.max(1);
+                    if have != want {
+                        current.num_replicas = want;
+                        self.js.update_stream(&current).await.map_err(|e| {
+                            BusError::JetStream(format!("{name}: replicas {have} → {want}: {e}"))
+                        })?;
+                    }
+                    Some(have)
+                }
+                None => {
+                    self.ensure_stream(config).await?;
+                    None
+                }
+            };
+            changes.push(ReplicaChange { stream: name, before, after: want });
+        }
+        Ok(changes)
     }
 
     /// The turn-lease bucket (created by [`Bus::ensure_topology`]).
@@ -761,6 +873,21 @@ mod tests {
         assert_eq!(n.dead_subject("bad_json", None), "turnlog.dead.bad_json.none");
         assert!(BusNames::new("Bad.Prefix").is_err());
         assert!(BusNames::new("").is_err());
+    }
+
+    #[test]
+    fn replica_reports_name_the_stream_the_counts_and_the_command() {
+        let change = |before, after| ReplicaChange { stream: "TURNLOG_APPEND".into(), before, after };
+        assert_eq!(change(Some(1), 3).to_string(), "TURNLOG_APPEND: replicas 1 → 3");
+        assert_eq!(change(Some(3), 1).to_string(), "TURNLOG_APPEND: replicas 3 → 1");
+        assert_eq!(change(Some(3), 3).to_string(), "TURNLOG_APPEND: replicas 3 (unchanged)");
+        assert_eq!(change(None, 3).to_string(), "TURNLOG_APPEND: created with replicas 3");
+        let warning = replicas_warning("KV_TURNLOG_TURNS", 1, 3);
+        assert_eq!(
+            warning,
+            "stream KV_TURNLOG_TURNS has 1 replica(s) but TURNLOG_STREAM_REPLICAS is 3; \
+             run `turnlog migrate --bus` to change it"
+        );
     }
 
     #[test]

@@ -22,6 +22,9 @@ pub struct Backbone {
     pub bus_prefix: String,
     /// `TURNLOG_PARTITIONS`: writer partitions; fixed for a deployment.
     pub partitions: u32,
+    /// `TURNLOG_STREAM_REPLICAS` (1, 3 or 5): replicas of the streams and the lease bucket
+    /// when they are created ([`Bus::ensure_topology`]) or migrated (`turnlog migrate --bus`).
+    pub stream_replicas: usize,
     /// `TURNLOG_APPEND_MAX_AGE`: how long TURNLOG_APPEND keeps requests; None is forever.
     pub append_max_age: Option<Duration>,
     /// `TURNLOG_STATEMENT_TIMEOUT`: how long one read query of a reading service (the
@@ -30,7 +33,7 @@ pub struct Backbone {
 }
 
 impl Backbone {
-    /// One partition, appends kept forever, the default statement timeout.
+    /// One partition, one replica, appends kept forever, the default statement timeout.
     pub fn new(
         database_url: impl Into<Secret>,
         nats_url: impl Into<Secret>,
@@ -41,13 +44,16 @@ impl Backbone {
             nats_url: nats_url.into(),
             bus_prefix: bus_prefix.into(),
             partitions: 1,
+            stream_replicas: 1,
             append_max_age: None,
             statement_timeout: crate::db::DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 
     pub async fn connect_bus(&self) -> Result<Bus, BusError> {
-        Bus::connect(self.nats_url.expose(), &self.bus_prefix, self.partitions).await
+        Ok(Bus::connect(self.nats_url.expose(), &self.bus_prefix, self.partitions)
+            .await?
+            .with_replicas(self.stream_replicas))
     }
 
     /// A read-only pool whose statements stop at the statement timeout
@@ -122,6 +128,14 @@ impl fmt::Debug for Secret<[u8; 32]> {
     }
 }
 
+/// `TURNLOG_STREAM_REPLICAS`: 1, 3 or 5 ([`crate::bus::STREAM_REPLICAS`]).
+pub fn parse_replicas(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if crate::bus::STREAM_REPLICAS.contains(&n) => Ok(n),
+        _ => Err(format!("{s:?}: stream replicas are 1, 3 or 5")),
+    }
+}
+
 /// `500ms`, `90s`, `15m`, `12h`, `30d`, or plain seconds; never zero.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
@@ -157,6 +171,16 @@ mod tests {
         assert!(
             parse_duration("0s").is_err() && parse_duration("1w").is_err() && parse_duration("x").is_err()
         );
+    }
+
+    #[test]
+    fn replicas_are_one_three_or_five() {
+        assert_eq!(parse_replicas("3"), Ok(3));
+        assert_eq!(parse_replicas(" 5 "), Ok(5));
+        assert_eq!(parse_replicas("1"), Ok(1));
+        for bad in ["0", "2", "4", "7", "x", ""] {
+            assert!(parse_replicas(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -50,6 +50,8 @@ pub struct Options {
     pub file_sweep_every: Option<Duration>,
     /// `TURNLOG_IMPORT_MAX_BYTES` (None: the default).
     pub import_max_bytes: Option<usize>,
+    /// `TURNLOG_CATEGORY_MODELS`.
+    pub category_models: Vec<(&'static str, &'static str)>,
 }
 
 impl Default for Options {
@@ -70,6 +72,7 @@ impl Default for Options {
             vision_models: None,
             file_sweep_every: None,
             import_max_bytes: None,
+            category_models: Vec::new(),
         }
     }
 }
@@ -185,6 +188,8 @@ impl Api {
             let dir = std::env::temp_dir().join("turnlog-test-files").join(&env.bus_prefix);
             format!("file://{}", dir.display())
         }));
+        config.category_models =
+            opts.category_models.iter().map(|(c, m)| (c.to_string(), m.to_string())).collect();
         if let Some(max) = opts.import_max_bytes {
             config.import_max_bytes = max;
         }

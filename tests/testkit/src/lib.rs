@@ -42,7 +42,7 @@ mod sweep;
 mod util;
 
 pub use env::{test_env, test_env_on, try_test_env_on, TestEnv};
-pub use nats::{private_nats, PrivateNats};
+pub use nats::{private_nats, private_nats_cluster, PrivateNats, PrivateNatsCluster, CLUSTER_NODES};
 pub use postgres::{private_postgres, PrivatePostgres};
 pub use process::{ExternalProcess, TurnlogProcess};
 pub use servers::stop_private_servers;

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 use turnlog_testkit::{
-    eventually, free_port, private_nats, private_postgres, test_env, test_env_on, ExternalProcess, TestEnv,
-    TurnlogProcess,
+    eventually, free_port, private_nats, private_nats_cluster, private_postgres, test_env, test_env_on,
+    ExternalProcess, TestEnv, TurnlogProcess,
 };
 
 async fn table_exists(env: &TestEnv, table: &str) -> bool {
@@ -221,6 +221,51 @@ async fn private_servers_inner() {
     println!("SERVERS {} {}", env.admin_url, env.nats_url);
     env.cleanup().await;
     again.cleanup().await;
+}
+
+/// A three-replica stream on the private cluster keeps its messages and takes new ones
+/// while one node is killed (once JetStream has elected new leaders), and the node comes back
+/// on its ports and catches up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_private_nats_cluster_outlives_one_node_killed_and_restarted() {
+    let mut cluster = private_nats_cluster().await;
+    let urls = cluster.urls();
+    let servers: Vec<&str> = urls.split(',').collect();
+    assert_eq!(servers.len(), 3, "{urls}");
+    let js = jetstream::new(async_nats::connect(servers).await.expect("connect"));
+    let mut info = js
+        .create_stream(stream::Config {
+            name: "CLUSTERED".to_owned(),
+            subjects: vec!["clustered.>".to_owned()],
+            num_replicas: 3,
+            ..Default::default()
+        })
+        .await
+        .expect("create an R3 stream");
+    let peers = info.info().await.expect("info").cluster.as_ref().map(|c| c.replicas.len());
+    assert_eq!(peers, Some(2));
+    js.publish("clustered.1", "a".into()).await.expect("publish").await.expect("ack");
+
+    cluster.kill(0);
+    assert!(!cluster.is_running(0));
+    let publish = || {
+        let js = js.clone();
+        async move { js.publish("clustered.2", "b".into()).await.ok()?.await.ok() }
+    };
+    eventually(Duration::from_secs(30), publish).await;
+
+    cluster.restart(0).await;
+    assert!(cluster.is_running(0));
+    cluster.wait_for_jetstream(Duration::from_secs(30)).await;
+    let n0 = cluster.server_name(0);
+    eventually(Duration::from_secs(20), || async {
+        let info = js.get_stream("CLUSTERED").await.ok()?.info().await.ok()?.clone();
+        let c = info.cluster?;
+        let back =
+            c.leader.as_deref() == Some(n0.as_str()) || c.replicas.iter().any(|p| p.name == n0 && p.current);
+        (back && info.state.messages == 2).then_some(())
+    })
+    .await;
 }
 
 #[tokio::test]

@@ -298,7 +298,7 @@ pub(crate) async fn begin_turn(
     let lease = app.leases.acquire(session, &holder).await?.ok_or_else(turn_running)?;
     let leased = t0.elapsed();
 
-    let model = message.model_hint.clone().unwrap_or_else(|| app.config.model.clone());
+    let model = app.config.model_for(&message);
     let user_text = message.text.clone();
     let req = AppendRequest::append(session, owner, event_id, &EventBody::UserMessage(message));
     let outcome = match submit(app, &req).await {
@@ -487,7 +487,7 @@ async fn retried(
         let _ = app.leases.release(lease).await;
         return Err(e);
     }
-    let model = model.unwrap_or_else(|| app.config.model.clone());
+    let model = model.unwrap_or_else(|| app.config.model_for(&message));
     let start = TurnStart {
         session: id,
         owner: caller.owner().clone(),

@@ -134,3 +134,32 @@ async fn models_outside_the_allowed_list_are_refused_and_nothing_is_appended() {
     assert_eq!(retry.status, 400, "{}", retry.text);
     assert!(retry.text.contains("retired"), "{}", retry.text);
 }
+
+/// `TURNLOG_CATEGORY_MODELS`: a message's category picks its model unless it names one, and
+/// a retry of it goes to the same model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_category_picks_the_model_unless_the_message_names_one() {
+    let mock = mock().await;
+    let api = Api::with(Options {
+        llm_url: Some(mock.base_url()),
+        category_models: vec![("code", "mock-large")],
+        ..Options::default()
+    })
+    .await;
+    let id = api.create(ALICE, None).await;
+    let coded = send(&api, id, json!({"text": "a loop [mock words=3]", "category": "code"})).await;
+    assert_eq!(coded.end()["model"], "mock-large");
+    let named =
+        send(&api, id, json!({"text": "hi [mock words=3]", "category": "code", "model": "mock"})).await;
+    assert_eq!(named.end()["model"], "mock");
+    let other = send(&api, id, json!({"text": "hi [mock words=3]", "category": "travel"})).await;
+    assert_eq!(other.end()["model"], "mock");
+    let message = UserMessage {
+        text: "again [mock words=3]".into(),
+        category: Some("code".into()),
+        ..Default::default()
+    };
+    api.append(id, "alice", &EventBody::UserMessage(message)).await;
+    let retry = api.turn(Method::POST, &format!("/v1/sessions/{id}/retry"), ALICE, None, &[]).await;
+    assert_eq!(retry.end()["model"], "mock-large");
+}

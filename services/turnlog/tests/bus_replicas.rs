@@ -1,0 +1,159 @@
+//! TURNLOG_STREAM_REPLICAS on real servers (issue 26): a three-node nats-server cluster of
+//! the test's own, streams created with three replicas, `turnlog migrate --bus` as an
+//! operator runs it (R1 → R3, the lease bucket still working, a second run a no-op), and
+//! the warning a service logs when it finds fewer replicas than configured.
+
+// A failed unwrap in a test is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use std::process::Output;
+use std::time::Duration;
+
+use turnlog_core::ids::SessionId;
+use turnlog_runtime::bus::{Bus, BusNames};
+use turnlog_runtime::lease::TurnLeases;
+use turnlog_testkit::{eventually, private_nats_cluster, test_env, TurnlogProcess};
+
+const BIN: &str = env!("CARGO_BIN_EXE_turnlog");
+
+/// A bus prefix of the test's own (the cluster is too, but names stay unique anyway).
+fn prefix() -> String {
+    format!("r{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+/// The four streams ensure_topology makes, in its order.
+fn streams(prefix: &str) -> [String; 4] {
+    let n = BusNames::new(prefix).unwrap();
+    [n.append_stream(), n.events_stream(), n.dead_stream(), format!("KV_{}", n.turns_bucket())]
+}
+
+/// A stream's configured replicas and the peers its cluster info lists beside the leader.
+async fn replicas(bus: &Bus, stream: &str) -> (usize, usize) {
+    let mut s = bus.js.get_stream(stream).await.unwrap();
+    let info = s.info().await.unwrap();
+    let peers = info.cluster.as_ref().map_or(0, |c| c.replicas.len());
+    (info.config.num_replicas, peers)
+}
+
+/// Waits (up to 15 s) until every stream has `want` replicas and `want - 1` peers listed.
+async fn all_have(bus: &Bus, prefix: &str, want: usize) {
+    for stream in streams(prefix) {
+        let got = eventually(Duration::from_secs(15), || async {
+            let got = replicas(bus, &stream).await;
+            (got == (want, want - 1)).then_some(got)
+        })
+        .await;
+        assert_eq!(got, (want, want - 1), "{stream}");
+    }
+}
+
+/// `turnlog migrate --bus` as a process on `nats_url`, with TURNLOG_STREAM_REPLICAS=`replicas`
+/// and no other TURNLOG_ setting or DATABASE_URL from the test's environment.
+async fn migrate_bus(nats_url: &str, prefix: &str, replicas: &str) -> Output {
+    let mut command = tokio::process::Command::new(BIN);
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("TURNLOG_") {
+            command.env_remove(key);
+        }
+    }
+    command
+        .args(["migrate", "--bus"])
+        .env_remove("DATABASE_URL")
+        .env("NATS_URL", nats_url)
+        .env("TURNLOG_BUS_PREFIX", prefix)
+        .env("TURNLOG_STREAM_REPLICAS", replicas)
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true);
+    let output = tokio::time::timeout(Duration::from_secs(30), command.output())
+        .await
+        .expect("in time")
+        .expect("runs");
+    eprintln!(
+        "$ turnlog migrate --bus\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+fn lines(o: &Output) -> Vec<String> {
+    String::from_utf8_lossy(&o.stdout).lines().map(str::to_owned).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn topology_on_a_three_node_cluster_has_three_replicas() {
+    let cluster = private_nats_cluster().await;
+    let prefix = prefix();
+    let bus = Bus::connect(&cluster.urls(), &prefix, 1).await.unwrap().with_replicas(3);
+    bus.ensure_topology(None).await.unwrap();
+    all_have(&bus, &prefix, 3).await;
+    // A second service starting finds them as they are.
+    bus.ensure_topology(None).await.unwrap();
+    all_have(&bus, &prefix, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_bus_brings_single_replica_streams_to_three() {
+    let cluster = private_nats_cluster().await;
+    let prefix = prefix();
+    let bus = Bus::connect(&cluster.urls(), &prefix, 1).await.unwrap();
+    bus.ensure_topology(None).await.unwrap();
+    all_have(&bus, &prefix, 1).await;
+    let leases = TurnLeases::open(&bus).await.unwrap();
+    let held = leases.acquire(SessionId::new(), "before").await.unwrap().unwrap();
+
+    let first = migrate_bus(&cluster.urls(), &prefix, "3").await;
+    assert!(first.status.success());
+    let expected: Vec<String> = streams(&prefix).iter().map(|s| format!("{s}: replicas 1 → 3")).collect();
+    assert_eq!(lines(&first), expected);
+    all_have(&bus, &prefix, 3).await;
+
+    // The lease bucket works on its migrated stream: a lease taken before is still held
+    // and can be renewed and released; a new one is taken, refused twice, renewed, released.
+    assert!(leases.is_held(held.session).await.unwrap());
+    let held = leases.renew(held, "before").await.unwrap().expect("renewed after the migration");
+    leases.release(held).await.unwrap();
+    let session = SessionId::new();
+    let lease = leases.acquire(session, "after").await.unwrap().expect("taken");
+    assert!(leases.acquire(session, "other").await.unwrap().is_none(), "held once");
+    let lease = leases.renew(lease, "after").await.unwrap().expect("renewed");
+    leases.release(lease).await.unwrap();
+    assert!(!leases.is_held(session).await.unwrap());
+
+    let second = migrate_bus(&cluster.urls(), &prefix, "3").await;
+    assert!(second.status.success());
+    let expected: Vec<String> =
+        streams(&prefix).iter().map(|s| format!("{s}: replicas 3 (unchanged)")).collect();
+    assert_eq!(lines(&second), expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_bus_refuses_replicas_other_than_one_three_or_five() {
+    let out = migrate_bus("nats://127.0.0.1:1", "turnlog", "2").await;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("1, 3 or 5") && err.contains("TURNLOG_STREAM_REPLICAS"), "{err}");
+}
+
+/// A writer configured for three replicas that finds single-replica streams says so,
+/// naming the command, and serves on (it does not change them itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_warns_about_fewer_replicas_than_configured() {
+    let env = test_env().await;
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
+    bus.ensure_topology(None).await.unwrap();
+    let mut writer = TurnlogProcess::start(BIN, &env, &["writer"], &[("TURNLOG_STREAM_REPLICAS", "3")]);
+    let append = streams(&env.bus_prefix)[0].clone();
+    let line = eventually(Duration::from_secs(20), || async {
+        writer.log_tail(200).lines().find(|l| l.contains(&append) && l.contains("replica")).map(str::to_owned)
+    })
+    .await;
+    assert!(
+        line.contains("has 1 replica") && line.contains("is 3") && line.contains("turnlog migrate --bus"),
+        "{line}"
+    );
+    assert!(writer.is_running(), "the writer serves on");
+    let (n, _) = replicas(&bus, &append).await;
+    assert_eq!(n, 1, "the service leaves the stream as it is");
+    writer.terminate();
+}
