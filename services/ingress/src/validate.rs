@@ -14,8 +14,7 @@ use crate::error::ApiError;
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
 /// `POST /v1/chat/completions`' body: a chat front end resends its whole conversation.
 pub const MAX_CHAT_BODY_BYTES: usize = 16 * 1024 * 1024;
-/// Longest session title, in characters.
-pub const MAX_TITLE_CHARS: usize = 512;
+pub use turnlog_core::events::MAX_TITLE_CHARS;
 /// Longest message text, in bytes (UTF-8).
 pub const MAX_TEXT_BYTES: usize = 256 * 1024;
 /// Most markdown a message's documents may carry together, in bytes.

@@ -39,7 +39,7 @@ pub async fn import(
         .file(path, format, |s, checked| {
             bar.set_length(checked.conversations as u64);
             bar.set_position((s.conversations + s.failed.len()) as u64);
-            bar.set_message(format!("{} messages", s.messages));
+            bar.set_message(format!("{} of {} messages", s.messages, checked.messages));
         })
         .await
         .with_context(|| format!("nothing was imported from {}", path.display()))?;

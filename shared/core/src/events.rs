@@ -81,6 +81,9 @@ impl FromStr for EventKind {
     }
 }
 
+/// Longest session title, in characters (what the API accepts; an import cuts longer ones).
+pub const MAX_TITLE_CHARS: usize = 512;
+
 // ---- payloads -------------------------------------------------------------------------
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]

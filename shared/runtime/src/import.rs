@@ -28,7 +28,8 @@ use turnlog_core::import::{self, Conversation, FileError, Format, PlannedSession
 use uuid::Uuid;
 
 use crate::bus::{
-    append_and_wait, has_nul, json_len, partition_of, AppendRequest, Bus, Op, RequestKind, MAX_EVENT_BYTES,
+    append_and_wait, has_nul, json_len, metadata_error, partition_of, AppendRequest, Bus, Op, RequestKind,
+    MAX_EVENT_BYTES,
 };
 
 /// Most appends imports keep in flight on one partition.
@@ -385,6 +386,9 @@ fn checked(c: &Conversation) -> Result<(), String> {
         }
         if s.title.as_deref().is_some_and(|t| t.contains('\0')) {
             return Err("its title contains NUL characters".into());
+        }
+        if let Some(why) = s.metadata.as_ref().and_then(metadata_error) {
+            return Err(format!("session {}: {why}", i + 1));
         }
     }
     Ok(())

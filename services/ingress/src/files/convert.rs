@@ -324,11 +324,11 @@ fn nesting_depth(html: &str) -> usize {
 
 /// A PDF's text by `pdftotext`, pages separated by a blank line.
 async fn pdf(bytes: &[u8]) -> Result<Markdown, ApiError> {
-    let file = TempFile(std::env::temp_dir().join(format!("turnlog-upload-{}.pdf", uuid::Uuid::now_v7())));
-    tokio::fs::write(&file.0, bytes)
+    let file = TempFile::new("upload", "pdf");
+    tokio::fs::write(file.path(), bytes)
         .await
-        .map_err(|e| ApiError::internal(anyhow::anyhow!("writing {:?}: {e}", file.0)))?;
-    let raw = run_pdftotext(&file.0).await?;
+        .map_err(|e| ApiError::internal(anyhow::anyhow!("writing {:?}: {e}", file.path())))?;
+    let raw = run_pdftotext(file.path()).await?;
     let pages: Vec<&str> = raw.split('\u{c}').map(str::trim_end).collect();
     let markdown = pages.iter().filter(|p| !p.trim().is_empty()).copied().collect::<Vec<_>>().join("\n\n");
     if markdown.trim().is_empty() {
@@ -337,8 +337,19 @@ async fn pdf(bytes: &[u8]) -> Result<Markdown, ApiError> {
     Ok(Markdown { markdown, note: None })
 }
 
-/// A temporary file, removed when dropped (also when the upload's request is dropped).
-struct TempFile(std::path::PathBuf);
+/// A temporary file, removed when dropped (also when the request that made it is dropped).
+pub(crate) struct TempFile(std::path::PathBuf);
+
+impl TempFile {
+    /// `turnlog-<name>-<a fresh id>.<extension>` in the temporary directory (not created).
+    pub(crate) fn new(name: &str, extension: &str) -> Self {
+        Self(std::env::temp_dir().join(format!("turnlog-{name}-{}.{extension}", uuid::Uuid::now_v7())))
+    }
+
+    pub(crate) fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
 
 impl Drop for TempFile {
     fn drop(&mut self) {

@@ -3,8 +3,6 @@
 //! streamed to a temporary file (at most `TURNLOG_IMPORT_MAX_BYTES`), read once to check it
 //! whole, then imported conversation by conversation (`turnlog_runtime::import`).
 
-use std::path::PathBuf;
-
 use axum::extract::{Request, State};
 use axum::http::header;
 use axum::Json;
@@ -17,10 +15,13 @@ use utoipa::IntoParams;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{declared_length, ApiQuery, LimitedBody};
+use crate::files::convert::TempFile;
 use crate::AppState;
 
 /// Room for the multipart framing around the file.
 const MULTIPART_OVERHEAD: usize = 64 * 1024;
+/// The most a multipart field other than `file` (`format`) may hold.
+const MAX_OTHER_FIELD_BYTES: u64 = 1024;
 /// Most of an oversized upload read (and dropped) before the 413, so that a client still
 /// sending hears it instead of a reset.
 const DRAIN_MAX_BYTES: usize = 64 * 1024 * 1024;
@@ -60,7 +61,8 @@ pub async fn import(
     let content_type =
         req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
     let media = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-    let spool = Spool::new();
+    // The upload on disk while it is imported.
+    let spool = TempFile::new("import", "json");
     match media.as_str() {
         "multipart/form-data" => {
             let boundary = multer::parse_boundary(&content_type)
@@ -71,7 +73,28 @@ pub async fn import(
                 }
                 return Err(too_large(limit));
             }
-            let mut parts = multer::Multipart::new(req.into_body().into_data_stream(), boundary);
+            // The whole body is bounded (a chunked one declares no length), `format` to a
+            // word, the file to the limit.
+            let limits = multer::SizeLimit::new()
+                .whole_stream((limit + MULTIPART_OVERHEAD) as u64)
+                .per_field(MAX_OTHER_FIELD_BYTES)
+                .for_field("file", limit as u64);
+            let constraints = multer::Constraints::new().size_limit(limits);
+            let stream = req.into_body().into_data_stream();
+            let mut parts = multer::Multipart::with_constraints(stream, boundary, constraints);
+            let multipart_error = |e: multer::Error| match e {
+                multer::Error::FieldSizeExceeded { field_name, .. }
+                    if field_name.as_deref() != Some("file") =>
+                {
+                    ApiError::bad_request(format!(
+                        "multipart fields other than `file` hold at most {MAX_OTHER_FIELD_BYTES} bytes"
+                    ))
+                }
+                multer::Error::StreamSizeExceeded { .. } | multer::Error::FieldSizeExceeded { .. } => {
+                    too_large(limit)
+                }
+                other => ApiError::bad_request(format!("a malformed multipart body: {other}")),
+            };
             let mut got_file = false;
             while let Some(mut field) = parts.next_field().await.map_err(multipart_error)? {
                 match field.name() {
@@ -81,13 +104,8 @@ pub async fn import(
                     }
                     Some("file") if !got_file => {
                         got_file = true;
-                        let mut out = spool.writer().await?;
-                        let mut written = 0usize;
+                        let mut out = SpoolWriter::create(&spool).await?;
                         while let Some(chunk) = field.chunk().await.map_err(multipart_error)? {
-                            written += chunk.len();
-                            if written > limit {
-                                return Err(too_large(limit));
-                            }
                             out.write(&chunk).await?;
                         }
                         out.done().await?;
@@ -106,7 +124,7 @@ pub async fn import(
                 other => other,
             };
             let mut body = LimitedBody::draining(req, limit, DRAIN_MAX_BYTES).map_err(named)?;
-            let mut out = spool.writer().await?;
+            let mut out = SpoolWriter::create(&spool).await?;
             while let Some(chunk) = body.next().await.map_err(named)? {
                 out.write(&chunk).await?;
             }
@@ -126,7 +144,7 @@ pub async fn import(
     };
     // On a task of its own: a client that goes away does not stop a conversation halfway.
     let import = tokio::spawn(async move {
-        let result = importer.file(&spool.path, format, |_, _| {}).await;
+        let result = importer.file(spool.path(), format, |_, _| {}).await;
         drop(spool);
         result
     });
@@ -154,39 +172,19 @@ fn too_large(limit: usize) -> ApiError {
     ))
 }
 
-fn multipart_error(e: multer::Error) -> ApiError {
-    ApiError::bad_request(format!("a malformed multipart body: {e}"))
-}
-
 fn file_error(e: FileError) -> ApiError {
     ApiError::bad_request(format!("nothing was imported: {e}"))
 }
 
-/// The upload on disk while it is imported; removed when dropped (also when the request is).
-struct Spool {
-    path: PathBuf,
-}
-
-impl Spool {
-    fn new() -> Self {
-        Self { path: std::env::temp_dir().join(format!("turnlog-import-{}.json", uuid::Uuid::now_v7())) }
-    }
-
-    async fn writer(&self) -> Result<SpoolWriter, ApiError> {
-        let file = tokio::fs::File::create(&self.path).await.map_err(spool_error)?;
-        Ok(SpoolWriter(tokio::io::BufWriter::with_capacity(1 << 16, file)))
-    }
-}
-
-impl Drop for Spool {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
+/// Writes the upload to its temporary file.
 struct SpoolWriter(tokio::io::BufWriter<tokio::fs::File>);
 
 impl SpoolWriter {
+    async fn create(spool: &TempFile) -> Result<Self, ApiError> {
+        let file = tokio::fs::File::create(spool.path()).await.map_err(spool_error)?;
+        Ok(Self(tokio::io::BufWriter::with_capacity(1 << 16, file)))
+    }
+
     async fn write(&mut self, chunk: &[u8]) -> Result<(), ApiError> {
         self.0.write_all(chunk).await.map_err(spool_error)
     }

@@ -18,7 +18,7 @@ use std::ops::ControlFlow;
 use serde::de::{DeserializeSeed, SeqAccess, Visitor};
 use serde_json::Value;
 
-use crate::events::EventKind;
+use crate::events::{EventKind, MAX_TITLE_CHARS};
 
 /// The formats `POST /v1/import` and `turnlog import` read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -97,11 +97,19 @@ impl Conversation {
     }
 }
 
+/// How a summary and the logs name a conversation: at most 80 characters of its title or
+/// id, control characters (a line break in a title) as spaces.
 fn label(title: Option<&str>, id: &str) -> String {
-    match title.map(str::trim).filter(|t| !t.is_empty()) {
-        Some(t) => t.chars().take(80).collect(),
-        None => id.chars().take(80).collect(),
-    }
+    let shown = title.map(str::trim).filter(|t| !t.is_empty()).unwrap_or(id);
+    shown.chars().take(80).map(|c| if c.is_control() { ' ' } else { c }).collect()
+}
+
+/// A title as a session keeps it: trimmed, at most [`MAX_TITLE_CHARS`] characters (the
+/// API's limit), none when blank.
+fn tidy_title(title: Option<String>) -> Option<String> {
+    let title = title?;
+    let trimmed = title.trim();
+    (!trimmed.is_empty()).then(|| trimmed.chars().take(MAX_TITLE_CHARS).collect())
 }
 
 /// A session an import creates.
@@ -210,10 +218,10 @@ pub fn read<R: BufRead>(
         }
         index += 1;
         let flow = match format {
-            Format::ChatGpt => each(chatgpt::conversation(&element)),
-            Format::ShareGpt => each(sharegpt::conversation(&element, index)),
+            Format::ChatGpt => each(tidy(chatgpt::conversation(&element))),
+            Format::ShareGpt => each(tidy(sharegpt::conversation(&element, index))),
             Format::Turnlog => match family.push(element)? {
-                Some(done) => each(done),
+                Some(done) => each(tidy(done)),
                 None => ControlFlow::Continue(()),
             },
         };
@@ -225,10 +233,20 @@ pub fn read<R: BufRead>(
     }
     if !stopped {
         if let Some(done) = family.finish() {
-            let _ = each(done);
+            let _ = each(tidy(done));
         }
     }
     Ok(chosen.unwrap_or(Format::ChatGpt))
+}
+
+/// Titles of every format kept within what a session takes.
+fn tidy(c: Result<Conversation, Rejected>) -> Result<Conversation, Rejected> {
+    let mut c = c?;
+    c.title = tidy_title(c.title.take());
+    for s in &mut c.sessions {
+        s.title = tidy_title(s.title.take());
+    }
+    Ok(c)
 }
 
 /// The first element must be of the format asked for: a file of another format fails as a
@@ -410,6 +428,20 @@ mod tests {
         assert!(err.to_string().contains("looks like sharegpt"), "{err}");
         let garbage_after = r#"[{"conversations": []}] x"#;
         assert!(matches!(all(garbage_after, None).unwrap_err(), FileError::Syntax(_)));
+    }
+
+    #[test]
+    fn titles_are_cut_to_what_a_session_takes_and_labels_to_one_line() {
+        let long = format!(
+            "{{\"title\": \"{}\", \"conversations\": [{{\"from\": \"human\", \"value\": \"hi\"}}]}}",
+            "é".repeat(600)
+        );
+        let (_, out) = all(&long, None).unwrap();
+        let c = out[0].as_ref().unwrap();
+        assert_eq!(c.title.as_ref().map(|t| t.chars().count()), Some(MAX_TITLE_CHARS));
+        assert_eq!(c.sessions[0].title, c.title);
+        assert_eq!(label(Some("two\nlines"), "id"), "two lines");
+        assert_eq!(tidy_title(Some("  ".into())), None);
     }
 
     #[test]

@@ -4,8 +4,9 @@
 //! created_at}` in seq order. A fork's block comes after its parent's; a root and the forks
 //! after it are one conversation (a session family).
 //!
-//! Payloads come back as they were, with `imported` added to messages and answers. Seqs that
-//! payloads name (turn_seq, replaces_through_seq, a request's through_seq) and memory ids are
+//! Payloads come back as they were, with `imported` (source `turnlog`, the original time)
+//! set on messages and answers. Seqs that payloads name (turn_seq, replaces_through_seq, a
+//! request's through_seq) and memory ids are
 //! mapped by the importer ([`rewrite`]) to what the target log holds.
 
 use std::collections::HashMap;
@@ -157,13 +158,14 @@ fn events(lines: &[Value], first_seq: i64) -> Result<Vec<PlannedEvent>, String> 
             line.get("event_id").and_then(Value::as_str).ok_or(format!("seq {seq} has no event_id"))?;
         let mut payload = line.get("payload").cloned().unwrap_or(Value::Null);
         EventBody::decode(kind, &payload, seq).map_err(|e| format!("seq {seq}: {e}"))?;
-        if matches!(kind, EventKind::UserMessage | EventKind::AssistantTurn)
-            && payload.get("imported").is_none()
-        {
+        if matches!(kind, EventKind::UserMessage | EventKind::AssistantTurn) {
+            // Always `turnlog` (the export brought the turn's memory events along, so
+            // extraction skips it), with the original time: an earlier import's if it had one.
+            let time = |v: Option<&Value>| v.and_then(Value::as_str).and_then(|t| t.parse().ok());
             let imported = Imported {
                 source: SOURCE.to_owned(),
                 id: event_id.to_owned(),
-                created_at: line.get("created_at").and_then(Value::as_str).and_then(|t| t.parse().ok()),
+                created_at: time(payload.pointer("/imported/created_at")).or(time(line.get("created_at"))),
             };
             payload["imported"] = serde_json::to_value(imported).unwrap_or(Value::Null);
         }
@@ -247,7 +249,12 @@ mod tests {
             header(ROOT, None),
             event(1, "session_started", json!({})),
             event(2, "user_message", json!({"text": "hi"})),
-            event(3, "assistant_turn", json!({"llm": {"message": {"content": "yo"}}})),
+            event(
+                3,
+                "assistant_turn",
+                json!({"llm": {"message": {"content": "yo"}},
+                "imported": {"source": "chatgpt", "id": "n2", "created_at": "2023-11-14T22:13:20Z"}}),
+            ),
             header(FORK, Some((ROOT, 2))),
             event(3, "session_started", json!({"forked_from": {"session_id": ROOT, "through_seq": 2}})),
             event(4, "assistant_turn", json!({"llm": {"message": {"content": "hey"}}})),
@@ -261,6 +268,12 @@ mod tests {
         let imported = &c.sessions[0].events[0].payload["imported"];
         assert_eq!(imported["source"], "turnlog");
         assert_eq!(imported["created_at"], "2026-05-01T10:00:00Z");
+        // An answer imported before keeps its original time, now as turnlog's.
+        let again = &c.sessions[0].events[1].payload["imported"];
+        assert_eq!(
+            (&again["source"], &again["created_at"]),
+            (&json!("turnlog"), &json!("2023-11-14T22:13:20Z"))
+        );
         assert!(out[1].as_ref().unwrap_err().reason.contains("no session_started"));
     }
 

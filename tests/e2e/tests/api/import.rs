@@ -315,6 +315,8 @@ async fn bad_files_import_nothing_of_what_is_wrong() {
     nothing(&r, 400, "format must be");
     let r = api.import(ALICE, None, b"<html></html>").await;
     nothing(&r, 400, "");
+    let r = api.import(ALICE, Some(&"chatgpt ".repeat(500)), FIXTURE.as_bytes()).await;
+    nothing(&r, 400, "at most 1024 bytes");
     // Larger than TURNLOG_IMPORT_MAX_BYTES: 50 MB.
     let big = vec![b' '; 50_000_000];
     let r = api.import(ALICE, None, &big).await;
@@ -356,6 +358,14 @@ async fn bad_files_import_nothing_of_what_is_wrong() {
     let before = event_count(&api).await;
     let r = api.import(ALICE, Some("sharegpt"), nul.to_string().as_bytes()).await;
     assert!(r.json["failed"][0]["reason"].as_str().unwrap().contains("NUL"), "{}", r.text);
+    assert_eq!(event_count(&api).await, before);
+    // Session metadata the log would refuse fails its conversation here, not in the writer.
+    let pairs: serde_json::Map<String, Value> = (0..20).map(|i| (format!("k{i}"), json!("v"))).collect();
+    let header = json!({"format": "turnlog", "version": 1, "session": {"id": uuid::Uuid::now_v7(), "metadata": pairs}});
+    let started =
+        json!({"seq": 1, "event_id": uuid::Uuid::now_v7(), "kind": "session_started", "payload": {}});
+    let r = api.import(ALICE, None, format!("{header}\n{started}\n").as_bytes()).await;
+    assert!(r.json["failed"][0]["reason"].as_str().unwrap().contains("16 pairs"), "{}", r.text);
     assert_eq!(event_count(&api).await, before);
     assert_eq!(api.dead_letters().await, 0);
 }
