@@ -358,6 +358,10 @@ pub struct IngressArgs {
     /// How long a turn waits for the compactor's pre-send check (e.g. 30s).
     #[arg(long, env = "TURNLOG_COMPACT_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub compact_timeout: Duration,
+    /// How long a write waits for the writer before a 503 (e.g. 15s on a NATS cluster, where
+    /// a leader election pauses writes for 4–9 s).
+    #[arg(long, env = "TURNLOG_APPEND_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub append_timeout: Duration,
     /// Turns one owner may run at once on this copy; more are refused with 429.
     #[arg(long, env = "TURNLOG_MAX_TURNS_PER_OWNER", default_value_t = DEFAULT_MAX_TURNS_PER_OWNER, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_turns_per_owner: u32,
@@ -562,6 +566,7 @@ fn ingress_config(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Ingre
         context_budget: args.context_budget,
         system_prompt: args.system_prompt,
         compact_timeout: args.compact_timeout,
+        append_timeout: args.append_timeout,
         turn_limits: turnlog_ingress::turn::TurnLimits {
             per_owner: args.max_turns_per_owner,
             total: args.max_turns,

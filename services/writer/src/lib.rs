@@ -1,5 +1,6 @@
 //! turnlog's writer: the only process that writes Postgres. Per partition it holds an
-//! advisory lock (a second copy waits as a standby), reads TURNLOG_APPEND strictly in
+//! advisory lock (partitions are spread over the writers running, see `share`; one that
+//! dies leaves its partitions to the others), reads TURNLOG_APPEND strictly in
 //! stream order from its recorded position, applies each batch and its new position in
 //! one transaction, then publishes the committed events, advances `published_seq` and
 //! answers the producers. A crash anywhere applies nothing twice and skips nothing.
@@ -10,6 +11,7 @@ mod bulk;
 mod gin;
 mod rebuild;
 mod search;
+mod share;
 mod store;
 
 use std::collections::HashMap;
@@ -33,6 +35,7 @@ use uuid::Uuid;
 pub use apply::{apply_batch, Incoming};
 use apply::{EventRow, LoadedState, SessionRow};
 pub use rebuild::{rebuild, RebuildProgress, RebuildSummary};
+pub use share::{application_name, holders};
 
 /// Header marking an APPEND message as an operator's redrive of a dead letter (its value is
 /// the dead letter's TURNLOG_DEAD sequence): the one case where a request id seen before
@@ -67,12 +70,23 @@ pub async fn run(config: WriterConfig, shutdown: CancellationToken) -> anyhow::R
     turnlog_core::tokens::warm_up();
 
     let pending = Arc::new(gin::PendingRows::default());
+    let share = Arc::new(share::Share::default());
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(gin::merge_pending_lists(pool.clone(), pending.clone(), shutdown.clone()));
+    let url = backbone.database_url.expose().to_owned();
+    tasks.spawn(share::run(url, backbone.partitions, share.clone(), shutdown.clone()));
     for partition in 0..backbone.partitions {
-        let (pool, bus, url, shutdown, pending) =
-            (pool.clone(), bus.clone(), backbone.database_url.clone(), shutdown.clone(), pending.clone());
-        tasks.spawn(async move { partition_writer(partition, pool, bus, url, pending, shutdown).await });
+        let (pool, bus, url, shutdown, pending, share) = (
+            pool.clone(),
+            bus.clone(),
+            backbone.database_url.clone(),
+            shutdown.clone(),
+            pending.clone(),
+            share.clone(),
+        );
+        tasks.spawn(
+            async move { partition_writer(partition, pool, bus, url, pending, share, shutdown).await },
+        );
     }
     while let Some(res) = tasks.join_next().await {
         res.context("partition writer panicked")?;
@@ -80,19 +94,21 @@ pub async fn run(config: WriterConfig, shutdown: CancellationToken) -> anyhow::R
     Ok(())
 }
 
-/// One partition: wait for the lock, serve until an error or shutdown, start over.
+/// One partition: wait for room in this writer's share and for the lock, serve until an
+/// error, a hand-over or shutdown, start over.
 async fn partition_writer(
     partition: u32,
     pool: PgPool,
     bus: Bus,
     url: Secret,
     pending: Arc<gin::PendingRows>,
+    share: Arc<share::Share>,
     shutdown: CancellationToken,
 ) {
     let mut backoff = Duration::from_millis(100);
     while !shutdown.is_cancelled() {
-        match serve_partition(partition, &pool, &bus, &url, &pending, &shutdown).await {
-            Ok(()) => return,
+        match serve_partition(partition, &pool, &bus, &url, &pending, &share, &shutdown).await {
+            Ok(()) => backoff = Duration::from_millis(100),
             Err(e) => {
                 tracing::warn!(partition, error = format!("{e:#}"), "writer stepping down; will retry");
                 tokio::select! {
@@ -105,39 +121,63 @@ async fn partition_writer(
     }
 }
 
+/// Gives a claimed partition's room back when its serving ends, however it ends (after
+/// the partition's connection, and so its lock, is gone: it is declared first).
+struct Claimed<'a>(&'a share::Share, u32);
+
+impl Drop for Claimed<'_> {
+    fn drop(&mut self) {
+        self.0.release(self.1);
+    }
+}
+
+/// Serves one partition once this writer has room for it and holds its lock, until an
+/// error, shutdown, or the share asks for it back (then `Ok`, after finishing what was
+/// taken: the next writer reads on from the committed position).
+#[allow(clippy::too_many_arguments)]
 async fn serve_partition(
     partition: u32,
     pool: &PgPool,
     bus: &Bus,
     url: &Secret,
     pending: &gin::PendingRows,
+    share: &share::Share,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
     let p = i32::try_from(partition).context("partition out of range")?;
-    // The lock lives on the partition's own connection, held exactly as long as it; every
-    // commit goes through it too, planned once (the commit's plan does not depend on its
-    // arrays; see `connect_generic_plans`).
-    let mut conn = turnlog_runtime::db::connect_generic_plans(url.expose(), "turnlog-writer")
-        .await
-        .context("partition connection")?;
     let mut waiting_logged = false;
-    loop {
-        let (got,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_lock($1)")
-            .bind(LOCK_BASE + i64::from(partition))
-            .fetch_one(&mut conn)
-            .await?;
-        if got {
-            break;
-        }
-        if !waiting_logged {
-            tracing::info!(partition, "another writer holds this partition; standing by");
-            waiting_logged = true;
+    let mut standby: Option<PgConnection> = None;
+    let (stop, _claimed, mut conn) = loop {
+        if let Some(stop) = share.claim(partition, shutdown) {
+            let claimed = Claimed(share, partition);
+            // The lock lives on the partition's own connection, held exactly as long as it;
+            // every commit goes through it too, planned once (the commit's plan does not
+            // depend on its arrays; see `connect_generic_plans`).
+            let mut conn = match standby.take() {
+                Some(conn) => conn,
+                None => turnlog_runtime::db::connect_generic_plans(url.expose(), &share::application_name())
+                    .await
+                    .context("partition connection")?,
+            };
+            let (got,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_lock($1)")
+                .bind(LOCK_BASE + i64::from(partition))
+                .fetch_one(&mut conn)
+                .await?;
+            if got {
+                break (stop, claimed, conn);
+            }
+            standby = Some(conn);
+            if !waiting_logged {
+                tracing::info!(partition, "another writer holds this partition; standing by");
+                waiting_logged = true;
+            }
         }
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             _ = tokio::time::sleep(Duration::from_millis(500)) => {}
         }
-    }
+    };
+    let shutdown = &stop;
 
     let (applied, published) = store::positions(pool, p).await?;
     tracing::info!(partition, applied, published, "writer active");
@@ -153,25 +193,12 @@ async fn serve_partition(
         store::mark_published(pool, p, applied).await?;
     }
 
-    // Taken before the consumer exists: a reconnect from here on may have lost it.
-    let mut reconnects = bus.reconnects();
-    reconnects.borrow_and_update();
-    let mut stream =
-        bus.js.get_stream(bus.names.append_stream()).await.context("opening the APPEND stream")?;
-    let duplicate_window =
-        stream.info().await.context("reading the APPEND stream's settings")?.config.duplicate_window;
+    let stream = bus.js.get_stream(bus.names.append_stream()).await.context("opening the APPEND stream")?;
+    let duplicate_window = stream.cached_info().config.duplicate_window;
     let start = u64::try_from(applied).unwrap_or(0) + 1;
-    let consumer = stream
-        .create_consumer(OrderedConfig {
-            filter_subject: bus.names.append_partition_filter(partition),
-            deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: start },
-            ..Default::default()
-        })
-        .await
-        .context("creating the ordered consumer")?;
-    let messages = consumer.messages().await.context("reading the APPEND stream")?;
     let (to_writer, mut from_reader) = tokio::sync::mpsc::channel(2 * MAX_BATCH);
-    let reader = tokio::spawn(read_ahead(messages, Arc::new(Semaphore::new(READ_AHEAD_BYTES)), to_writer));
+    let budget = Arc::new(Semaphore::new(READ_AHEAD_BYTES));
+    let reader = tokio::spawn(read_ahead(bus.clone(), stream, partition, start, budget, to_writer));
 
     // Publishing runs behind the next commit: the feed, `published_seq` and the replies of
     // batch N go out while batch N+1 is applied. Deleted sessions' messages are removed
@@ -190,7 +217,6 @@ async fn serve_partition(
         shutdown,
         &mut conn,
         &mut from_reader,
-        &mut reconnects,
         duplicate_window,
         applied,
         pending,
@@ -214,8 +240,7 @@ async fn apply_loop(
     bus: &Bus,
     shutdown: &CancellationToken,
     conn: &mut PgConnection,
-    from_reader: &mut tokio::sync::mpsc::Receiver<anyhow::Result<ReadAhead>>,
-    reconnects: &mut tokio::sync::watch::Receiver<u64>,
+    from_reader: &mut tokio::sync::mpsc::Receiver<ReadAhead>,
     duplicate_window: Duration,
     mut applied: i64,
     pending: &gin::PendingRows,
@@ -229,19 +254,15 @@ async fn apply_loop(
         if carry.is_empty() {
             let first = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
-                // A restarted nats-server has no ordered consumer for us any more; a new
-                // one from `applied` is quicker than the library's 15 s of retries.
-                _ = reconnects.changed() => anyhow::bail!("reconnected to NATS; reading the APPEND stream anew"),
                 m = from_reader.recv() => m,
             };
-            let (message, permit) = first.context("the APPEND reader stopped")??;
+            let (message, permit) = first.context("the APPEND reader stopped")?;
             carry.push(message);
             permits.push(permit);
         }
         // Take what has been read without waiting.
         while carry.len() < MAX_BATCH {
-            let Ok(next) = from_reader.try_recv() else { break };
-            let (message, permit) = next?;
+            let Ok((message, permit)) = from_reader.try_recv() else { break };
             carry.push(message);
             permits.push(permit);
         }
@@ -428,8 +449,13 @@ async fn apply_and_commit(
             "request dead-lettered");
         let subject = bus.names.dead_subject(&letter.reason, *session);
         let msg_id = format!("dead:{}", letter.stream_seq.unwrap_or_default());
-        let msg = PublishMessage::build().payload(serde_json::to_vec(letter)?.into()).message_id(msg_id);
-        bus.js.send_publish(subject, msg).await?.await.context("publishing a dead letter")?;
+        let payload: bytes::Bytes = serde_json::to_vec(letter)?.into();
+        patiently("publishing a dead letter", || async {
+            let msg = PublishMessage::build().payload(payload.clone()).message_id(msg_id.as_str());
+            bus.js.send_publish(subject.clone(), msg).await?.await?;
+            Ok(())
+        })
+        .await?;
     }
     store::commit(conn, partition, applied, &fx).await?;
 
@@ -488,32 +514,116 @@ fn is_unique_violation(e: &anyhow::Error) -> bool {
 /// A message decoded ahead of its batch, holding its share of the read-ahead budget.
 type ReadAhead = (Incoming, OwnedSemaphorePermit);
 
-/// Reads the partition's messages in order and decodes each (tokenizing included) while
-/// the writer applies and commits the batch before; at most [`READ_AHEAD_BYTES`] of
-/// bodies wait, read but not yet committed.
+/// How often a reader that has received nothing checks that its consumer still exists, and
+/// how long it waits for the answer (a consumer on a dead node does not answer at all).
+const CONSUMER_CHECK: Duration = Duration::from_secs(1);
+/// The expiry of the ordered consumer's pulls, which sets its idle heartbeat to half of it:
+/// async-nats's default (30 s) leaves a lost consumer unnoticed for a minute.
+const PULL_EXPIRES: Duration = Duration::from_secs(2);
+/// How long creating a consumer may take before it is asked again.
+const CONSUMER_CREATE: Duration = Duration::from_secs(2);
+/// A pause before creating a consumer again (a leader election takes seconds).
+const RECREATE_PAUSE: Duration = Duration::from_millis(250);
+
+/// Reads the partition's messages in order from `next` and decodes each (tokenizing
+/// included) while the writer applies and commits the batch before; at most
+/// [`READ_AHEAD_BYTES`] of bodies wait, read but not yet committed.
+///
+/// The reader keeps its own consumer alive rather than trusting the library's: an ordered
+/// consumer is an R1 ephemeral one on one nats-server, gone with that server (a restart,
+/// or a stream leader dying on a cluster). When the client reconnects, when the consumer
+/// is no longer there, or when the library's own recreation starts over from the stream's
+/// beginning, a new consumer is made from the first sequence not yet handed on, as often
+/// as it takes. Nothing is handed on twice or skipped: the writer commits in this order.
 async fn read_ahead(
-    mut messages: async_nats::jetstream::consumer::pull::Ordered,
+    bus: Bus,
+    stream: async_nats::jetstream::stream::Stream,
+    partition: u32,
+    mut next: u64,
     budget: Arc<Semaphore>,
-    to_writer: tokio::sync::mpsc::Sender<anyhow::Result<ReadAhead>>,
+    to_writer: tokio::sync::mpsc::Sender<ReadAhead>,
 ) {
+    let mut reconnects = bus.reconnects();
+    let mut failures = 0u32;
     loop {
-        let next = match messages.next().await {
-            Some(Ok(m)) => Ok(m),
-            Some(Err(e)) => Err(anyhow::Error::from(e).context("reading the APPEND stream")),
-            None => Err(anyhow::anyhow!("APPEND stream ended")),
+        reconnects.borrow_and_update();
+        let open = async {
+            let consumer = stream
+                .create_consumer(OrderedConfig {
+                    filter_subject: bus.names.append_partition_filter(partition),
+                    deliver_policy: DeliverPolicy::ByStartSequence { start_sequence: next },
+                    max_expires: PULL_EXPIRES,
+                    ..Default::default()
+                })
+                .await?;
+            let name = consumer.cached_info().name.clone();
+            anyhow::Ok((name, consumer.messages().await?))
         };
-        let item = match next {
-            Ok(m) => {
-                let cost = m.message.payload.len().clamp(1, READ_AHEAD_BYTES) as u32;
-                let Ok(permit) = budget.clone().acquire_many_owned(cost).await else { return };
-                incoming(m).map(|m| (m, permit))
+        // A stream without a leader leaves the request unanswered until the client's
+        // request timeout; asking again sooner finds the new leader sooner.
+        let opened = tokio::time::timeout(CONSUMER_CREATE, open)
+            .await
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("no answer within {CONSUMER_CREATE:?}")));
+        let (name, mut messages) = match opened {
+            Ok(opened) => opened,
+            Err(e) => {
+                if failures == 0 {
+                    tracing::warn!(
+                        partition,
+                        next,
+                        error = format!("{e:#}"),
+                        "cannot read the APPEND stream; trying again"
+                    );
+                }
+                failures += 1;
+                tokio::time::sleep(RECREATE_PAUSE).await;
+                continue;
             }
-            Err(e) => Err(e),
         };
-        let failed = item.is_err();
-        if to_writer.send(item).await.is_err() || failed {
-            return;
+        if failures > 0 {
+            tracing::info!(partition, next, attempts = failures + 1, "reading the APPEND stream again");
+            failures = 0;
         }
+        let mut check = tokio::time::interval(CONSUMER_CHECK);
+        check.reset();
+        let mut received = false;
+        let lost = loop {
+            let m = tokio::select! {
+                _ = reconnects.changed() => break "reconnected to NATS".to_owned(),
+                _ = check.tick() => {
+                    if !std::mem::take(&mut received) {
+                        match tokio::time::timeout(CONSUMER_CHECK, stream.consumer_info(&name)).await {
+                            Ok(Ok(_)) => {}
+                            Ok(Err(e)) => break format!("consumer {name}: {e}"),
+                            Err(_) => break format!("consumer {name} did not answer within {CONSUMER_CHECK:?}"),
+                        }
+                    }
+                    continue;
+                }
+                m = messages.next() => m,
+            };
+            let m = match m {
+                Some(Ok(m)) => m,
+                Some(Err(e)) => break format!("{e:#}"),
+                None => break "the consumer's messages ended".to_owned(),
+            };
+            received = true;
+            let item = match incoming(m) {
+                Ok(item) => item,
+                Err(e) => break format!("{e:#}"),
+            };
+            if item.stream_seq < next {
+                break format!("the library's consumer started over at {}", item.stream_seq);
+            }
+            let cost = item.body.len().clamp(1, READ_AHEAD_BYTES) as u32;
+            let Ok(permit) = budget.clone().acquire_many_owned(cost).await else { return };
+            next = item.stream_seq + 1;
+            if to_writer.send((item, permit)).await.is_err() {
+                return;
+            }
+        };
+        tracing::warn!(partition, next, reason = lost, "APPEND consumer lost; creating it again");
+        tokio::time::sleep(RECREATE_PAUSE).await;
     }
 }
 
@@ -526,9 +636,46 @@ fn incoming(m: async_nats::jetstream::Message) -> anyhow::Result<Incoming> {
     Ok(Incoming::new(stream_seq, published, subject_session, reply_to, redrive, m.message.payload))
 }
 
+/// How long a publish keeps being retried (JetStream deduplicates the copies) before the
+/// writer steps down: a leader election on a NATS cluster takes 4–9 s.
+const PUBLISH_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Runs `attempt` until it succeeds or [`PUBLISH_PATIENCE`] has passed.
+async fn patiently<F, Fut>(what: &str, mut attempt: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let deadline = Instant::now() + PUBLISH_PATIENCE;
+    let mut retries = 0;
+    loop {
+        match attempt().await {
+            Ok(()) => {
+                if retries > 0 {
+                    tracing::info!(retries, "{what}: done after retrying");
+                }
+                return Ok(());
+            }
+            Err(e) if Instant::now() + RECREATE_PAUSE < deadline => {
+                if retries == 0 {
+                    tracing::warn!(error = format!("{e:#}"), "{what}: failed; retrying");
+                }
+                retries += 1;
+                tokio::time::sleep(RECREATE_PAUSE).await;
+            }
+            Err(e) => return Err(e).context(what.to_owned()),
+        }
+    }
+}
+
 /// Publishes committed events to TURNLOG_EVENTS and waits for every PubAck (sent all at
-/// once, acknowledged together).
+/// once, acknowledged together; all again, deduplicated, until they are).
 async fn publish_events(bus: &Bus, events: impl IntoIterator<Item = &EventRow>) -> anyhow::Result<()> {
+    let events: Vec<&EventRow> = events.into_iter().collect();
+    patiently("publishing committed events", || publish_events_once(bus, &events)).await
+}
+
+async fn publish_events_once(bus: &Bus, events: &[&EventRow]) -> anyhow::Result<()> {
     let mut acks = Vec::new();
     for e in events {
         let subject = bus.names.events_subject(e.event.kind.as_str(), e.event.session_id);

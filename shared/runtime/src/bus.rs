@@ -725,6 +725,61 @@ impl Bus {
         let ack = self.js.send_publish(subject, msg).await.map_err(js_err)?;
         ack.await.map_err(js_err)
     }
+
+    /// Publishes an append request until it is acknowledged or `deadline` passes: while
+    /// JetStream elects a new stream leader (4–9 s after a node dies) a publish finds no
+    /// responder, and the same `Nats-Msg-Id` sent again is stored once (DESIGN §6).
+    async fn publish_append_until(
+        &self,
+        req: &AppendRequest,
+        reply_to: Option<&str>,
+        deadline: tokio::time::Instant,
+    ) -> Result<jetstream::publish::PublishAck, String> {
+        let body = Bytes::from(serde_json::to_vec(req).map_err(|e| e.to_string())?);
+        let subject = self.names.append_subject(self.partition_of(req.session_id), req.session_id);
+        let msg_id = req.request_id.to_string();
+        let mut republished = 0;
+        loop {
+            let mut msg = PublishMessage::build().payload(body.clone()).message_id(msg_id.as_str());
+            if let Some(r) = reply_to {
+                msg = msg.header(REPLY_HEADER, r);
+            }
+            let publish = async {
+                let ack = self.js.send_publish(subject.clone(), msg).await?;
+                ack.await
+            };
+            let error = match tokio::time::timeout_at(deadline, publish).await {
+                Ok(Ok(ack)) => {
+                    if republished > 0 {
+                        tracing::info!(request_id = %req.request_id, republished, "append acknowledged after republishing");
+                    }
+                    return Ok(ack);
+                }
+                Ok(Err(e)) if is_transient(e.kind()) => e.to_string(),
+                Ok(Err(e)) => return Err(e.to_string()),
+                Err(_) => "no PubAck before the deadline".to_owned(),
+            };
+            if tokio::time::Instant::now() + REPUBLISH_EVERY >= deadline {
+                return Err(error);
+            }
+            if republished == 0 {
+                tracing::warn!(request_id = %req.request_id, error, "append not acknowledged; republishing until the deadline");
+            }
+            republished += 1;
+            tokio::time::sleep(REPUBLISH_EVERY).await;
+        }
+    }
+}
+
+/// How often a producer republishes an unacknowledged append.
+const REPUBLISH_EVERY: Duration = Duration::from_millis(250);
+
+/// Publish failures that pass by themselves: no responder (async-nats's "stream not found":
+/// a leader election, or nats-server restarting), a lost connection, a late PubAck, and
+/// errors the server puts in the PubAck (such as a stream without a quorum).
+fn is_transient(kind: jetstream::context::PublishErrorKind) -> bool {
+    use jetstream::context::PublishErrorKind as K;
+    matches!(kind, K::StreamNotFound | K::TimedOut | K::BrokenPipe | K::Other)
 }
 
 /// A pre-send check, as the ingress sends it to `<prefix>.compact.<session_id>`.
@@ -794,12 +849,10 @@ pub async fn append_and_wait(
     let mut replies =
         bus.client.subscribe(inbox.clone()).await.map_err(|e| AppendError::Unavailable(e.to_string()))?;
 
-    let ack = tokio::time::timeout_at(deadline, bus.publish_append(req, Some(&inbox))).await;
-    let ack = match ack {
-        Err(_) => return Err(AppendError::Unavailable(format!("no PubAck within {timeout:?}"))),
-        Ok(Err(e)) => return Err(AppendError::Unavailable(e.to_string())),
-        Ok(Ok(ack)) => ack,
-    };
+    let ack = bus
+        .publish_append_until(req, Some(&inbox), deadline)
+        .await
+        .map_err(|e| AppendError::Unavailable(format!("not acknowledged within {timeout:?}: {e}")))?;
     if !ack.duplicate {
         use futures::StreamExt;
         while let Ok(Some(msg)) = tokio::time::timeout_at(deadline, replies.next()).await {

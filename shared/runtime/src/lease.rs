@@ -20,6 +20,10 @@ pub struct Lease {
     pub revision: u64,
 }
 
+/// How long taking a lease keeps trying through a NATS leader election.
+pub const ACQUIRE_WAIT: std::time::Duration = std::time::Duration::from_secs(12);
+const RETRY_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
 fn err(e: impl std::fmt::Display) -> BusError {
     BusError::JetStream(e.to_string())
 }
@@ -30,11 +34,41 @@ impl TurnLeases {
     }
 
     /// Takes the session's lease for `holder`; None when someone holds it.
+    ///
+    /// A create that finds no responder (a leader election on a NATS cluster, 4–9 s) is
+    /// tried again for up to [`ACQUIRE_WAIT`]; the value names this attempt, so a create
+    /// whose acknowledgement was lost is recognized as ours when tried again.
     pub async fn acquire(&self, session: SessionId, holder: &str) -> Result<Option<Lease>, BusError> {
-        match self.store.create(session.to_string(), Bytes::from(holder.to_owned())).await {
-            Ok(revision) => Ok(Some(Lease { session, revision })),
-            Err(e) if e.kind() == CreateErrorKind::AlreadyExists => Ok(None),
-            Err(e) => Err(err(e)),
+        let key = session.to_string();
+        let value = Bytes::from(format!("{holder} {}", uuid::Uuid::now_v7()));
+        let deadline = tokio::time::Instant::now() + ACQUIRE_WAIT;
+        let mut retried = false;
+        loop {
+            let error = match self.store.create(&key, value.clone()).await {
+                Ok(revision) => return Ok(Some(Lease { session, revision })),
+                Err(e) if e.kind() == CreateErrorKind::AlreadyExists => {
+                    if retried {
+                        match self.store.entry(&key).await {
+                            Ok(Some(entry)) if entry.value == value => {
+                                return Ok(Some(Lease { session, revision: entry.revision }))
+                            }
+                            Ok(_) => {}
+                            Err(e) => return Err(err(e)),
+                        }
+                    }
+                    return Ok(None);
+                }
+                Err(e) if e.kind() == CreateErrorKind::InvalidKey => return Err(err(e)),
+                Err(e) => e,
+            };
+            if tokio::time::Instant::now() + RETRY_EVERY >= deadline {
+                return Err(err(error));
+            }
+            if !retried {
+                tracing::warn!(%session, error = %error, "turn lease not taken; trying again");
+            }
+            retried = true;
+            tokio::time::sleep(RETRY_EVERY).await;
         }
     }
 

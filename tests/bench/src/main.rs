@@ -8,6 +8,7 @@ mod files;
 mod import;
 mod ingress;
 mod rebuild;
+mod scale;
 mod soak;
 mod system;
 mod tokenizer;
@@ -28,8 +29,9 @@ fn main() -> anyhow::Result<()> {
         Some("files") => runtime()?.block_on(files::run()),
         Some("import") => runtime()?.block_on(import::run()),
         Some("soak") => runtime()?.block_on(soak::run(&args[1..])),
+        Some("scale") => runtime()?.block_on(scale::run()),
         other => {
-            eprintln!("usage: turnlog-bench <context|tokenizer|writer|rebuild|ingress|cache|files|import|soak>  (got {other:?})");
+            eprintln!("usage: turnlog-bench <context|tokenizer|writer|rebuild|ingress|cache|files|import|soak|scale>  (got {other:?})");
             std::process::exit(2);
         }
     }

@@ -1,5 +1,5 @@
-//! `turnlog-bench soak --minutes N [--clients N] [--seed N] [--faults a,b,...]`: the
-//! reliability soak — real
+//! `turnlog-bench soak --minutes N [--clients N] [--seed N] [--faults a,b,...] [--cluster]`:
+//! the reliability soak — real
 //! `turnlog` processes under chat load while processes and servers are killed, restarted
 //! and frozen, then a checker that proves nothing acknowledged was lost (the machinery is
 //! `turnlog_testkit::soak`, shared with the short CI test). Exits 1 on any violation.
@@ -15,8 +15,13 @@ pub async fn run(args: &[String]) -> anyhow::Result<()> {
     let mut clients = None;
     let mut seed = None;
     let mut faults = None;
+    let mut cluster = false;
     let mut it = args.iter();
     while let Some(flag) = it.next() {
+        if flag == "--cluster" {
+            cluster = true;
+            continue;
+        }
         let value = it.next().with_context(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--minutes" => minutes = value.parse().context("--minutes: a number")?,
@@ -24,15 +29,21 @@ pub async fn run(args: &[String]) -> anyhow::Result<()> {
             "--seed" => seed = Some(value.parse().context("--seed: a number")?),
             "--faults" => {
                 let kinds: Option<Vec<FaultKind>> = value.split(',').map(FaultKind::from_name).collect();
-                let names: Vec<&str> = FaultKind::ALL.iter().map(|k| k.name()).collect();
+                let names: Vec<&str> = FaultKind::ALL.iter().chain(&FaultKind::CLUSTER).map(|k| k.name()).collect();
                 faults = Some(kinds.with_context(|| format!("--faults: a list of {}", names.join(", ")))?);
             }
             other => anyhow::bail!(
-                "unknown flag {other}; usage: soak --minutes N [--clients N] [--seed N] [--faults a,b,...]"
+                "unknown flag {other}; usage: soak --minutes N [--clients N] [--seed N] [--faults a,b,...] [--cluster]"
             ),
         }
     }
     let mut config = SoakConfig::bench(turnlog_binary()?, minutes);
+    if cluster {
+        // Three NATS nodes (replicas 3), four partitions over two writers; the leader kills
+        // join the schedule.
+        config.cluster = true;
+        config.faults = FaultKind::CLUSTER.iter().chain(&FaultKind::ALL).copied().collect();
+    }
     if let Some(c) = clients {
         config.clients = c;
     }
@@ -52,7 +63,7 @@ pub async fn run(args: &[String]) -> anyhow::Result<()> {
 
 /// The `turnlog` binary beside this one (TURNLOG_BIN overrides). Under `cargo run`, which
 /// builds only the bench, it is built first so the soak never runs a stale binary.
-fn turnlog_binary() -> anyhow::Result<PathBuf> {
+pub(crate) fn turnlog_binary() -> anyhow::Result<PathBuf> {
     if let Some(bin) = std::env::var_os("TURNLOG_BIN") {
         return Ok(bin.into());
     }

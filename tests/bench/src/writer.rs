@@ -55,15 +55,19 @@ impl Rig {
     }
 
     pub(crate) async fn sessions(&self, n: usize) -> anyhow::Result<Vec<SessionId>> {
-        let ids: Vec<SessionId> = (0..n).map(|_| SessionId::new()).collect();
-        let reqs: Vec<AppendRequest> = ids.iter().map(|id| AppendRequest::create(*id, OWNER, None)).collect();
-        let futs =
-            reqs.iter().map(|r| append_and_wait(&self.bus, &self.env.pool, r, Duration::from_secs(30)));
-        for o in futures::future::join_all(futs).await {
-            anyhow::ensure!(o?.is_applied(), "session create failed");
-        }
-        Ok(ids)
+        sessions_on(&self.bus, &self.env, n).await
     }
+}
+
+/// Creates `n` sessions through the writer.
+pub(crate) async fn sessions_on(bus: &Bus, env: &TestEnv, n: usize) -> anyhow::Result<Vec<SessionId>> {
+    let ids: Vec<SessionId> = (0..n).map(|_| SessionId::new()).collect();
+    let reqs: Vec<AppendRequest> = ids.iter().map(|id| AppendRequest::create(*id, OWNER, None)).collect();
+    let futs = reqs.iter().map(|r| append_and_wait(bus, &env.pool, r, Duration::from_secs(30)));
+    for o in futures::future::join_all(futs).await {
+        anyhow::ensure!(o?.is_applied(), "session create failed");
+    }
+    Ok(ids)
 }
 
 /// Requests a producer of the end-to-end load keeps in flight.
@@ -72,13 +76,13 @@ const WINDOW: usize = 256;
 /// End to end: pipelined producers publish with a reply subject (at most [`WINDOW`] in
 /// flight each, not `append_and_wait`'s one at a time), the writer commits and publishes,
 /// and the producers count the replies on their inbox.
-async fn end_to_end(rig: &Rig, sessions: &[SessionId], total: usize) -> anyhow::Result<f64> {
+pub(crate) async fn end_to_end(bus: &Bus, sessions: &[SessionId], total: usize) -> anyhow::Result<f64> {
     let producers = sessions.len().clamp(1, 16);
     let per_producer = total / producers;
     let start = Instant::now();
     let mut tasks = Vec::new();
     for p in 0..producers {
-        let bus = rig.bus.clone();
+        let bus = bus.clone();
         let mine: Vec<SessionId> = sessions.iter().skip(p).step_by(producers).copied().collect();
         tasks.push(tokio::spawn(async move {
             let inbox = bus.client.new_inbox();
@@ -372,12 +376,12 @@ pub async fn run() -> anyhow::Result<()> {
     let s16 = rig.sessions(16).await?;
     let s256 = rig.sessions(256).await?;
     let total = 40_000;
-    let e1 = end_to_end(&rig, &s1, total / 2).await?;
+    let e1 = end_to_end(&rig.bus, &s1, total / 2).await?;
     // Under the full load, how long a committed message takes to become searchable.
     let probe = rig.sessions(1).await?[0];
     let loaded = CancellationToken::new();
     let lags = tokio::spawn(search_lags(rig.bus.clone(), rig.env.pool.clone(), probe, loaded.clone()));
-    let e16 = end_to_end(&rig, &s16, total).await?;
+    let e16 = end_to_end(&rig.bus, &s16, total).await?;
     loaded.cancel();
     let lags = lags.await??;
     let lag_p99 = percentile_ms(&lags, 0.99);
@@ -386,7 +390,7 @@ pub async fn run() -> anyhow::Result<()> {
         lags.len(),
         percentile_ms(&lags, 0.5)
     );
-    let e256 = end_to_end(&rig, &s256, total).await?;
+    let e256 = end_to_end(&rig.bus, &s256, total).await?;
     println!(
         "end to end (pipelined producers: up to 16, {WINDOW} requests in flight each, replies counted on one \
          inbox each), appends/s: 1 session {e1:.0}, 16 sessions {e16:.0}, 256 sessions {e256:.0}"

@@ -27,8 +27,19 @@ pub async fn produce(
     session: SessionId,
     n: usize,
 ) -> (usize, Vec<(Uuid, i64)>) {
-    let (mut failures, mut acked) = (0, Vec::with_capacity(n));
-    for i in 0..n {
+    produce_while(bus, pool, owner, session, |i| i < n).await
+}
+
+/// [`produce`] for as long as `more(appends so far)` says so.
+pub async fn produce_while(
+    bus: Bus,
+    pool: sqlx::PgPool,
+    owner: String,
+    session: SessionId,
+    more: impl Fn(usize) -> bool,
+) -> (usize, Vec<(Uuid, i64)>) {
+    let (mut failures, mut acked) = (0, Vec::new());
+    for i in (0..).take_while(|i| more(*i)) {
         let body =
             EventBody::UserMessage(UserMessage { text: format!("{session} #{i}"), ..Default::default() });
         let req = AppendRequest::append(session, &owner, Uuid::now_v7(), &body);

@@ -147,12 +147,13 @@ impl TestEnv {
         .await;
     }
 
-    /// DATABASE_URL, NATS_URL and TURNLOG_BUS_PREFIX for a child process.
+    /// DATABASE_URL, NATS_URL, TURNLOG_BUS_PREFIX and TURNLOG_PARTITIONS for a child process.
     pub fn env_vars(&self) -> Vec<(String, String)> {
         vec![
             ("DATABASE_URL".to_owned(), self.database_url.clone()),
             ("NATS_URL".to_owned(), self.nats_url.clone()),
             ("TURNLOG_BUS_PREFIX".to_owned(), self.bus_prefix.clone()),
+            ("TURNLOG_PARTITIONS".to_owned(), self.partitions.to_string()),
         ]
     }
 

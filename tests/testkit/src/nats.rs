@@ -223,6 +223,15 @@ impl PrivateNatsCluster {
         self.nodes[i].process.kill();
     }
 
+    /// SIGSTOP node `i` (frozen, connections open); [`cont`](Self::cont) resumes it.
+    pub fn stop(&mut self, i: usize) {
+        self.nodes[i].process.stop();
+    }
+
+    pub fn cont(&mut self, i: usize) {
+        self.nodes[i].process.cont();
+    }
+
     /// Graceful stop of node `i` if running (SIGTERM; SIGKILL after 10 s), then a start with
     /// the same ports and store; returns once it accepts connections (it rejoins the cluster
     /// and catches up on its own).

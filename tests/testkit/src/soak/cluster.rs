@@ -1,5 +1,5 @@
-//! The system under test: a private nats-server and Postgres on fixed ports (so the fault
-//! schedule can kill and restart them under load), the mock model in this process, and
+//! The system under test: a private nats-server (or a three-node cluster) and Postgres on
+//! fixed ports (so the fault schedule can kill and restart them under load), the mock model in this process, and
 //! every `turnlog` process in a named slot that can be killed and started again.
 
 use std::sync::Arc;
@@ -13,8 +13,8 @@ use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus};
 
 use super::{lock, report::RssSample, Shared, SoakConfig};
 use crate::{
-    free_port, private_nats, private_postgres, try_test_env_on, PrivateNats, PrivatePostgres, TestEnv,
-    TurnlogProcess,
+    free_port, private_nats, private_nats_cluster, private_postgres, try_test_env_on, PrivateNats,
+    PrivateNatsCluster, PrivatePostgres, TestEnv, TurnlogProcess,
 };
 
 /// The owner every request runs as (the ingress runs without tokens, on loopback).
@@ -57,9 +57,28 @@ impl Slot {
 }
 
 pub(crate) struct Servers {
-    pub nats: PrivateNats,
+    pub nats: Nats,
     pub pg: PrivatePostgres,
 }
+
+/// One nats-server, or a three-node cluster.
+pub(crate) enum Nats {
+    One(PrivateNats),
+    Three(PrivateNatsCluster),
+}
+
+impl Nats {
+    fn url(&self) -> String {
+        match self {
+            Nats::One(n) => n.url(),
+            Nats::Three(c) => c.urls(),
+        }
+    }
+}
+
+/// Partitions and stream replicas of a cluster soak (DESIGN §6, Scale-out).
+const CLUSTER_PARTITIONS: u32 = 4;
+const CLUSTER_REPLICAS: usize = 3;
 
 /// Field order is drop order: processes first, then the servers under them.
 pub(crate) struct Cluster {
@@ -75,12 +94,28 @@ pub(crate) struct Cluster {
 
 impl Cluster {
     pub async fn start(config: &SoakConfig) -> anyhow::Result<Cluster> {
-        let nats = private_nats(free_port()).await;
+        let nats = if config.cluster {
+            Nats::Three(private_nats_cluster().await)
+        } else {
+            Nats::One(private_nats(free_port()).await)
+        };
         let pg = private_postgres(free_port()).await;
-        let env = try_test_env_on(Some(&pg.url()), Some(&nats.url())).await?;
+        let mut env = try_test_env_on(Some(&pg.url()), Some(&nats.url())).await?;
+        let replicas = if config.cluster { CLUSTER_REPLICAS } else { 1 };
+        if config.cluster {
+            env.partitions = CLUSTER_PARTITIONS;
+        }
         let mock = turnlog_mock_llm::spawn(MockConfig::default()).await?;
-        let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await?;
+        let bus = Bus::connect(&env.nats_url, &env.bus_prefix, env.partitions).await?.with_replicas(replicas);
         bus.ensure_topology(None).await?;
+        let replicas = replicas.to_string();
+        // Every process creates or checks the streams with the same replicas; on a cluster a
+        // write waits through a leader election (4–9 s) instead of failing after 5 s.
+        let cluster_env: &[(&str, &str)] = if config.cluster {
+            &[("TURNLOG_STREAM_REPLICAS", replicas.as_str()), ("TURNLOG_APPEND_TIMEOUT", "20s")]
+        } else {
+            &[]
+        };
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
@@ -98,13 +133,16 @@ impl Cluster {
             ("TURNLOG_UPSTREAM_TIMEOUT", "20s"),
             ("RUST_LOG", "info"),
         ];
+        let worker_env = [&worker_env[..], cluster_env].concat();
         let bin = &config.bin;
         let mut slots = Vec::new();
         for copy in 0..2 {
-            let process = TurnlogProcess::start(bin, &env, &["writer"], &[("RUST_LOG", "info")]);
+            let vars = [&[("RUST_LOG", "info")][..], cluster_env].concat();
+            let process = TurnlogProcess::start(bin, &env, &["writer"], &vars);
             slots.push(Slot { role: Role::Writer, copy, process });
             if copy == 0 {
-                // The first copy becomes the active writer; the second waits as standby.
+                // The first copy takes every partition; the second takes its share of them
+                // (with one partition it waits as the standby).
                 wait_for_writer(&env, &bus).await?;
             }
         }
@@ -135,6 +173,7 @@ impl Cluster {
                 ("TURNLOG_COMPACT_TIMEOUT", "3s"),
                 ("RUST_LOG", "info"),
             ];
+            let vars = [&vars[..], cluster_env].concat();
             let process = TurnlogProcess::start(bin, &env, &["ingress"], &vars);
             slots.push(Slot { role: Role::Ingress, copy, process });
             ingress.push(format!("http://{listen}"));
@@ -144,6 +183,19 @@ impl Cluster {
         }
         let servers = Mutex::new(Servers { nats, pg });
         Ok(Cluster { slots: Mutex::new(slots), servers, env, bus, http, mock, ingress })
+    }
+
+    /// What the soak runs on, for its first line.
+    pub fn topology(&self) -> String {
+        format!(
+            "{} with {} partition(s) over 2 writers",
+            if self.env.nats_url.contains(',') {
+                "a three-node NATS cluster (replicas 3)"
+            } else {
+                "one nats-server"
+            },
+            self.env.partitions
+        )
     }
 
     /// Stops every process gracefully (SIGTERM, so logs end cleanly), ingress first and

@@ -17,7 +17,7 @@ use turnlog_runtime::bus::{append_and_wait, AppendRequest, CompactReply, Compact
 use uuid::Uuid;
 
 use super::client::{probe_turn, victim_turn, Client};
-use super::cluster::{Cluster, Role, OWNER};
+use super::cluster::{Cluster, Nats, Role, OWNER};
 use super::report::ViolationKind;
 use super::{lock, now_s, Counters, Shared};
 
@@ -38,6 +38,8 @@ pub enum FaultKind {
     FreezeNats,
     KillMemory,
     PoisonBurst,
+    KillAppendLeader,
+    KillEventsLeader,
 }
 
 impl FaultKind {
@@ -53,12 +55,17 @@ impl FaultKind {
             FaultKind::RestartPostgres => "restart_postgres",
             FaultKind::FreezeNats => "freeze_nats",
             FaultKind::PoisonBurst => "poison",
+            FaultKind::KillAppendLeader => "kill_append_leader",
+            FaultKind::KillEventsLeader => "kill_events_leader",
         }
     }
 
     pub fn from_name(name: &str) -> Option<FaultKind> {
-        FaultKind::ALL.into_iter().find(|k| k.name() == name)
+        FaultKind::ALL.into_iter().chain(FaultKind::CLUSTER).find(|k| k.name() == name)
     }
+
+    /// The kinds a cluster soak adds (on one nats-server each is a nats-server kill).
+    pub const CLUSTER: [FaultKind; 2] = [FaultKind::KillAppendLeader, FaultKind::KillEventsLeader];
 
     /// Every kind, in the benchmark's order (server faults between process kills).
     pub const ALL: [FaultKind; 9] = [
@@ -84,6 +91,8 @@ impl FaultKind {
             FaultKind::RestartPostgres => "Postgres crash (SIGQUIT), 2 s down, restart",
             FaultKind::FreezeNats => "nats-server SIGSTOP 5 s, SIGCONT",
             FaultKind::PoisonBurst => "poison burst (APPEND + HTTP)",
+            FaultKind::KillAppendLeader => "SIGKILL the NATS node leading TURNLOG_APPEND, restart 15 s later",
+            FaultKind::KillEventsLeader => "SIGKILL the NATS node leading TURNLOG_EVENTS, restart 15 s later",
         }
     }
 }
@@ -100,6 +109,9 @@ pub(crate) struct FaultRun {
     pub probes: Vec<(String, Option<f64>)>,
     /// The slowest probe; None when one never succeeded.
     pub recovery: Option<f64>,
+    /// For a NATS leader kill: seconds from the kill until an append was applied again
+    /// (None: not within the cap).
+    pub outage: Option<Option<f64>>,
 }
 
 /// The sessions the probes use, one per probe so they never wait on each other's lease.
@@ -157,7 +169,19 @@ pub(crate) async fn run_schedule(
         lock(&shared.windows).push((kind, run, now_s()));
         let at = shared.elapsed();
         shared.say(&format!("fault {}: {} (run {run})", i + 1, kind.label()));
-        let restarted = inject(cluster, shared, kind).await;
+        let (restarted, outage) = inject(cluster, shared, probes, kind).await;
+        if let Some(o) = outage {
+            shared.say(&match o {
+                Some(s) => format!("  write outage {s:.1} s"),
+                None => "  writes did not resume".to_owned(),
+            });
+            if o.is_none_or(|s| s > config.recovery_bound.as_secs_f64()) {
+                shared.violation(
+                    ViolationKind::Recovery,
+                    format!("{} (run {run}): write outage {o:?}", kind.label()),
+                );
+            }
+        }
         let healed = Instant::now();
         let healed_at = shared.elapsed();
 
@@ -203,7 +227,7 @@ pub(crate) async fn run_schedule(
             ),
             Some(_) => {}
         }
-        runs.push(FaultRun { kind, run, at, healed_at, probes: results, recovery });
+        runs.push(FaultRun { kind, run, at, healed_at, probes: results, recovery, outage });
         // 503s right after a recovery still belong to the fault (clients' retries back off).
         tokio::time::sleep(Duration::from_secs(2)).await;
         shared.disturbed.store(false, Ordering::Relaxed);
@@ -212,9 +236,23 @@ pub(crate) async fn run_schedule(
     runs
 }
 
-/// Injects one fault; returns the processes it killed and restarted.
-async fn inject(cluster: &Cluster, shared: &Arc<Shared>, kind: FaultKind) -> Vec<(Role, usize)> {
-    match kind {
+/// Injects one fault; returns the processes it killed and restarted, and for a NATS leader
+/// kill the write outage.
+async fn inject(
+    cluster: &Cluster,
+    shared: &Arc<Shared>,
+    probes: &Probes,
+    kind: FaultKind,
+) -> (Vec<(Role, usize)>, Option<Option<f64>>) {
+    let restarted = match kind {
+        FaultKind::KillAppendLeader | FaultKind::KillEventsLeader => {
+            let stream = match kind {
+                FaultKind::KillAppendLeader => cluster.bus.names.append_stream(),
+                _ => cluster.bus.names.events_stream(),
+            };
+            let outage = kill_leader(cluster, shared, probes, &stream).await;
+            return (Vec::new(), Some(outage));
+        }
         FaultKind::KillIngress => {
             let victim = victim_turn(cluster, shared, 0).await;
             if victim.is_none() {
@@ -235,16 +273,28 @@ async fn inject(cluster: &Cluster, shared: &Arc<Shared>, kind: FaultKind) -> Vec
         FaultKind::KillMemory => kill_restart(cluster, shared, Role::Memory, 0).await,
         FaultKind::RestartNats => {
             let mut servers = cluster.servers.lock().await;
-            servers.nats.kill();
+            match &mut servers.nats {
+                Nats::One(n) => n.kill(),
+                Nats::Three(c) => c.kill(0),
+            }
             tokio::time::sleep(SERVER_DOWNTIME).await;
-            servers.nats.restart().await;
+            match &mut servers.nats {
+                Nats::One(n) => n.restart().await,
+                Nats::Three(c) => c.restart(0).await,
+            }
             Vec::new()
         }
         FaultKind::FreezeNats => {
             let mut servers = cluster.servers.lock().await;
-            servers.nats.stop();
+            match &mut servers.nats {
+                Nats::One(n) => n.stop(),
+                Nats::Three(c) => c.stop(0),
+            }
             tokio::time::sleep(FREEZE).await;
-            servers.nats.cont();
+            match &mut servers.nats {
+                Nats::One(n) => n.cont(),
+                Nats::Three(c) => c.cont(0),
+            }
             Vec::new()
         }
         FaultKind::RestartPostgres => {
@@ -259,13 +309,45 @@ async fn inject(cluster: &Cluster, shared: &Arc<Shared>, kind: FaultKind) -> Vec
             poison(cluster, shared).await;
             Vec::new()
         }
+    };
+    (restarted, None)
+}
+
+/// SIGKILLs the nats-server leading `stream` (the only one on a single-node soak), times
+/// how long until the writer applies an append again, then starts the node again.
+async fn kill_leader(cluster: &Cluster, shared: &Shared, probes: &Probes, stream: &str) -> Option<f64> {
+    let mut servers = cluster.servers.lock().await;
+    let killed = Instant::now();
+    let node = match &mut servers.nats {
+        Nats::One(n) => {
+            n.kill();
+            None
+        }
+        Nats::Three(c) => {
+            let leader = async {
+                let mut s = cluster.bus.js.get_stream(stream).await.ok()?;
+                let name = s.info().await.ok()?.cluster.clone()?.leader?;
+                name.strip_prefix('n')?.parse::<usize>().ok()
+            };
+            let node = tokio::time::timeout(Duration::from_secs(5), leader).await.ok().flatten().unwrap_or(0);
+            shared.say(&format!("  {stream} is led by n{node}"));
+            c.kill(node);
+            Some(node)
+        }
+    };
+    let outage = write_outage(cluster, shared, probes.writer, killed).await;
+    match (&mut servers.nats, node) {
+        (Nats::Three(c), Some(node)) => c.restart(node).await,
+        (Nats::One(n), _) => n.restart().await,
+        _ => {}
     }
+    outage
 }
 
 /// Log lines a copy writes once it is connected and serving (or standing by).
 fn up_markers(role: Role) -> &'static [&'static str] {
     match role {
-        Role::Writer => &["writer active", "standing by"],
+        Role::Writer => &["writer active", "standing by", "partition share worked out"],
         Role::Distiller => &["distiller running"],
         Role::Compactor => &["compactor running"],
         Role::Memory => &["memory extraction running"],
@@ -319,8 +401,14 @@ async fn probe(
 ) -> Vec<(String, Option<f64>)> {
     let cap = shared.config.recovery_cap;
     let mut set: Vec<(String, Probe<'_>)> = Vec::new();
-    let everything =
-        matches!(kind, FaultKind::RestartNats | FaultKind::FreezeNats | FaultKind::RestartPostgres);
+    let everything = matches!(
+        kind,
+        FaultKind::RestartNats
+            | FaultKind::FreezeNats
+            | FaultKind::RestartPostgres
+            | FaultKind::KillAppendLeader
+            | FaultKind::KillEventsLeader
+    );
     let writer = everything || matches!(kind, FaultKind::KillWriter | FaultKind::PoisonBurst);
     if writer {
         set.push((
@@ -385,6 +473,47 @@ async fn probe_writer(
             return None;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// How long after a leader kill the writer probe keeps appending.
+const OUTAGE_WATCH: Duration = Duration::from_secs(15);
+
+/// Appends one after another from `killed` for [`OUTAGE_WATCH`] (and until writes flow);
+/// returns the longest wait for an applied append, counted from the kill (None: writes did
+/// not resume within the recovery cap). Every acknowledgement joins the checked ones.
+async fn write_outage(cluster: &Cluster, shared: &Shared, session: Uuid, killed: Instant) -> Option<f64> {
+    let cap = shared.config.recovery_cap;
+    let (mut last, mut worst) = (killed, 0.0_f64);
+    let mut n = 0;
+    loop {
+        n += 1;
+        let body = EventBody::UserMessage(UserMessage {
+            text: format!("outage probe {n} at {:.1}", shared.elapsed()),
+            ..Default::default()
+        });
+        let req = AppendRequest::append(SessionId(session), OWNER, Uuid::now_v7(), &body);
+        loop {
+            match append_and_wait(&cluster.bus, &cluster.env.pool, &req, Duration::from_secs(2)).await {
+                Ok(o) if o.is_applied() => {
+                    lock(&shared.probe_acks).push((
+                        req.request_id,
+                        session,
+                        o.seq.unwrap_or_default(),
+                        now_s(),
+                    ));
+                    worst = worst.max(last.elapsed().as_secs_f64());
+                    last = Instant::now();
+                    break;
+                }
+                _ if last.elapsed() > cap => return None,
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        if killed.elapsed() > OUTAGE_WATCH {
+            return Some(worst);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -64,6 +64,9 @@ pub struct SoakConfig {
     pub seed: u64,
     /// Progress lines on stderr while running.
     pub progress: bool,
+    /// Run on a three-node nats-server cluster (streams with three replicas), with four
+    /// partitions spread over the two writers, instead of one nats-server and one partition.
+    pub cluster: bool,
 }
 
 impl SoakConfig {
@@ -87,6 +90,7 @@ impl SoakConfig {
             settle: Duration::from_secs(120),
             seed: 0x5eed_0011,
             progress: true,
+            cluster: false,
         }
     }
 
@@ -111,6 +115,18 @@ impl SoakConfig {
         }
     }
 
+    /// The CI version on a three-node NATS cluster (issue 26): about 75 s of load while the
+    /// node leading TURNLOG_APPEND, then the one leading TURNLOG_EVENTS, is SIGKILLed (and
+    /// restarted 15 s later), then a writer; the write outage of each leader
+    /// kill is reported.
+    pub fn short_cluster(bin: impl Into<PathBuf>) -> SoakConfig {
+        SoakConfig {
+            cluster: true,
+            faults: vec![FaultKind::KillAppendLeader, FaultKind::KillEventsLeader, FaultKind::KillWriter],
+            ..SoakConfig::short(bin)
+        }
+    }
+
     /// `TURNLOG_MAX_TURNS_PER_OWNER` of each ingress copy: every client is the one owner
     /// `local`, and with a copy down all of them (and the probes) use the other, so the cap
     /// sits well above the clients or their turns would be refused with 429.
@@ -126,9 +142,10 @@ pub async fn run(config: SoakConfig) -> anyhow::Result<SoakReport> {
     let cluster = Arc::new(cluster::Cluster::start(&config).await?);
     let shared = Arc::new(Shared::new(Arc::clone(&config)));
     shared.say(&format!(
-        "soak: {} clients for {:.0} s; per-owner turn cap {}; ingress {}; logs under {}",
+        "soak: {} clients for {:.0} s on {}; per-owner turn cap {}; ingress {}; logs under {}",
         config.clients,
         config.duration.as_secs_f64(),
+        cluster.topology(),
         config.turn_cap_per_owner(),
         cluster.ingress.join(" "),
         crate::process::log_dir().display()

@@ -95,6 +95,11 @@ pub struct SoakReport {
     pub lost: usize,
     pub duplicated: usize,
     pub max_recovery_s: f64,
+    /// The longest write outage of a NATS leader kill (seconds), when one ran; the cap when
+    /// writes did not resume.
+    pub max_write_outage_s: Option<f64>,
+    /// 503s the clients saw, during faults or not.
+    pub unavailable_503: usize,
     pub max_rss_mb: f64,
     /// The largest growth among the judged process runs (0.05 = 5%).
     pub max_rss_growth: Option<f64>,
@@ -186,6 +191,7 @@ pub(crate) fn build(
 
     let cap = config.recovery_cap.as_secs_f64();
     let max_recovery_s = runs.iter().map(|r| r.recovery.unwrap_or(cap)).fold(0.0, f64::max);
+    let max_write_outage_s = runs.iter().filter_map(|r| r.outage).map(|o| o.unwrap_or(cap)).reduce(f64::max);
     let mut details = Vec::new();
     for r in &runs {
         let probes: Vec<String> = r
@@ -193,8 +199,13 @@ pub(crate) fn build(
             .iter()
             .map(|(name, s)| s.map_or(format!("{name} NOT RECOVERED"), |s| format!("{name} {s:.1}s")))
             .collect();
+        let outage = match r.outage {
+            Some(Some(s)) => format!("; write outage {s:.1}s"),
+            Some(None) => "; writes did not resume".to_owned(),
+            None => String::new(),
+        };
         details.push(format!(
-            "{:>6.1}s {} (run {}), ended at {:.1}s: {}",
+            "{:>6.1}s {} (run {}), ended at {:.1}s: {}{outage}",
             r.at,
             r.kind.label(),
             r.run,
@@ -246,6 +257,8 @@ pub(crate) fn build(
         lost: violations.iter().filter(|v| v.kind == ViolationKind::Lost).count(),
         duplicated: violations.iter().filter(|v| v.kind == ViolationKind::Duplicated).count(),
         max_recovery_s,
+        max_write_outage_s,
+        unavailable_503: shared.counters.unavailable_503.load(Ordering::Relaxed),
         max_rss_mb,
         max_rss_growth,
         cuts_bounded: checked.checkpoint_ages.len(),
@@ -324,9 +337,11 @@ impl SoakReport {
     /// The `RESULT` line the benchmark ends with.
     pub fn result_line(&self) -> String {
         let growth = self.max_rss_growth.map_or("na".to_owned(), |g| format!("{:.1}", g * 100.0));
+        let outage = self.max_write_outage_s.map_or(String::new(), |s| format!(" max_write_outage_s={s:.1}"));
         format!(
             "RESULT soak faults={} acked={} lost={} duplicated={} max_recovery_s={:.1} max_rss_mb={:.0} \
-             violations={} max_rss_growth_pct={growth} cuts_bounded={} clients={} turn_cap_per_owner={} durable={}",
+             violations={} max_rss_growth_pct={growth} cuts_bounded={} clients={} turn_cap_per_owner={} \
+             durable={}{outage}",
             self.faults,
             self.acked,
             self.lost,

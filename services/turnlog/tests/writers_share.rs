@@ -1,0 +1,143 @@
+//! Partitions spread over writer processes (issue 26, DESIGN §6 Scale-out): four partitions,
+//! writers 1 → 2 → 3 → 2 (the last step a SIGKILL) under steady appends. At every step each
+//! partition has one holder, the shares differ by at most one and settle within 10 s; at
+//! the end the checker proves every acknowledged append is stored once, in order, gapless,
+//! and on the feed.
+
+// A failed unwrap in a test is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use turnlog_core::ids::SessionId;
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus};
+use turnlog_testkit::checker::{check_log, produce_while, Acked};
+use turnlog_testkit::{test_env, TestEnv, TurnlogProcess};
+
+const BIN: &str = env!("CARGO_BIN_EXE_turnlog");
+const PARTITIONS: u32 = 4;
+/// The issue's bound on settling after a writer comes or goes.
+const SETTLE: Duration = Duration::from_secs(10);
+
+/// Partition → the pid of the writer process holding it.
+async fn holders(env: &TestEnv) -> BTreeMap<u32, u32> {
+    turnlog_writer::holders(&env.pool, PARTITIONS)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter_map(|(p, name)| Some((p, name.strip_prefix("turnlog-writer pid=")?.parse().ok()?)))
+        .collect()
+}
+
+/// Waits until every partition is held, only by `live` writers, with shares within one of
+/// P/W; returns the time it took and the shares by pid. Panics after [`SETTLE`].
+async fn settled(env: &TestEnv, live: &[&TurnlogProcess]) -> (Duration, BTreeMap<u32, usize>) {
+    let started = Instant::now();
+    let pids: Vec<u32> = live.iter().map(|w| w.pid()).collect();
+    let (lo, hi) = (PARTITIONS as usize / pids.len(), (PARTITIONS as usize).div_ceil(pids.len()));
+    let mut last = BTreeMap::new();
+    while started.elapsed() < SETTLE {
+        let now = holders(env).await;
+        let mut shares: BTreeMap<u32, usize> = pids.iter().map(|p| (*p, 0)).collect();
+        let mut foreign = false;
+        for pid in now.values() {
+            match shares.get_mut(pid) {
+                Some(n) => *n += 1,
+                None => foreign = true,
+            }
+        }
+        if now.len() == PARTITIONS as usize && !foreign && shares.values().all(|n| (lo..=hi).contains(n)) {
+            return (started.elapsed(), shares);
+        }
+        last = now;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let logs: Vec<String> = live.iter().map(|w| w.log_tail(30)).collect();
+    panic!("writers {pids:?} did not settle within {SETTLE:?}; holders {last:?}\n{}", logs.join("\n---\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_spread_over_writers_as_they_come_and_go() {
+    let mut env = test_env().await;
+    env.partitions = PARTITIONS;
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, PARTITIONS).await.unwrap();
+    bus.ensure_topology(None).await.unwrap();
+    let start = |env: &TestEnv| TurnlogProcess::start(BIN, env, &["writer"], &[("RUST_LOG", "info")]);
+
+    let mut a = start(&env);
+    let (took, shares) = settled(&env, &[&a]).await;
+    eprintln!("1 writer: {shares:?} after {took:?}");
+
+    // Two sessions a partition, each with a producer that appends until told to stop.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut sessions = Vec::new();
+    while sessions.len() < 2 * PARTITIONS as usize {
+        let s = SessionId::new();
+        let p = bus.partition_of(s);
+        if sessions.iter().filter(|t| bus.partition_of(**t) == p).count() < 2 {
+            sessions.push(s);
+        }
+    }
+    let mut producers = Vec::new();
+    for s in &sessions {
+        let create = AppendRequest::create(*s, "alice", None);
+        assert!(append_and_wait(&bus, &env.pool, &create, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .is_applied());
+        let stop = stop.clone();
+        let task = produce_while(bus.clone(), env.pool.clone(), "alice".into(), *s, move |_| {
+            !stop.load(Ordering::Relaxed)
+        });
+        producers.push((*s, tokio::spawn(task)));
+    }
+    let count = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM session_events")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap()
+    };
+    let applied_since = |before: i64| async move {
+        for _ in 0..100 {
+            if count().await > before + 20 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("appends stopped flowing");
+    };
+    applied_since(count().await).await;
+
+    let b = start(&env);
+    let (took, shares) = settled(&env, &[&a, &b]).await;
+    eprintln!("2 writers: {shares:?} after {took:?}");
+    applied_since(count().await).await;
+
+    let mut c = start(&env);
+    let (took, shares) = settled(&env, &[&a, &b, &c]).await;
+    eprintln!("3 writers: {shares:?} after {took:?}");
+    applied_since(count().await).await;
+
+    let mut b = b;
+    b.kill();
+    let (took, shares) = settled(&env, &[&a, &c]).await;
+    eprintln!("SIGKILL one of 3: {shares:?} after {took:?}");
+    applied_since(count().await).await;
+
+    stop.store(true, Ordering::Relaxed);
+    let mut acked = Acked::new();
+    let mut retried = 0;
+    for (s, task) in producers {
+        let (failures, pairs) = tokio::time::timeout(Duration::from_secs(60), task).await.unwrap().unwrap();
+        retried += failures;
+        assert!(pairs.windows(2).all(|w| w[0].1 < w[1].1), "{s}: appends applied out of order");
+        acked.extend(pairs.into_iter().map(|(id, seq)| (id, (s, seq))));
+    }
+    eprintln!("{} appends acknowledged, {retried} attempts retried", acked.len());
+    check_log(&env, &bus, &acked).await;
+    a.terminate();
+    c.terminate();
+}

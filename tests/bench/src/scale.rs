@@ -1,0 +1,167 @@
+//! `turnlog-bench scale` (issue 26): appends per second end to end with partitions × writers
+//! ∈ {1×1, 2×2, 4×2}, on one nats-server and on a three-node cluster with one and with three
+//! replicas, all in one run; and the CPU each append costs the writers, nats-server and
+//! Postgres (from /proc), the figures README.md's cost model is built from.
+//!
+//! Writers are real `turnlog writer` processes; the nats-servers are the testkit's private
+//! ones (so their CPU is theirs alone); Postgres is DATABASE_URL's (every process named
+//! `postgres` on this machine is counted, so run it on an otherwise idle machine).
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use turnlog_runtime::bus::Bus;
+use turnlog_testkit::{free_port, private_nats, private_nats_cluster, test_env_on, TestEnv, TurnlogProcess};
+
+use crate::writer::{end_to_end, sessions_on};
+
+/// Appends per configuration.
+const APPENDS: usize = 60_000;
+const SHAPES: [(u32, usize); 3] = [(1, 1), (2, 2), (4, 2)];
+
+struct Row {
+    nats: &'static str,
+    partitions: u32,
+    writers: usize,
+    per_s: f64,
+    /// CPU milliseconds per 1,000 appends: writers, nats-server(s), Postgres.
+    cpu: [f64; 3],
+}
+
+pub async fn run() -> anyhow::Result<()> {
+    let bin = crate::soak::turnlog_binary()?;
+    let single = private_nats(free_port()).await;
+    let cluster = private_nats_cluster().await;
+    let cluster_pids: Vec<u32> = (0..turnlog_testkit::CLUSTER_NODES).map(|i| cluster.pid(i)).collect();
+    let topologies: [(&str, String, usize, Vec<u32>); 3] = [
+        ("1 node, R1", single.url(), 1, vec![single.pid()]),
+        ("3 nodes, R1", cluster.urls(), 1, cluster_pids.clone()),
+        ("3 nodes, R3", cluster.urls(), 3, cluster_pids),
+    ];
+    let mut rows = Vec::new();
+    for (nats, url, replicas, nats_pids) in &topologies {
+        for (partitions, writers) in SHAPES {
+            let row = one(&bin, nats, url, *replicas, partitions, writers, nats_pids).await?;
+            eprintln!(
+                "{:<12} {}×{}: {:>7.0} appends/s; CPU ms per 1,000: writers {:.0}, NATS {:.0}, Postgres {:.0}",
+                row.nats, row.partitions, row.writers, row.per_s, row.cpu[0], row.cpu[1], row.cpu[2]
+            );
+            rows.push(row);
+        }
+    }
+
+    println!(
+        "\n| NATS | partitions × writers | appends/s | CPU ms / 1,000 appends: writers | NATS | Postgres |"
+    );
+    println!("|---|---|---:|---:|---:|---:|");
+    for r in &rows {
+        println!(
+            "| {} | {}×{} | {:.0} | {:.0} | {:.0} | {:.0} |",
+            r.nats, r.partitions, r.writers, r.per_s, r.cpu[0], r.cpu[1], r.cpu[2]
+        );
+    }
+    let key =
+        |r: &Row| format!("{}_{}x{}", r.nats.replace([' ', ','], "").to_lowercase(), r.partitions, r.writers);
+    let figures: Vec<String> = rows.iter().map(|r| format!("{}={:.0}", key(r), r.per_s)).collect();
+    // The cost model's inputs: CPU per append on the cluster with three replicas, 4×2.
+    let last = rows.last().context("no runs")?;
+    println!(
+        "\nRESULT scale {} cpu_us_per_append_writer={:.0} cpu_us_per_append_nats={:.0} cpu_us_per_append_postgres={:.0} cores={}",
+        figures.join(" "),
+        last.cpu[0],
+        last.cpu[1],
+        last.cpu[2],
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    Ok(())
+}
+
+async fn one(
+    bin: &std::path::Path,
+    nats: &'static str,
+    url: &str,
+    replicas: usize,
+    partitions: u32,
+    writers: usize,
+    nats_pids: &[u32],
+) -> anyhow::Result<Row> {
+    let mut env = test_env_on(None, Some(url)).await;
+    env.partitions = partitions;
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, partitions).await?.with_replicas(replicas);
+    bus.ensure_topology(None).await?;
+    let replicas_var = replicas.to_string();
+    let mut procs: Vec<TurnlogProcess> = (0..writers)
+        .map(|_| {
+            TurnlogProcess::start(
+                bin,
+                &env,
+                &["writer"],
+                &[("TURNLOG_STREAM_REPLICAS", replicas_var.as_str())],
+            )
+        })
+        .collect();
+    settle(&env, partitions, writers.min(partitions as usize)).await?;
+    let sessions = sessions_on(&bus, &env, 64).await?;
+
+    let writer_pids: Vec<u32> = procs.iter().map(TurnlogProcess::pid).collect();
+    let before = [cpu_of(&writer_pids), cpu_of(nats_pids), cpu_of(&postgres_pids())];
+    let started = Instant::now();
+    let per_s = tokio::time::timeout(Duration::from_secs(300), end_to_end(&bus, &sessions, APPENDS))
+        .await
+        .context("the load did not finish within 5 minutes")??;
+    let elapsed = started.elapsed();
+    let after = [cpu_of(&writer_pids), cpu_of(nats_pids), cpu_of(&postgres_pids())];
+    let appends = per_s * elapsed.as_secs_f64();
+    let cpu = [0, 1, 2].map(|i| (after[i] - before[i]) * 1e6 / appends.max(1.0));
+
+    for p in &mut procs {
+        p.terminate();
+    }
+    for p in &mut procs {
+        p.wait_exit(Duration::from_secs(20)).await;
+    }
+    drop(bus);
+    env.cleanup().await;
+    Ok(Row { nats, partitions, writers, per_s, cpu })
+}
+
+/// Waits until every partition is held, by `holders` distinct writers.
+async fn settle(env: &TestEnv, partitions: u32, holders: usize) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let held = turnlog_writer::holders(&env.pool, partitions).await?;
+        let mut names: Vec<&String> = held.iter().map(|(_, n)| n).collect();
+        names.sort();
+        names.dedup();
+        if held.len() == partitions as usize && names.len() == holders {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "writers did not settle: {held:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Every process named `postgres` (the server and its backends).
+fn postgres_pids() -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "postgres")
+        })
+        .collect()
+}
+
+/// CPU seconds (user + system) the processes have used, by /proc/<pid>/stat.
+fn cpu_of(pids: &[u32]) -> f64 {
+    let ticks = 100.0; // USER_HZ on Linux
+    pids.iter()
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // Fields after the command (which is in parentheses and may hold spaces).
+            let rest = &stat[stat.rfind(')')? + 2..];
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            let (utime, stime): (f64, f64) = (fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?);
+            Some((utime + stime) / ticks)
+        })
+        .sum()
+}
