@@ -88,9 +88,10 @@ impl HttpMetrics {
         StreamGuard(Arc::clone(self))
     }
 
-    /// The Prometheus text exposition.
+    /// The Prometheus text exposition: the HTTP surface's, then whatever else runs in this
+    /// process (`turnlog dev`'s writer and workers).
     pub fn render(&self) -> String {
-        self.handle.render()
+        self.handle.render() + &turnlog_runtime::telemetry::registry().render()
     }
 
     fn record(&self, route: &str, method: &str, status: u16, elapsed: Duration) {

@@ -41,16 +41,22 @@ pub enum Command {
     Writer {
         #[command(flatten)]
         backbone: BackboneArgs,
+        #[command(flatten)]
+        metrics: MetricsArgs,
     },
     /// Distill each finished turn into its turn_memory residue; title new sessions.
     Distiller {
         #[command(flatten)]
         worker: WorkerArgs,
+        #[command(flatten)]
+        metrics: MetricsArgs,
     },
     /// Extract each finished turn's durable facts into memories.
     Memory {
         #[command(flatten)]
         worker: WorkerArgs,
+        #[command(flatten)]
+        metrics: MetricsArgs,
     },
     /// Keep every session's next request within its token budget (post-turn and pre-send).
     Compactor {
@@ -58,6 +64,8 @@ pub enum Command {
         worker: WorkerArgs,
         #[command(flatten)]
         compactor: CompactorArgs,
+        #[command(flatten)]
+        metrics: MetricsArgs,
     },
     /// Serve the HTTP API: sessions, transcripts, context, memories.
     Ingress {
@@ -168,6 +176,15 @@ pub enum ReplayWorker {
     Distiller,
     Memory,
     Compactor,
+}
+
+/// Where a writer or worker serves its metrics.
+#[derive(clap::Args, Clone)]
+pub struct MetricsArgs {
+    /// Serve Prometheus metrics (/metrics), /healthz and /readyz on this address, e.g.
+    /// 0.0.0.0:9464. Unset: none (the ingress serves its own on its API port).
+    #[arg(long, env = "TURNLOG_METRICS_LISTEN")]
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Subcommand)]

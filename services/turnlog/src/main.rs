@@ -26,6 +26,20 @@ fn return_large_blocks() {
     }
 }
 
+/// Serves the process's metrics, health and readiness when TURNLOG_METRICS_LISTEN is set.
+async fn serve_metrics(args: &cli::MetricsArgs, shutdown: &CancellationToken) -> anyhow::Result<()> {
+    if let Some(listen) = args.metrics_listen {
+        let listener = turnlog_runtime::telemetry::bind(listen).await?;
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            if let Err(e) = turnlog_runtime::telemetry::serve(listener, shutdown).await {
+                tracing::error!(error = format!("{e:#}"), "metrics listener stopped");
+            }
+        });
+    }
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     return_large_blocks();
@@ -38,14 +52,22 @@ async fn run() -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
     match cli.command {
-        Command::Writer { backbone: b } => {
+        Command::Writer { backbone: b, metrics } => {
+            serve_metrics(&metrics, &shutdown).await?;
             let pool = b.backbone().connect_db(2).await.context("connecting to Postgres")?;
             turnlog_runtime::db::migrate(&pool).await.context("applying migrations")?;
             turnlog_writer::run(b.writer(), shutdown).await
         }
-        Command::Distiller { worker } => turnlog_distiller::run(worker.distiller()?, shutdown).await,
-        Command::Memory { worker } => turnlog_memory::run(worker.memory()?, shutdown).await,
-        Command::Compactor { worker, compactor: c } => {
+        Command::Distiller { worker, metrics } => {
+            serve_metrics(&metrics, &shutdown).await?;
+            turnlog_distiller::run(worker.distiller()?, shutdown).await
+        }
+        Command::Memory { worker, metrics } => {
+            serve_metrics(&metrics, &shutdown).await?;
+            turnlog_memory::run(worker.memory()?, shutdown).await
+        }
+        Command::Compactor { worker, compactor: c, metrics } => {
+            serve_metrics(&metrics, &shutdown).await?;
             turnlog_compactor::run(worker.compactor(&c)?, shutdown).await
         }
         Command::Ingress { backbone: b, args } => {

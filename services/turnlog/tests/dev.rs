@@ -235,6 +235,17 @@ async fn dev_keeps_the_history_across_a_ctrl_c_and_a_restart() {
     let (answer, end) = chat(&http, &base, &id, question).await;
     assert_eq!(end["status"], "completed", "{end}");
     assert!(!answer.is_empty());
+    // One /metrics for the whole stack: the HTTP surface's, the writer's and the workers'.
+    let metrics =
+        http.get(format!("{base}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    for family in [
+        "turnlog_turns_total",
+        "turnlog_writer_commit_seconds",
+        "turnlog_worker_processed_total{worker=\"distiller\"}",
+        "turnlog_worker_processed_total{worker=\"compactor\"}",
+    ] {
+        assert!(metrics.contains(family), "{family} missing from dev's /metrics:\n{metrics}");
+    }
 
     let status = interrupt(&mut dev).await;
     assert!(status.success(), "turnlog dev exited with {status} on Ctrl-C:\n{}", dev.log_tail(40));

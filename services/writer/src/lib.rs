@@ -9,6 +9,7 @@
 mod apply;
 mod bulk;
 mod gin;
+mod metrics;
 mod rebuild;
 mod search;
 mod share;
@@ -75,6 +76,13 @@ pub async fn run(config: WriterConfig, shutdown: CancellationToken) -> anyhow::R
     tasks.spawn(gin::merge_pending_lists(pool.clone(), pending.clone(), shutdown.clone()));
     let url = backbone.database_url.expose().to_owned();
     tasks.spawn(share::run(url, backbone.partitions, share.clone(), shutdown.clone()));
+    let telemetry = turnlog_runtime::telemetry::registry();
+    telemetry.export("writer", |out| metrics::metrics().render(out));
+    // Ready: a member of the writers (so Postgres answers) and connected to NATS.
+    let (joined, client) = (share.clone(), bus.client.clone());
+    telemetry.ready_when("writer", move || {
+        joined.joined() && client.connection_state() == async_nats::connection::State::Connected
+    });
     for partition in 0..backbone.partitions {
         let (pool, bus, url, shutdown, pending, share) = (
             pool.clone(),
@@ -127,6 +135,7 @@ struct Claimed<'a>(&'a share::Share, u32);
 
 impl Drop for Claimed<'_> {
     fn drop(&mut self) {
+        metrics::metrics().held(self.1, false);
         self.0.release(self.1);
     }
 }
@@ -178,6 +187,7 @@ async fn serve_partition(
         }
     };
     let shutdown = &stop;
+    metrics::metrics().held(partition, true);
 
     let (applied, published) = store::positions(pool, p).await?;
     tracing::info!(partition, applied, published, "writer active");
@@ -267,6 +277,7 @@ async fn apply_loop(
             permits.push(permit);
         }
 
+        let started = Instant::now();
         let (consumed, committed) =
             match apply_and_commit(pool, conn, bus, p, applied, &carry, &mut cache, duplicate_window).await {
                 // A request taken for a first copy repeated an event (a producer's clock far
@@ -281,6 +292,7 @@ async fn apply_loop(
                 result => result?,
             };
         applied = committed.last_stream_seq;
+        metrics::metrics().committed(p.unsigned_abs(), consumed, started.elapsed().as_secs_f64(), applied);
         pending.add(committed.events.len());
         carry.drain(..consumed);
         permits.drain(..consumed);
@@ -362,11 +374,13 @@ async fn publisher(
         // Move `published_seq` when caught up (or every few batches under load).
         if let Some(through) = unmarked.filter(|_| from_writer.is_empty() || batches_unmarked >= 16) {
             store::mark_published(&pool, partition, through).await?;
+            metrics::metrics().published(partition.unsigned_abs(), through);
             (unmarked, batches_unmarked) = (None, 0);
         }
     }
     if let Some(seq) = unmarked {
         store::mark_published(&pool, partition, seq).await?;
+        metrics::metrics().published(partition.unsigned_abs(), seq);
     }
     Ok(())
 }
@@ -447,6 +461,7 @@ async fn apply_and_commit(
     for (session, letter) in &fx.dead {
         tracing::warn!(stream_seq = ?letter.stream_seq, reason = %letter.reason, detail = %letter.detail,
             "request dead-lettered");
+        metrics::metrics().dead_letter(&letter.reason);
         let subject = bus.names.dead_subject(&letter.reason, *session);
         let msg_id = format!("dead:{}", letter.stream_seq.unwrap_or_default());
         let payload: bytes::Bytes = serde_json::to_vec(letter)?.into();
@@ -608,6 +623,9 @@ async fn read_ahead(
                 None => break "the consumer's messages ended".to_owned(),
             };
             received = true;
+            if let Ok(info) = m.info() {
+                metrics::metrics().unread(partition, info.pending);
+            }
             let item = match incoming(m) {
                 Ok(item) => item,
                 Err(e) => break format!("{e:#}"),

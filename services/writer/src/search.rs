@@ -77,6 +77,7 @@ pub async fn indexer(
         }
         if let Some(t) = through.take() {
             index(&pool, partition, &pending, t).await?;
+            crate::metrics::metrics().indexed(partition.unsigned_abs(), t);
             pending.clear();
         }
     }

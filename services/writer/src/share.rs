@@ -60,6 +60,15 @@ impl Share {
         Some(token)
     }
 
+    /// Whether this writer has joined the members (and so reached Postgres).
+    pub fn joined(&self) -> bool {
+        self.state().target.is_some()
+    }
+
+    fn leave(&self) {
+        self.state().target = None;
+    }
+
     pub fn release(&self, partition: u32) {
         self.state().held.remove(&partition);
     }
@@ -95,6 +104,7 @@ pub async fn run(url: String, partitions: u32, share: Arc<Share>, shutdown: Canc
         match membership(&url, partitions, &share, &shutdown).await {
             Ok(()) => return,
             Err(e) => {
+                share.leave();
                 tracing::warn!(error = format!("{e:#}"), "writer membership lost; joining again");
                 tokio::select! {
                     _ = shutdown.cancelled() => return,

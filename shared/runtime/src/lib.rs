@@ -11,6 +11,7 @@ pub mod import;
 pub mod lease;
 pub mod read;
 pub mod settings;
+pub mod telemetry;
 pub mod turn_worker;
 pub mod upstream;
 pub mod worker;

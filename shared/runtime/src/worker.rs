@@ -4,9 +4,10 @@
 //! replays history: with `ConsumerSettings::replay` set, a worker's `run` consumes a
 //! temporary consumer from a start point to the feed's end instead of its durable one.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
@@ -17,6 +18,7 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
 use crate::bus::{Bus, CommittedEvent, DeadLetter};
+use crate::telemetry::{self, Histogram};
 use turnlog_core::events::EventKind;
 use turnlog_core::ids::SessionId;
 
@@ -139,10 +141,16 @@ pub trait Handler: Send + Sync + 'static {
 }
 
 /// Counters a metrics exporter reads; shared by every task of one worker.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct WorkerStats {
     /// Events handled and acknowledged.
     pub processed: AtomicU64,
+    /// Deliveries after the first (a retry, or a dead copy's event).
+    pub redelivered: AtomicU64,
+    /// Time a handler took, by delivery.
+    pub handler_seconds: Histogram,
+    /// Whether the worker's consumer is running now (readiness).
+    pub consuming: AtomicBool,
     /// Failed deliveries (each nak and each dead letter).
     pub failed: AtomicU64,
     /// Events given up on and sent to the dead letters.
@@ -161,6 +169,73 @@ pub struct StatsSnapshot {
     pub dead_lettered: u64,
     pub lag: u64,
     pub in_flight: u64,
+}
+
+impl Default for WorkerStats {
+    fn default() -> Self {
+        Self {
+            processed: AtomicU64::new(0),
+            redelivered: AtomicU64::new(0),
+            handler_seconds: Histogram::new(telemetry::SECONDS),
+            consuming: AtomicBool::new(false),
+            failed: AtomicU64::new(0),
+            dead_lettered: AtomicU64::new(0),
+            lag: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
+        }
+    }
+}
+
+/// The workers of this process whose metrics are exported, by name.
+static EXPORTED: LazyLock<Mutex<BTreeMap<String, Arc<WorkerStats>>>> = LazyLock::new(Mutex::default);
+
+/// Exports a worker's counters (`TURNLOG_METRICS_LISTEN`) and makes readiness wait for its
+/// consumer.
+fn export(name: &str, stats: &Arc<WorkerStats>) {
+    EXPORTED.lock().unwrap_or_else(PoisonError::into_inner).insert(name.to_owned(), stats.clone());
+    let registry = telemetry::registry();
+    registry.export("workers", render_workers);
+    let stats = stats.clone();
+    registry.ready_when(&format!("worker {name}"), move || stats.consuming.load(Ordering::Relaxed));
+}
+
+fn render_workers(out: &mut String) {
+    let workers = EXPORTED.lock().unwrap_or_else(PoisonError::into_inner);
+    type Get = fn(&WorkerStats) -> u64;
+    let families: [(&str, &str, &str, Get); 6] = [
+        ("turnlog_worker_processed_total", "counter", "Events handled and acknowledged", |s| {
+            s.processed.load(Ordering::Relaxed)
+        }),
+        ("turnlog_worker_failed_total", "counter", "Failed deliveries (retried or dead-lettered)", |s| {
+            s.failed.load(Ordering::Relaxed)
+        }),
+        ("turnlog_worker_redelivered_total", "counter", "Deliveries after an event's first", |s| {
+            s.redelivered.load(Ordering::Relaxed)
+        }),
+        ("turnlog_worker_dead_lettered_total", "counter", "Events given up on", |s| {
+            s.dead_lettered.load(Ordering::Relaxed)
+        }),
+        (
+            "turnlog_worker_pending_messages",
+            "gauge",
+            "Committed events not yet delivered to the worker",
+            |s| s.lag.load(Ordering::Relaxed),
+        ),
+        ("turnlog_worker_in_flight_messages", "gauge", "Events delivered, not yet acknowledged", |s| {
+            s.in_flight.load(Ordering::Relaxed)
+        }),
+    ];
+    for (name, kind, help, get) in families {
+        telemetry::family(out, name, kind, help);
+        for (worker, stats) in workers.iter() {
+            telemetry::sample(out, name, &[("worker", worker)], get(stats) as f64);
+        }
+    }
+    let name = "turnlog_worker_handler_seconds";
+    telemetry::family(out, name, "histogram", "Time a handler took for one delivery");
+    for (worker, stats) in workers.iter() {
+        telemetry::histogram(out, name, &[("worker", worker)], &stats.handler_seconds);
+    }
 }
 
 impl WorkerStats {
@@ -288,12 +363,17 @@ impl Worker {
         let permits = Arc::new(Semaphore::new(self.settings.concurrency.max(1)));
         let mut in_hand = JoinSet::new();
         let mut backoff = Duration::from_millis(100);
+        export(&self.name, &stats);
         while !*stop.borrow() {
             let started = tokio::time::Instant::now();
             let result = match self.consumer(&bus).await {
                 Ok(consumer) => {
-                    self.consume(&bus, consumer, &handler, &stats, &permits, &mut in_hand, stop.clone(), None)
-                        .await
+                    stats.consuming.store(true, Ordering::Relaxed);
+                    let r = self
+                        .consume(&bus, consumer, &handler, &stats, &permits, &mut in_hand, stop.clone(), None)
+                        .await;
+                    stats.consuming.store(false, Ordering::Relaxed);
+                    r
                 }
                 Err(e) => Err(e),
             };
@@ -579,6 +659,10 @@ impl<H: Handler> Job<H> {
             return;
         }
         let delivery = Delivery { attempt, max_deliver: self.worker.settings.max_deliver, stream_seq };
+        if attempt > 1 {
+            self.stats.redelivered.fetch_add(1, Ordering::Relaxed);
+        }
+        let started = std::time::Instant::now();
         let decoded = CommittedEvent::decode(&message.payload);
         let session = decoded.as_ref().ok().and_then(Option::as_ref).map(|e| e.session_id);
         let result = match decoded {
@@ -587,6 +671,7 @@ impl<H: Handler> Job<H> {
             Ok(Some(event)) => self.handle_with_progress(&message, event, delivery).await,
             Err(e) => Err(HandleError::poison("bad_event", format!("committed event does not decode: {e}"))),
         };
+        self.stats.handler_seconds.observe(started.elapsed().as_secs_f64());
         let settle = match result {
             Ok(()) => {
                 self.stats.processed.fetch_add(1, Ordering::Relaxed);
