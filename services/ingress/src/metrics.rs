@@ -17,6 +17,9 @@ const TURNS: &str = "turnlog_turns_total";
 const FIRST_DELTA: &str = "turnlog_turn_first_delta_seconds";
 const UPSTREAM_ERRORS: &str = "turnlog_upstream_errors_total";
 const CHECKPOINTS: &str = "turnlog_checkpoints_total";
+const INPUT_TOKENS: &str = "turnlog_model_input_tokens_total";
+const CACHED_TOKENS: &str = "turnlog_model_cached_input_tokens_total";
+const OUTPUT_TOKENS: &str = "turnlog_model_output_tokens_total";
 const TURNS_ACTIVE: &str = "turnlog_turns_active";
 const STREAMS_ACTIVE: &str = "turnlog_turn_streams_active";
 /// Upper bounds of the latency buckets, in seconds.
@@ -49,7 +52,16 @@ impl HttpMetrics {
                 metrics::Unit::Seconds,
                 "Time from a turn's start to its first delta"
             );
-            metrics::describe_counter!(UPSTREAM_ERRORS, "Model calls of turns that failed");
+            metrics::describe_counter!(
+                UPSTREAM_ERRORS,
+                "Model calls of turns that failed, by kind (an HTTP status, timeout, connect, incomplete, malformed, provider)"
+            );
+            metrics::describe_counter!(INPUT_TOKENS, "Prompt tokens the model reported, by model");
+            metrics::describe_counter!(
+                CACHED_TOKENS,
+                "Prompt tokens the model reported served from its prompt cache, by model"
+            );
+            metrics::describe_counter!(OUTPUT_TOKENS, "Completion tokens the model reported, by model");
             metrics::describe_counter!(CHECKPOINTS, "Checkpoints of streaming answers published");
             metrics::describe_gauge!(TURNS_ACTIVE, "Turns this copy is running");
             metrics::describe_gauge!(STREAMS_ACTIVE, "Open turn event streams");
@@ -70,8 +82,21 @@ impl HttpMetrics {
         });
     }
 
-    pub fn upstream_error(&self) {
-        metrics::with_local_recorder(&self.recorder, || metrics::counter!(UPSTREAM_ERRORS).increment(1));
+    /// A failed model call; `kind` is one of a few words or an HTTP status code.
+    pub fn upstream_error(&self, kind: String) {
+        metrics::with_local_recorder(&self.recorder, || {
+            metrics::counter!(UPSTREAM_ERRORS, "kind" => kind).increment(1)
+        });
+    }
+
+    /// A turn's usage as the model reported it; `model` is a configured name (or `other`),
+    /// so the label set stays bounded.
+    pub fn usage(&self, model: String, input: u64, cached: u64, output: u64) {
+        metrics::with_local_recorder(&self.recorder, || {
+            metrics::counter!(INPUT_TOKENS, "model" => model.clone()).increment(input);
+            metrics::counter!(CACHED_TOKENS, "model" => model.clone()).increment(cached);
+            metrics::counter!(OUTPUT_TOKENS, "model" => model).increment(output);
+        });
     }
 
     pub fn checkpoint(&self) {

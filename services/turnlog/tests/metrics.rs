@@ -53,7 +53,8 @@ async fn every_service_serves_metrics_health_and_readiness() {
         bases.push((role, format!("http://{listen}")));
     }
     let listen = format!("127.0.0.1:{}", free_port());
-    let vars = [("TURNLOG_LISTEN", listen.as_str()), ("TURNLOG_LLM_URL", llm.as_str())];
+    let vars =
+        [("TURNLOG_LISTEN", listen.as_str()), ("TURNLOG_LLM_URL", llm.as_str()), ("TURNLOG_MODEL", "mock")];
     processes.push(TurnlogProcess::start(BIN, &env, &["ingress"], &vars));
     let ingress = format!("http://{listen}");
     bases.push(("ingress", ingress.clone()));
@@ -132,6 +133,11 @@ async fn every_service_serves_metrics_health_and_readiness() {
     let s = scrape(&http, &ingress).await;
     assert_eq!(value(&s, "turnlog_turns_total", &[("status", "completed")]), Some(1.0));
     assert_eq!(value(&s, "turnlog_turn_first_delta_seconds", &[]), Some(1.0));
+    // The mock reports usage: prompt tokens, some of them cached on a later call.
+    let input = value(&s, "turnlog_model_input_tokens_total", &[("model", "mock")]).unwrap();
+    assert!(input > 0.0, "{input}");
+    assert!(value(&s, "turnlog_model_cached_input_tokens_total", &[("model", "mock")]).is_some());
+    assert!(value(&s, "turnlog_model_output_tokens_total", &[("model", "mock")]).unwrap() > 0.0);
 
     for p in &mut processes {
         p.terminate();

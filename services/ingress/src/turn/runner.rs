@@ -455,7 +455,15 @@ impl Turn<'_> {
     /// message with the status code; the provider's body and the gateway's address (which
     /// can name internal hosts) go to this process's log only.
     fn upstream_failed(&self, e: UpstreamError) -> Ending {
-        self.app.metrics.upstream_error();
+        let kind = match &e {
+            UpstreamError::Status { status, .. } => status.to_string(),
+            UpstreamError::Connect(_) => "connect".into(),
+            UpstreamError::Incomplete(_) => "incomplete".into(),
+            UpstreamError::Timeout { .. } => "timeout".into(),
+            UpstreamError::Malformed(_) => "malformed".into(),
+            UpstreamError::Provider(_) => "provider".into(),
+        };
+        self.app.metrics.upstream_error(kind);
         tracing::warn!(error = %e, "upstream failed");
         let code = match e {
             UpstreamError::Timeout { .. } => "upstream_timeout",
@@ -498,6 +506,18 @@ impl Turn<'_> {
         });
         if let Some(u) = usage {
             end["usage"] = json!(u);
+            let model = &self.start.model;
+            let config = &self.app.config;
+            let known = *model == config.model
+                || config.allowed_models.as_ref().is_some_and(|a| a.contains(model))
+                || config.category_models.values().any(|m| m == model);
+            let label = if known { model.clone() } else { "other".to_owned() };
+            self.app.metrics.usage(
+                label,
+                u.input_tokens,
+                u.cached_input_tokens.unwrap_or(0),
+                u.output_tokens,
+            );
         }
         let (failure, body, status, seq_field) = match ending {
             Ending::Done { finish_reason } => {
