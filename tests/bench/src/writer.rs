@@ -19,7 +19,7 @@ use uuid::Uuid;
 
 pub(crate) const OWNER: &str = "bench";
 
-fn message(i: usize) -> EventBody {
+pub(crate) fn message(i: usize) -> EventBody {
     EventBody::UserMessage(UserMessage {
         text: format!("message {i}: please summarize the quarterly numbers for the Lisbon office"),
         ..Default::default()

@@ -175,9 +175,11 @@ fn rewrite(record: &Record, age: Duration) {
 }
 
 pub(crate) async fn connect_nats(url: &str) -> anyhow::Result<async_nats::Client> {
+    // A cluster's nodes come comma-separated, as NATS_URL takes them.
+    let servers: Vec<&str> = url.split(',').map(str::trim).filter(|u| !u.is_empty()).collect();
     async_nats::ConnectOptions::new()
         .connection_timeout(Duration::from_secs(5))
-        .connect(url)
+        .connect(servers)
         .await
         .with_context(|| format!("cannot connect to NATS at {url}"))
 }
