@@ -93,7 +93,9 @@ pub struct Compactor {
 }
 
 enum Attempt {
-    Applied,
+    Applied {
+        summary_tokens: u32,
+    },
     /// Another compactor moved the boundary first: re-read and re-check.
     LostRace,
     Refused(&'static str),
@@ -160,7 +162,8 @@ impl Compactor {
                 Err(e) => return Err(e),
             };
             match attempt {
-                Attempt::Applied => {
+                Attempt::Applied { summary_tokens } => {
+                    crate::metrics::metrics().compacted(summary_tokens);
                     tracing::info!(
                         through_seq = plan.through_seq,
                         tokens_before = tokens,
@@ -171,11 +174,13 @@ impl Compactor {
                     self.refusals_map().remove(&session);
                 }
                 Attempt::LostRace => {
+                    crate::metrics::metrics().lost_race();
                     // Someone else's compaction counts as progress, not as a refusal.
                     summaries -= 1;
                     tracing::debug!("another compactor moved the boundary first; checking again");
                 }
                 Attempt::Refused(why) => {
+                    crate::metrics::metrics().refused(why);
                     let refusals = {
                         let mut map = self.refusals_map();
                         let n = map.entry(session).or_default();
@@ -206,8 +211,10 @@ impl Compactor {
         if let Some(why) = summary::refusal(&completion) {
             return Ok(Attempt::Refused(why));
         }
+        let summary = completion.text.trim().to_owned();
+        let summary_tokens = turnlog_core::tokens::count(&summary);
         let body = EventBody::CompactionApplied(CompactionApplied {
-            summary: completion.text.trim().to_owned(),
+            summary,
             replaces_through_seq: plan.through_seq,
             facts_extracted: facts,
         });
@@ -215,7 +222,7 @@ impl Compactor {
         request.expect = Some(Expect { compacted_through: plan.expect_compacted_through });
         let outcome = append_and_wait(&self.bus, &self.pool, &request, self.settings.append_timeout).await?;
         if outcome.is_applied() {
-            Ok(Attempt::Applied)
+            Ok(Attempt::Applied { summary_tokens })
         } else if outcome.reason.as_deref() == Some("expect_failed") {
             Ok(Attempt::LostRace)
         } else {

@@ -6,6 +6,7 @@
 
 mod compact;
 mod locks;
+mod metrics;
 mod summary;
 
 use std::sync::Arc;
@@ -83,6 +84,7 @@ pub async fn run(config: CompactorConfig, shutdown: CancellationToken) -> anyhow
     let bus = config.backbone.connect_bus().await?;
     let upstream = UpstreamClient::new(config.upstream.clone()).context("building the model client")?;
     turnlog_core::tokens::warm_up();
+    crate::metrics::metrics();
     let compactor = Arc::new(Compactor::new(
         pool,
         bus.clone(),
