@@ -1,6 +1,7 @@
 //! The system under test: a private nats-server (or a three-node cluster) and Postgres on
-//! fixed ports (so the fault schedule can kill and restart them under load), the mock model in this process, and
-//! every `turnlog` process in a named slot that can be killed and started again.
+//! fixed ports (so the fault schedule can kill and restart them under load), the mock model
+//! in this process, and every `turnlog` process in a named slot that can be killed and
+//! started again.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
