@@ -9,8 +9,9 @@
 use std::process::Output;
 use std::time::Duration;
 
+use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
-use turnlog_runtime::bus::{Bus, BusNames};
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, BusNames};
 use turnlog_runtime::lease::TurnLeases;
 use turnlog_testkit::{eventually, private_nats_cluster, test_env, TurnlogProcess};
 
@@ -155,5 +156,40 @@ async fn a_service_warns_about_fewer_replicas_than_configured() {
     assert!(writer.is_running(), "the writer serves on");
     let (n, _) = replicas(&bus, &append).await;
     assert_eq!(n, 1, "the service leaves the stream as it is");
+    writer.terminate();
+}
+
+/// A writer running while `turnlog migrate --bus` moves its streams from one replica to
+/// three keeps applying: appends before, right after and a while after the move are all
+/// applied within their deadlines (its reader makes a new consumer when the old one goes
+/// with the stream's move).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_keeps_applying_through_migrate_bus() {
+    let cluster = private_nats_cluster().await;
+    let env = turnlog_testkit::test_env_on(None, Some(&cluster.urls())).await;
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
+    bus.ensure_topology(None).await.unwrap();
+    let mut writer = TurnlogProcess::start(BIN, &env, &["writer"], &[("RUST_LOG", "info")]);
+    let session = SessionId::new();
+    let create = AppendRequest::create(session, "alice", None);
+    let o = append_and_wait(&bus, &env.pool, &create, Duration::from_secs(30)).await.unwrap();
+    assert!(o.is_applied());
+    let append = |i: usize| {
+        let body = EventBody::UserMessage(UserMessage { text: format!("message {i}"), ..Default::default() });
+        AppendRequest::append(session, "alice", uuid::Uuid::now_v7(), &body)
+    };
+    let o = append_and_wait(&bus, &env.pool, &append(0), Duration::from_secs(30)).await.unwrap();
+    assert_eq!(o.seq, Some(2));
+
+    let moved = migrate_bus(&cluster.urls(), &env.bus_prefix, "3").await;
+    assert!(moved.status.success());
+    for i in 1..=10 {
+        let o = append_and_wait(&bus, &env.pool, &append(i), Duration::from_secs(20))
+            .await
+            .unwrap_or_else(|e| panic!("append {i} after the move: {e}\n{}", writer.log_tail(40)));
+        assert_eq!(o.seq, Some(i as i64 + 2));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(writer.is_running());
     writer.terminate();
 }
