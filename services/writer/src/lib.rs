@@ -36,7 +36,7 @@ use uuid::Uuid;
 pub use apply::{apply_batch, Incoming};
 use apply::{EventRow, LoadedState, SessionRow};
 pub use rebuild::{rebuild, RebuildProgress, RebuildSummary};
-pub use share::{application_name, holders};
+pub use share::holders;
 
 /// Header marking an APPEND message as an operator's redrive of a dead letter (its value is
 /// the dead letter's TURNLOG_DEAD sequence): the one case where a request id seen before
