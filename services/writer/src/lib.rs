@@ -149,7 +149,7 @@ async fn serve_partition(
     pool: &PgPool,
     bus: &Bus,
     url: &Secret,
-    pending: &gin::PendingRows,
+    pending: &Arc<gin::PendingRows>,
     share: &share::Share,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
@@ -217,7 +217,14 @@ async fn serve_partition(
     let purger = tokio::spawn(purger(pool.clone(), bus.clone(), from_publisher));
     // The search index follows the feed, in its own transactions (search::indexer).
     let (to_indexer, from_publisher) = tokio::sync::mpsc::channel(INDEX_QUEUE);
-    let indexer = tokio::spawn(search::indexer(pool.clone(), p, bus.partitions, applied, from_publisher));
+    let indexer = tokio::spawn(search::indexer(
+        pool.clone(),
+        p,
+        bus.partitions,
+        applied,
+        from_publisher,
+        pending.clone(),
+    ));
     let (to_publisher, from_writer) = tokio::sync::mpsc::channel(8);
     let publisher = tokio::spawn(publisher(pool.clone(), bus.clone(), p, from_writer, to_purger, to_indexer));
     let result = apply_loop(

@@ -53,8 +53,9 @@ pub async fn indexer(
     partitions: u32,
     applied: i64,
     mut commits: tokio::sync::mpsc::Receiver<Committed>,
+    merge: std::sync::Arc<crate::gin::PendingRows>,
 ) -> anyhow::Result<()> {
-    catch_up(&pool, partition, partitions, applied).await?;
+    merge.add(catch_up(&pool, partition, partitions, applied).await?);
     let mut pending: Vec<(SessionId, i64)> = Vec::new();
     let mut through = None;
     loop {
@@ -78,18 +79,21 @@ pub async fn indexer(
         if let Some(t) = through.take() {
             index(&pool, partition, &pending, t).await?;
             crate::metrics::metrics().indexed(partition.unsigned_abs(), t);
+            // The rows just written wait in the full-text index's pending list.
+            merge.add(pending.len());
             pending.clear();
         }
     }
     if let Some(t) = through {
         index(&pool, partition, &pending, t).await?;
+        merge.add(pending.len());
     }
     Ok(())
 }
 
 /// Indexes the events of the partition committed after its search position and through
-/// `applied`: those a previous writer committed but did not index.
-async fn catch_up(pool: &PgPool, partition: i32, partitions: u32, applied: i64) -> anyhow::Result<()> {
+/// `applied`: those a previous writer committed but did not index. Returns how many.
+async fn catch_up(pool: &PgPool, partition: i32, partitions: u32, applied: i64) -> anyhow::Result<usize> {
     sqlx::query("INSERT INTO search_positions (partition) VALUES ($1) ON CONFLICT DO NOTHING")
         .bind(partition)
         .execute(pool)
@@ -99,7 +103,7 @@ async fn catch_up(pool: &PgPool, partition: i32, partitions: u32, applied: i64) 
         .fetch_one(pool)
         .await?;
     if indexed >= applied {
-        return Ok(());
+        return Ok(0);
     }
     let rows: Vec<(Uuid, i64)> = sqlx::query_as(
         "SELECT session_id, seq FROM session_events
@@ -118,7 +122,8 @@ async fn catch_up(pool: &PgPool, partition: i32, partitions: u32, applied: i64) 
     for chunk in own.chunks(INDEX_BATCH) {
         index(pool, partition, chunk, indexed).await?;
     }
-    index(pool, partition, &[], applied).await
+    index(pool, partition, &[], applied).await?;
+    Ok(own.len())
 }
 
 /// One index write: the events' rows (those still stored: a delete may have come first)
