@@ -154,7 +154,12 @@ pub fn router(state: AppState) -> Router {
         .layer(TraceLayer::new_for_http().make_span_with(|req: &Request<_>| {
             // The path only: queries carry search text, headers carry tokens.
             let request_id = req.headers().get(&REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or("");
-            tracing::info_span!("http", method = %req.method(), path = %req.uri().path(), request_id)
+            let span =
+                tracing::info_span!("http", method = %req.method(), path = %req.uri().path(), request_id);
+            // A client's own trace, when it sends one, is the parent.
+            let parent = req.headers().get(turnlog_runtime::trace::TRACEPARENT).and_then(|v| v.to_str().ok());
+            turnlog_runtime::trace::follow(&span, parent);
+            span
         }))
         .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
         .with_state(state)

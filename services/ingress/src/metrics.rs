@@ -15,6 +15,8 @@ const REQUESTS: &str = "turnlog_http_requests_total";
 const LATENCY: &str = "turnlog_http_request_duration_seconds";
 const TURNS: &str = "turnlog_turns_total";
 const FIRST_DELTA: &str = "turnlog_turn_first_delta_seconds";
+const PRE_UPSTREAM: &str = "turnlog_turn_pre_upstream_seconds";
+const RELAY: &str = "turnlog_turn_relay_seconds";
 const UPSTREAM_ERRORS: &str = "turnlog_upstream_errors_total";
 const CHECKPOINTS: &str = "turnlog_checkpoints_total";
 const INPUT_TOKENS: &str = "turnlog_model_input_tokens_total";
@@ -24,6 +26,8 @@ const TURNS_ACTIVE: &str = "turnlog_turns_active";
 const STREAMS_ACTIVE: &str = "turnlog_turn_streams_active";
 /// Upper bounds of the latency buckets, in seconds.
 const LATENCY_BUCKETS: [f64; 12] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+/// Upper bounds of the relay buckets (a delta's way to its clients takes microseconds).
+const RELAY_BUCKETS: [f64; 10] = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1];
 /// Label of requests that matched no route, so scanners cannot mint a series per path.
 const UNMATCHED: &str = "unmatched";
 
@@ -37,6 +41,8 @@ impl HttpMetrics {
         let recorder = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Full(LATENCY.into()), &LATENCY_BUCKETS)?
             .set_buckets_for_metric(Matcher::Full(FIRST_DELTA.into()), &LATENCY_BUCKETS)?
+            .set_buckets_for_metric(Matcher::Full(PRE_UPSTREAM.into()), &LATENCY_BUCKETS)?
+            .set_buckets_for_metric(Matcher::Full(RELAY.into()), &RELAY_BUCKETS)?
             .build_recorder();
         let handle = recorder.handle();
         metrics::with_local_recorder(&recorder, || {
@@ -51,6 +57,16 @@ impl HttpMetrics {
                 FIRST_DELTA,
                 metrics::Unit::Seconds,
                 "Time from a turn's start to its first delta"
+            );
+            metrics::describe_histogram!(
+                PRE_UPSTREAM,
+                metrics::Unit::Seconds,
+                "Time from a turn's request to its model call: the user message's append, the lease, the compaction check, the context"
+            );
+            metrics::describe_histogram!(
+                RELAY,
+                metrics::Unit::Seconds,
+                "Time from a delta read off the model's stream to its hand-over to the turn's clients"
             );
             metrics::describe_counter!(
                 UPSTREAM_ERRORS,
@@ -79,6 +95,18 @@ impl HttpMetrics {
     pub fn first_delta(&self, after: Duration) {
         metrics::with_local_recorder(&self.recorder, || {
             metrics::histogram!(FIRST_DELTA).record(after.as_secs_f64())
+        });
+    }
+
+    pub fn pre_upstream(&self, took: Duration) {
+        metrics::with_local_recorder(&self.recorder, || {
+            metrics::histogram!(PRE_UPSTREAM).record(took.as_secs_f64())
+        });
+    }
+
+    pub fn relayed(&self, took: Duration) {
+        metrics::with_local_recorder(&self.recorder, || {
+            metrics::histogram!(RELAY).record(took.as_secs_f64())
         });
     }
 

@@ -48,10 +48,29 @@ fn main() -> anyhow::Result<()> {
 
 async fn run() -> anyhow::Result<()> {
     let cli: Cli = cli::parse_or_exit();
-    init_logging(cli.log_format)?;
+    let telemetry = init_logging(cli.log_format, service_name(&cli.command))?;
+    let result = serve(cli.command).await;
+    telemetry.shutdown().await;
+    result
+}
+
+/// The name a process's spans carry (`service.name`), unless OTEL_SERVICE_NAME says.
+fn service_name(command: &Command) -> &'static str {
+    match command {
+        Command::Writer { .. } => "turnlog-writer",
+        Command::Distiller { .. } => "turnlog-distiller",
+        Command::Memory { .. } => "turnlog-memory",
+        Command::Compactor { .. } => "turnlog-compactor",
+        Command::Ingress { .. } => "turnlog-ingress",
+        Command::Dev { .. } => "turnlog-dev",
+        _ => "turnlog",
+    }
+}
+
+async fn serve(command: Command) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     tokio::spawn(cancel_on_signal(shutdown.clone()));
-    match cli.command {
+    match command {
         Command::Writer { backbone: b, metrics } => {
             serve_metrics(&metrics, &shutdown).await?;
             let pool = b.backbone().connect_db(2).await.context("connecting to Postgres")?;
@@ -213,11 +232,12 @@ async fn cancel_on_signal(shutdown: CancellationToken) {
 }
 
 /// Logs go to stderr (stdout stays for what a command prints for its user, such as `turnlog
-/// dev`'s banner), filtered by `RUST_LOG` (default info). Both formats print the fields of
-/// every enclosing span, so a turn's lines all carry its `session_id`.
-fn init_logging(format: LogFormat) -> anyhow::Result<()> {
+/// dev`'s banner), filtered by `RUST_LOG` (default info); spans are traced, and exported when
+/// OTEL_EXPORTER_OTLP_ENDPOINT is set (`turnlog_runtime::trace`).
+fn init_logging(format: LogFormat, service: &str) -> anyhow::Result<turnlog_runtime::trace::Telemetry> {
     use std::io::IsTerminal as _;
     use tracing_subscriber::EnvFilter;
+    use turnlog_runtime::trace::LogStyle;
     let filter = match std::env::var("RUST_LOG") {
         Ok(spec) if !spec.trim().is_empty() => EnvFilter::builder().parse(&spec).map_err(|e| {
             anyhow::anyhow!("RUST_LOG={spec:?} is not a log filter (e.g. info,turnlog_writer=debug): {e}")
@@ -225,12 +245,9 @@ fn init_logging(format: LogFormat) -> anyhow::Result<()> {
         // sqlx reports Postgres notices ("relation already exists, skipping") at info.
         _ => EnvFilter::new("info,sqlx::postgres::notice=warn"),
     };
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    match format {
-        LogFormat::Pretty => builder.with_ansi(std::io::stderr().is_terminal()).init(),
-        LogFormat::Json => {
-            builder.json().flatten_event(true).with_current_span(true).with_span_list(true).init()
-        }
-    }
-    Ok(())
+    let style = match format {
+        LogFormat::Pretty => LogStyle::Pretty { ansi: std::io::stderr().is_terminal() },
+        LogFormat::Json => LogStyle::Json,
+    };
+    turnlog_runtime::trace::init(service, style, filter)
 }

@@ -1,17 +1,23 @@
-//! Metrics, health and readiness of every service as separate processes (issue 27): the
-//! writer and the three workers on TURNLOG_METRICS_LISTEN, the ingress on its API port.
-//! After one chat turn each `/metrics` parses with a Prometheus text-format parser and
-//! carries its service's metrics with the turn counted; `/healthz` and `/readyz` answer.
+//! Metrics, health, readiness and traces of every service as separate processes (issue
+//! 27): the writer and the three workers on TURNLOG_METRICS_LISTEN, the ingress on its API
+//! port. After one chat turn each `/metrics` parses with a Prometheus text-format parser and
+//! carries its service's metrics with the turn counted; `/healthz` and `/readyz` answer; the
+//! turn is one trace across the bus, in the JSON logs and in the spans exported over OTLP.
 
 // A failed unwrap in a test is a failed test.
 #![allow(clippy::unwrap_used)]
 
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt as _;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::any_value::Value as Attr;
 use prometheus_parse::{Scrape, Value};
+use prost::Message as _;
 use serde_json::json;
-use turnlog_testkit::{eventually, free_port, test_env, TurnlogProcess};
+use turnlog_testkit::{eventually, free_port, private_nats, test_env, test_env_on, TurnlogProcess};
 
 const BIN: &str = env!("CARGO_BIN_EXE_turnlog");
 
@@ -33,28 +39,93 @@ fn value(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         .reduce(f64::max)
 }
 
+/// A span as an OTLP collector receives it.
+#[derive(Debug, Clone)]
+struct ReceivedSpan {
+    service: String,
+    name: String,
+    trace_id: String,
+    span_id: String,
+    parent: String,
+}
+
+/// An OTLP/HTTP (protobuf) trace receiver on a free port, keeping what it is sent.
+async fn otlp_receiver() -> (String, Arc<Mutex<Vec<ReceivedSpan>>>) {
+    let spans = Arc::new(Mutex::new(Vec::new()));
+    let kept = Arc::clone(&spans);
+    let receive = move |body: axum::body::Bytes| async move {
+        let request = ExportTraceServiceRequest::decode(body).unwrap();
+        for rs in request.resource_spans {
+            let service = rs
+                .resource
+                .iter()
+                .flat_map(|r| &r.attributes)
+                .find(|a| a.key == "service.name")
+                .and_then(|a| match a.value.as_ref()?.value.as_ref()? {
+                    Attr::StringValue(s) => Some(s.clone()),
+                    _ => None,
+                })
+                .unwrap_or_default();
+            for span in rs.scope_spans.into_iter().flat_map(|s| s.spans) {
+                kept.lock().unwrap().push(ReceivedSpan {
+                    service: service.clone(),
+                    name: span.name,
+                    trace_id: hex(&span.trace_id),
+                    span_id: hex(&span.span_id),
+                    parent: hex(&span.parent_span_id),
+                });
+            }
+        }
+        ([("content-type", "application/x-protobuf")], Vec::<u8>::new())
+    };
+    let app = axum::Router::new().route("/v1/traces", axum::routing::post(receive));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, spans)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The JSON log lines of a process that carry `trace_id`.
+fn lines_of_trace(p: &TurnlogProcess, trace_id: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(p.log_path())
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|l| l["trace_id"] == trace_id)
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_service_serves_metrics_health_and_readiness() {
+async fn every_service_serves_metrics_health_readiness_and_one_trace_per_turn() {
     let env = test_env().await;
     let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await.unwrap();
     let llm = mock.base_url();
+    let (otlp, spans) = otlp_receiver().await;
     let http = reqwest::Client::new();
     let mut processes = Vec::new();
     let mut bases = Vec::new();
+    let common = [
+        ("TURNLOG_LLM_URL", llm.as_str()),
+        ("TURNLOG_MODEL", "mock"),
+        ("TURNLOG_LOG_FORMAT", "json"),
+        ("RUST_LOG", "info,turnlog_writer=debug,turnlog_runtime::worker=debug,turnlog_ingress=debug"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ];
     for role in ["writer", "distiller", "memory", "compactor"] {
         let listen = format!("127.0.0.1:{}", free_port());
-        let vars = [
-            ("TURNLOG_METRICS_LISTEN", listen.as_str()),
-            ("TURNLOG_LLM_URL", llm.as_str()),
-            ("TURNLOG_MODEL", "mock"),
-            ("TURNLOG_FACTS_WAIT", "1s"),
-        ];
+        let mut vars = vec![("TURNLOG_METRICS_LISTEN", listen.as_str()), ("TURNLOG_FACTS_WAIT", "1s")];
+        vars.extend(common);
         processes.push(TurnlogProcess::start(BIN, &env, &[role], &vars));
         bases.push((role, format!("http://{listen}")));
     }
     let listen = format!("127.0.0.1:{}", free_port());
-    let vars =
-        [("TURNLOG_LISTEN", listen.as_str()), ("TURNLOG_LLM_URL", llm.as_str()), ("TURNLOG_MODEL", "mock")];
+    let mut vars = vec![("TURNLOG_LISTEN", listen.as_str())];
+    vars.extend(common);
     processes.push(TurnlogProcess::start(BIN, &env, &["ingress"], &vars));
     let ingress = format!("http://{listen}");
     bases.push(("ingress", ingress.clone()));
@@ -69,7 +140,9 @@ async fn every_service_serves_metrics_health_and_readiness() {
         assert!(health.status().is_success(), "{role} /healthz");
     }
 
-    // One chat turn.
+    // One chat turn, in a trace the client started.
+    let trace_id = uuid::Uuid::new_v4().simple().to_string();
+    let client_span = &uuid::Uuid::new_v4().simple().to_string()[..16];
     let session: serde_json::Value = http
         .post(format!("{ingress}/v1/sessions"))
         .json(&json!({}))
@@ -82,6 +155,7 @@ async fn every_service_serves_metrics_health_and_readiness() {
     let id = session["id"].as_str().unwrap();
     let turn = http
         .post(format!("{ingress}/v1/sessions/{id}/messages"))
+        .header("traceparent", format!("00-{trace_id}-{client_span}-01"))
         .json(&json!({"text": "Petra moved the review to Friday, room 4. [mock words=6]"}))
         .send()
         .await
@@ -138,12 +212,111 @@ async fn every_service_serves_metrics_health_and_readiness() {
     let s = scrape(&http, &ingress).await;
     assert_eq!(value(&s, "turnlog_turns_total", &[("status", "completed")]), Some(1.0));
     assert_eq!(value(&s, "turnlog_turn_first_delta_seconds", &[]), Some(1.0));
+    assert_eq!(value(&s, "turnlog_turn_pre_upstream_seconds", &[]), Some(1.0));
+    assert!(value(&s, "turnlog_turn_relay_seconds", &[]).unwrap() >= 1.0, "a delta or more relayed");
     // The mock reports usage: prompt tokens, some of them cached on a later call.
     let input = value(&s, "turnlog_model_input_tokens_total", &[("model", "mock")]).unwrap();
     assert!(input > 0.0, "{input}");
     assert!(value(&s, "turnlog_model_cached_input_tokens_total", &[("model", "mock")]).is_some());
     assert!(value(&s, "turnlog_model_output_tokens_total", &[("model", "mock")]).unwrap() > 0.0);
 
+    // The turn's log lines in every process carry its trace id: the ingress's, the
+    // writer's applies of the message and the answer, each worker's handling.
+    let roles = ["writer", "distiller", "memory", "compactor", "ingress"];
+    for (role, p) in roles.iter().zip(&processes) {
+        let lines = eventually(Duration::from_secs(10), || async {
+            let lines = lines_of_trace(p, &trace_id);
+            let expected = match *role {
+                "writer" => lines.iter().filter(|l| l["message"] == "request applied").count() >= 2,
+                "ingress" => !lines.is_empty(),
+                _ => lines.iter().any(|l| l["message"] == "event handled"),
+            };
+            expected.then_some(lines)
+        })
+        .await;
+        assert!(lines.iter().all(|l| l["trace_id"] == trace_id.as_str()), "{role}");
+    }
+
+    // The exported spans: one trace whose parent links cross the bus, from the client's
+    // span through the ingress and the writer to each worker.
+    let services =
+        ["turnlog-ingress", "turnlog-writer", "turnlog-distiller", "turnlog-memory", "turnlog-compactor"];
+    let trace = eventually(Duration::from_secs(20), || async {
+        let got: Vec<ReceivedSpan> =
+            spans.lock().unwrap().iter().filter(|s| s.trace_id == trace_id).cloned().collect();
+        let handled = |service: &str| got.iter().any(|s| s.service == service && s.name == "worker.handle");
+        let workers = ["turnlog-distiller", "turnlog-memory", "turnlog-compactor"].iter().all(|s| handled(s));
+        // Every span's parent is exported too (a child ends, and is sent, first), but the
+        // ingress's first span's: the client's.
+        let ids: HashSet<&str> = got.iter().map(|s| s.span_id.as_str()).collect();
+        let whole = got.iter().all(|s| s.parent == client_span || ids.contains(s.parent.as_str()));
+        (workers && whole).then_some(got)
+    })
+    .await;
+    let by_id: HashMap<&str, &ReceivedSpan> = trace.iter().map(|s| (s.span_id.as_str(), s)).collect();
+    let parent_service = |s: &ReceivedSpan| by_id.get(s.parent.as_str()).map(|p| p.service.as_str());
+    for s in &trace {
+        assert!(services.contains(&s.service.as_str()), "{s:?}");
+    }
+    let roots: Vec<_> = trace.iter().filter(|s| s.parent == client_span).collect();
+    assert!(roots.iter().all(|s| s.service == "turnlog-ingress" && s.name == "http"), "{roots:?}");
+    // The writer applied the message and the answer as children of the ingress's spans…
+    let applies_from_ingress = trace
+        .iter()
+        .filter(|s| s.name == "writer.apply" && parent_service(s) == Some("turnlog-ingress"))
+        .count();
+    assert!(applies_from_ingress >= 2, "{trace:#?}");
+    // …and each worker handled the committed answer as a child of the writer's apply.
+    let workers: HashSet<&str> = trace
+        .iter()
+        .filter(|s| s.name == "worker.handle" && parent_service(s) == Some("turnlog-writer"))
+        .map(|s| s.service.as_str())
+        .collect();
+    assert_eq!(workers.len(), 3, "{trace:#?}");
+
+    for p in &mut processes {
+        p.terminate();
+    }
+}
+
+/// `/readyz` follows the connections: a writer and a worker answer 503 while their NATS
+/// server is down (`/healthz` still 200: the process lives), and 200 again once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_the_nats_connection() {
+    let mut nats = private_nats(free_port()).await;
+    let env = test_env_on(None, Some(&nats.url())).await;
+    let http = reqwest::Client::new();
+    let mut processes = Vec::new();
+    let mut bases = Vec::new();
+    for role in ["writer", "distiller"] {
+        let listen = format!("127.0.0.1:{}", free_port());
+        let vars = [
+            ("TURNLOG_METRICS_LISTEN", listen.as_str()),
+            ("TURNLOG_LLM_URL", "http://127.0.0.1:9/v1"),
+            ("TURNLOG_MODEL", "mock"),
+        ];
+        processes.push(TurnlogProcess::start(BIN, &env, &[role], &vars));
+        bases.push(format!("http://{listen}"));
+    }
+    let status = |path: &'static str| {
+        let (http, bases) = (http.clone(), bases.clone());
+        async move {
+            let mut codes = Vec::new();
+            for base in &bases {
+                codes.push(http.get(format!("{base}{path}")).send().await.ok().map(|r| r.status().as_u16()));
+            }
+            codes
+        }
+    };
+    let all = |want: u16| move |codes: Vec<Option<u16>>| codes.iter().all(|c| *c == Some(want)).then_some(());
+    eventually(Duration::from_secs(30), || async { all(200)(status("/readyz").await) }).await;
+
+    nats.kill();
+    eventually(Duration::from_secs(15), || async { all(503)(status("/readyz").await) }).await;
+    assert_eq!(status("/healthz").await, vec![Some(200), Some(200)]);
+
+    nats.restart().await;
+    eventually(Duration::from_secs(30), || async { all(200)(status("/readyz").await) }).await;
     for p in &mut processes {
         p.terminate();
     }

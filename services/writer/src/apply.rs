@@ -27,6 +27,8 @@ pub struct Incoming {
     /// The session named by the subject (`None` when the subject is malformed).
     pub subject_session: Option<SessionId>,
     pub reply_to: Option<String>,
+    /// The producer's trace context (`traceparent` header), which the apply joins.
+    pub traceparent: Option<String>,
     /// An operator's redrive of a dead letter (`turnlog dead redrive`): a request that was
     /// dead-lettered before is applied again instead of answered as a duplicate.
     pub redrive: bool,
@@ -52,6 +54,7 @@ impl Incoming {
         published: DateTime<Utc>,
         subject_session: Option<SessionId>,
         reply_to: Option<String>,
+        traceparent: Option<String>,
         redrive: bool,
         body: Bytes,
     ) -> Self {
@@ -61,7 +64,7 @@ impl Incoming {
             Ok(req) if req.op == Op::Append => Some(new_event(req, body.len())),
             _ => None,
         };
-        Self { stream_seq, published, subject_session, reply_to, redrive, body, request, event }
+        Self { stream_seq, published, subject_session, reply_to, traceparent, redrive, body, request, event }
     }
 
     /// The request's id, when it decodes.
@@ -122,6 +125,8 @@ pub struct EventRow {
     pub tokens: i32,
     /// Part of the event's feed dedup id ([`CommittedEvent::msg_id`]).
     pub session_created_at: DateTime<Utc>,
+    /// The writer's apply span, as the `traceparent` the event is published with.
+    pub traceparent: Option<String>,
 }
 
 impl EventRow {
@@ -682,6 +687,7 @@ fn push_event(
         },
         tokens,
         session_created_at: session.created_at,
+        traceparent: None,
     });
     session.last_seq
 }

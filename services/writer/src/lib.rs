@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::{partition_of, Bus, CommittedEvent, DeadLetter, Op, Outcome, REPLY_HEADER};
 use turnlog_runtime::settings::{Backbone, Secret};
+use turnlog_runtime::trace;
 use uuid::Uuid;
 
 pub use apply::{apply_batch, Incoming};
@@ -266,6 +267,8 @@ async fn apply_loop(
     let mut cache: HashMap<SessionId, SessionRow> = HashMap::new();
     let mut carry: Vec<Incoming> = Vec::new();
     let mut permits: Vec<OwnedSemaphorePermit> = Vec::new();
+    // Each carried request's apply span, for those sent with a trace context.
+    let mut spans: Vec<Option<tracing::Span>> = Vec::new();
     let mut last_ping = Instant::now();
     loop {
         if carry.is_empty() {
@@ -274,18 +277,20 @@ async fn apply_loop(
                 m = from_reader.recv() => m,
             };
             let (message, permit) = first.context("the APPEND reader stopped")?;
+            spans.push(apply_span(&message));
             carry.push(message);
             permits.push(permit);
         }
         // Take what has been read without waiting.
         while carry.len() < MAX_BATCH {
             let Ok((message, permit)) = from_reader.try_recv() else { break };
+            spans.push(apply_span(&message));
             carry.push(message);
             permits.push(permit);
         }
 
         let started = Instant::now();
-        let (consumed, committed) =
+        let (consumed, mut committed) =
             match apply_and_commit(pool, conn, bus, p, applied, &carry, &mut cache, duplicate_window).await {
                 // A request taken for a first copy repeated an event (a producer's clock far
                 // off nats-server's): the batch again, every earlier outcome looked up.
@@ -301,6 +306,7 @@ async fn apply_loop(
         applied = committed.last_stream_seq;
         metrics::metrics().committed(p.unsigned_abs(), consumed, started.elapsed().as_secs_f64(), applied);
         pending.add(committed.events.len());
+        end_apply_spans(spans.drain(..consumed), &carry[..consumed], &mut committed.events);
         carry.drain(..consumed);
         permits.drain(..consumed);
         to_publisher.send(committed).await.context("publisher stopped")?;
@@ -308,6 +314,42 @@ async fn apply_loop(
         if last_ping.elapsed() > LOCK_PING {
             conn.ping().await.context("partition connection (and its lock) lost")?;
             last_ping = Instant::now();
+        }
+    }
+}
+
+/// The span of a request's apply, from when the writer takes it to its commit: a child of
+/// the producer's span when the request carries a trace context, else none.
+fn apply_span(m: &Incoming) -> Option<tracing::Span> {
+    let parent = m.traceparent.as_deref()?;
+    let span =
+        tracing::info_span!("writer.apply", stream_seq = m.stream_seq, request_id = tracing::field::Empty);
+    trace::follow(&span, Some(parent));
+    Some(span)
+}
+
+/// Ends the apply spans of committed requests, each with a line in its trace, and gives
+/// each committed event its request's span as the trace context it is published with.
+fn end_apply_spans(
+    spans: impl Iterator<Item = Option<tracing::Span>>,
+    batch: &[Incoming],
+    events: &mut [EventRow],
+) {
+    // Both are in APPEND order, a request making at most one event.
+    let mut events = events.iter_mut().peekable();
+    for (span, m) in spans.zip(batch) {
+        while events.next_if(|e| e.event.stream_seq < Some(m.stream_seq)).is_some() {}
+        let event = events.next_if(|e| e.event.stream_seq == Some(m.stream_seq));
+        let Some(span) = span else { continue };
+        if let Some(id) = m.request_id() {
+            span.record("request_id", tracing::field::display(id));
+        }
+        span.in_scope(|| match &event {
+            Some(e) => tracing::debug!(session_id = %e.event.session_id, seq = e.event.seq, kind = %e.event.kind.as_str(), "request applied"),
+            None => tracing::debug!("request answered without an event"),
+        });
+        if let Some(e) = event {
+            e.traceparent = trace::traceparent(&span);
         }
     }
 }
@@ -658,7 +700,16 @@ fn incoming(m: async_nats::jetstream::Message) -> anyhow::Result<Incoming> {
     let subject_session = m.subject.rsplit('.').next().and_then(|s| s.parse::<SessionId>().ok());
     let reply_to = m.headers.as_ref().and_then(|h| h.get(REPLY_HEADER)).map(|v| v.to_string());
     let redrive = m.headers.as_ref().is_some_and(|h| h.get(REDRIVE_HEADER).is_some());
-    Ok(Incoming::new(stream_seq, published, subject_session, reply_to, redrive, m.message.payload))
+    let traceparent = trace::from_headers(m.headers.as_ref());
+    Ok(Incoming::new(
+        stream_seq,
+        published,
+        subject_session,
+        reply_to,
+        traceparent,
+        redrive,
+        m.message.payload,
+    ))
 }
 
 /// How long a publish keeps being retried (JetStream deduplicates the copies) before the
@@ -704,8 +755,11 @@ async fn publish_events_once(bus: &Bus, events: &[&EventRow]) -> anyhow::Result<
     let mut acks = Vec::new();
     for e in events {
         let subject = bus.names.events_subject(e.event.kind.as_str(), e.event.session_id);
-        let msg =
+        let mut msg =
             PublishMessage::build().payload(serde_json::to_vec(&e.event)?.into()).message_id(e.msg_id());
+        if let Some(t) = &e.traceparent {
+            msg = msg.header(trace::TRACEPARENT, t.as_str());
+        }
         acks.push(bus.js.send_publish(subject, msg).await.context("publishing a committed event")?);
     }
     for ack in acks {

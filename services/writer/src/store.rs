@@ -587,6 +587,7 @@ pub async fn committed_between(
                     },
                     tokens,
                     session_created_at,
+                    traceparent: None,
                 })
             },
         )

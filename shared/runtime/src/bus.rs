@@ -722,6 +722,9 @@ impl Bus {
         if let Some(r) = reply_to {
             msg = msg.header(REPLY_HEADER, r);
         }
+        if let Some(t) = crate::trace::current_traceparent() {
+            msg = msg.header(crate::trace::TRACEPARENT, t);
+        }
         let ack = self.js.send_publish(subject, msg).await.map_err(js_err)?;
         ack.await.map_err(js_err)
     }
@@ -738,11 +741,15 @@ impl Bus {
         let body = Bytes::from(serde_json::to_vec(req).map_err(|e| e.to_string())?);
         let subject = self.names.append_subject(self.partition_of(req.session_id), req.session_id);
         let msg_id = req.request_id.to_string();
+        let traceparent = crate::trace::current_traceparent();
         let mut republished = 0;
         loop {
             let mut msg = PublishMessage::build().payload(body.clone()).message_id(msg_id.as_str());
             if let Some(r) = reply_to {
                 msg = msg.header(REPLY_HEADER, r);
+            }
+            if let Some(t) = &traceparent {
+                msg = msg.header(crate::trace::TRACEPARENT, t.as_str());
             }
             let publish = async {
                 let ack = self.js.send_publish(subject.clone(), msg).await?;

@@ -12,6 +12,7 @@ pub mod lease;
 pub mod read;
 pub mod settings;
 pub mod telemetry;
+pub mod trace;
 pub mod turn_worker;
 pub mod upstream;
 pub mod worker;

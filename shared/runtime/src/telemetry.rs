@@ -48,9 +48,13 @@ impl Registry {
         out
     }
 
-    /// The checks that do not hold now, by key.
+    /// The checks that do not hold now, by key; `starting` while the process's service has
+    /// registered none yet (it has not connected to anything).
     pub fn not_ready(&self) -> Vec<String> {
         let checks = self.checks.lock().unwrap_or_else(PoisonError::into_inner);
+        if checks.is_empty() {
+            return vec!["starting".to_owned()];
+        }
         checks.iter().filter(|(_, check)| !check()).map(|(key, _)| key.clone()).collect()
     }
 }

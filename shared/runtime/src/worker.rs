@@ -16,6 +16,7 @@ use async_nats::jetstream::Message;
 use futures::StreamExt;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
+use tracing::Instrument as _;
 
 use crate::bus::{Bus, CommittedEvent, DeadLetter};
 use crate::telemetry::{self, Histogram};
@@ -190,13 +191,16 @@ impl Default for WorkerStats {
 static EXPORTED: LazyLock<Mutex<BTreeMap<String, Arc<WorkerStats>>>> = LazyLock::new(Mutex::default);
 
 /// Exports a worker's counters (`TURNLOG_METRICS_LISTEN`) and makes readiness wait for its
-/// consumer.
-fn export(name: &str, stats: &Arc<WorkerStats>) {
+/// consumer and a connection to NATS.
+fn export(name: &str, stats: &Arc<WorkerStats>, bus: &Bus) {
     EXPORTED.lock().unwrap_or_else(PoisonError::into_inner).insert(name.to_owned(), stats.clone());
     let registry = telemetry::registry();
     registry.export("workers", render_workers);
-    let stats = stats.clone();
-    registry.ready_when(&format!("worker {name}"), move || stats.consuming.load(Ordering::Relaxed));
+    let (stats, client) = (stats.clone(), bus.client.clone());
+    registry.ready_when(&format!("worker {name}"), move || {
+        stats.consuming.load(Ordering::Relaxed)
+            && client.connection_state() == async_nats::connection::State::Connected
+    });
 }
 
 fn render_workers(out: &mut String) {
@@ -363,7 +367,7 @@ impl Worker {
         let permits = Arc::new(Semaphore::new(self.settings.concurrency.max(1)));
         let mut in_hand = JoinSet::new();
         let mut backoff = Duration::from_millis(100);
-        export(&self.name, &stats);
+        export(&self.name, &stats, &bus);
         while !*stop.borrow() {
             let started = tokio::time::Instant::now();
             let result = match self.consumer(&bus).await {
@@ -644,7 +648,14 @@ struct Job<H> {
 }
 
 impl<H: Handler> Job<H> {
-    async fn process(self, message: Message, _permit: OwnedSemaphorePermit) {
+    /// Handles one event inside a span that joins the trace of the turn it came from.
+    async fn process(self, message: Message, permit: OwnedSemaphorePermit) {
+        let span = tracing::info_span!("worker.handle", worker = %self.worker.name, stream_seq = tracing::field::Empty);
+        crate::trace::follow(&span, crate::trace::from_headers(message.headers.as_ref()).as_deref());
+        self.handle_one(message, permit).instrument(span).await
+    }
+
+    async fn handle_one(self, message: Message, _permit: OwnedSemaphorePermit) {
         let (attempt, stream_seq) = match message.info() {
             Ok(info) => (u32::try_from(info.delivered).unwrap_or(u32::MAX), info.stream_sequence),
             Err(e) => {
@@ -658,6 +669,7 @@ impl<H: Handler> Job<H> {
             }
             return;
         }
+        tracing::Span::current().record("stream_seq", stream_seq);
         let delivery = Delivery { attempt, max_deliver: self.worker.settings.max_deliver, stream_seq };
         if attempt > 1 {
             self.stats.redelivered.fetch_add(1, Ordering::Relaxed);
@@ -674,6 +686,7 @@ impl<H: Handler> Job<H> {
         self.stats.handler_seconds.observe(started.elapsed().as_secs_f64());
         let settle = match result {
             Ok(()) => {
+                tracing::debug!(session_id = ?session, attempt, "event handled");
                 self.stats.processed.fetch_add(1, Ordering::Relaxed);
                 message.ack_with(AckKind::Ack).await
             }

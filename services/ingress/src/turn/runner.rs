@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tracing::Instrument as _;
 use turnlog_core::audit::{system_prompt_record, turn_body, RecordedRequest, MAX_SYSTEM_PROMPT_BYTES};
 use turnlog_core::budget::{budget_for, history_tokens, request_size};
 use turnlog_core::events::*;
@@ -77,8 +78,11 @@ pub fn start_turn(app: &Arc<Ingress>, start: TurnStart) -> Arc<ActiveTurn> {
     let turn = ActiveTurn::new(start.session, Uuid::now_v7().to_string());
     app.turns.insert(Arc::clone(&turn));
     app.metrics.turns_active(app.turns.active());
+    let turn_tasks = app.turns.tasks.clone();
     let (app, t) = (Arc::clone(app), Arc::clone(&turn));
-    app.turns.tasks.clone().spawn(async move {
+    // The turn's span is a child of the request that started it: one trace from the HTTP
+    // request through the writer to the workers.
+    let task = async move {
         let serving = remote::serve(&app, &t).await;
         run(&app, &t, start).await;
         if let Some(s) = serving {
@@ -86,7 +90,8 @@ pub fn start_turn(app: &Arc<Ingress>, start: TurnStart) -> Arc<ActiveTurn> {
         }
         app.turns.remove(&t);
         app.metrics.turns_active(app.turns.active());
-    });
+    };
+    turn_tasks.spawn(task.instrument(tracing::Span::current()));
     turn
 }
 
@@ -173,7 +178,7 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
                     }
                 }
             }
-        })
+        }.in_current_span())
     };
 
     let ending = t.stream_answer(started).await;
@@ -225,6 +230,7 @@ impl Turn<'_> {
             Ok(body) => body,
             Err(ending) => return ending,
         };
+        self.app.metrics.pre_upstream(self.start.slot.taken.elapsed());
         let mut stream = tokio::select! {
             s = upstream.stream_body(&body) => match s {
                 Ok(s) => s,
@@ -291,7 +297,9 @@ impl Turn<'_> {
                 self.text_json += kept_json;
                 "delta"
             };
+            let t0 = Instant::now();
             self.emit(event, json!({ "text": kept })).await;
+            self.app.metrics.relayed(t0.elapsed());
         }
         kept.len() == delta.len()
     }

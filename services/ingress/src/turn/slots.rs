@@ -73,6 +73,7 @@ impl TurnSlots {
             counts: Arc::clone(&self.counts),
             owner: owner.clone(),
             released: AtomicBool::new(false),
+            taken: std::time::Instant::now(),
         })
     }
 }
@@ -84,6 +85,9 @@ pub struct TurnSlot {
     counts: Arc<Mutex<Counts>>,
     owner: Owner,
     released: AtomicBool,
+    /// When the turn's request took it: the start of the time turnlog spends before the
+    /// model call (`turnlog_turn_pre_upstream_seconds`).
+    pub taken: std::time::Instant,
 }
 
 impl TurnSlot {
