@@ -12,13 +12,18 @@ mod scale;
 mod soak;
 mod system;
 mod tokenizer;
+mod tracing_cost;
 mod writer;
 
 fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // A tracing run installs the subscriber of the mode it measures.
+    if let Some("tracing-run") = args.first().map(String::as_str) {
+        return runtime()?.block_on(tracing_cost::child(&args[1..]));
+    }
     if std::env::var_os("RUST_LOG").is_some() {
         tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).init();
     }
-    let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("context") => context::run(),
         Some("tokenizer") => tokenizer::run(&args[1..]),
@@ -30,8 +35,9 @@ fn main() -> anyhow::Result<()> {
         Some("import") => runtime()?.block_on(import::run()),
         Some("soak") => runtime()?.block_on(soak::run(&args[1..])),
         Some("scale") => runtime()?.block_on(scale::run()),
+        Some("tracing") => runtime()?.block_on(tracing_cost::run()),
         other => {
-            eprintln!("usage: turnlog-bench <context|tokenizer|writer|rebuild|ingress|cache|files|import|soak|scale>  (got {other:?})");
+            eprintln!("usage: turnlog-bench <context|tokenizer|writer|rebuild|ingress|cache|files|import|soak|scale|tracing>  (got {other:?})");
             std::process::exit(2);
         }
     }

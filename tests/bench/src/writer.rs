@@ -77,6 +77,17 @@ const WINDOW: usize = 256;
 /// flight each, not `append_and_wait`'s one at a time), the writer commits and publishes,
 /// and the producers count the replies on their inbox.
 pub(crate) async fn end_to_end(bus: &Bus, sessions: &[SessionId], total: usize) -> anyhow::Result<f64> {
+    end_to_end_traced(bus, sessions, total, false).await
+}
+
+/// [`end_to_end`], each request sent (when `traced`) in a span of its own with its trace
+/// context, as the ingress sends a turn's.
+pub(crate) async fn end_to_end_traced(
+    bus: &Bus,
+    sessions: &[SessionId],
+    total: usize,
+    traced: bool,
+) -> anyhow::Result<f64> {
     let producers = sessions.len().clamp(1, 16);
     let per_producer = total / producers;
     let start = Instant::now();
@@ -94,10 +105,16 @@ pub(crate) async fn end_to_end(bus: &Bus, sessions: &[SessionId], total: usize) 
                     let session = mine[sent % mine.len()];
                     let req = AppendRequest::append(session, OWNER, Uuid::now_v7(), &message(sent));
                     let subject = bus.names.append_subject(bus.partition_of(session), session);
-                    let msg = async_nats::jetstream::message::PublishMessage::build()
+                    let mut msg = async_nats::jetstream::message::PublishMessage::build()
                         .payload(Bytes::from(serde_json::to_vec(&req)?))
                         .message_id(req.request_id.to_string())
                         .header(REPLY_HEADER, inbox.as_str());
+                    if traced {
+                        let span = tracing::info_span!("bench.append");
+                        if let Some(t) = turnlog_runtime::trace::traceparent(&span) {
+                            msg = msg.header(turnlog_runtime::trace::TRACEPARENT, t);
+                        }
+                    }
                     let ack = bus.js.send_publish(subject, msg).await?.into_future();
                     acks.push(ack);
                     sent += 1;

@@ -1,0 +1,139 @@
+//! Tracing's cost on the writer: the writer benchmark's end-to-end run (16 pipelined
+//! producers, 16 sessions), every request sent in a span of its own with its trace context as
+//! the ingress sends a turn's, in three modes, each run in a process of its own (a process has
+//! one subscriber):
+//! - `none`: no tracing layer, no trace context (the baseline);
+//! - `off`: trace context made and carried, the writer's apply spans recorded, nothing
+//!   exported (`OTEL_EXPORTER_OTLP_ENDPOINT` unset: the default);
+//! - `on`: spans exported over OTLP/HTTP to a collector this process runs.
+//!
+//! Rounds interleave the modes (the machine's speed drifts); each figure is a median.
+
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use prost::Message as _;
+
+use crate::writer::{end_to_end_traced, Rig};
+
+const MODES: [&str; 3] = ["none", "off", "on"];
+const ROUNDS: usize = 3;
+/// Appends measured in each run (after a warm-up of [`WARM_UP`]); `TURNLOG_BENCH_APPENDS`
+/// sets another number (a quick check).
+fn total() -> usize {
+    std::env::var("TURNLOG_BENCH_APPENDS").ok().and_then(|n| n.parse().ok()).unwrap_or(48_000)
+}
+const WARM_UP: usize = 4_000;
+
+pub(crate) async fn run() -> anyhow::Result<()> {
+    let spans = Arc::new(AtomicU64::new(0));
+    let collector = collector(spans.clone()).await?;
+    let exe = std::env::current_exe()?;
+    let mut figures: Vec<(&str, Vec<f64>)> = MODES.iter().map(|m| (*m, Vec::new())).collect();
+    let mut exported = Vec::new();
+    for round in 1..=ROUNDS {
+        for (mode, runs) in &mut figures {
+            let before = spans.load(Ordering::Relaxed);
+            let mut child = tokio::process::Command::new(&exe);
+            child.args(["tracing-run", mode]).stdout(Stdio::piped()).stderr(Stdio::inherit());
+            child.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
+            if *mode == "on" {
+                // Room for every span at this rate (the SDK's default queue, 2,048 spans
+                // sent every 5 s, drops most of them): the cost of exporting them all.
+                child
+                    .env("OTEL_EXPORTER_OTLP_ENDPOINT", &collector)
+                    .env("OTEL_BSP_MAX_QUEUE_SIZE", "65536")
+                    .env("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4096")
+                    .env("OTEL_BSP_SCHEDULE_DELAY", "1000");
+            }
+            let out = child.output().await?;
+            anyhow::ensure!(out.status.success(), "the {mode} run failed");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let per_s: f64 = stdout
+                .lines()
+                .find_map(|l| l.strip_prefix("events_per_s="))
+                .context("the run printed no events_per_s")?
+                .trim()
+                .parse()?;
+            let sent = spans.load(Ordering::Relaxed) - before;
+            println!("round {round} {mode:>4}: {per_s:>8.0} appends/s  ({sent} spans exported)");
+            if *mode == "on" {
+                exported.push(sent as f64 / (total() + WARM_UP) as f64);
+            }
+            runs.push(per_s);
+        }
+    }
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let [none, off, on] = [0, 1, 2].map(|i| median(&figures[i].1));
+    let pct = |a: f64, b: f64| (a - b) / b * 100.0;
+    println!();
+    println!("| mode | appends/s (median of {ROUNDS}) | vs none | vs off |");
+    println!("|---|---:|---:|---:|");
+    println!("| none (baseline: no tracing) | {none:.0} | — | |");
+    println!("| off (traced, not exported) | {off:.0} | {:+.1}% | — |", pct(off, none));
+    println!(
+        "| on (exported over OTLP/HTTP) | {on:.0} | {:+.1}% | {:+.1}% (target ≥ −5%) |",
+        pct(on, none),
+        pct(on, off)
+    );
+    println!(
+        "RESULT tracing events_per_s_none={none:.0} events_per_s_off={off:.0} events_per_s_on={on:.0} on_vs_off_pct={:.1} spans_per_append={:.2}",
+        pct(on, off),
+        median(&exported)
+    );
+    Ok(())
+}
+
+/// One measured run in this process, in `mode`; prints `events_per_s=<n>`.
+pub(crate) async fn child(args: &[String]) -> anyhow::Result<()> {
+    let mode = args.first().map(String::as_str).context("tracing-run needs a mode")?;
+    anyhow::ensure!(MODES.contains(&mode), "unknown mode {mode}");
+    let telemetry = match mode {
+        "none" => None,
+        _ => Some(turnlog_runtime::trace::init(
+            "turnlog-bench",
+            turnlog_runtime::trace::LogStyle::Pretty { ansi: false },
+            tracing_subscriber::EnvFilter::new("warn"),
+        )?),
+    };
+    let traced = telemetry.is_some();
+    let mut rig = Rig::new().await?;
+    rig.start_writer();
+    let sessions = rig.sessions(16).await?;
+    end_to_end_traced(&rig.bus, &sessions, WARM_UP, traced).await?;
+    let per_s = end_to_end_traced(&rig.bus, &sessions, total(), traced).await?;
+    rig.stop_writer().await?;
+    if let Some(t) = telemetry {
+        t.shutdown().await;
+    }
+    println!("events_per_s={per_s:.0}");
+    Ok(())
+}
+
+/// An OTLP/HTTP collector that counts the spans it is sent; its base URL.
+async fn collector(spans: Arc<AtomicU64>) -> anyhow::Result<String> {
+    let receive = move |body: axum::body::Bytes| async move {
+        if let Ok(request) = ExportTraceServiceRequest::decode(body) {
+            let n = request
+                .resource_spans
+                .iter()
+                .flat_map(|r| &r.scope_spans)
+                .map(|s| s.spans.len())
+                .sum::<usize>();
+            spans.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        ([("content-type", "application/x-protobuf")], Vec::<u8>::new())
+    };
+    let app = axum::Router::new().route("/v1/traces", axum::routing::post(receive));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(url)
+}
