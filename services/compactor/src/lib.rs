@@ -17,6 +17,7 @@ use futures::StreamExt as _;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 use turnlog_core::events::EventKind;
 use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::{Bus, CommittedEvent};
@@ -165,7 +166,11 @@ async fn serve_pre_send(
         let Some(message) = message else { break };
         let permit = permits.clone().acquire_owned().await.context("request permits closed")?;
         let (bus, compactor) = (bus.clone(), compactor.clone());
-        in_hand.spawn(async move {
+        // The check joins the trace of the turn that asks.
+        let span = tracing::info_span!("compactor.pre_send");
+        let traceparent = turnlog_runtime::trace::from_headers(message.headers.as_ref());
+        turnlog_runtime::trace::follow(&span, traceparent.as_deref());
+        let task = async move {
             let reply = answer(&compactor, &message).await;
             if let Some(to) = message.reply {
                 match serde_json::to_vec(&reply) {
@@ -178,7 +183,8 @@ async fn serve_pre_send(
                 }
             }
             drop(permit);
-        });
+        };
+        in_hand.spawn(task.instrument(span));
         while in_hand.try_join_next().is_some() {}
     }
     // Stop taking requests (the queue group sends them to the other copies), then finish

@@ -81,7 +81,7 @@ impl Injector for Captured {
 
 /// The process's logging and tracing, until [`Telemetry::shutdown`] sends what is left.
 pub struct Telemetry {
-    provider: SdkTracerProvider,
+    provider: Option<SdkTracerProvider>,
 }
 
 /// How log lines look.
@@ -96,23 +96,27 @@ pub enum LogStyle {
 /// Installs the process's subscriber: log lines to stderr filtered by `filter`, and spans
 /// of turnlog's own crates (at info and above) recorded for tracing and exported over
 /// OTLP/HTTP when `OTEL_EXPORTER_OTLP_ENDPOINT` is set. `service` names the process in its
-/// spans unless `OTEL_SERVICE_NAME` does. Call from inside the Tokio runtime: the exporter
-/// sends on it.
+/// spans unless `OTEL_SERVICE_NAME` does; the standard `OTEL_SDK_DISABLED=true` leaves
+/// tracing out (no trace context made or passed on, no `trace_id` on log lines). Call from
+/// inside the Tokio runtime: the exporter sends on it.
 pub fn init(service: &str, style: LogStyle, filter: EnvFilter) -> anyhow::Result<Telemetry> {
-    let provider = provider(service, otlp_configured())?;
+    let disabled = std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.trim().eq_ignore_ascii_case("true"));
+    let provider = if disabled { None } else { Some(provider(service, otlp_configured())?) };
     // Only turnlog's spans (and its warnings, as span events) go to the traces: library
     // spans and every log line would multiply the cost for little.
     let traced = filter_fn(|m| {
         m.target().starts_with("turnlog")
             && if m.is_span() { *m.level() <= Level::INFO } else { *m.level() <= Level::WARN }
     });
-    let tracing = tracing_opentelemetry::layer()
-        .with_tracer(provider.tracer("turnlog"))
-        .with_context_activation(false)
-        .with_tracked_inactivity(false)
-        .with_threads(false)
-        .with_location(false)
-        .with_filter(traced);
+    let tracing = provider.as_ref().map(|p| {
+        tracing_opentelemetry::layer()
+            .with_tracer(p.tracer("turnlog"))
+            .with_context_activation(false)
+            .with_tracked_inactivity(false)
+            .with_threads(false)
+            .with_location(false)
+            .with_filter(traced)
+    });
     use tracing_subscriber::fmt::{format, layer};
     // One of the two, each with the filter (a boxed layer would hide its filter's id).
     let (pretty, json) = match style {
@@ -165,7 +169,7 @@ impl Telemetry {
     /// Sends the spans not yet exported (the batch exporter's thread waits on the runtime,
     /// so this blocks a thread of its own, not the caller's).
     pub async fn shutdown(self) {
-        let provider = self.provider;
+        let Some(provider) = self.provider else { return };
         let done =
             tokio::task::spawn_blocking(move || provider.shutdown_with_timeout(Duration::from_secs(5)));
         match done.await {

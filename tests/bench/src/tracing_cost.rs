@@ -2,7 +2,7 @@
 //! producers, 16 sessions), every request sent in a span of its own with its trace context as
 //! the ingress sends a turn's, in three modes, each run in a process of its own (a process has
 //! one subscriber):
-//! - `none`: no tracing layer, no trace context (the baseline);
+//! - `none`: `OTEL_SDK_DISABLED=true`: no tracing layer, no trace context (the baseline);
 //! - `off`: trace context made and carried, the writer's apply spans recorded, nothing
 //!   exported (`OTEL_EXPORTER_OTLP_ENDPOINT` unset: the default);
 //! - `on`: spans exported over OTLP/HTTP to a collector this process runs.
@@ -39,7 +39,14 @@ pub(crate) async fn run() -> anyhow::Result<()> {
             let before = spans.load(Ordering::Relaxed);
             let mut child = tokio::process::Command::new(&exe);
             child.args(["tracing-run", mode]).stdout(Stdio::piped()).stderr(Stdio::inherit());
-            child.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT").env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
+            for var in
+                ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SDK_DISABLED"]
+            {
+                child.env_remove(var);
+            }
+            if *mode == "none" {
+                child.env("OTEL_SDK_DISABLED", "true");
+            }
             if *mode == "on" {
                 // Room for every span at this rate (the SDK's default queue, 2,048 spans
                 // sent every 5 s, drops most of them): the cost of exporting them all.
@@ -95,24 +102,19 @@ pub(crate) async fn run() -> anyhow::Result<()> {
 pub(crate) async fn child(args: &[String]) -> anyhow::Result<()> {
     let mode = args.first().map(String::as_str).context("tracing-run needs a mode")?;
     anyhow::ensure!(MODES.contains(&mode), "unknown mode {mode}");
-    let telemetry = match mode {
-        "none" => None,
-        _ => Some(turnlog_runtime::trace::init(
-            "turnlog-bench",
-            turnlog_runtime::trace::LogStyle::Pretty { ansi: false },
-            tracing_subscriber::EnvFilter::new("warn"),
-        )?),
-    };
-    let traced = telemetry.is_some();
+    // As the services start theirs (the parent sets the mode's environment).
+    let telemetry = turnlog_runtime::trace::init(
+        "turnlog-bench",
+        turnlog_runtime::trace::LogStyle::Pretty { ansi: false },
+        tracing_subscriber::EnvFilter::new("warn"),
+    )?;
     let mut rig = Rig::new().await?;
     rig.start_writer();
     let sessions = rig.sessions(16).await?;
-    end_to_end_traced(&rig.bus, &sessions, WARM_UP, traced).await?;
-    let per_s = end_to_end_traced(&rig.bus, &sessions, total(), traced).await?;
+    end_to_end_traced(&rig.bus, &sessions, WARM_UP, true).await?;
+    let per_s = end_to_end_traced(&rig.bus, &sessions, total(), true).await?;
     rig.stop_writer().await?;
-    if let Some(t) = telemetry {
-        t.shutdown().await;
-    }
+    telemetry.shutdown().await;
     println!("events_per_s={per_s:.0}");
     Ok(())
 }

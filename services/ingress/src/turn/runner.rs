@@ -438,8 +438,12 @@ impl Turn<'_> {
         };
         let Ok(body) = serde_json::to_vec(&req) else { return false };
         let subject = app.bus.names.compact_subject(self.start.session);
-        let asked =
-            tokio::time::timeout(app.config.compact_timeout, app.bus.client.request(subject, body.into()));
+        let mut headers = async_nats::HeaderMap::new();
+        if let Some(t) = turnlog_runtime::trace::current_traceparent() {
+            headers.insert(turnlog_runtime::trace::TRACEPARENT, t.as_str());
+        }
+        let request = app.bus.client.request_with_headers(subject, headers, body.into());
+        let asked = tokio::time::timeout(app.config.compact_timeout, request);
         match asked.await {
             Ok(Ok(msg)) => match serde_json::from_slice::<CompactReply>(&msg.payload) {
                 Ok(r) => r.status != CompactStatus::Failed,
