@@ -321,3 +321,56 @@ async fn readiness_follows_the_nats_connection() {
         p.terminate();
     }
 }
+
+/// The compactor's pre-send check (a NATS request, asked when a request is over budget)
+/// joins the trace of the turn that asks: a window of 50 tokens puts the first turn over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pre_send_check_joins_the_turns_trace() {
+    let env = test_env().await;
+    let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await.unwrap();
+    let llm = mock.base_url();
+    let (otlp, spans) = otlp_receiver().await;
+    let listen = format!("127.0.0.1:{}", free_port());
+    let vars = [
+        ("TURNLOG_LLM_URL", llm.as_str()),
+        ("TURNLOG_MODEL", "mock"),
+        ("TURNLOG_MODEL_WINDOWS", "mock=50"),
+        ("TURNLOG_LISTEN", listen.as_str()),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ];
+    let mut processes: Vec<TurnlogProcess> = ["writer", "compactor", "ingress"]
+        .iter()
+        .map(|role| TurnlogProcess::start(BIN, &env, &[role], &vars))
+        .collect();
+    let http = reqwest::Client::new();
+    let ingress = format!("http://{listen}");
+    let session: serde_json::Value = eventually(Duration::from_secs(30), || async {
+        let r = http.post(format!("{ingress}/v1/sessions")).json(&json!({})).send().await.ok()?;
+        r.status().is_success().then_some(())?;
+        r.json().await.ok()
+    })
+    .await;
+    let id = session["id"].as_str().unwrap();
+    let trace_id = uuid::Uuid::new_v4().simple().to_string();
+    let turn = http
+        .post(format!("{ingress}/v1/sessions/{id}/messages"))
+        .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
+        .json(&json!({"text": "Petra moved the review to Friday, room 4, and asked for the notes."}))
+        .send()
+        .await
+        .unwrap();
+    let _: Vec<_> = turn.bytes_stream().collect().await;
+    let check = eventually(Duration::from_secs(20), || async {
+        let got = spans.lock().unwrap().clone();
+        let check = got.iter().find(|s| s.trace_id == trace_id && s.name == "compactor.pre_send")?.clone();
+        let parent = got.iter().find(|s| s.span_id == check.parent)?.clone();
+        Some((check, parent))
+    })
+    .await;
+    assert_eq!(check.0.service, "turnlog-compactor");
+    assert_eq!((check.1.service.as_str(), check.1.trace_id.as_str()), ("turnlog-ingress", trace_id.as_str()));
+    for p in &mut processes {
+        p.terminate();
+    }
+}
