@@ -89,6 +89,29 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// A new session's first turn, sent with the client's `traceparent` (once the ingress
+/// answers).
+async fn traced_turn(
+    http: &reqwest::Client,
+    ingress: &str,
+    traceparent: &str,
+    text: &str,
+) -> reqwest::Response {
+    let session: serde_json::Value = eventually(Duration::from_secs(30), || async {
+        let r = http.post(format!("{ingress}/v1/sessions")).json(&json!({})).send().await.ok()?;
+        r.status().is_success().then_some(())?;
+        r.json().await.ok()
+    })
+    .await;
+    let id = session["id"].as_str().unwrap();
+    http.post(format!("{ingress}/v1/sessions/{id}/messages"))
+        .header("traceparent", traceparent)
+        .json(&json!({ "text": text }))
+        .send()
+        .await
+        .unwrap()
+}
+
 /// The JSON log lines of a process that carry `trace_id`.
 fn lines_of_trace(p: &TurnlogProcess, trace_id: &str) -> Vec<serde_json::Value> {
     std::fs::read_to_string(p.log_path())
@@ -143,23 +166,9 @@ async fn every_service_serves_metrics_health_readiness_and_one_trace_per_turn() 
     // One chat turn, in a trace the client started.
     let trace_id = uuid::Uuid::new_v4().simple().to_string();
     let client_span = &uuid::Uuid::new_v4().simple().to_string()[..16];
-    let session: serde_json::Value = http
-        .post(format!("{ingress}/v1/sessions"))
-        .json(&json!({}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let id = session["id"].as_str().unwrap();
-    let turn = http
-        .post(format!("{ingress}/v1/sessions/{id}/messages"))
-        .header("traceparent", format!("00-{trace_id}-{client_span}-01"))
-        .json(&json!({"text": "Petra moved the review to Friday, room 4. [mock words=6]"}))
-        .send()
-        .await
-        .unwrap();
+    let traceparent = format!("00-{trace_id}-{client_span}-01");
+    let text = "Petra moved the review to Friday, room 4. [mock words=6]";
+    let turn = traced_turn(&http, &ingress, &traceparent, text).await;
     assert!(turn.status().is_success());
     let body: Vec<_> = turn.bytes_stream().collect().await;
     assert!(!body.is_empty());
@@ -345,21 +354,10 @@ async fn the_pre_send_check_joins_the_turns_trace() {
         .collect();
     let http = reqwest::Client::new();
     let ingress = format!("http://{listen}");
-    let session: serde_json::Value = eventually(Duration::from_secs(30), || async {
-        let r = http.post(format!("{ingress}/v1/sessions")).json(&json!({})).send().await.ok()?;
-        r.status().is_success().then_some(())?;
-        r.json().await.ok()
-    })
-    .await;
-    let id = session["id"].as_str().unwrap();
     let trace_id = uuid::Uuid::new_v4().simple().to_string();
-    let turn = http
-        .post(format!("{ingress}/v1/sessions/{id}/messages"))
-        .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
-        .json(&json!({"text": "Petra moved the review to Friday, room 4, and asked for the notes."}))
-        .send()
-        .await
-        .unwrap();
+    let traceparent = format!("00-{trace_id}-00f067aa0ba902b7-01");
+    let text = "Petra moved the review to Friday, room 4, and asked for the notes.";
+    let turn = traced_turn(&http, &ingress, &traceparent, text).await;
     let _: Vec<_> = turn.bytes_stream().collect().await;
     let check = eventually(Duration::from_secs(20), || async {
         let got = spans.lock().unwrap().clone();
