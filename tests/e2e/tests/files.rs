@@ -371,7 +371,9 @@ async fn files_survive_a_restart_and_a_rebuild_restores_them() {
     assert!(next.end()["error"].is_null(), "{:?}", next.end());
     assert_eq!(parts(&chats(&mock).pop().unwrap().body).0.len(), 1, "the image is still sent");
 
-    // A rebuild from the APPEND stream restores the files table exactly.
+    // A rebuild from the APPEND stream restores the files table exactly (compared once the
+    // live search index, which trails the log, has caught up: a rebuild indexes everything).
+    api.env.search_caught_up().await;
     let target = api.env.extra_database().await;
     turnlog_ops::rebuild(&target, &bus, false).await.expect("rebuild");
     let verdict = turnlog_ops::verify(&api.env.database_url, &target).await.expect("verify");
