@@ -158,6 +158,9 @@ async fn serve_partition(
     let mut waiting_logged = false;
     let mut standby: Option<PgConnection> = None;
     let (stop, _claimed, mut conn) = loop {
+        let changed = share.changed();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
         if let Some(stop) = share.claim(partition, shutdown) {
             let claimed = Claimed(share, partition);
             // The lock lives on the partition's own connection, held exactly as long as it;
@@ -182,8 +185,10 @@ async fn serve_partition(
                 waiting_logged = true;
             }
         }
+        // A share change wakes this at once; another writer's lock is polled for.
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
+            _ = &mut changed => {}
             _ = tokio::time::sleep(Duration::from_millis(500)) => {}
         }
     };

@@ -30,6 +30,8 @@ pub const SETTLE_TICK: Duration = Duration::from_secs(1);
 #[derive(Debug, Default)]
 pub struct Share {
     state: Mutex<State>,
+    /// Woken when room for a partition may have opened: a new share, a partition let go.
+    changed: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
@@ -60,6 +62,12 @@ impl Share {
         Some(token)
     }
 
+    /// Resolves at the next change that may make room for a claim. Enable it before trying
+    /// [`claim`](Self::claim), so a change in between is not missed.
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
+    }
+
     /// Whether this writer has joined the members (and so reached Postgres).
     pub fn joined(&self) -> bool {
         self.state().target.is_some()
@@ -71,13 +79,16 @@ impl Share {
 
     pub fn release(&self, partition: u32) {
         self.state().held.remove(&partition);
+        self.changed.notify_waiters();
     }
 
     /// Sets the share; asks for the highest-numbered partitions held beyond it back, and
     /// returns those newly asked.
     fn set_target(&self, target: usize) -> Vec<u32> {
         let mut state = self.state();
-        state.target = Some(target);
+        if state.target.replace(target) != Some(target) {
+            self.changed.notify_waiters();
+        }
         let excess = state.held.len().saturating_sub(target);
         let mut shed = Vec::new();
         for (p, token) in state.held.iter().rev().take(excess) {

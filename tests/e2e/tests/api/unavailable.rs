@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 use reqwest::Method;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use turnlog_e2e::api::{Api, Body, Options, ALICE};
+use turnlog_core::ids::SessionId;
+use turnlog_e2e::api::{Api, Body, Options, ALICE, WAIT};
+use turnlog_runtime::bus::{append_and_wait, AppendRequest};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_are_503_with_retry_after_when_no_writer_runs() {
@@ -43,11 +45,16 @@ async fn no_model_call_when_the_message_cannot_be_stored() {
         ..Options::default()
     })
     .await;
-    // A writer of its own for the session's creation, then stopped.
+    // A writer of its own for the session's creation, then stopped. The create goes on the
+    // bus with the suite's long wait: the ingress's 600 ms deadline is for the sends below,
+    // and a writer just started may take longer than that to claim its partition.
     let stop_writer = CancellationToken::new();
     let config = turnlog_e2e::config::writer(&api.env);
     let writer = tokio::spawn(turnlog_writer::run(config, stop_writer.clone()));
-    let id = api.create(ALICE, None).await;
+    let id = SessionId::new();
+    let create = AppendRequest::create(id, "alice", None);
+    let outcome = append_and_wait(&api.bus, &api.env.pool, &create, WAIT).await.unwrap();
+    assert!(outcome.is_applied(), "{outcome:?}");
     stop_writer.cancel();
     writer.await.unwrap().unwrap();
 
