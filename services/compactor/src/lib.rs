@@ -82,6 +82,7 @@ pub async fn run(config: CompactorConfig, shutdown: CancellationToken) -> anyhow
     // Post-turn and pre-send checks run side by side, each with up to `concurrency`.
     let connections = u32::try_from(2 * concurrency).unwrap_or(u32::MAX).saturating_add(2);
     let pool = config.backbone.connect_reads(connections).await.context("connecting to Postgres")?;
+    turnlog_runtime::telemetry::registry().ready_while_postgres_answers("compactor", pool.clone());
     let bus = config.backbone.connect_bus().await?;
     let upstream = UpstreamClient::new(config.upstream.clone()).context("building the model client")?;
     turnlog_core::tokens::warm_up();

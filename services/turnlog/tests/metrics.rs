@@ -17,7 +17,9 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value as Attr;
 use prometheus_parse::{Scrape, Value};
 use prost::Message as _;
 use serde_json::json;
-use turnlog_testkit::{eventually, free_port, private_nats, test_env, test_env_on, TurnlogProcess};
+use turnlog_testkit::{
+    eventually, free_port, private_nats, private_postgres, test_env, test_env_on, TurnlogProcess,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_turnlog");
 
@@ -288,16 +290,18 @@ async fn every_service_serves_metrics_health_readiness_and_one_trace_per_turn() 
     }
 }
 
-/// `/readyz` follows the connections: a writer and a worker answer 503 while their NATS
-/// server is down (`/healthz` still 200: the process lives), and 200 again once it is back.
+/// `/readyz` follows the connections: a writer and two workers answer 503 while their
+/// NATS server is down, and again while their Postgres is down (`/healthz` still 200: the
+/// process lives), and 200 once it is back. The workers' body names what is down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn readiness_follows_the_nats_connection() {
+async fn readiness_follows_the_nats_and_postgres_connections() {
     let mut nats = private_nats(free_port()).await;
-    let env = test_env_on(None, Some(&nats.url())).await;
+    let mut pg = private_postgres(free_port()).await;
+    let env = test_env_on(Some(&pg.url()), Some(&nats.url())).await;
     let http = reqwest::Client::new();
     let mut processes = Vec::new();
     let mut bases = Vec::new();
-    for role in ["writer", "distiller"] {
+    for role in ["writer", "distiller", "compactor"] {
         let listen = format!("127.0.0.1:{}", free_port());
         let vars = [
             ("TURNLOG_METRICS_LISTEN", listen.as_str()),
@@ -307,25 +311,42 @@ async fn readiness_follows_the_nats_connection() {
         processes.push(TurnlogProcess::start(BIN, &env, &[role], &vars));
         bases.push(format!("http://{listen}"));
     }
-    let status = |path: &'static str| {
+    let get = |path: &'static str| {
         let (http, bases) = (http.clone(), bases.clone());
         async move {
-            let mut codes = Vec::new();
+            let mut replies = Vec::new();
             for base in &bases {
-                codes.push(http.get(format!("{base}{path}")).send().await.ok().map(|r| r.status().as_u16()));
+                let reply =
+                    match http.get(format!("{base}{path}")).timeout(Duration::from_secs(5)).send().await {
+                        Ok(r) => Some((r.status().as_u16(), r.text().await.unwrap_or_default())),
+                        Err(_) => None,
+                    };
+                replies.push(reply);
             }
-            codes
+            replies
         }
     };
-    let all = |want: u16| move |codes: Vec<Option<u16>>| codes.iter().all(|c| *c == Some(want)).then_some(());
-    eventually(Duration::from_secs(30), || async { all(200)(status("/readyz").await) }).await;
+    let all = |want: u16, replies: Vec<Option<(u16, String)>>| {
+        replies.iter().all(|r| r.as_ref().is_some_and(|(code, _)| *code == want)).then_some(replies)
+    };
+    let healthy = || async { assert!(all(200, get("/healthz").await).is_some(), "a process died") };
+    eventually(Duration::from_secs(30), || async { all(200, get("/readyz").await) }).await;
 
     nats.kill();
-    eventually(Duration::from_secs(15), || async { all(503)(status("/readyz").await) }).await;
-    assert_eq!(status("/healthz").await, vec![Some(200), Some(200)]);
-
+    eventually(Duration::from_secs(15), || async { all(503, get("/readyz").await) }).await;
+    healthy().await;
     nats.restart().await;
-    eventually(Duration::from_secs(30), || async { all(200)(status("/readyz").await) }).await;
+    eventually(Duration::from_secs(30), || async { all(200, get("/readyz").await) }).await;
+
+    pg.kill();
+    let down = eventually(Duration::from_secs(15), || async { all(503, get("/readyz").await) }).await;
+    for (reply, worker) in down[1..].iter().zip(["distiller", "compactor"]) {
+        let body = &reply.as_ref().unwrap().1;
+        assert!(body.contains(&format!("{worker} postgres")), "{worker}: {body}");
+    }
+    healthy().await;
+    pg.start().await;
+    eventually(Duration::from_secs(30), || async { all(200, get("/readyz").await) }).await;
     for p in &mut processes {
         p.terminate();
     }

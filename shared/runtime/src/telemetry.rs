@@ -15,12 +15,16 @@ use std::sync::{LazyLock, Mutex, PoisonError};
 type Render = Box<dyn Fn(&mut String) + Send + Sync>;
 type Check = Box<dyn Fn() -> bool + Send + Sync>;
 
+/// How long `/readyz` waits for Postgres to answer `SELECT 1`.
+pub const PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// What one process exports: renderers and readiness checks by key (a second service of
 /// the same key in one process replaces the first, so the text never repeats a family).
 #[derive(Default)]
 pub struct Registry {
     renders: Mutex<BTreeMap<String, Render>>,
     checks: Mutex<BTreeMap<String, Check>>,
+    databases: Mutex<BTreeMap<String, sqlx::PgPool>>,
 }
 
 /// The process's registry.
@@ -39,6 +43,12 @@ impl Registry {
         self.checks.lock().unwrap_or_else(PoisonError::into_inner).insert(key.to_owned(), Box::new(check));
     }
 
+    /// A readiness condition on Postgres: `/readyz` asks `pool` for `SELECT 1` each time
+    /// (within [`PROBE_TIMEOUT`]) and is 503 naming `key` when it does not answer.
+    pub fn ready_while_postgres_answers(&self, key: &str, pool: sqlx::PgPool) {
+        self.databases.lock().unwrap_or_else(PoisonError::into_inner).insert(key.to_owned(), pool);
+    }
+
     /// The Prometheus text exposition of everything registered.
     pub fn render(&self) -> String {
         let mut out = String::new();
@@ -50,12 +60,22 @@ impl Registry {
 
     /// The checks that do not hold now, by key; `starting` while the process's service has
     /// registered none yet (it has not connected to anything).
-    pub fn not_ready(&self) -> Vec<String> {
-        let checks = self.checks.lock().unwrap_or_else(PoisonError::into_inner);
-        if checks.is_empty() {
-            return vec!["starting".to_owned()];
-        }
-        checks.iter().filter(|(_, check)| !check()).map(|(key, _)| key.clone()).collect()
+    pub async fn not_ready(&self) -> Vec<String> {
+        let mut failing: Vec<String> = {
+            let checks = self.checks.lock().unwrap_or_else(PoisonError::into_inner);
+            if checks.is_empty() {
+                return vec!["starting".to_owned()];
+            }
+            checks.iter().filter(|(_, check)| !check()).map(|(key, _)| key.clone()).collect()
+        };
+        let databases: Vec<(String, sqlx::PgPool)> =
+            self.databases.lock().unwrap_or_else(PoisonError::into_inner).clone().into_iter().collect();
+        let probes = databases.into_iter().map(|(key, pool)| async move {
+            let answered = tokio::time::timeout(PROBE_TIMEOUT, sqlx::query("SELECT 1").execute(&pool)).await;
+            (!matches!(answered, Ok(Ok(_)))).then(|| format!("{key} postgres"))
+        });
+        failing.extend(futures::future::join_all(probes).await.into_iter().flatten());
+        failing
     }
 }
 
@@ -157,7 +177,7 @@ pub async fn serve(
         .route(
             "/readyz",
             get(|| async {
-                let not_ready = registry().not_ready();
+                let not_ready = registry().not_ready().await;
                 if not_ready.is_empty() {
                     (StatusCode::OK, "ready\n".to_owned()).into_response()
                 } else {

@@ -152,6 +152,7 @@ pub async fn run<T: TurnTask>(
 ) -> anyhow::Result<()> {
     let connections = u32::try_from(config.consumer.concurrency).unwrap_or(u32::MAX).saturating_add(2);
     let pool = config.backbone.connect_reads(connections).await.context("connecting to Postgres")?;
+    crate::telemetry::registry().ready_while_postgres_answers(name, pool.clone());
     let bus = config.backbone.connect_bus().await?;
     let upstream = UpstreamClient::new(config.upstream.clone()).context("building the model client")?;
     let worker = TurnWorker {

@@ -1,8 +1,6 @@
 //! Operations routes, without auth: liveness, readiness (Postgres and NATS), Prometheus
 //! metrics and the OpenAPI document.
 
-use std::time::Duration;
-
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
@@ -13,7 +11,6 @@ use utoipa::ToSchema;
 use crate::{openapi, AppState};
 
 /// How long a readiness probe waits for Postgres.
-const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Health {
@@ -44,7 +41,11 @@ pub struct Readiness {
 )]
 pub async fn readyz(State(app): State<AppState>) -> (StatusCode, Json<Readiness>) {
     let postgres = matches!(
-        tokio::time::timeout(PROBE_TIMEOUT, sqlx::query("SELECT 1").execute(&app.pool)).await,
+        tokio::time::timeout(
+            turnlog_runtime::telemetry::PROBE_TIMEOUT,
+            sqlx::query("SELECT 1").execute(&app.pool)
+        )
+        .await,
         Ok(Ok(_))
     );
     let nats = app.bus.client.connection_state() == async_nats::connection::State::Connected;
