@@ -254,4 +254,29 @@ mod tests {
         shutdown.cancel();
         assert!(tokens[0].is_cancelled(), "shutdown stops every partition");
     }
+
+    /// A partition task waiting for room wakes when the share changes or a partition is let
+    /// go (not only at its next poll), and not when nothing changed.
+    #[tokio::test]
+    async fn a_new_share_or_a_released_partition_wakes_a_waiting_claim() {
+        let (share, shutdown) = (Share::default(), CancellationToken::new());
+        fn woken(waiting: std::pin::Pin<Box<tokio::sync::futures::Notified<'_>>>) -> bool {
+            futures::FutureExt::now_or_never(waiting).is_some()
+        }
+        let mut waiting = Box::pin(share.changed());
+        waiting.as_mut().enable();
+        share.set_target(1);
+        assert!(woken(waiting), "joining wakes");
+        let _held = share.claim(0, &shutdown).unwrap();
+
+        let mut waiting = Box::pin(share.changed());
+        waiting.as_mut().enable();
+        share.set_target(1);
+        assert!(!woken(waiting), "the same share again is no change");
+
+        let mut waiting = Box::pin(share.changed());
+        waiting.as_mut().enable();
+        share.release(0);
+        assert!(woken(waiting), "a partition let go wakes");
+    }
 }
