@@ -2,7 +2,8 @@
 //! writers 1 → 2 → 3 → 2 (the last step a SIGKILL) under steady appends. At every step each
 //! partition has one holder, the shares differ by at most one and settle within 10 s; at
 //! the end the checker proves every acknowledged append is stored once, in order, gapless,
-//! and on the feed.
+//! and on the feed. And a writer whose host drops off the network hands its partitions over
+//! within the same 10 s.
 
 // A failed unwrap in a test is a failed test.
 #![allow(clippy::unwrap_used)]
@@ -15,7 +16,10 @@ use std::time::{Duration, Instant};
 use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus};
 use turnlog_testkit::checker::{check_log, produce_while, Acked};
-use turnlog_testkit::{test_env, TestEnv, TurnlogProcess};
+use turnlog_testkit::{
+    free_port, private_nats_for, private_postgres_for, test_env, test_env_on, test_host, TestEnv,
+    TurnlogProcess,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_turnlog");
 const PARTITIONS: u32 = 4;
@@ -59,85 +63,145 @@ async fn settled(env: &TestEnv, live: &[&TurnlogProcess]) -> (Duration, BTreeMap
     panic!("writers {pids:?} did not settle within {SETTLE:?}; holders {last:?}\n{}", logs.join("\n---\n"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn partitions_spread_over_writers_as_they_come_and_go() {
-    let mut env = test_env().await;
-    env.partitions = PARTITIONS;
-    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, PARTITIONS).await.unwrap();
-    bus.ensure_topology(None).await.unwrap();
-    let start = |env: &TestEnv| TurnlogProcess::start(BIN, env, &["writer"], &[("RUST_LOG", "info")]);
+/// A producer's failed attempts and (request id, seq) of each acknowledged append.
+type Produced = (usize, Vec<(uuid::Uuid, i64)>);
 
-    let mut a = start(&env);
-    let (took, shares) = settled(&env, &[&a]).await;
-    eprintln!("1 writer: {shares:?} after {took:?}");
+/// Appends on two sessions a partition, a producer each, until [`Load::check`].
+struct Load {
+    stop: Arc<AtomicBool>,
+    producers: Vec<(SessionId, tokio::task::JoinHandle<Produced>)>,
+}
 
-    // Two sessions a partition, each with a producer that appends until told to stop.
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut sessions = Vec::new();
-    while sessions.len() < 2 * PARTITIONS as usize {
-        let s = SessionId::new();
-        let p = bus.partition_of(s);
-        if sessions.iter().filter(|t| bus.partition_of(**t) == p).count() < 2 {
-            sessions.push(s);
+impl Load {
+    async fn start(env: &TestEnv, bus: &Bus) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut sessions = Vec::new();
+        while sessions.len() < 2 * PARTITIONS as usize {
+            let s = SessionId::new();
+            let p = bus.partition_of(s);
+            if sessions.iter().filter(|t| bus.partition_of(**t) == p).count() < 2 {
+                sessions.push(s);
+            }
         }
+        let mut producers = Vec::new();
+        for s in &sessions {
+            let create = AppendRequest::create(*s, "alice", None);
+            assert!(append_and_wait(bus, &env.pool, &create, Duration::from_secs(30))
+                .await
+                .unwrap()
+                .is_applied());
+            let stop = stop.clone();
+            let task = produce_while(bus.clone(), env.pool.clone(), "alice".into(), *s, move |_| {
+                !stop.load(Ordering::Relaxed)
+            });
+            producers.push((*s, tokio::spawn(task)));
+        }
+        Load { stop, producers }
     }
-    let mut producers = Vec::new();
-    for s in &sessions {
-        let create = AppendRequest::create(*s, "alice", None);
-        assert!(append_and_wait(&bus, &env.pool, &create, Duration::from_secs(30))
-            .await
-            .unwrap()
-            .is_applied());
-        let stop = stop.clone();
-        let task = produce_while(bus.clone(), env.pool.clone(), "alice".into(), *s, move |_| {
-            !stop.load(Ordering::Relaxed)
-        });
-        producers.push((*s, tokio::spawn(task)));
+
+    /// Stops the producers; the checker proves every acknowledged append is stored once,
+    /// in order, gapless, and on the feed.
+    async fn check(self, env: &TestEnv, bus: &Bus) {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut acked = Acked::new();
+        let mut retried = 0;
+        for (s, task) in self.producers {
+            let (failures, pairs) =
+                tokio::time::timeout(Duration::from_secs(60), task).await.unwrap().unwrap();
+            retried += failures;
+            assert!(pairs.windows(2).all(|w| w[0].1 < w[1].1), "{s}: appends applied out of order");
+            acked.extend(pairs.into_iter().map(|(id, seq)| (id, (s, seq))));
+        }
+        eprintln!("{} appends acknowledged, {retried} attempts retried", acked.len());
+        check_log(env, bus, &acked).await;
     }
+}
+
+/// Waits until more than 20 events were stored after the first call; panics after 10 s.
+async fn appends_flow(env: &TestEnv) {
     let count = || async {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM session_events")
             .fetch_one(&env.pool)
             .await
             .unwrap()
     };
-    let applied_since = |before: i64| async move {
-        for _ in 0..100 {
-            if count().await > before + 20 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+    let before = count().await;
+    for _ in 0..100 {
+        if count().await > before + 20 {
+            return;
         }
-        panic!("appends stopped flowing");
-    };
-    applied_since(count().await).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("appends stopped flowing");
+}
 
-    let b = start(&env);
+fn start_writer(env: &TestEnv) -> TurnlogProcess {
+    TurnlogProcess::start(BIN, env, &["writer"], &[("RUST_LOG", "info")])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_spread_over_writers_as_they_come_and_go() {
+    let mut env = test_env().await;
+    env.partitions = PARTITIONS;
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, PARTITIONS).await.unwrap();
+    bus.ensure_topology(None).await.unwrap();
+
+    let a = start_writer(&env);
+    let (took, shares) = settled(&env, &[&a]).await;
+    eprintln!("1 writer: {shares:?} after {took:?}");
+    let load = Load::start(&env, &bus).await;
+    appends_flow(&env).await;
+
+    let mut b = start_writer(&env);
     let (took, shares) = settled(&env, &[&a, &b]).await;
     eprintln!("2 writers: {shares:?} after {took:?}");
-    applied_since(count().await).await;
+    appends_flow(&env).await;
 
-    let mut c = start(&env);
+    let c = start_writer(&env);
     let (took, shares) = settled(&env, &[&a, &b, &c]).await;
     eprintln!("3 writers: {shares:?} after {took:?}");
-    applied_since(count().await).await;
+    appends_flow(&env).await;
 
-    let mut b = b;
     b.kill();
     let (took, shares) = settled(&env, &[&a, &c]).await;
     eprintln!("SIGKILL one of 3: {shares:?} after {took:?}");
-    applied_since(count().await).await;
+    appends_flow(&env).await;
 
-    stop.store(true, Ordering::Relaxed);
-    let mut acked = Acked::new();
-    let mut retried = 0;
-    for (s, task) in producers {
-        let (failures, pairs) = tokio::time::timeout(Duration::from_secs(60), task).await.unwrap().unwrap();
-        retried += failures;
-        assert!(pairs.windows(2).all(|w| w[0].1 < w[1].1), "{s}: appends applied out of order");
-        acked.extend(pairs.into_iter().map(|(id, seq)| (id, (s, seq))));
-    }
-    eprintln!("{} appends acknowledged, {retried} attempts retried", acked.len());
-    check_log(&env, &bus, &acked).await;
-    a.terminate();
-    c.terminate();
+    load.check(&env, &bus).await;
+}
+
+/// A writer whose host vanishes — its link goes down, no connection is closed, as when a
+/// machine loses power — hands its partitions over within 10 s all the same: Postgres's
+/// TCP keepalive on the writer's lock connections (probes after 3 s of silence) ends its
+/// sessions, and with them its locks. The writers run on different hosts: one in a network
+/// namespace of the test's own, one on this machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_whose_host_vanishes_hands_its_partitions_over_within_10_s() {
+    let host = test_host();
+    let pg = private_postgres_for(free_port(), &host).await;
+    let nats = private_nats_for(free_port(), &host).await;
+    let mut env = test_env_on(Some(&pg.url()), Some(&nats.url())).await;
+    env.partitions = PARTITIONS;
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, PARTITIONS).await.unwrap();
+    bus.ensure_topology(None).await.unwrap();
+
+    let (program, mut args) = host.command(BIN);
+    args.push("writer".to_owned());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let database = pg.url_from(&host, env.database_name());
+    let mut remote =
+        TurnlogProcess::start(program, &env, &args, &[("DATABASE_URL", &database), ("RUST_LOG", "info")]);
+    settled(&env, &[&remote]).await;
+    let local = start_writer(&env);
+    let (took, shares) = settled(&env, &[&remote, &local]).await;
+    eprintln!("a writer on each host: {shares:?} after {took:?}");
+    let load = Load::start(&env, &bus).await;
+    appends_flow(&env).await;
+
+    host.cut();
+    let (took, shares) = settled(&env, &[&local]).await;
+    eprintln!("the test host cut off: {shares:?} after {took:?}");
+    appends_flow(&env).await;
+    load.check(&env, &bus).await;
+    remote.kill();
 }

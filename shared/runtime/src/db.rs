@@ -60,11 +60,24 @@ pub fn is_query_canceled(e: &sqlx::Error) -> bool {
 /// A single connection whose statements are planned once, for any parameters (generic
 /// plans): for statements whose plan cannot depend on them, such as the writer's commit of
 /// arrays (planning it afresh took 3 ms of a 37 ms batch of 500). JIT is off as in the pool.
+///
+/// The writer holds its advisory locks on these connections, so the server must notice
+/// when the other end is gone: a process that dies has its kernel close the socket, but a
+/// host that dies or drops off the network says nothing, and with the OS's keepalive
+/// defaults (the first probe after 2 hours) its partitions would stay locked that long.
+/// Here the server probes after 3 s of silence, every second, and gives up after 3
+/// unanswered probes (or 6 s of unacknowledged data): a lost writer host frees its
+/// partitions within about 6 s.
 pub async fn connect_generic_plans(url: &str, application_name: &str) -> Result<PgConnection, sqlx::Error> {
     let options: PgConnectOptions = url.parse()?;
-    let options = options
-        .application_name(application_name)
-        .options([("jit", "off"), ("plan_cache_mode", "force_generic_plan")]);
+    let options = options.application_name(application_name).options([
+        ("jit", "off"),
+        ("plan_cache_mode", "force_generic_plan"),
+        ("tcp_keepalives_idle", "3"),
+        ("tcp_keepalives_interval", "1"),
+        ("tcp_keepalives_count", "3"),
+        ("tcp_user_timeout", "6000"),
+    ]);
     PgConnection::connect_with(&options).await
 }
 

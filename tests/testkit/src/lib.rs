@@ -34,6 +34,7 @@
 pub mod checker;
 mod env;
 mod nats;
+mod netns;
 mod postgres;
 mod process;
 mod servers;
@@ -42,8 +43,11 @@ mod sweep;
 mod util;
 
 pub use env::{test_env, test_env_on, try_test_env_on, TestEnv};
-pub use nats::{private_nats, private_nats_cluster, PrivateNats, PrivateNatsCluster, CLUSTER_NODES};
-pub use postgres::{private_postgres, PrivatePostgres};
+pub use nats::{
+    private_nats, private_nats_cluster, private_nats_for, PrivateNats, PrivateNatsCluster, CLUSTER_NODES,
+};
+pub use netns::{test_host, TestHost};
+pub use postgres::{private_postgres, private_postgres_for, PrivatePostgres};
 pub use process::{ExternalProcess, TurnlogProcess};
 pub use servers::stop_private_servers;
 pub use util::{eventually, free_port};

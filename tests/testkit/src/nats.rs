@@ -2,11 +2,13 @@
 //! store survives restarts, for fault tests; [`PrivateNatsCluster`]: three of them as one
 //! nats-server cluster.
 
+use std::net::{Ipv4Addr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use turnlog_local_servers::{accepts, nats_server_args, nats_server_bin};
 
+use crate::netns::TestHost;
 use crate::process::ExternalProcess;
 use crate::util::{free_port, random_alnum};
 
@@ -23,6 +25,7 @@ use crate::util::{free_port, random_alnum};
 /// ```
 #[derive(Debug)]
 pub struct PrivateNats {
+    addr: Ipv4Addr,
     port: u16,
     store_dir: PathBuf,
     process: ExternalProcess,
@@ -31,22 +34,34 @@ pub struct PrivateNats {
 /// Starts nats-server with JetStream on `port` and waits until it accepts connections.
 /// Panics with a clear message when it cannot.
 pub async fn private_nats(port: u16) -> PrivateNats {
+    start_private(port, Ipv4Addr::LOCALHOST).await
+}
+
+/// [`private_nats`] on this machine's address on a [`TestHost`]'s link (only there: this
+/// machine reaches it there too), so processes on both reach it.
+pub async fn private_nats_for(port: u16, host: &TestHost) -> PrivateNats {
+    start_private(port, host.local_addr()).await
+}
+
+async fn start_private(port: u16, addr: Ipv4Addr) -> PrivateNats {
     let bin = nats_server_bin().unwrap_or_else(|e| panic!("turnlog-testkit: {e:#}"));
     let store_dir = std::env::temp_dir().join(format!("turnlog-testkit-nats-{port}-{}", random_alnum(8)));
     if let Err(e) = std::fs::create_dir_all(&store_dir) {
         panic!("turnlog-testkit: cannot create {}: {e}", store_dir.display());
     }
-    let process =
-        ExternalProcess::new(&format!("nats-server-{port}"), bin).args(nats_server_args(port, &store_dir));
-    let mut nats = PrivateNats { port, store_dir, process };
+    // A later `-a` wins over the loopback one.
+    let process = ExternalProcess::new(&format!("nats-server-{port}"), bin)
+        .args(nats_server_args(port, &store_dir))
+        .args(["-a".to_owned(), addr.to_string()]);
+    let mut nats = PrivateNats { addr, port, store_dir, process };
     nats.start().await;
     nats
 }
 
 impl PrivateNats {
-    /// `nats://127.0.0.1:<port>`.
+    /// `nats://127.0.0.1:<port>` (the link's address for [`private_nats_for`]).
     pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        format!("nats://{}:{}", self.addr, self.port)
     }
 
     pub fn port(&self) -> u16 {
@@ -72,13 +87,15 @@ impl PrivateNats {
     /// Starts the server if it is not running, then waits (up to 15 s) until it accepts
     /// connections; nats-server enables JetStream before it accepts clients.
     pub async fn start(&mut self) {
-        let port = self.port;
+        let (addr, port) = (self.addr, self.port);
         let what = format!("private nats-server on port {port}");
         self.process
             .start_until_ready(&what, Duration::from_secs(15), || async move {
-                tokio::task::spawn_blocking(move || accepts(port, Duration::from_millis(250)))
-                    .await
-                    .unwrap_or(false)
+                tokio::task::spawn_blocking(move || {
+                    TcpStream::connect_timeout(&(addr, port).into(), Duration::from_millis(250)).is_ok()
+                })
+                .await
+                .unwrap_or(false)
             })
             .await;
     }

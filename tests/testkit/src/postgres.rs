@@ -10,6 +10,7 @@ use turnlog_local_servers::{
     current_uid, is_root, local_url, make_owned_dir, postgres_user, Cluster, PgBins,
 };
 
+use crate::netns::TestHost;
 use crate::process::ExternalProcess;
 use crate::util::random_alnum;
 
@@ -65,16 +66,39 @@ pub struct PrivatePostgres {
 /// Creates a cluster (initdb, about a second) and starts it on `port`, waiting until it
 /// accepts queries. Panics with a clear message when it cannot.
 pub async fn private_postgres(port: u16) -> PrivatePostgres {
+    start_private(port, None).await
+}
+
+/// [`private_postgres`] that a [`TestHost`] reaches too: it also listens on this machine's
+/// address on the host's link, and trusts logins from the host.
+pub async fn private_postgres_for(port: u16, host: &TestHost) -> PrivatePostgres {
+    start_private(port, Some(host)).await
+}
+
+async fn start_private(port: u16, host: Option<&TestHost>) -> PrivatePostgres {
     let cluster = match tokio::task::spawn_blocking(move || new_cluster(port)).await {
         Ok(Ok(cluster)) => cluster,
         Ok(Err(e)) => panic!("turnlog-testkit: cannot create a private Postgres: {e:#}"),
         Err(e) => panic!("turnlog-testkit: cannot create a private Postgres: {e}"),
     };
     let data_dir = cluster.data_dir().to_path_buf();
+    let mut args = server_args(port, &data_dir, true);
+    if let Some(host) = host {
+        let hba = data_dir.join("pg_hba.conf");
+        let trust = format!("host all all {}/32 trust\n", host.addr());
+        if let Err(e) = std::fs::OpenOptions::new().append(true).open(&hba).and_then(|mut f| {
+            use std::io::Write as _;
+            f.write_all(trust.as_bytes())
+        }) {
+            panic!("turnlog-testkit: cannot write {}: {e}", hba.display());
+        }
+        // A later setting wins over the loopback-only one.
+        args.extend(["-c".to_owned(), format!("listen_addresses=127.0.0.1,{}", host.local_addr())]);
+    }
     let process = ExternalProcess::new(&format!("postgres-{port}"), cluster.bins().bin("postgres"))
         .arg("-D")
         .arg(&data_dir)
-        .args(server_args(port, &data_dir, true))
+        .args(args)
         .current_dir(cluster.base())
         .run_as(cluster.user());
     let mut pg = PrivatePostgres { port, data_dir, process };
@@ -100,6 +124,11 @@ impl PrivatePostgres {
     /// [`test_env_on`](crate::test_env_on).
     pub fn url(&self) -> String {
         local_url(self.port, "postgres")
+    }
+
+    /// The URL of `database` as a [`TestHost`] reaches it (see [`private_postgres_for`]).
+    pub fn url_from(&self, host: &TestHost, database: &str) -> String {
+        format!("postgres://postgres@{}:{}/{database}", host.local_addr(), self.port)
     }
 
     pub fn port(&self) -> u16 {
