@@ -30,7 +30,7 @@ pub const SETTLE_TICK: Duration = Duration::from_secs(1);
 #[derive(Debug, Default)]
 pub struct Share {
     state: Mutex<State>,
-    /// Woken when room for a partition may have opened: a new share, a partition let go.
+    /// Woken when the share changes (joining, a writer coming or going).
     changed: tokio::sync::Notify,
 }
 
@@ -62,7 +62,7 @@ impl Share {
         Some(token)
     }
 
-    /// Resolves at the next change that may make room for a claim. Enable it before trying
+    /// Resolves at the next change of the share. Enable it before trying
     /// [`claim`](Self::claim), so a change in between is not missed.
     pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
         self.changed.notified()
@@ -77,9 +77,11 @@ impl Share {
         self.state().target = None;
     }
 
+    /// Gives `partition`'s room back. It wakes no one: a task that fails to take a lock held
+    /// elsewhere releases its room and would wake itself, again and again; the room is taken
+    /// at the next poll.
     pub fn release(&self, partition: u32) {
         self.state().held.remove(&partition);
-        self.changed.notify_waiters();
     }
 
     /// Sets the share; asks for the highest-numbered partitions held beyond it back, and
@@ -255,10 +257,11 @@ mod tests {
         assert!(tokens[0].is_cancelled(), "shutdown stops every partition");
     }
 
-    /// A partition task waiting for room wakes when the share changes or a partition is let
-    /// go (not only at its next poll), and not when nothing changed.
+    /// A partition task waiting for room wakes when the share changes (not only at its next
+    /// poll), and not when nothing changed; nor when a partition is let go, which is what a
+    /// task does when the lock is held elsewhere (waking itself, it would spin).
     #[tokio::test]
-    async fn a_new_share_or_a_released_partition_wakes_a_waiting_claim() {
+    async fn a_new_share_wakes_a_waiting_claim_and_a_release_does_not() {
         let (share, shutdown) = (Share::default(), CancellationToken::new());
         fn woken(waiting: std::pin::Pin<Box<tokio::sync::futures::Notified<'_>>>) -> bool {
             futures::FutureExt::now_or_never(waiting).is_some()
@@ -277,6 +280,6 @@ mod tests {
         let mut waiting = Box::pin(share.changed());
         waiting.as_mut().enable();
         share.release(0);
-        assert!(woken(waiting), "a partition let go wakes");
+        assert!(!woken(waiting), "a partition let go wakes no one");
     }
 }

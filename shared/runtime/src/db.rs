@@ -12,6 +12,14 @@ use sqlx::{Connection as _, PgConnection, PgPool};
 /// as they grow, so every statement is planned for its actual parameters.
 const SESSION_SETTINGS: [(&str, &str); 2] = [("jit", "off"), ("plan_cache_mode", "force_custom_plan")];
 
+/// Postgres's TCP keepalive for every connection: probe after 3 s of silence, every second,
+/// give up after 3 unanswered probes. A process that dies has its kernel close its sockets,
+/// but a host that dies or drops off the network says nothing, and with the OS's defaults
+/// (the first probe after 2 hours) the server would keep its sessions, and their locks,
+/// that long: the writer's partition locks, and the search indexer's, above all.
+const KEEPALIVE: [(&str, &str); 3] =
+    [("tcp_keepalives_idle", "3"), ("tcp_keepalives_interval", "1"), ("tcp_keepalives_count", "3")];
+
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
 
 /// How long a read query may run by default (`TURNLOG_STATEMENT_TIMEOUT`).
@@ -47,7 +55,7 @@ async fn pool(max_connections: u32, options: PgConnectOptions) -> Result<PgPool,
     PgPoolOptions::new()
         .max_connections(max_connections)
         .acquire_timeout(Duration::from_secs(5))
-        .connect_with(options.application_name("turnlog"))
+        .connect_with(options.options(KEEPALIVE).application_name("turnlog"))
         .await
 }
 
@@ -61,23 +69,16 @@ pub fn is_query_canceled(e: &sqlx::Error) -> bool {
 /// plans): for statements whose plan cannot depend on them, such as the writer's commit of
 /// arrays (planning it afresh took 3 ms of a 37 ms batch of 500). JIT is off as in the pool.
 ///
-/// The writer holds its advisory locks on these connections, so the server must notice
-/// when the other end is gone: a process that dies has its kernel close the socket, but a
-/// host that dies or drops off the network says nothing, and with the OS's keepalive
-/// defaults (the first probe after 2 hours) its partitions would stay locked that long.
-/// Here the server probes after 3 s of silence, every second, and gives up after 3
-/// unanswered probes (or 6 s of unacknowledged data): a lost writer host frees its
-/// partitions within about 6 s.
+/// The writer holds its partition locks on these connections: with [`KEEPALIVE`] and
+/// `tcp_user_timeout` (6 s of unacknowledged data, for a host lost mid-commit) a lost writer
+/// host frees its partitions within about 6 s. (Not on the pools: a reader that stops
+/// reading a large result for 6 s would lose its connection.)
 pub async fn connect_generic_plans(url: &str, application_name: &str) -> Result<PgConnection, sqlx::Error> {
     let options: PgConnectOptions = url.parse()?;
-    let options = options.application_name(application_name).options([
-        ("jit", "off"),
-        ("plan_cache_mode", "force_generic_plan"),
-        ("tcp_keepalives_idle", "3"),
-        ("tcp_keepalives_interval", "1"),
-        ("tcp_keepalives_count", "3"),
-        ("tcp_user_timeout", "6000"),
-    ]);
+    let options = options
+        .application_name(application_name)
+        .options([("jit", "off"), ("plan_cache_mode", "force_generic_plan"), ("tcp_user_timeout", "6000")])
+        .options(KEEPALIVE);
     PgConnection::connect_with(&options).await
 }
 

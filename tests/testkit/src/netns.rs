@@ -8,7 +8,7 @@ use std::process::Command;
 
 use anyhow::Context as _;
 
-use crate::util::random_alnum;
+use crate::util::{file_age, random_alnum};
 
 /// A network namespace with one veth link to this machine: this machine is
 /// [`local_addr`](Self::local_addr) on it, the test host [`addr`](Self::addr). Deleted, with
@@ -24,9 +24,10 @@ pub struct TestHost {
 /// Makes a test host; panics with a clear message when this machine cannot (not root, no
 /// iproute2).
 pub fn test_host() -> TestHost {
+    sweep();
     let key = random_alnum(6);
-    // A random /30 of 10.213.0.0/16: two test hosts on one machine rarely collide, and one
-    // that does fails to come up (the address is taken) rather than joins another's link.
+    // A random /30 of 10.213.0.0/16 (one in 16,384): Linux would let two test hosts on one
+    // machine take the same one, and route one's traffic to the other.
     let random = uuid::Uuid::new_v4();
     let (third, block) = (random.as_bytes()[0], random.as_bytes()[1] & 0xfc);
     let host = TestHost {
@@ -95,6 +96,21 @@ impl Drop for TestHost {
         let _ = ip(&["link", "del", &self.local_if]);
     }
 }
+
+/// Deletes test hosts an hour old or more: a test killed before its drop ran leaves its
+/// namespace (and link) behind.
+fn sweep() {
+    let Ok(dir) = std::fs::read_dir("/run/netns") else { return };
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("tl-") && file_age(&entry.path()).is_some_and(|age| age > STALE) {
+            let _ = ip(&["netns", "del", &name]);
+        }
+    }
+}
+
+/// The age past which a test host is another run's leftover.
+const STALE: std::time::Duration = std::time::Duration::from_secs(3600);
 
 fn ip(args: &[&str]) -> anyhow::Result<()> {
     let out = Command::new("ip").args(args).output().context("running ip (iproute2)")?;

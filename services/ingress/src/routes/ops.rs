@@ -10,8 +10,6 @@ use utoipa::ToSchema;
 
 use crate::{openapi, AppState};
 
-/// How long a readiness probe waits for Postgres.
-
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Health {
     pub status: &'static str,
