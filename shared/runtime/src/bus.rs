@@ -718,13 +718,8 @@ impl Bus {
         reply_to: Option<&str>,
     ) -> Result<jetstream::publish::PublishAck, BusError> {
         let subject = self.names.append_subject(self.partition_of(session), session);
-        let mut msg = PublishMessage::build().payload(body).message_id(msg_id);
-        if let Some(r) = reply_to {
-            msg = msg.header(REPLY_HEADER, r);
-        }
-        if let Some(t) = crate::trace::current_traceparent() {
-            msg = msg.header(crate::trace::TRACEPARENT, t);
-        }
+        let traceparent = crate::trace::current_traceparent();
+        let msg = append_message(body, msg_id, reply_to, traceparent.as_deref());
         let ack = self.js.send_publish(subject, msg).await.map_err(js_err)?;
         ack.await.map_err(js_err)
     }
@@ -744,13 +739,7 @@ impl Bus {
         let traceparent = crate::trace::current_traceparent();
         let mut republished = 0;
         loop {
-            let mut msg = PublishMessage::build().payload(body.clone()).message_id(msg_id.as_str());
-            if let Some(r) = reply_to {
-                msg = msg.header(REPLY_HEADER, r);
-            }
-            if let Some(t) = &traceparent {
-                msg = msg.header(crate::trace::TRACEPARENT, t.as_str());
-            }
+            let msg = append_message(body.clone(), &msg_id, reply_to, traceparent.as_deref());
             let publish = async {
                 let ack = self.js.send_publish(subject.clone(), msg).await?;
                 ack.await
@@ -776,6 +765,24 @@ impl Bus {
             tokio::time::sleep(REPUBLISH_EVERY).await;
         }
     }
+}
+
+/// An append request as published: its body, its id for JetStream's dedup, and the headers
+/// naming where the writer replies and the producer's trace context.
+pub fn append_message(
+    body: Bytes,
+    msg_id: &str,
+    reply_to: Option<&str>,
+    traceparent: Option<&str>,
+) -> PublishMessage {
+    let mut msg = PublishMessage::build().payload(body).message_id(msg_id);
+    if let Some(r) = reply_to {
+        msg = msg.header(REPLY_HEADER, r);
+    }
+    if let Some(t) = traceparent {
+        msg = msg.header(crate::trace::TRACEPARENT, t);
+    }
+    msg
 }
 
 /// How often a producer republishes an unacknowledged append.

@@ -13,7 +13,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
-use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, REPLY_HEADER};
+use turnlog_runtime::bus::{append_and_wait, append_message, AppendRequest, Bus};
 use turnlog_testkit::{test_env, TestEnv};
 use uuid::Uuid;
 
@@ -105,16 +105,15 @@ pub(crate) async fn end_to_end_traced(
                     let session = mine[sent % mine.len()];
                     let req = AppendRequest::append(session, OWNER, Uuid::now_v7(), &message(sent));
                     let subject = bus.names.append_subject(bus.partition_of(session), session);
-                    let mut msg = async_nats::jetstream::message::PublishMessage::build()
-                        .payload(Bytes::from(serde_json::to_vec(&req)?))
-                        .message_id(req.request_id.to_string())
-                        .header(REPLY_HEADER, inbox.as_str());
-                    if traced {
-                        let span = tracing::info_span!("bench.append");
-                        if let Some(t) = turnlog_runtime::trace::traceparent(&span) {
-                            msg = msg.header(turnlog_runtime::trace::TRACEPARENT, t);
-                        }
-                    }
+                    let traceparent = traced
+                        .then(|| turnlog_runtime::trace::traceparent(&tracing::info_span!("bench.append")))
+                        .flatten();
+                    let msg = append_message(
+                        Bytes::from(serde_json::to_vec(&req)?),
+                        &req.request_id.to_string(),
+                        Some(&inbox),
+                        traceparent.as_deref(),
+                    );
                     let ack = bus.js.send_publish(subject, msg).await?.into_future();
                     acks.push(ack);
                     sent += 1;
