@@ -4,19 +4,21 @@
 //! for sizes), never a 5xx.
 
 use serde_json::Value;
+use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
 use turnlog_core::events::EventKind;
+use turnlog_core::storable;
 use turnlog_runtime::bus::{json_len, MAX_EVENT_BYTES};
 
 use crate::config::IngressConfig;
 use crate::error::ApiError;
+use crate::turn::TurnOptions;
 
 /// Largest request body.
 pub const MAX_BODY_BYTES: usize = 1024 * 1024;
 /// `POST /v1/chat/completions`' body: a chat front end resends its whole conversation.
 pub const MAX_CHAT_BODY_BYTES: usize = 16 * 1024 * 1024;
 pub use turnlog_core::events::MAX_TITLE_CHARS;
-/// Longest message text, in bytes (UTF-8).
-pub const MAX_TEXT_BYTES: usize = 256 * 1024;
+pub use turnlog_core::storable::MAX_TEXT_BYTES;
 /// Most markdown a message's documents may carry together, in bytes.
 pub const MAX_DOCUMENTS_BYTES: usize = 512 * 1024;
 /// Longest search query, in characters.
@@ -47,15 +49,43 @@ pub fn title(value: String) -> Result<String, ApiError> {
 
 /// A message's text: not blank, at most [`MAX_TEXT_BYTES`], storable.
 pub fn text(value: &str) -> Result<(), ApiError> {
-    storable("text", value)?;
+    if let Some(why) = storable::text_problem("text", value) {
+        return Err(ApiError::bad_request(why));
+    }
     if value.trim().is_empty() {
         return Err(ApiError::bad_request("text must not be empty"));
     }
-    if value.len() > MAX_TEXT_BYTES {
-        return Err(ApiError::bad_request(format!(
-            "text is {} bytes; the limit is {MAX_TEXT_BYTES}",
-            value.len()
-        )));
+    Ok(())
+}
+
+/// An event about to be appended: within the log's size ([`event_size`]) and storable
+/// (`turnlog_core::storable`: no NUL, texts, ids and timestamps within their limits).
+pub fn event(kind: EventKind, payload: &Value) -> Result<(), ApiError> {
+    event_size(kind, payload)?;
+    match storable::payload_problem(kind, payload) {
+        Some(why) => Err(ApiError::bad_request(why)),
+        None => Ok(()),
+    }
+}
+
+/// A turn's own options, checked before anything of the turn is written: its system text
+/// (stored with the answer's audited request) at most [`MAX_SYSTEM_PROMPT_BYTES`], and no
+/// NUL in it, a stop sequence or the reasoning effort.
+pub fn turn_options(options: &TurnOptions) -> Result<(), ApiError> {
+    if let Some(system) = &options.system {
+        storable("the system text (instructions)", system)?;
+        if system.len() > MAX_SYSTEM_PROMPT_BYTES {
+            return Err(ApiError::bad_request(format!(
+                "the system text (instructions) is {} bytes; the limit is {MAX_SYSTEM_PROMPT_BYTES}",
+                system.len()
+            )));
+        }
+    }
+    for stop in options.stop.iter().flatten() {
+        storable("stop", stop)?;
+    }
+    if let Some(effort) = &options.reasoning_effort {
+        storable("reasoning_effort", effort)?;
     }
     Ok(())
 }

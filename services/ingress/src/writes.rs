@@ -21,7 +21,7 @@ const DELETE_TIMEOUT: Duration = Duration::from_secs(60);
 )]
 pub async fn submit(app: &Ingress, req: &AppendRequest) -> Result<Outcome, ApiError> {
     if let (Some(RequestKind::Known(kind)), Some(payload)) = (&req.kind, &req.payload) {
-        validate::event_size(*kind, payload)?;
+        validate::event(*kind, payload)?;
     }
     // A delete is answered once its session's stream messages are removed, one at a time
     // (DESIGN.md §6): a long session takes longer than an append may.

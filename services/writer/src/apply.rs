@@ -39,6 +39,10 @@ pub struct Incoming {
     /// the message alone (tokenizing is most of a batch's CPU time), so that the live
     /// writer does it while the batch before commits.
     event: Option<Result<NewEvent, Refusal>>,
+    /// The database's refusal of this request's writes, once the writer found that this
+    /// request alone fails its commit (a rebuild learns it from the `unstorable` dead
+    /// letters): it is then dead-lettered instead of applied.
+    unstorable: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -64,7 +68,28 @@ impl Incoming {
             Ok(req) if req.op == Op::Append => Some(new_event(req, body.len())),
             _ => None,
         };
-        Self { stream_seq, published, subject_session, reply_to, traceparent, redrive, body, request, event }
+        Self {
+            stream_seq,
+            published,
+            subject_session,
+            reply_to,
+            traceparent,
+            redrive,
+            body,
+            request,
+            event,
+            unstorable: None,
+        }
+    }
+
+    /// Marks this request as one the database refuses to store (`why`, its message): it is
+    /// dead-lettered as `unstorable` when applied.
+    pub fn mark_unstorable(&mut self, why: String) {
+        self.unstorable = Some(why);
+    }
+
+    pub fn is_unstorable(&self) -> bool {
+        self.unstorable.is_some()
     }
 
     /// The request's id, when it decodes.
@@ -295,6 +320,9 @@ pub fn first_copy(request_id: Uuid, published: DateTime<Utc>, duplicate_window: 
     (published - minted).abs() < half
 }
 
+/// The dead-letter reason of a request whose writes the database refused.
+pub const UNSTORABLE: &str = "unstorable";
+
 /// The reason of the one rejection that is not a dead letter.
 const EXPECT_FAILED: &str = "expect_failed";
 
@@ -412,6 +440,9 @@ fn apply_one(
     state: &mut LoadedState,
     fx: &mut BatchEffects,
 ) -> Result<Applied, Refusal> {
+    if let Some(why) = &msg.unstorable {
+        return Err(refuse(UNSTORABLE, why.clone()));
+    }
     if msg.subject_session != Some(req.session_id) {
         return Err(refuse("wrong_subject", "the request's session_id is not the one its subject names"));
     }

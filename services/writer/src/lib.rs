@@ -253,7 +253,9 @@ async fn serve_partition(
     let published = publisher.await.context("publisher panicked")?;
     let purged = purger.await.context("purger panicked")?;
     let indexed = indexer.await.context("search indexer panicked")?;
-    result.and(published).and(purged).and(indexed)
+    // A task that stops closes its channel and so stops the one feeding it: the cause is
+    // the error furthest down the pipeline.
+    indexed.context("search indexer").and(purged.context("purger")).and(published).and(result)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -275,6 +277,12 @@ async fn apply_loop(
     // Each carried request's apply span, for those sent with a trace context.
     let mut spans: Vec<Option<tracing::Span>> = Vec::new();
     let mut last_ping = Instant::now();
+    // How many carried requests the next commit takes: fewer while a batch is split to
+    // find the request its data fails on.
+    let mut limit = MAX_BATCH;
+    // The error an unclassified commit failure gave, once: it is the data's when the same
+    // batch reproduces it.
+    let mut reproduced: Option<String> = None;
     loop {
         if carry.is_empty() {
             let first = tokio::select! {
@@ -295,19 +303,65 @@ async fn apply_loop(
         }
 
         let started = Instant::now();
-        let (consumed, mut committed) =
-            match apply_and_commit(pool, conn, bus, p, applied, &carry, &mut cache, duplicate_window).await {
-                // A request taken for a first copy repeated an event (a producer's clock far
-                // off nats-server's): the batch again, every earlier outcome looked up.
-                Err(e) if is_unique_violation(&e) => {
+        let take = carry.len().min(limit);
+        let batch = &carry[..take];
+        let result = match apply_and_commit(pool, conn, bus, p, applied, batch, &mut cache, duplicate_window)
+            .await
+        {
+            // A request taken for a first copy repeated an event (a producer's clock far
+            // off nats-server's): the batch again, every earlier outcome looked up.
+            Err(e) if is_unique_violation(&e) => {
+                tracing::warn!(error = format!("{e:#}"), "a request was a repeat; applying its batch again");
+                apply_and_commit(pool, conn, bus, p, applied, batch, &mut cache, Duration::ZERO).await
+            }
+            result => result,
+        };
+        let (consumed, mut committed) = match result {
+            Ok(done) => {
+                (limit, reproduced) = (MAX_BATCH, None);
+                done
+            }
+            Err(e) => {
+                // A batch its data keeps from committing is split until the request that
+                // does it is found; that one is dead-lettered (DESIGN §6: it never blocks
+                // what follows). Anything else steps down and is tried again.
+                let why = match commit_fault(&e, &mut reproduced) {
+                    CommitFault::Data(why) => why,
+                    CommitFault::Again => {
+                        tracing::warn!(
+                            partition = p,
+                            error = format!("{e:#}"),
+                            "a commit failed; trying its batch again"
+                        );
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                    CommitFault::Transient => return Err(e),
+                };
+                if take > 1 {
+                    limit = take / 2;
                     tracing::warn!(
-                        error = format!("{e:#}"),
-                        "a request was a repeat; applying its batch again"
+                        partition = p,
+                        requests = take,
+                        trying = limit,
+                        error = why,
+                        "a batch's data failed its commit; splitting it to find the request"
                     );
-                    apply_and_commit(pool, conn, bus, p, applied, &carry, &mut cache, Duration::ZERO).await?
+                } else if carry[0].is_unstorable() {
+                    // Even its dead letter does not commit: not this request's doing.
+                    return Err(e.context("committing a dead-lettered request's outcome"));
+                } else {
+                    tracing::warn!(
+                        partition = p,
+                        stream_seq = carry[0].stream_seq,
+                        error = why,
+                        "the database refuses this request's writes; dead-lettering it"
+                    );
+                    carry[0].mark_unstorable(why);
                 }
-                result => result?,
-            };
+                continue;
+            }
+        };
         applied = committed.last_stream_seq;
         metrics::metrics().committed(p.unsigned_abs(), consumed, started.elapsed().as_secs_f64(), applied);
         pending.add(committed.events.len());
@@ -574,6 +628,53 @@ fn fork_parents_and_delete(batch: &[Incoming]) -> (Vec<Uuid>, Option<SessionId>)
     let deleted =
         batch.first().and_then(Incoming::request).filter(|r| r.op == Op::Delete).map(|r| r.session_id);
     (parents, deleted)
+}
+
+/// What a failed commit calls for.
+#[derive(Debug, PartialEq)]
+enum CommitFault {
+    /// The batch's data: split it (the database's message).
+    Data(String),
+    /// Not known yet: the same batch once more.
+    Again,
+    /// A lost connection, a conflict, a timeout, another writer: step down, try later.
+    Transient,
+}
+
+/// Data errors ([`data_error`]) and values the driver cannot encode are the data's at
+/// once. Connection, resource, conflict, lock, cancellation and system errors (SQLSTATE
+/// classes 08, 40, 53, 55, 57, 58) are transient. Any other database error is the data's
+/// once the same batch gave it twice in a row (`reproduced` remembers the first).
+fn commit_fault(e: &anyhow::Error, reproduced: &mut Option<String>) -> CommitFault {
+    let Some(store::StoreError::Sql(sql)) = e.downcast_ref() else { return CommitFault::Transient };
+    if let sqlx::Error::Encode(why) = sql {
+        return CommitFault::Data(format!("the value cannot be stored: {why}"));
+    }
+    if let Some(why) = data_error(sql) {
+        return CommitFault::Data(why);
+    }
+    let sqlx::Error::Database(db) = sql else { return CommitFault::Transient };
+    let code = db.code().unwrap_or_default().into_owned();
+    let why = format!("{} (SQLSTATE {code})", db.message());
+    match code.get(..2).unwrap_or_default() {
+        "08" | "40" | "53" | "55" | "57" | "58" | "" => CommitFault::Transient,
+        _ if reproduced.as_deref() == Some(why.as_str()) => {
+            *reproduced = None;
+            CommitFault::Data(why)
+        }
+        _ => {
+            *reproduced = Some(why);
+            CommitFault::Again
+        }
+    }
+}
+
+/// The database's message when `e` is a data error (SQLSTATE class 22, 23 or 54: a value out
+/// of range, a constraint, a program limit such as an index row or a tsvector too long).
+fn data_error(e: &sqlx::Error) -> Option<String> {
+    let sqlx::Error::Database(db) = e else { return None };
+    let code = db.code().unwrap_or_default();
+    matches!(code.get(..2), Some("22" | "23" | "54")).then(|| format!("{} (SQLSTATE {code})", db.message()))
 }
 
 fn is_unique_violation(e: &anyhow::Error) -> bool {

@@ -25,6 +25,7 @@ pub(crate) struct WriterMetrics {
     commit: Histogram,
     partitions: Mutex<BTreeMap<u32, Positions>>,
     dead_letters: Mutex<BTreeMap<String, u64>>,
+    search_skipped: std::sync::atomic::AtomicU64,
 }
 
 /// This process's writer metrics (the writers of one process add up).
@@ -34,6 +35,7 @@ pub(crate) fn metrics() -> &'static WriterMetrics {
         commit: Histogram::new(SECONDS),
         partitions: Mutex::default(),
         dead_letters: Mutex::default(),
+        search_skipped: Default::default(),
     });
     &METRICS
 }
@@ -74,6 +76,10 @@ impl WriterMetrics {
             .or_default() += 1;
     }
 
+    pub fn search_skipped(&self) {
+        self.search_skipped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     pub fn render(&self, out: &mut String) {
         family(out, "turnlog_writer_batch_requests", "histogram", "Requests applied per commit");
         histogram(out, "turnlog_writer_batch_requests", &[], &self.batch);
@@ -111,5 +117,13 @@ impl WriterMetrics {
         for (reason, n) in self.dead_letters.lock().unwrap_or_else(PoisonError::into_inner).iter() {
             sample(out, "turnlog_writer_dead_letters_total", &[("reason", reason)], *n as f64);
         }
+        family(
+            out,
+            "turnlog_writer_search_skipped_total",
+            "counter",
+            "Events the search index could not take",
+        );
+        let skipped = self.search_skipped.load(std::sync::atomic::Ordering::Relaxed);
+        sample(out, "turnlog_writer_search_skipped_total", &[], skipped as f64);
     }
 }

@@ -4,17 +4,19 @@
 //! the whole state stays in memory, no batch reads the database, and rows are bulk-loaded
 //! (`bulk`); a rebuild that stops part-way leaves a database to drop, not to resume.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::stream::RawMessageErrorKind;
 use futures::StreamExt as _;
 use sqlx::PgPool;
-use turnlog_runtime::bus::{Bus, OutcomeStatus};
+use turnlog_runtime::bus::{Bus, DeadLetter, OutcomeStatus};
 
-use crate::apply::{apply_batch, BatchEffects, Incoming, LoadedState};
+use crate::apply::{apply_batch, BatchEffects, Incoming, LoadedState, UNSTORABLE};
 use crate::{bulk, incoming};
 
 /// Most requests applied and written per transaction: ten times the live writer's, since
@@ -85,15 +87,18 @@ pub async fn rebuild(
             max_bytes = limits.max_bytes, "the stream drops old requests: the rebuild has only what is left");
     }
     let through = info.state.last_sequence;
+    let unstorable = Arc::new(unstorable_requests(bus).await?);
     progress.total.store(info.state.messages, Ordering::Relaxed);
     let started = Instant::now();
     let set_aside = bulk::set_aside(&mut *pool.acquire().await?).await.context("preparing the target")?;
 
     let mut tasks = tokio::task::JoinSet::new();
     for partition in 0..bus.partitions {
-        let (pool, bus, stream, progress) = (pool.clone(), bus.clone(), stream.clone(), progress.clone());
+        let (pool, bus, stream, progress, unstorable) =
+            (pool.clone(), bus.clone(), stream.clone(), progress.clone(), unstorable.clone());
         tasks.spawn(async move {
-            let done = rebuild_partition(partition, &pool, &bus, &stream, through, &progress).await;
+            let done =
+                rebuild_partition(partition, &pool, &bus, &stream, through, &unstorable, &progress).await;
             done.with_context(|| format!("rebuilding partition {partition}"))
         });
     }
@@ -154,6 +159,7 @@ async fn rebuild_partition(
     bus: &Bus,
     stream: &async_nats::jetstream::stream::Stream,
     through: u64,
+    unstorable: &Arc<HashMap<u64, String>>,
     progress: &Arc<RebuildProgress>,
 ) -> anyhow::Result<PartitionDone> {
     let p = i32::try_from(partition).context("partition out of range")?;
@@ -174,11 +180,12 @@ async fn rebuild_partition(
     let nothing = consumer.cached_info().num_pending == 0;
 
     let (to_applier, mut from_reader) = tokio::sync::mpsc::channel(READ_AHEAD);
+    let unstorable = unstorable.clone();
     let reader = tokio::spawn(async move {
         if nothing {
             return Ok(());
         }
-        read_partition(consumer, through, to_applier).await
+        read_partition(consumer, through, &unstorable, to_applier).await
     });
     let (to_writer, from_applier) = tokio::sync::mpsc::channel(WRITE_QUEUE);
     let writer = tokio::spawn(write_batches(pool.clone(), p, from_applier, progress.clone()));
@@ -232,6 +239,7 @@ async fn rebuild_partition(
 async fn read_partition(
     consumer: PullConsumer,
     through: u64,
+    unstorable: &HashMap<u64, String>,
     chunks: tokio::sync::mpsc::Sender<Vec<Incoming>>,
 ) -> anyhow::Result<()> {
     let mut delivered = 0u64;
@@ -259,7 +267,11 @@ async fn read_partition(
                 last = true;
                 break;
             }
-            chunk.push(incoming(m)?);
+            let mut request = incoming(m)?;
+            if let Some(why) = unstorable.get(&seq) {
+                request.mark_unstorable(why.clone());
+            }
+            chunk.push(request);
             if seq >= through || pending == 0 {
                 last = true;
                 break;
@@ -271,6 +283,29 @@ async fn read_partition(
         }
         if last {
             return Ok(());
+        }
+    }
+}
+
+/// The requests the live writer found the database refuses to store, by APPEND sequence,
+/// with the database's message: its `unstorable` dead letters, which a rebuild refuses
+/// again rather than fail on.
+async fn unstorable_requests(bus: &Bus) -> anyhow::Result<HashMap<u64, String>> {
+    let name = bus.names.dead_stream();
+    let stream = bus.js.get_stream_no_info(&name).await.with_context(|| format!("opening {name}"))?;
+    let filter = format!("{}.dead.{UNSTORABLE}.*", bus.names.prefix());
+    let (mut next, mut found) = (1, HashMap::new());
+    loop {
+        let m = match stream.get_first_raw_message_by_subject(&filter, next).await {
+            Ok(m) => m,
+            Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => return Ok(found),
+            Err(e) => return Err(e).with_context(|| format!("reading {filter} in {name}")),
+        };
+        next = m.sequence + 1;
+        if let Ok(letter) = serde_json::from_slice::<DeadLetter>(&m.payload) {
+            if let Some(seq) = letter.stream_seq {
+                found.insert(seq, letter.detail);
+            }
         }
     }
 }

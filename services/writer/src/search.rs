@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+use anyhow::Context as _;
 use sqlx::PgPool;
 use turnlog_core::events::EventKind;
 use turnlog_core::ids::SessionId;
@@ -126,14 +127,47 @@ async fn catch_up(pool: &PgPool, partition: i32, partitions: u32, applied: i64) 
     Ok(own.len())
 }
 
-/// One index write: the events' rows (those still stored: a delete may have come first)
-/// and the partition's position, in one transaction under the partition's index lock.
+/// Indexes `events` and moves the partition's position to `through`. When the database
+/// refuses the batch for its data, each event is indexed alone and one it still refuses is
+/// left out, with its reason logged and counted (`turnlog_writer_search_skipped_total`):
+/// search never stops a partition. Other errors (a lost connection) end the indexer.
 async fn index(
     pool: &PgPool,
     partition: i32,
     events: &[(SessionId, i64)],
     through: i64,
 ) -> anyhow::Result<()> {
+    let refused = match index_once(pool, partition, events, through).await {
+        Ok(()) => return Ok(()),
+        Err(e) => match crate::data_error(&e) {
+            Some(why) if !events.is_empty() => why,
+            _ => return Err(e).context("writing the search index"),
+        },
+    };
+    tracing::warn!(
+        partition,
+        events = events.len(),
+        error = refused,
+        "search index batch refused; indexing its events one by one"
+    );
+    for &(session, seq) in events {
+        if let Err(e) = index_once(pool, partition, &[(session, seq)], 0).await {
+            let Some(why) = crate::data_error(&e) else { return Err(e).context("writing the search index") };
+            tracing::warn!(partition, %session, seq, error = why, "event left out of the search index");
+            crate::metrics::metrics().search_skipped();
+        }
+    }
+    index_once(pool, partition, &[], through).await.context("moving the search position")
+}
+
+/// One index write: the events' rows (those still stored: a delete may have come first)
+/// and the partition's position, in one transaction under the partition's index lock.
+async fn index_once(
+    pool: &PgPool,
+    partition: i32,
+    events: &[(SessionId, i64)],
+    through: i64,
+) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
     sqlx::query("SELECT pg_advisory_xact_lock($1, $2)")
         .bind(LOCK_CLASS)
@@ -157,7 +191,8 @@ async fn index(
 }
 
 /// The search rows of the events `$1`/`$2` (session ids, seqs) name, from the stored events
-/// (`turnlog_search_text`, the one definition of an event's searchable text).
+/// (`turnlog_search_text`, the one definition of an event's searchable text, which keeps
+/// the first 65,536 characters: a tsvector holds at most 1 MB).
 const INDEX_EVENTS: &str = "INSERT INTO search_entries (session_id, seq, owner, kind, body, created_at)
      SELECT e.session_id, e.seq, s.owner,
             CASE e.kind WHEN 'user_message' THEN 'user' ELSE 'assistant' END, t.body, e.created_at

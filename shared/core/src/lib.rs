@@ -17,6 +17,7 @@ pub mod log_builder;
 pub mod message;
 pub mod request;
 pub mod request_body;
+pub mod storable;
 pub mod tokens;
 pub mod turn;
 pub mod ui_transcript;

@@ -322,16 +322,7 @@ impl AppendRequest {
     }
 }
 
-/// Whether `v` holds U+0000, which Postgres cannot store in text or jsonb (the writer
-/// refuses such an event as `unstorable_text`).
-pub fn has_nul(v: &Value) -> bool {
-    match v {
-        Value::String(s) => s.contains('\0'),
-        Value::Array(a) => a.iter().any(has_nul),
-        Value::Object(o) => o.iter().any(|(k, v)| k.contains('\0') || has_nul(v)),
-        _ => false,
-    }
-}
+pub use turnlog_core::storable::has_nul;
 
 /// The length of `value` serialized as JSON, escapes included (a quote or a line break
 /// takes two bytes, another control character six), without building the text.

@@ -28,7 +28,7 @@ use turnlog_core::import::{self, Conversation, FileError, Format, PlannedSession
 use uuid::Uuid;
 
 use crate::bus::{
-    append_and_wait, has_nul, json_len, metadata_error, partition_of, AppendRequest, Bus, Op, RequestKind,
+    append_and_wait, json_len, metadata_error, partition_of, AppendRequest, Bus, Op, RequestKind,
     MAX_EVENT_BYTES,
 };
 
@@ -380,8 +380,8 @@ fn checked(c: &Conversation) -> Result<(), String> {
                     MAX_EVENT_BYTES / 1024
                 ));
             }
-            if has_nul(&e.payload) {
-                return Err(format!("the {} contains NUL characters", at()));
+            if let Some(why) = turnlog_core::storable::payload_problem(e.kind, &e.payload) {
+                return Err(format!("the {}: {why}", at()));
             }
         }
         if s.title.as_deref().is_some_and(|t| t.contains('\0')) {

@@ -134,7 +134,7 @@ pub(crate) async fn prepared(app: &Ingress, owner: &str, m: &SendMessage) -> Res
         imported: None,
     };
     let body = EventBody::UserMessage(message.clone());
-    validate::event_size(body.kind(), &body.to_payload())?;
+    validate::event(body.kind(), &body.to_payload())?;
     Ok(message)
 }
 
@@ -279,6 +279,7 @@ pub(crate) async fn begin_turn(
     options: TurnOptions,
 ) -> Result<BoxStream<'static, TurnEvent>, ApiError> {
     ready_for_turns(app)?;
+    validate::turn_options(&options)?;
     let owner = caller.as_str();
     let event_id =
         key.as_deref().map_or_else(Uuid::now_v7, |k| derived(owner, &format!("message {session}"), k));

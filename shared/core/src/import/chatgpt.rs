@@ -11,7 +11,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, Datelike as _, Utc};
 use serde_json::Value;
 
 use super::{
@@ -20,6 +20,7 @@ use super::{
 };
 use crate::branch::MAX_FORK_DEPTH;
 use crate::events::{EventKind, Imported};
+use crate::storable::YEARS;
 
 const SOURCE: &str = "chatgpt";
 
@@ -481,7 +482,7 @@ fn epoch(v: Option<&Value>) -> Option<DateTime<Utc>> {
             }
             DateTime::from_timestamp_micros((secs * 1e6).round() as i64)
         }
-        Value::String(s) => s.parse().ok(),
+        Value::String(s) => s.parse().ok().filter(|t: &DateTime<Utc>| YEARS.contains(&t.year())),
         _ => None,
     }
 }

@@ -192,3 +192,75 @@ async fn bad_inputs_are_4xx_with_the_error_shape_and_write_nothing() {
     let r = api.get(&s, ALICE).await;
     assert_eq!(r.json["session"]["title"], "target");
 }
+
+/// What the log cannot store, sent through the OpenAI-compatible routes: a 400 in OpenAI's
+/// error shape before anything is appended or the model is called — never an answer that
+/// streams and is then lost, a 502 blaming the gateway, or an empty conversation left over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unstorable_text_on_the_openai_routes_is_a_400_before_anything_is_written() {
+    let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await.unwrap();
+    let api =
+        Api::with(turnlog_e2e::api::Options { llm_url: Some(mock.base_url()), ..Default::default() }).await;
+    let conversation = api.call(Method::POST, "/v1/conversations", Some(ALICE), Body::Json(json!({}))).await;
+    assert_eq!(conversation.status, 200, "{}", conversation.text);
+    let items = format!("/v1/conversations/{}/items", conversation.json["id"].as_str().unwrap());
+    let before = api.written().await;
+    let user = |text: &str| json!([{"role": "user", "content": text}]);
+    let long = "x".repeat(256 * 1024 + 1);
+    let cases: Vec<(&str, &str, serde_json::Value)> = vec![
+        ("NUL in instructions", "/v1/responses", json!({"input": "hi", "instructions": "a\u{0}b"})),
+        ("NUL in input", "/v1/responses", json!({"input": "a\u{0}b"})),
+        ("text over the limit", "/v1/responses", json!({"input": long})),
+        (
+            "NUL in a stop sequence",
+            "/v1/chat/completions",
+            json!({"messages": user("hi"), "stop": ["\u{0}"]}),
+        ),
+        (
+            "NUL in reasoning_effort",
+            "/v1/chat/completions",
+            json!({"messages": user("hi"), "reasoning_effort": "lo\u{0}w"}),
+        ),
+        (
+            "NUL in a system message",
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "system", "content": "a\u{0}b"}, {"role": "user", "content": "hi"}]}),
+        ),
+        (
+            "NUL in an earlier message",
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "a\u{0}b"}, {"role": "assistant", "content": "x"},
+                                {"role": "user", "content": "hi"}]}),
+        ),
+        (
+            "NUL in a new conversation's item",
+            "/v1/conversations",
+            json!({"items": [{"type": "message", "role": "user", "content": "a\u{0}b"}]}),
+        ),
+        (
+            "NUL in an item",
+            &items,
+            json!({"items": [{"type": "message", "role": "user", "content": "a\u{0}b"}]}),
+        ),
+        (
+            "an item over the limit",
+            &items,
+            json!({"items": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": long}]}]}),
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (name, path, body) in cases {
+        // Chat completions store their turns in the session the header names.
+        let request =
+            api.request(Method::POST, path).bearer_auth(ALICE).header("x-session-id", "stored").json(&body);
+        let r = api.send(request).await;
+        let shaped = r.json["error"]["type"] == "invalid_request_error"
+            && r.json["error"]["message"].as_str().is_some_and(|m| !m.is_empty());
+        if r.status != 400 || !shaped {
+            failures.push(format!("{name}: POST {path} → {} {:.200}", r.status, r.text));
+        }
+    }
+    assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n"));
+    assert_eq!(api.written().await, before, "a refused request wrote something");
+    assert_eq!(mock.log().count("/v1/chat/completions"), 0, "the model was called");
+}

@@ -367,5 +367,21 @@ async fn bad_files_import_nothing_of_what_is_wrong() {
     let r = api.import(ALICE, None, format!("{header}\n{started}\n").as_bytes()).await;
     assert!(r.json["failed"][0]["reason"].as_str().unwrap().contains("16 pairs"), "{}", r.text);
     assert_eq!(event_count(&api).await, before);
+    // So does an id too long for its index, or a time Postgres cannot hold (each wedged a
+    // partition once: issue 37).
+    let header = json!({"format": "turnlog", "version": 1, "session": {"id": uuid::Uuid::now_v7()}});
+    let answer = |payload: Value| json!({"seq": 2, "event_id": uuid::Uuid::now_v7(), "kind": "assistant_turn", "payload": payload});
+    for (payload, says) in [
+        (json!({"attempt_id": "a".repeat(8 * 1024)}), "attempt_id is 8192 bytes"),
+        (
+            json!({"imported": {"source": "chatgpt", "id": "m", "created_at": "-20000-01-01T00:00:00Z"}}),
+            "year -20000",
+        ),
+    ] {
+        let r =
+            api.import(ALICE, None, format!("{header}\n{started}\n{}\n", answer(payload)).as_bytes()).await;
+        assert!(r.json["failed"][0]["reason"].as_str().unwrap().contains(says), "{}", r.text);
+        assert_eq!(event_count(&api).await, before);
+    }
     assert_eq!(api.dead_letters().await, 0);
 }

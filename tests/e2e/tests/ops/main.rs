@@ -3,6 +3,7 @@
 //! differs), replays add nothing the second time, and a redriven dead letter commits once.
 
 mod deletes;
+mod unstorable;
 
 use std::time::{Duration, Instant};
 

@@ -437,7 +437,7 @@ async fn run(
     for item in &items {
         validate::text(&item.text)?;
         let body = item.body();
-        validate::event_size(body.kind(), &body.to_payload())?;
+        validate::event(body.kind(), &body.to_payload())?;
     }
     ready_for_turns(app)?;
     let (session, mut create) = match target {
@@ -469,7 +469,7 @@ fn options(req: &CompletionRequest, system: Option<String>) -> Result<TurnOption
     if req.reasoning_effort.as_ref().is_some_and(too_long) {
         return Err(OaiError::bad_request(format!("reasoning_effort is 1-{MAX_PARAM_CHARS} characters")));
     }
-    Ok(TurnOptions {
+    let options = TurnOptions {
         system,
         max_tokens: req.max_completion_tokens.or(req.max_tokens),
         temperature: req.temperature,
@@ -479,7 +479,10 @@ fn options(req: &CompletionRequest, system: Option<String>) -> Result<TurnOption
         seed: req.seed,
         stop,
         reasoning_effort: req.reasoning_effort.clone(),
-    })
+    };
+    // Before the request's earlier messages are added to its session.
+    validate::turn_options(&options)?;
+    Ok(options)
 }
 
 /// The stateless pass-through: the client's own body to the gateway (with the default

@@ -115,6 +115,7 @@ fn parse_item(item: &Value) -> Result<NewItem, OaiError> {
     if text.is_empty() {
         return Err(OaiError::bad_request("an item's text must not be empty"));
     }
+    crate::validate::text(&text)?;
     Ok(NewItem { assistant, text, images: Vec::new() })
 }
 
@@ -164,7 +165,7 @@ pub(super) async fn append_items(
 ) -> Result<Vec<Value>, OaiError> {
     let bodies: Vec<EventBody> = items.iter().map(NewItem::body).collect();
     for body in &bodies {
-        crate::validate::event_size(body.kind(), &body.to_payload())?;
+        crate::validate::event(body.kind(), &body.to_payload())?;
     }
     let lease = app.leases.acquire(session, &app.instance_id).await?.ok_or_else(|| {
         OaiError(crate::error::ApiError::Conflict("a response is running in this conversation".into()))
