@@ -163,3 +163,86 @@ async fn a_category_picks_the_model_unless_the_message_names_one() {
     let retry = api.turn(Method::POST, &format!("/v1/sessions/{id}/retry"), ALICE, None, &[]).await;
     assert_eq!(retry.end()["model"], "mock-large");
 }
+
+/// The Chat Completions pass-through (no `X-Session-Id`) forwards the client's own body: a
+/// body that is not an object, a fallback to a model outside the allowed list, more than
+/// one answer, a dearer service tier or `store` at the gateway is a 400 in OpenAI's shape,
+/// and the model is not called. A bad query parameter on an OpenAI route is that shape too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chat_pass_through_checks_every_field_that_picks_a_model_or_multiplies_cost() {
+    let mock = mock().await;
+    let allowed = Some(vec!["mock".to_owned(), "mock-large".to_owned()]);
+    let api =
+        Api::with(Options { llm_url: Some(mock.base_url()), allowed_models: allowed, ..Options::default() })
+            .await;
+    let messages = json!([{"role": "user", "content": "hi [mock words=3]"}]);
+    let with = |field: &str, value: serde_json::Value| {
+        let mut body = json!({"model": "mock", "messages": messages});
+        body[field] = value;
+        Body::Json(body)
+    };
+    let conversation = api.call(Method::POST, "/v1/conversations", Some(ALICE), Body::Json(json!({}))).await;
+    let items = format!("/v1/conversations/{}/items", conversation.json["id"].as_str().unwrap());
+    let cases: Vec<(&str, Method, String, Body)> = vec![
+        ("an array body", Method::POST, "/v1/chat/completions".into(), Body::Json(messages.clone())),
+        ("a string body", Method::POST, "/v1/chat/completions".into(), Body::Json(json!("hi"))),
+        // Read by serde as the fields in order (model, messages): it panicked the pass-through.
+        (
+            "a request as an array",
+            Method::POST,
+            "/v1/chat/completions".into(),
+            Body::Json(json!([null, messages])),
+        ),
+        (
+            "an unlisted fallback",
+            Method::POST,
+            "/v1/chat/completions".into(),
+            with("fallbacks", json!(["gpt-5"])),
+        ),
+        (
+            "an unlisted fallback in a map",
+            Method::POST,
+            "/v1/chat/completions".into(),
+            with("fallbacks", json!([{"mock": ["gpt-5"]}])),
+        ),
+        (
+            "an unlisted router model",
+            Method::POST,
+            "/v1/chat/completions".into(),
+            with("models", json!(["gpt-5"])),
+        ),
+        ("three answers", Method::POST, "/v1/chat/completions".into(), with("n", json!(3))),
+        (
+            "a priority tier",
+            Method::POST,
+            "/v1/chat/completions".into(),
+            with("service_tier", json!("priority")),
+        ),
+        ("stored at the gateway", Method::POST, "/v1/chat/completions".into(), with("store", json!(true))),
+        (
+            "stream=maybe",
+            Method::GET,
+            "/v1/responses/resp_0190a0a0a0a0a0a0a0a0a0a0a0a0a0a0?stream=maybe".into(),
+            Body::None,
+        ),
+        ("limit=-1", Method::GET, format!("{items}?limit=-1"), Body::None),
+    ];
+    let mut failures = Vec::new();
+    for (name, method, path, body) in cases {
+        let r = api.call(method.clone(), &path, Some(ALICE), body).await;
+        let shaped = r.json["error"]["type"] == "invalid_request_error"
+            && r.json["error"]["message"].as_str().is_some_and(|m| !m.is_empty());
+        if r.status != 400 || !shaped {
+            failures.push(format!("{name}: {method} {path} → {} {:.200}", r.status, r.text));
+        }
+    }
+    assert!(failures.is_empty(), "{} cases failed:\n{}", failures.len(), failures.join("\n"));
+    assert_eq!(mock.log().count("/v1/chat/completions"), 0, "the model was called");
+
+    // What is allowed goes through, as it came.
+    let fine = json!({"model": "mock", "messages": messages, "n": 1, "fallbacks": ["mock-large"],
+                      "service_tier": "auto", "store": false});
+    let r = api.call(Method::POST, "/v1/chat/completions", Some(ALICE), Body::Json(fine)).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(mock.log().count("/v1/chat/completions"), 1);
+}

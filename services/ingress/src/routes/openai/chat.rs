@@ -138,6 +138,10 @@ pub async fn completions(
     headers: HeaderMap,
     OaiBody(body): OaiBody<MAX_CHAT_BODY_BYTES>,
 ) -> Result<Response, OaiError> {
+    // (serde would read an array as the request's fields in order.)
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(OaiError::bad_request("the request body must be a JSON object"));
+    }
     let req: CompletionRequest = serde_json::from_slice(&body).map_err(|e| {
         OaiError::bad_request(format!("the request body is not a valid chat completion request: {e}"))
     })?;
@@ -499,14 +503,14 @@ async fn pass_through(
     let upstream = app.upstream.clone().ok_or_else(|| {
         OaiError(ApiError::Unavailable("no model gateway is configured (TURNLOG_LLM_URL)".into()))
     })?;
-    let mut v: Value = serde_json::from_slice(&body).map_err(|e| OaiError::bad_request(e.to_string()))?;
-    // A gateway's list of fallback models (OpenRouter's `models`) must be allowed too.
-    for m in v.get("models").and_then(Value::as_array).into_iter().flatten() {
-        validate::model(&app.config, m.as_str().unwrap_or_default())?;
-    }
+    let v: Value = serde_json::from_slice(&body).map_err(|e| OaiError::bad_request(e.to_string()))?;
+    let Value::Object(mut fields) = v else {
+        return Err(OaiError::bad_request("the request body must be a JSON object"));
+    };
+    pass_through_fields(app, &fields)?;
     let body = if without_model {
-        v["model"] = json!(app.config.model);
-        Bytes::from(v.to_string())
+        fields.insert("model".into(), json!(app.config.model));
+        Bytes::from(Value::Object(fields).to_string())
     } else {
         body
     };
@@ -527,6 +531,48 @@ async fn pass_through(
     }
     response.headers_mut().insert("x-accel-buffering", HeaderValue::from_static("no"));
     Ok(response)
+}
+
+/// The fields of a pass-through body that choose a model or multiply the cost, checked as
+/// a stored turn's are: a gateway's fallback models (OpenRouter's `models`, LiteLLM's
+/// `fallbacks`, as names or `{model: [fallbacks]}` maps) must be allowed models; one answer
+/// (`n`); no dearer service tier; and nothing stored at the gateway (`store`).
+fn pass_through_fields(app: &AppState, fields: &serde_json::Map<String, Value>) -> Result<(), OaiError> {
+    fn names<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+        match v {
+            Value::String(s) => out.push(s),
+            Value::Array(a) => a.iter().for_each(|v| names(v, out)),
+            Value::Object(o) => o.iter().for_each(|(k, v)| {
+                out.push(k);
+                names(v, out);
+            }),
+            _ => {}
+        }
+    }
+    let mut models = Vec::new();
+    for field in ["models", "fallbacks"] {
+        if let Some(v) = fields.get(field) {
+            names(v, &mut models);
+        }
+    }
+    for model in models {
+        validate::model(&app.config, model)?;
+    }
+    if fields.get("n").is_some_and(|n| !n.is_null() && n.as_u64() != Some(1)) {
+        return Err(OaiError::bad_request("n must be 1"));
+    }
+    match fields.get("service_tier") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(t)) if matches!(t.as_str(), "auto" | "default" | "flex") => {}
+        Some(_) => return Err(OaiError::bad_request("service_tier must be auto, default or flex")),
+    }
+    if fields.get("store").is_some_and(|s| *s != Value::Bool(false) && !s.is_null()) {
+        return Err(OaiError::bad_request(
+            "store: the gateway keeps nothing of a request turnlog does not store; send X-Session-Id to \
+             store the conversation in turnlog",
+        ));
+    }
+    Ok(())
 }
 
 /// What a turn's native events add up to.

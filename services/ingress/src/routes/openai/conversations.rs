@@ -1,7 +1,7 @@
 //! `/v1/conversations`: sessions as OpenAI's conversations, their visible messages as
 //! items (DESIGN §13).
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -17,9 +17,10 @@ use uuid::Uuid;
 
 use super::{
     conversation_id, conversation_items, list_page, message_id, parse_conversation, OaiBody, OaiError,
+    OaiPath, OaiQuery,
 };
 use crate::auth::Caller;
-use crate::extract::ApiPath;
+
 use crate::writes::submit;
 use crate::AppState;
 
@@ -202,7 +203,7 @@ pub(super) async fn append_items(
 pub async fn add_items(
     State(app): State<AppState>,
     caller: Caller,
-    ApiPath(id): ApiPath<String>,
+    OaiPath(id): OaiPath<String>,
     OaiBody(body): OaiBody,
 ) -> Result<Json<Value>, OaiError> {
     let row = owned(&app, &caller, &id).await?;
@@ -244,7 +245,7 @@ fn metadata_of(params: &Value) -> Result<Option<Value>, OaiError> {
 pub async fn update(
     State(app): State<AppState>,
     caller: Caller,
-    ApiPath(id): ApiPath<String>,
+    OaiPath(id): OaiPath<String>,
     OaiBody(body): OaiBody,
 ) -> Result<Json<Value>, OaiError> {
     let row = owned(&app, &caller, &id).await?;
@@ -267,7 +268,7 @@ pub async fn update(
 pub async fn get(
     State(app): State<AppState>,
     caller: Caller,
-    ApiPath(id): ApiPath<String>,
+    OaiPath(id): OaiPath<String>,
 ) -> Result<Json<Value>, OaiError> {
     Ok(Json(conversation(&owned(&app, &caller, &id).await?)))
 }
@@ -281,7 +282,7 @@ pub async fn get(
 pub async fn delete(
     State(app): State<AppState>,
     caller: Caller,
-    ApiPath(id): ApiPath<String>,
+    OaiPath(id): OaiPath<String>,
 ) -> Result<Json<Value>, OaiError> {
     let row = owned(&app, &caller, &id).await?;
     submit(&app, &AppendRequest::delete(row.id, caller.as_str())).await?;
@@ -311,8 +312,8 @@ pub struct ItemsParams {
 pub async fn items(
     State(app): State<AppState>,
     caller: Caller,
-    ApiPath(id): ApiPath<String>,
-    Query(params): Query<ItemsParams>,
+    OaiPath(id): OaiPath<String>,
+    OaiQuery(params): OaiQuery<ItemsParams>,
 ) -> Result<Json<Value>, OaiError> {
     let limit = params.limit.unwrap_or(ITEMS_DEFAULT);
     if !(1..=ITEMS_MAX).contains(&limit) {
@@ -350,7 +351,7 @@ pub async fn items(
 pub async fn item(
     State(app): State<AppState>,
     caller: Caller,
-    ApiPath((id, item_id)): ApiPath<(String, String)>,
+    OaiPath((id, item_id)): OaiPath<(String, String)>,
 ) -> Result<Json<Value>, OaiError> {
     let all = all_items(&app, &caller, &id).await?;
     all.into_iter().find(|i| i["id"] == item_id.as_str()).map(Json).ok_or_else(|| OaiError::not_found("item"))
@@ -366,7 +367,7 @@ pub async fn item(
 pub async fn delete_item(
     State(app): State<AppState>,
     caller: Caller,
-    ApiPath((id, _item_id)): ApiPath<(String, String)>,
+    OaiPath((id, _item_id)): OaiPath<(String, String)>,
 ) -> Result<Json<Value>, OaiError> {
     owned(&app, &caller, &id).await?;
     Err(OaiError::bad_request(

@@ -78,6 +78,33 @@ impl<S: Send + Sync, const LIMIT: usize> axum::extract::FromRequest<S> for OaiBo
     }
 }
 
+/// Query parameters of a route here: a wrong type (`?stream=maybe`, `?limit=-1`) is a 400
+/// in OpenAI's error shape.
+pub struct OaiQuery<T>(pub T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> axum::extract::FromRequestParts<S> for OaiQuery<T> {
+    type Rejection = OaiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, OaiError> {
+        let crate::extract::ApiQuery(v) = crate::extract::ApiQuery::from_request_parts(parts, state).await?;
+        Ok(Self(v))
+    }
+}
+
+/// Path parameters of a route here: one that does not decode is OpenAI's error shape.
+pub struct OaiPath<T>(pub T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned + Send> axum::extract::FromRequestParts<S>
+    for OaiPath<T>
+{
+    type Rejection = OaiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, OaiError> {
+        let crate::extract::ApiPath(v) = crate::extract::ApiPath::from_request_parts(parts, state).await?;
+        Ok(Self(v))
+    }
+}
+
 /// `conv_` and the session id's 32 hex digits.
 pub fn conversation_id(s: SessionId) -> String {
     format!("conv_{}", s.0.simple())

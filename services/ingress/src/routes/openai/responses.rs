@@ -3,7 +3,7 @@
 
 use std::convert::Infallible;
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -23,13 +23,13 @@ use turnlog_runtime::upstream::{ChatStream, StreamItem};
 use uuid::Uuid;
 
 use super::{conversation_id, message_id, output_message, parse_conversation, parse_response, reasoning_id};
-use super::{list_page, reasoning_item, response_id, user_item, OaiBody, OaiError};
+use super::{list_page, reasoning_item, response_id, user_item, OaiBody, OaiError, OaiPath, OaiQuery};
 use crate::auth::Caller;
-use crate::extract::ApiPath;
+
 use crate::routes::forks::fork_request;
 use crate::routes::sessions::owned_session;
-use crate::routes::turns::{begin_turn, follow_local, prepared, SendMessage};
-use crate::turn::{remote_attempt, remote_stop, remote_stream, TurnEvent, TurnOptions};
+use crate::routes::turns::{begin_turn, follow_local, prepared, ready_for_turns, take_slot, SendMessage};
+use crate::turn::{remote_attempt, remote_stop, remote_stream, TurnEvent, TurnOptions, TurnSlot};
 use crate::AppState;
 
 /// The body of `POST /v1/responses`; fields OpenAI defines that turnlog does not act on
@@ -201,7 +201,7 @@ pub async fn create(
                 "store: false keeps nothing: it cannot continue a conversation or a previous response",
             ));
         }
-        return pass_through(&app, caller.as_str().to_owned(), req).await;
+        return pass_through(&app, &caller, req).await;
     }
     if req.conversation.is_some() && req.previous_response_id.is_some() {
         return Err(OaiError::bad_request("send conversation or previous_response_id, not both"));
@@ -246,7 +246,8 @@ pub async fn create(
 /// `store: false` (DESIGN §13): a stateless client sends its whole history as `input`; it
 /// goes to the gateway as it is (instructions first), is answered in the same format, and
 /// nothing is stored — no session, no event, no turn.
-async fn pass_through(app: &AppState, owner: String, req: CreateResponse) -> Result<Response, OaiError> {
+async fn pass_through(app: &AppState, caller: &Caller, req: CreateResponse) -> Result<Response, OaiError> {
+    let owner = caller.as_str().to_owned();
     let upstream = app.upstream.clone().ok_or_else(|| {
         OaiError(crate::error::ApiError::Unavailable(
             "no model gateway is configured (TURNLOG_LLM_URL)".into(),
@@ -271,6 +272,9 @@ async fn pass_through(app: &AppState, owner: String, req: CreateResponse) -> Res
         ..Default::default()
     };
     let body = request_body(&model, &messages, &params, None);
+    // Within the same caps as a stored turn, held until the answer is relayed.
+    ready_for_turns(app)?;
+    let slot = take_slot(app, caller)?;
     let chat = upstream.stream_body(&body).await.map_err(|e| {
         tracing::warn!(error = %e, "upstream failed (store: false)");
         OaiError(crate::error::ApiError::Unavailable(e.public_message()))
@@ -278,7 +282,7 @@ async fn pass_through(app: &AppState, owner: String, req: CreateResponse) -> Res
     let attempt = Uuid::now_v7().hyphenated().to_string();
     let meta =
         TurnEvent { id: 1, event: "meta".into(), data: json!({"attempt_id": attempt, "model": model}) };
-    let state = Relay { chat, meta: Some(meta), id: 2, usage: None, finish: None, done: false };
+    let state = Relay { chat, meta: Some(meta), id: 2, usage: None, finish: None, done: false, _slot: slot };
     let events = futures::stream::unfold(state, |mut s| async move {
         if let Some(meta) = s.meta.take() {
             return Some((meta, s));
@@ -326,6 +330,8 @@ struct Relay {
     usage: Option<Value>,
     finish: Option<String>,
     done: bool,
+    /// The owner's turn slot, given back when the relay ends or its client leaves.
+    _slot: TurnSlot,
 }
 
 /// The messages of a stateless request's `input`: its whole history.
@@ -460,8 +466,8 @@ pub struct RetrieveParams {
 pub async fn retrieve(
     State(app): State<AppState>,
     caller: Caller,
-    ApiPath(id): ApiPath<String>,
-    Query(params): Query<RetrieveParams>,
+    OaiPath(id): OaiPath<String>,
+    OaiQuery(params): OaiQuery<RetrieveParams>,
 ) -> Result<Response, OaiError> {
     let owner = caller.as_str().to_owned();
     match locate(&app, &caller, &parse_response(&id)?).await? {
@@ -494,7 +500,7 @@ pub async fn retrieve(
 pub async fn cancel(
     State(app): State<AppState>,
     caller: Caller,
-    ApiPath(id): ApiPath<String>,
+    OaiPath(id): OaiPath<String>,
 ) -> Result<Response, OaiError> {
     let attempt = parse_response(&id)?;
     let owner = caller.as_str().to_owned();
@@ -526,7 +532,7 @@ pub async fn cancel(
 pub async fn input_items(
     State(app): State<AppState>,
     caller: Caller,
-    ApiPath(id): ApiPath<String>,
+    OaiPath(id): OaiPath<String>,
 ) -> Result<Json<Value>, OaiError> {
     let owner = caller.as_str();
     // The session, and a seq after the turn's user message.
