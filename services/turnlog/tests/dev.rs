@@ -235,9 +235,13 @@ async fn dev_keeps_the_history_across_a_ctrl_c_and_a_restart() {
     let (answer, end) = chat(&http, &base, &id, question).await;
     assert_eq!(end["status"], "completed", "{end}");
     assert!(!answer.is_empty());
-    // One /metrics for the whole stack: the HTTP surface's, the writer's and the workers'.
+    // One /metrics for the whole stack: the HTTP surface's, the writer's and the workers',
+    // merged into one well-formed page (each family once, whole).
     let metrics =
         http.get(format!("{base}/metrics")).send().await.expect("metrics").text().await.expect("text");
+    if let Err(e) = turnlog_testkit::prometheus::check_exposition(&metrics) {
+        panic!("dev's /metrics: {e}\n{metrics}");
+    }
     for family in [
         "turnlog_turns_total",
         "turnlog_writer_commit_seconds",

@@ -1,6 +1,6 @@
 //! Metrics, health, readiness and traces of every service as separate processes (issue
 //! 27): the writer and the three workers on TURNLOG_METRICS_LISTEN, the ingress on its API
-//! port. After one chat turn each `/metrics` parses with a Prometheus text-format parser and
+//! port. After one chat turn each `/metrics` passes a strict text-format check and
 //! carries its service's metrics with the turn counted; `/healthz` and `/readyz` answer; the
 //! turn is one trace across the bus, in the JSON logs and in the spans exported over OTLP.
 
@@ -14,31 +14,25 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as Attr;
-use prometheus_parse::{Scrape, Value};
 use prost::Message as _;
 use serde_json::json;
+use turnlog_testkit::prometheus::{check_exposition, Exposition};
 use turnlog_testkit::{
     eventually, free_port, private_nats, private_postgres, test_env, test_env_on, TurnlogProcess,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_turnlog");
 
-async fn scrape(http: &reqwest::Client, base: &str) -> Scrape {
+/// A service's `/metrics`, checked strictly (every line well formed, one TYPE a family,
+/// no family split, no series twice, histograms cumulative with `+Inf` = `_count`).
+async fn scrape(http: &reqwest::Client, base: &str) -> Exposition {
     let text = http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
-    Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).unwrap_or_else(|e| panic!("{base}: {e}\n{text}"))
+    check_exposition(&text).unwrap_or_else(|e| panic!("{base}/metrics: {e}\n{text}"))
 }
 
 /// A sample's value (a histogram's count) for `name` whose labels include `labels`.
-fn value(s: &Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    s.samples
-        .iter()
-        .filter(|x| x.metric == name && labels.iter().all(|(k, v)| x.labels.get(k) == Some(*v)))
-        .map(|x| match &x.value {
-            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => *v,
-            Value::Histogram(buckets) => buckets.iter().map(|b| b.count).fold(0.0, f64::max),
-            Value::Summary(_) => f64::NAN,
-        })
-        .reduce(f64::max)
+fn value(s: &Exposition, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    s.value(name, labels)
 }
 
 /// A span as an OTLP collector receives it.
@@ -91,36 +85,44 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A new session's first turn, sent with the client's `traceparent` (once the ingress
-/// answers).
+/// A new session's first turn, its create and its message sent with the client's
+/// `traceparent` (once the ingress answers); the session's id and the turn's stream.
 async fn traced_turn(
     http: &reqwest::Client,
     ingress: &str,
     traceparent: &str,
     text: &str,
-) -> reqwest::Response {
+) -> (String, reqwest::Response) {
     let session: serde_json::Value = eventually(Duration::from_secs(30), || async {
-        let r = http.post(format!("{ingress}/v1/sessions")).json(&json!({})).send().await.ok()?;
+        let r = http
+            .post(format!("{ingress}/v1/sessions"))
+            .header("traceparent", traceparent)
+            .json(&json!({}))
+            .send()
+            .await
+            .ok()?;
         r.status().is_success().then_some(())?;
         r.json().await.ok()
     })
     .await;
-    let id = session["id"].as_str().unwrap();
-    http.post(format!("{ingress}/v1/sessions/{id}/messages"))
+    let id = session["id"].as_str().unwrap().to_owned();
+    let turn = http
+        .post(format!("{ingress}/v1/sessions/{id}/messages"))
         .header("traceparent", traceparent)
         .json(&json!({ "text": text }))
         .send()
         .await
-        .unwrap()
+        .unwrap();
+    (id, turn)
 }
 
-/// The JSON log lines of a process that carry `trace_id`.
-fn lines_of_trace(p: &TurnlogProcess, trace_id: &str) -> Vec<serde_json::Value> {
+/// The JSON log lines of a process that name `session` (in a field or a span's).
+fn lines_of_session(p: &TurnlogProcess, session: &str) -> Vec<serde_json::Value> {
     std::fs::read_to_string(p.log_path())
         .unwrap()
         .lines()
+        .filter(|l| l.contains(session))
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|l| l["trace_id"] == trace_id)
         .collect()
 }
 
@@ -170,7 +172,7 @@ async fn every_service_serves_metrics_health_readiness_and_one_trace_per_turn() 
     let client_span = &uuid::Uuid::new_v4().simple().to_string()[..16];
     let traceparent = format!("00-{trace_id}-{client_span}-01");
     let text = "Petra moved the review to Friday, room 4. [mock words=6]";
-    let turn = traced_turn(&http, &ingress, &traceparent, text).await;
+    let (session, turn) = traced_turn(&http, &ingress, &traceparent, text).await;
     assert!(turn.status().is_success());
     let body: Vec<_> = turn.bytes_stream().collect().await;
     assert!(!body.is_empty());
@@ -197,7 +199,7 @@ async fn every_service_serves_metrics_health_readiness_and_one_trace_per_turn() 
         if worker == "compactor" {
             // One short turn is far from any budget: nothing compacted, nothing refused.
             assert_eq!(value(&s, "turnlog_compactor_compactions_total", &[]), Some(0.0));
-            assert!(s.docs.contains_key("turnlog_compactor_refusals_total"));
+            assert!(s.types.contains_key("turnlog_compactor_refusals_total"));
         }
     }
 
@@ -218,7 +220,7 @@ async fn every_service_serves_metrics_health_readiness_and_one_trace_per_turn() 
     for name in ["turnlog_writer_search_indexed_position", "turnlog_writer_unread_messages"] {
         assert!(value(&s, name, &[("partition", "0")]).is_some(), "writer: {name}");
     }
-    assert!(s.docs.contains_key("turnlog_writer_dead_letters_total"));
+    assert!(s.types.contains_key("turnlog_writer_dead_letters_total"));
 
     let s = scrape(&http, &ingress).await;
     assert_eq!(value(&s, "turnlog_turns_total", &[("status", "completed")]), Some(1.0));
@@ -231,12 +233,13 @@ async fn every_service_serves_metrics_health_readiness_and_one_trace_per_turn() 
     assert!(value(&s, "turnlog_model_cached_input_tokens_total", &[("model", "mock")]).is_some());
     assert!(value(&s, "turnlog_model_output_tokens_total", &[("model", "mock")]).unwrap() > 0.0);
 
-    // The turn's log lines in every process carry its trace id: the ingress's, the
-    // writer's applies of the message and the answer, each worker's handling.
+    // Every log line about the session, in every process, carries the trace id of the
+    // client's requests: the ingress's, the writer's applies of the create, the message and
+    // the answer, each worker's handling.
     let roles = ["writer", "distiller", "memory", "compactor", "ingress"];
     for (role, p) in roles.iter().zip(&processes) {
         let lines = eventually(Duration::from_secs(10), || async {
-            let lines = lines_of_trace(p, &trace_id);
+            let lines = lines_of_session(p, &session);
             let expected = match *role {
                 "writer" => lines.iter().filter(|l| l["message"] == "request applied").count() >= 2,
                 "ingress" => !lines.is_empty(),
@@ -245,7 +248,8 @@ async fn every_service_serves_metrics_health_readiness_and_one_trace_per_turn() 
             expected.then_some(lines)
         })
         .await;
-        assert!(lines.iter().all(|l| l["trace_id"] == trace_id.as_str()), "{role}");
+        let untraced: Vec<_> = lines.iter().filter(|l| l["trace_id"] != trace_id.as_str()).collect();
+        assert!(untraced.is_empty(), "{role}: lines about the session outside its trace: {untraced:#?}");
     }
 
     // The exported spans: one trace whose parent links cross the bus, from the client's
@@ -378,7 +382,7 @@ async fn the_pre_send_check_joins_the_turns_trace() {
     let trace_id = uuid::Uuid::new_v4().simple().to_string();
     let traceparent = format!("00-{trace_id}-00f067aa0ba902b7-01");
     let text = "Petra moved the review to Friday, room 4, and asked for the notes.";
-    let turn = traced_turn(&http, &ingress, &traceparent, text).await;
+    let (_, turn) = traced_turn(&http, &ingress, &traceparent, text).await;
     let _: Vec<_> = turn.bytes_stream().collect().await;
     let check = eventually(Duration::from_secs(20), || async {
         let got = spans.lock().unwrap().clone();

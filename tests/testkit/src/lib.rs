@@ -37,6 +37,7 @@ mod nats;
 mod netns;
 mod postgres;
 mod process;
+pub mod prometheus;
 mod servers;
 pub mod soak;
 mod sweep;
