@@ -34,6 +34,13 @@ pub const DEFAULT_FILE_MAX_BYTES: usize = 20 * 1024 * 1024;
 pub const DEFAULT_IMPORT_MAX_BYTES: usize = 256 * 1024 * 1024;
 /// How long a deleted file's blobs stay by default (`TURNLOG_FILE_SWEEP_DELAY`).
 pub const DEFAULT_FILE_SWEEP_DELAY: Duration = Duration::from_secs(3600);
+/// How long converting one document may take by default (`TURNLOG_CONVERT_TIMEOUT`).
+pub const DEFAULT_CONVERT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long an upload's body may send nothing by default (`TURNLOG_UPLOAD_READ_TIMEOUT`).
+pub const DEFAULT_UPLOAD_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// The slowest an upload's body may arrive on average by default, in bytes a second
+/// (`TURNLOG_UPLOAD_MIN_RATE`): 20 MiB in under 22 minutes.
+pub const DEFAULT_UPLOAD_MIN_RATE: u64 = 16 * 1024;
 
 /// The headers that name a session family on `POST /v1/chat/completions` by default: ours,
 /// Open WebUI's chat id (sent with `ENABLE_FORWARD_USER_INFO_HEADERS=true`), and a common one.
@@ -93,6 +100,17 @@ pub struct IngressConfig {
     pub file_sweep_every: Duration,
     /// `TURNLOG_IMPORT_MAX_BYTES`: the largest file `POST /v1/import` takes.
     pub import_max_bytes: usize,
+    /// The program HTML uploads are converted by, as `<program> convert-html` in a process
+    /// of its own (the `turnlog` binary sets itself); None refuses HTML uploads (415).
+    pub html_converter: Option<std::path::PathBuf>,
+    /// `TURNLOG_CONVERT_TIMEOUT`: the longest a document's conversion (HTML, PDF) may take;
+    /// its process is killed then.
+    pub convert_timeout: Duration,
+    /// `TURNLOG_UPLOAD_READ_TIMEOUT`: the longest an upload's body may send nothing, and
+    /// the start it gets before [`IngressConfig::upload_min_rate`] applies.
+    pub upload_read_timeout: Duration,
+    /// `TURNLOG_UPLOAD_MIN_RATE`: the bytes a second an upload's body must average.
+    pub upload_min_rate: u64,
 }
 
 impl IngressConfig {
@@ -121,6 +139,10 @@ impl IngressConfig {
             file_sweep_delay: DEFAULT_FILE_SWEEP_DELAY,
             file_sweep_every: Duration::from_secs(600),
             import_max_bytes: DEFAULT_IMPORT_MAX_BYTES,
+            html_converter: None,
+            convert_timeout: DEFAULT_CONVERT_TIMEOUT,
+            upload_read_timeout: DEFAULT_UPLOAD_READ_TIMEOUT,
+            upload_min_rate: DEFAULT_UPLOAD_MIN_RATE,
         }
     }
 

@@ -32,6 +32,9 @@ pub enum ApiError {
     Conflict(String),
     #[error("{0}")]
     PayloadTooLarge(String),
+    /// A request body that stopped arriving, or arrived too slowly.
+    #[error("{0}")]
+    RequestTimeout(String),
     #[error("{0}")]
     UnsupportedMediaType(String),
     /// A cap on concurrent turns is reached; retrying after one ends is safe.
@@ -70,6 +73,7 @@ impl ApiError {
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::TooManyRequests(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -87,6 +91,7 @@ impl ApiError {
             Self::MethodNotAllowed => "method_not_allowed",
             Self::Conflict(_) => "conflict",
             Self::PayloadTooLarge(_) => "payload_too_large",
+            Self::RequestTimeout(_) => "request_timeout",
             Self::UnsupportedMediaType(_) => "unsupported_media_type",
             Self::TooManyRequests(_) => "too_many_requests",
             Self::Unavailable(_) => "unavailable",
@@ -114,8 +119,8 @@ pub struct ErrorBody {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorDetail {
     /// bad_request, unauthorized, forbidden, not_found, method_not_allowed, conflict,
-    /// payload_too_large, unsupported_media_type, too_many_requests, unavailable,
-    /// upstream_error or internal.
+    /// payload_too_large, request_timeout, unsupported_media_type, too_many_requests,
+    /// unavailable, upstream_error or internal.
     pub code: String,
     pub message: String,
 }
@@ -139,7 +144,7 @@ impl IntoResponse for ApiError {
                 headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             }
             // The rest of the body may still be unread: the connection cannot be reused.
-            Self::PayloadTooLarge(_) => {
+            Self::PayloadTooLarge(_) | Self::RequestTimeout(_) => {
                 headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
             _ => {}

@@ -68,8 +68,8 @@ pub struct Ingress {
     pub files: Option<files::Blobs>,
     /// Uploads converted at once (decoding an image or a PDF takes memory and CPU).
     pub uploads: tokio::sync::Semaphore,
-    /// Bytes of upload bodies held at once, in all (a permit a byte).
-    pub upload_bytes: tokio::sync::Semaphore,
+    /// Bytes of upload bodies held at once, in all and per owner.
+    pub upload_bytes: files::UploadBudget,
     /// The appends imports keep in flight, per partition, all imports of this copy together.
     pub imports: Arc<turnlog_runtime::import::ImportLanes>,
 }
@@ -97,6 +97,7 @@ impl Ingress {
         let instance_id = format!("ingress-{}", uuid::Uuid::now_v7());
         // Always room for the largest upload, twice.
         let upload_room = UPLOAD_BYTES_AT_ONCE.max(config.file_max_bytes.saturating_mul(2));
+        let upload_bytes = files::UploadBudget::new(upload_room, config.file_max_bytes);
         let imports = Arc::new(turnlog_runtime::import::ImportLanes::new(bus.partitions));
         Ok(Arc::new(Self {
             config,
@@ -110,7 +111,7 @@ impl Ingress {
             chains: Default::default(),
             files,
             uploads: tokio::sync::Semaphore::new(UPLOADS_AT_ONCE),
-            upload_bytes: tokio::sync::Semaphore::new(upload_room),
+            upload_bytes,
             imports,
         }))
     }

@@ -149,6 +149,10 @@ pub enum Command {
         #[command(flatten)]
         backbone: BackboneArgs,
     },
+    /// Read an HTML document on stdin and write its markdown to stdout: the ingress runs
+    /// every HTML upload's conversion this way, in a process of its own.
+    #[command(hide = true)]
+    ConvertHtml,
     /// Write every session of an owner to stdout: turnlog (lossless JSON lines that
     /// `turnlog import` reads back), markdown, openai (a `{"messages": …}` line a session) or
     /// sharegpt (a JSON array).
@@ -402,6 +406,16 @@ pub struct IngressArgs {
     /// The largest file `POST /v1/import` takes, in bytes.
     #[arg(long, env = "TURNLOG_IMPORT_MAX_BYTES", default_value_t = turnlog_ingress::config::DEFAULT_IMPORT_MAX_BYTES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=17_179_869_184))]
     pub import_max_bytes: usize,
+    /// The longest converting an uploaded document (HTML, PDF) may take (e.g. 30s).
+    #[arg(long, env = "TURNLOG_CONVERT_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub convert_timeout: Duration,
+    /// The longest an upload's body may send nothing (e.g. 30s); also the start it gets
+    /// before TURNLOG_UPLOAD_MIN_RATE applies.
+    #[arg(long, env = "TURNLOG_UPLOAD_READ_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub upload_read_timeout: Duration,
+    /// The bytes a second an upload's body must average (after TURNLOG_UPLOAD_READ_TIMEOUT).
+    #[arg(long, env = "TURNLOG_UPLOAD_MIN_RATE", default_value_t = turnlog_ingress::config::DEFAULT_UPLOAD_MIN_RATE, value_parser = clap::value_parser!(u64).range(1..))]
+    pub upload_min_rate: u64,
 }
 
 /// The flags of `turnlog dev`: where its private servers live, the servers to use instead,
@@ -598,6 +612,11 @@ fn ingress_config(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Ingre
         vision_models: args.vision_models.as_deref().and_then(parse_allowed_models),
         file_sweep_delay: args.file_sweep_delay,
         import_max_bytes: args.import_max_bytes,
+        // HTML is converted by this binary's `convert-html`, in a process of its own.
+        html_converter: std::env::current_exe().ok(),
+        convert_timeout: args.convert_timeout,
+        upload_read_timeout: args.upload_read_timeout,
+        upload_min_rate: args.upload_min_rate,
         ..IngressConfig::new(backbone)
     };
     config.check_listen(args.listen)?;

@@ -41,13 +41,17 @@ async fn serve_metrics(args: &cli::MetricsArgs, shutdown: &CancellationToken) ->
 }
 
 fn main() -> anyhow::Result<()> {
+    let cli: Cli = cli::parse_or_exit();
+    // A conversion child: no runtime, no logging, only the conversion.
+    if let Command::ConvertHtml = cli.command {
+        std::process::exit(turnlog_ingress::files::convert::html_child());
+    }
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     return_large_blocks();
-    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run())
+    tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(run(cli))
 }
 
-async fn run() -> anyhow::Result<()> {
-    let cli: Cli = cli::parse_or_exit();
+async fn run(cli: Cli) -> anyhow::Result<()> {
     let telemetry = init_logging(cli.log_format, service_name(&cli.command))?;
     let result = serve(cli.command).await;
     telemetry.shutdown().await;
@@ -182,6 +186,8 @@ async fn serve(command: Command) -> anyhow::Result<()> {
             };
             std::process::exit(code)
         }
+        // Handled in `main`, before the runtime starts.
+        Command::ConvertHtml => anyhow::bail!("convert-html runs on its own"),
         Command::Dead { command, nats_url, bus } => {
             let bus = bus.connect(&nats_url).await?;
             match command {

@@ -1,7 +1,8 @@
 //! `turnlog dev` end to end on the private Postgres and nats-server it starts itself (no
 //! DATABASE_URL or NATS_URL): start, the banner's curl examples as printed, chat, Ctrl-C,
-//! start again and find the history; a second copy on the same data directory refused; a
-//! bad setting refused by name before anything starts.
+//! start again and find the history; an HTML upload converted; a second copy on the same data
+//! directory refused; a bad setting refused by name before anything starts; and
+//! `convert-html`, the process each HTML upload is converted in.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
@@ -251,6 +252,23 @@ async fn dev_keeps_the_history_across_a_ctrl_c_and_a_restart() {
         assert!(metrics.contains(family), "{family} missing from dev's /metrics:\n{metrics}");
     }
 
+    // An HTML upload is converted by this binary's `convert-html`, in a process of its own.
+    let page = "<!doctype html><html><body><h2>Plan</h2><p>ship it</p></body></html>";
+    let form = format!(
+        "--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"plan.html\"\r\n\r\n{page}\r\n--b--\r\n"
+    );
+    let uploaded = http
+        .post(format!("{base}/v1/files"))
+        .header("content-type", "multipart/form-data; boundary=b")
+        .body(form)
+        .send()
+        .await
+        .expect("upload an HTML page");
+    assert_eq!(uploaded.status(), 201);
+    let file: Value = uploaded.json().await.expect("a file");
+    assert_eq!(file["mime"], "text/html", "{file}");
+    assert_eq!(file["markdown_chars"], "## Plan\n\nship it".len(), "{file}");
+
     let status = interrupt(&mut dev).await;
     assert!(status.success(), "turnlog dev exited with {status} on Ctrl-C:\n{}", dev.log_tail(40));
     // It stopped its servers too: nothing holds the cluster or the store any more.
@@ -290,6 +308,8 @@ fn a_bad_setting_is_refused_by_name_before_anything_starts() {
         ("TURNLOG_PARTITIONS", "0", "TURNLOG_PARTITIONS"),
         ("TURNLOG_WORKER_RETRY_BACKOFF", "2s,0s", "TURNLOG_WORKER_RETRY_BACKOFF"),
         ("TURNLOG_LOG_FORMAT", "xml", "TURNLOG_LOG_FORMAT"),
+        ("TURNLOG_UPLOAD_MIN_RATE", "0", "TURNLOG_UPLOAD_MIN_RATE"),
+        ("TURNLOG_CONVERT_TIMEOUT", "soon", "TURNLOG_CONVERT_TIMEOUT"),
         ("RUST_LOG", "info,=[", "RUST_LOG"),
     ];
     for (var, value, named) in cases {
@@ -300,4 +320,32 @@ fn a_bad_setting_is_refused_by_name_before_anything_starts() {
         assert!(stderr.contains(named), "{var}={value}: the message does not name {named}:\n{stderr}");
         assert!(!dir.path.exists(), "{var}={value}: the data directory was created before the check");
     }
+}
+
+/// `turnlog convert-html`, as the ingress runs it for each HTML upload: the document on
+/// stdin, its markdown on stdout; one nested past the limit refused with its depth on
+/// stderr and exit status 3.
+#[test]
+fn convert_html_reads_a_document_and_refuses_one_nested_too_deep() {
+    use std::io::Write as _;
+    let convert = |html: &str| {
+        let mut child = Command::new(BIN)
+            .arg("convert-html")
+            .env_clear()
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start turnlog convert-html");
+        child.stdin.take().expect("stdin").write_all(html.as_bytes()).expect("write the document");
+        child.wait_with_output().expect("turnlog convert-html ends")
+    };
+    let out =
+        convert("<html><head><script>x()</script></head><body><h1>Hi</h1><p>a <b>b</b></p></body></html>");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "# Hi\n\na **b**");
+    let out = convert(&format!("<html><body>{}</body></html>", "<span/>".repeat(200_000)));
+    assert_eq!(out.status.code(), Some(3));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("nests 200001 elements deep"), "{stderr}");
 }

@@ -52,6 +52,8 @@ pub struct Options {
     pub import_max_bytes: Option<usize>,
     /// `TURNLOG_CATEGORY_MODELS`.
     pub category_models: Vec<(&'static str, &'static str)>,
+    /// Changes the ingress's config last (settings without a field here).
+    pub ingress: Option<fn(&mut turnlog_ingress::IngressConfig)>,
 }
 
 impl Default for Options {
@@ -73,6 +75,7 @@ impl Default for Options {
             file_sweep_every: None,
             import_max_bytes: None,
             category_models: Vec::new(),
+            ingress: None,
         }
     }
 }
@@ -200,6 +203,9 @@ impl Api {
             windows_override: config.model_windows.clone(),
             ..config::upstream_at(&base_url)
         });
+        if let Some(change) = opts.ingress {
+            change(&mut configs.ingress);
+        }
         Self::on(env, configs).await
     }
 

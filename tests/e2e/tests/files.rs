@@ -55,12 +55,20 @@ fn pdf(text: Option<&str>) -> Vec<u8> {
     out
 }
 
+/// What `turnlog convert-html` runs, built with these tests.
+const CONVERTER: &str = env!("CARGO_BIN_EXE_turnlog-e2e-convert-html");
+
+fn with_converter(config: &mut turnlog_ingress::IngressConfig) {
+    config.html_converter = Some(CONVERTER.into());
+}
+
 async fn stack(files_url: Option<String>) -> (MockHandle, Api) {
     let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
     let api = Api::with(Options {
         llm_url: Some(mock.base_url()),
         files_url,
         file_sweep_every: Some(Duration::from_millis(200)),
+        ingress: Some(with_converter),
         ..Options::default()
     })
     .await;
@@ -441,4 +449,209 @@ async fn chat_completions_store_a_data_url_image_once_and_keep_a_reference() {
     assert!(r.text.contains("data URL"), "{}", r.text);
     api.stop().await;
     mock.stop().await.unwrap();
+}
+
+/// HTML no parser would nest as written still cannot take the ingress down: `<span/>` opens
+/// an element (the slash closes only void ones), so 200,000 of them nest 200,000 deep,
+/// which once overflowed the converter's stack and aborted the whole process; markup whose
+/// tree is deeper than it reads (a table's implied body, row and cell) is measured as the
+/// parser builds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn html_nested_past_the_limit_is_refused_and_never_takes_the_ingress_down() {
+    let (mock, api) = stack(None).await;
+    let spans = format!("<!doctype html><html><body>{}</body></html>", "<span/>".repeat(200_000));
+    let tables = format!("<!doctype html><html><body>{}x</body></html>", "<table><td>".repeat(600));
+    for (name, html) in [("spans.html", spans.as_str()), ("tables.html", tables.as_str())] {
+        let r = api.upload(ALICE, name, html.as_bytes()).await;
+        assert_eq!((r.status, r.error_code()), (400, "bad_request"), "{name}: {}", r.text);
+        assert!(r.json["error"]["message"].as_str().unwrap().contains("nests"), "{name}: {}", r.text);
+    }
+    // Still serving, and HTML within the limit converts.
+    let page = format!("<!doctype html><html><body>{}deep</body></html>", "<div>".repeat(1_900));
+    let r = api.upload(ALICE, "page.html", page.as_bytes()).await;
+    assert_eq!(r.status, 201, "{}", r.text);
+    api.stop().await;
+    mock.stop().await.unwrap();
+}
+
+/// The HTML conversions running for this process now: converter threads of its own and
+/// converter processes it started (not yet exited).
+fn conversions_running() -> usize {
+    let threads = std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "html-to-markdow")
+        })
+        .count();
+    let me = std::process::id().to_string();
+    let children = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|p| std::fs::read_to_string(p.path().join("stat")).ok())
+        .filter(|stat| {
+            // pid (comm) state ppid …; the name of the converter cut to 15 bytes.
+            let Some((head, rest)) = stat.rsplit_once(") ") else { return false };
+            let mut fields = rest.split(' ');
+            let (state, ppid) = (fields.next(), fields.next());
+            head.contains("(turnlog-e2e-con") && state != Some("Z") && ppid == Some(me.as_str())
+        })
+        .count();
+    threads + children
+}
+
+/// A conversion past its deadline stops (its process is killed), so the cap on uploads
+/// converted at once (4) bounds the work actually running: 8 slow documents never have more
+/// than 4 conversions running, and none is left once they are answered. A converter thread
+/// that was only abandoned at the deadline kept burning CPU for minutes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversions_stop_at_their_deadline_and_the_cap_bounds_those_running() {
+    fn short_deadline(config: &mut turnlog_ingress::IngressConfig) {
+        with_converter(config);
+        config.convert_timeout = Duration::from_secs(1);
+    }
+    let api = Api::with(Options { ingress: Some(short_deadline), ..Options::default() }).await;
+    // Within the nesting limit, but the converter's walk takes time in the nesting times
+    // the elements: half a minute and more.
+    let slow = format!("{}{}", "<div>".repeat(1_990), "<b>x</b>".repeat(400_000));
+    let most = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let watching = tokio_util::sync::CancellationToken::new();
+    let watcher = tokio::spawn({
+        let (most, watching) = (most.clone(), watching.clone());
+        async move {
+            while !watching.is_cancelled() {
+                most.fetch_max(conversions_running(), std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    });
+    let names: Vec<String> = (0..8).map(|i| format!("slow-{i}.html")).collect();
+    let uploads = names.iter().map(|name| api.upload(ALICE, name, slow.as_bytes()));
+    for r in futures::future::join_all(uploads).await {
+        assert_eq!((r.status, r.error_code()), (400, "bad_request"), "{}", r.text);
+        assert!(r.json["error"]["message"].as_str().unwrap().contains("within 1"), "{}", r.text);
+    }
+    // Answered: nothing of theirs runs on.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    watching.cancel();
+    watcher.await.unwrap();
+    assert_eq!(conversions_running(), 0, "conversions still running after their answers");
+    let most = most.load(std::sync::atomic::Ordering::Relaxed);
+    assert!((1..=4).contains(&most), "{most} conversions ran at once");
+    api.stop().await;
+}
+
+/// An upload's request head and the start of its multipart body, declaring 20 MiB (the
+/// largest upload), over a connection of its own.
+async fn start_upload(api: &Api, token: &str) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt as _;
+    let addr = api.base.trim_start_matches("http://").trim_end_matches('/').to_owned();
+    let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "POST /v1/files HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\n\
+         Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 20971520\r\n\r\n\
+         --b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.txt\"\r\n\r\n"
+    );
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    tcp
+}
+
+/// The status and body of the answer on `tcp`, if one comes within `within`.
+async fn answer(tcp: &mut tokio::net::TcpStream, within: Duration) -> Option<(u16, String)> {
+    use tokio::io::AsyncReadExt as _;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, tcp.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => got.extend_from_slice(&buf[..n]),
+            Ok(_) => break,
+            Err(_) if got.is_empty() => return None,
+            Err(_) => break,
+        }
+        let text = String::from_utf8_lossy(&got);
+        if text.contains("\r\n\r\n{") && text.trim_end().ends_with('}') {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&got).into_owned();
+    let status = text.split(' ').nth(1).and_then(|s| s.parse().ok())?;
+    Some((status, text))
+}
+
+/// A body that stops arriving is a 408 after TURNLOG_UPLOAD_READ_TIMEOUT, and one that keeps
+/// arriving, but slower than TURNLOG_UPLOAD_MIN_RATE, is a 408 too: neither holds its room
+/// in the upload budget for as long as its connection stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_body_that_stalls_or_trickles_is_a_408() {
+    use tokio::io::AsyncWriteExt as _;
+    fn impatient(config: &mut turnlog_ingress::IngressConfig) {
+        config.upload_read_timeout = Duration::from_secs(1);
+        config.upload_min_rate = 16 * 1024;
+    }
+    let api = Api::with(Options { ingress: Some(impatient), ..Options::default() }).await;
+    let mut stalled = start_upload(&api, ALICE).await;
+    let (status, text) =
+        answer(&mut stalled, Duration::from_secs(10)).await.expect("an answer to a stalled body");
+    assert_eq!(status, 408, "{text}");
+    assert!(text.contains("\"request_timeout\"") && text.contains("1 s"), "{text}");
+
+    // 1 KB a second, never idle for a second.
+    let mut trickle = start_upload(&api, ALICE).await;
+    let started = std::time::Instant::now();
+    let got = loop {
+        if trickle.write_all(&[b'a'; 100]).await.is_err() {
+            break answer(&mut trickle, Duration::from_secs(1)).await;
+        }
+        if let Some(got) = answer(&mut trickle, Duration::from_millis(100)).await {
+            break Some(got);
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "a trickle is still read after 10 s");
+    };
+    let (status, text) = got.expect("an answer to a trickle");
+    assert_eq!(status, 408, "{text}");
+    assert!(text.contains("bytes a second"), "{text}");
+    // Nothing was stored, and uploads go on.
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM files").fetch_one(&api.env.pool).await.unwrap();
+    assert_eq!(rows, 0);
+    assert_eq!(api.upload(ALICE, "a.txt", b"fine").await.status, 201);
+    api.stop().await;
+}
+
+/// One owner's idle uploads hold at most their share of the upload budget (a quarter of its
+/// 160 MiB): 9 connections that declare 20 MiB and send nothing once blocked every other
+/// owner's upload for as long as they stayed open. Another owner's upload goes through at
+/// once; the owner's own uploads past the share wait for room in it, and get it when those
+/// connections go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_owner_cannot_hold_the_whole_upload_budget() {
+    fn patient(config: &mut turnlog_ingress::IngressConfig) {
+        config.upload_read_timeout = Duration::from_secs(120);
+    }
+    let api = Api::with(Options { ingress: Some(patient), ..Options::default() }).await;
+    let mut idle = Vec::new();
+    for _ in 0..9 {
+        idle.push(start_upload(&api, ALICE).await);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let bobs = tokio::time::timeout(Duration::from_secs(10), api.upload(BOB, "b.txt", b"mine"))
+        .await
+        .expect("another owner's upload waits on the idle ones");
+    assert_eq!(bobs.status, 201, "{}", bobs.text);
+    for tcp in &mut idle {
+        assert_eq!(answer(tcp, Duration::from_millis(50)).await, None, "an idle upload is answered");
+    }
+    {
+        let alices = api.upload(ALICE, "a.txt", b"queued");
+        tokio::pin!(alices);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), &mut alices).await.is_err(),
+            "her upload waits for room in her share"
+        );
+        drop(idle);
+        let alices =
+            tokio::time::timeout(Duration::from_secs(10), alices).await.expect("her room comes back");
+        assert_eq!(alices.status, 201, "{}", alices.text);
+    }
+    api.stop().await;
 }

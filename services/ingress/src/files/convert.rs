@@ -7,13 +7,21 @@
 //! a separate process with a deadline a hostile or broken PDF cannot take the ingress down
 //! with it. The pure-Rust crates we looked at (`pdf-extract` over `lopdf`) lose text of
 //! common fonts and are known to panic on malformed files.
+//!
+//! HTML goes through `htmd` the same way, in a process of its own (`turnlog convert-html`,
+//! [`html_child`]): its converter recurses once a nesting level, its parser's time grows
+//! with the square of the nesting, and a document of tiny elements parses into a tree of
+//! tens of times its size. In a process with a deadline and a memory limit, none of
+//! that can abort the ingress or keep running after its upload is answered.
 
-use std::io::Cursor;
+use std::collections::HashMap;
+use std::io::{Cursor, Write as _};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
 use image::{DynamicImage, ImageFormat, ImageReader, Limits};
-use tokio::io::AsyncReadExt as _;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use turnlog_core::tokens::MAX_IMAGE_EDGE;
 use turnlog_runtime::files::FileKind;
 
@@ -33,10 +41,6 @@ const MAX_SENT_IMAGE_BYTES: usize = 4 * 1024 * 1024;
 const MAX_HTML_DEPTH: usize = 2_000;
 /// The converter's thread stack: room for [`MAX_HTML_DEPTH`] levels many times over.
 const HTML_STACK_BYTES: usize = 64 * 1024 * 1024;
-/// Longest an HTML conversion may take.
-const HTML_TIMEOUT: Duration = Duration::from_secs(30);
-/// Longest a PDF's text extraction may take.
-const PDF_TIMEOUT: Duration = Duration::from_secs(30);
 /// The JPEG quality a scaled JPEG is written with.
 const JPEG_QUALITY: u8 = 85;
 
@@ -228,16 +232,23 @@ pub struct Markdown {
 pub const NO_TEXT_LAYER: &str =
     "This PDF has no text layer (it is probably a scan or made of images), so no text could be extracted from it.";
 
+/// How documents are converted.
+#[derive(Debug, Clone)]
+pub struct Conversion {
+    /// The program whose `convert-html` converts HTML ([`html_child`]); None refuses HTML.
+    pub html_program: Option<PathBuf>,
+    /// The longest one conversion may take: its process is killed then.
+    pub timeout: Duration,
+}
+
 /// Converts a document to markdown, refusing one whose markdown is over [`MAX_MARKDOWN_BYTES`].
-pub async fn document(kind: Sniffed, bytes: &[u8]) -> Result<Markdown, ApiError> {
+pub async fn document(kind: Sniffed, bytes: &[u8], conversion: &Conversion) -> Result<Markdown, ApiError> {
     let converted = match kind {
         Sniffed::Text | Sniffed::Markdown => {
             Markdown { markdown: text(bytes).unwrap_or_default().to_owned(), note: None }
         }
-        Sniffed::Html => {
-            Markdown { markdown: html(String::from_utf8_lossy(bytes).into_owned()).await?, note: None }
-        }
-        Sniffed::Pdf => pdf(bytes).await?,
+        Sniffed::Html => Markdown { markdown: html(bytes, conversion).await?, note: None },
+        Sniffed::Pdf => pdf(bytes, conversion.timeout).await?,
         _ => return Err(ApiError::bad_request("not a document")),
     };
     let size = converted.markdown.len();
@@ -252,83 +263,345 @@ pub async fn document(kind: Sniffed, bytes: &[u8]) -> Result<Markdown, ApiError>
     Ok(converted)
 }
 
-/// HTML as markdown, by `htmd` (scripts, styles and the head dropped). The converter
-/// recurses once per nesting level, so deeper documents are refused before it runs, and it
-/// runs on a thread of its own with a large stack and a deadline.
-async fn html(html: String) -> Result<String, ApiError> {
-    let depth = nesting_depth(&html);
-    if depth > MAX_HTML_DEPTH {
+/// The 413 of a converter whose output ran past twice [`MAX_MARKDOWN_BYTES`] (and was stopped).
+fn markdown_over_the_limit() -> ApiError {
+    ApiError::PayloadTooLarge(format!(
+        "the document's text is over the limit of {} KiB as markdown: send a shorter document, or split it",
+        MAX_MARKDOWN_BYTES / 1024
+    ))
+}
+
+/// `d` in seconds, as a person writes them (`30`, `0.5`).
+fn seconds(d: Duration) -> String {
+    d.as_secs_f64().to_string()
+}
+
+/// HTML as markdown, by `<program> convert-html` ([`html_child`]) in a process of its own:
+/// whatever a document does to the converter (its recursion, its memory, its time) ends that
+/// process, never the ingress; and the deadline kills it, so a conversion past its deadline
+/// stops instead of running on beside the next (the cap on uploads converted at once bounds
+/// the work actually running). A document plainly nested deeper than is read is refused
+/// before a process starts.
+async fn html(bytes: &[u8], conversion: &Conversion) -> Result<String, ApiError> {
+    if nesting_depth(&String::from_utf8_lossy(bytes), MAX_HTML_DEPTH) > MAX_HTML_DEPTH {
         return Err(ApiError::bad_request(format!(
-            "the HTML document nests {depth} elements deep; at most {MAX_HTML_DEPTH} are read"
+            "the HTML document nests more than {MAX_HTML_DEPTH} elements deep; at most {MAX_HTML_DEPTH} are read"
         )));
     }
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("html-to-markdown".into())
-        .stack_size(HTML_STACK_BYTES)
-        .spawn(move || {
-            let converted = htmd::HtmlToMarkdown::builder()
-                .skip_tags(vec!["script", "style", "head", "noscript", "template", "iframe"])
-                .build()
-                .convert(&html);
-            let _ = tx.send(converted);
-        })
-        .map_err(|e| ApiError::internal(anyhow::anyhow!("starting the HTML converter: {e}")))?;
-    match tokio::time::timeout(HTML_TIMEOUT, rx).await {
-        Ok(Ok(Ok(markdown))) => Ok(markdown),
-        Ok(Ok(Err(e))) => Err(ApiError::bad_request(format!("the HTML document cannot be read: {e}"))),
-        Ok(Err(_)) => Err(ApiError::internal(anyhow::anyhow!("the HTML converter stopped"))),
-        Err(_) => Err(ApiError::bad_request(format!(
-            "the HTML document could not be converted within {} s",
-            HTML_TIMEOUT.as_secs()
-        ))),
+    let Some(program) = &conversion.html_program else {
+        tracing::error!("an HTML document was uploaded but this server has no HTML converter");
+        return Err(ApiError::UnsupportedMediaType(
+            "this server cannot convert HTML documents: it has no HTML converter".into(),
+        ));
+    };
+    let mut child = tokio::process::Command::new(program)
+        .arg("convert-html")
+        // Nothing of the ingress's environment (tokens, keys) in a process reading uploads.
+        .env_clear()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| {
+            ApiError::internal(anyhow::anyhow!("starting the HTML converter {}: {e}", program.display()))
+        })?;
+    let (Some(mut stdin), Some(mut stdout), Some(mut stderr)) =
+        (child.stdin.take(), child.stdout.take(), child.stderr.take())
+    else {
+        return Err(ApiError::internal(anyhow::anyhow!("the HTML converter has no pipes")));
+    };
+    // Read at most a little over the markdown limit: more is refused anyway.
+    let cap = (MAX_MARKDOWN_BYTES * 2) as u64;
+    let (mut out, mut why) = (Vec::new(), Vec::new());
+    let run = async {
+        // A converter that stops reading has failed: its exit status says how, not this write.
+        let write = async move {
+            let _ = stdin.write_all(bytes).await;
+        };
+        let read = async {
+            (&mut stdout).take(cap).read_to_end(&mut out).await?;
+            if out.len() as u64 >= cap {
+                // Refused below; a blocked writer would otherwise run until the deadline.
+                child.start_kill()?;
+            }
+            Ok::<_, std::io::Error>(())
+        };
+        let ((), read, read_why) = tokio::join!(write, read, read_capped(&mut stderr, 4096, &mut why));
+        read?;
+        read_why?;
+        child.wait().await
+    };
+    let status = match tokio::time::timeout(conversion.timeout, run).await {
+        Ok(Ok(status)) => status,
+        Ok(Err(e)) => return Err(ApiError::internal(anyhow::anyhow!("running the HTML converter: {e}"))),
+        Err(_) => {
+            // Gone before the upload's turn at conversion is handed on.
+            let _ = child.kill().await;
+            return Err(ApiError::bad_request(format!(
+                "the HTML document could not be converted within {} s",
+                seconds(conversion.timeout)
+            )));
+        }
+    };
+    if out.len() as u64 >= cap {
+        return Err(markdown_over_the_limit());
+    }
+    let why = String::from_utf8_lossy(&why).trim().to_owned();
+    match status.code() {
+        Some(0) => Ok(String::from_utf8_lossy(&out).into_owned()),
+        Some(HTML_REFUSED) => Err(ApiError::bad_request(why)),
+        _ => {
+            tracing::warn!(%status, stderr = %why, "the HTML converter failed");
+            Err(ApiError::bad_request(
+                "the HTML document could not be converted: the converter failed on it (too large or too \
+                 intricate to convert)",
+            ))
+        }
     }
 }
 
-/// How deep the elements of `html` nest, at most, as a parser would build them: start tags
-/// open a level and end tags close one, except void elements and those whose end tag is
-/// implied by the next sibling (`<p>`, `<li>`, `<td>`, …), which a parser never nests in
-/// themselves. Over-counts at worst, for markup a parser would repair.
-fn nesting_depth(html: &str) -> usize {
-    const FLAT: [&str; 27] = [
+/// Reads `from` to its end, keeping its first `keep` bytes in `into`.
+async fn read_capped(
+    from: &mut (impl tokio::io::AsyncRead + Unpin),
+    keep: usize,
+    into: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = from.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        let room = keep.saturating_sub(into.len()).min(n);
+        into.extend_from_slice(&buf[..room]);
+    }
+}
+
+/// How deep the elements of `html` nest, about as a parser builds them, counted until past
+/// `max`: a document plainly deeper than is read is refused at once, without a parse whose
+/// time grows with the square of its nesting (the converter measures the tree it parsed
+/// exactly). As a parser does: a start tag opens an element even when written `<span/>` (the
+/// slash closes only void elements, and those inside `<svg>` and `<math>`); an end tag
+/// closes the nearest open element of its name and those opened inside it, and nothing when
+/// none is open; `<a>`, `<button>` and `<nobr>` close an open one of their kind. Void
+/// elements and those a parser never nests in themselves (`<p>`, `<li>`, `<td>`, a table's
+/// sections, `<body>`, …) are not counted; comments and the text of scripts and styles are
+/// not markup.
+fn nesting_depth(html: &str, max: usize) -> usize {
+    const FLAT: [&str; 37] = [
         "area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param", "source",
-        "track", "wbr", "p", "li", "dt", "dd", "tr", "td", "th", "option", "optgroup", "rb", "rt", "rp", "!",
+        "track", "wbr", "keygen", "frame", "p", "li", "dt", "dd", "tr", "td", "th", "option", "optgroup",
+        "rb", "rt", "rp", "rtc", "html", "head", "body", "tbody", "thead", "tfoot", "colgroup", "caption",
     ];
+    const RAW_TEXT: [&str; 9] =
+        ["script", "style", "textarea", "title", "xmp", "iframe", "noembed", "noframes", "noscript"];
+    const ONE_AT_A_TIME: [&str; 3] = ["a", "button", "nobr"];
     let bytes = html.as_bytes();
-    let (mut depth, mut deepest, mut i) = (0usize, 0usize, 0usize);
-    while let Some(at) = bytes[i..].iter().position(|&b| b == b'<') {
+    let mut open: Vec<String> = Vec::new();
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    let close = |name: &str, open: &mut Vec<String>, counts: &mut HashMap<String, usize>| {
+        if counts.get(name).copied().unwrap_or(0) == 0 {
+            return;
+        }
+        while let Some(top) = open.pop() {
+            match counts.get_mut(&top) {
+                Some(n) if *n > 1 => *n -= 1,
+                _ => {
+                    counts.remove(&top);
+                }
+            }
+            if top == name {
+                break;
+            }
+        }
+    };
+    let (mut deepest, mut i) = (0, 0);
+    while deepest <= max {
+        let Some(at) = bytes[i..].iter().position(|&b| b == b'<') else { break };
         i += at + 1;
-        let closing = bytes.get(i) == Some(&b'/');
-        let start = if closing { i + 1 } else { i };
-        let name_len = bytes[start..].iter().take_while(|b| b.is_ascii_alphanumeric() || **b == b'!').count();
-        if name_len == 0 {
+        if bytes[i..].starts_with(b"!--") {
+            i = find(bytes, i + 3, b"-->").map_or(bytes.len(), |end| end + 3);
             continue;
         }
-        let name = html[start..start + name_len].to_ascii_lowercase();
-        let flat = FLAT.contains(&name.as_str()) || name.starts_with('!');
-        let self_closing = bytes[start..]
+        let closing = bytes.get(i) == Some(&b'/');
+        let start = i + usize::from(closing);
+        if !bytes.get(start).is_some_and(u8::is_ascii_alphabetic) {
+            // `<!doctype …>`, `<?xml …?>`, or a `<` in text.
+            continue;
+        }
+        let name_len = bytes[start..]
             .iter()
-            .position(|&b| b == b'>')
-            .is_some_and(|end| end > 0 && bytes[start + end - 1] == b'/');
+            .take_while(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b':' | b'_'))
+            .count();
+        let name = html[start..start + name_len].to_ascii_lowercase();
+        let end = tag_end(bytes, start + name_len);
+        i = end;
         if closing {
-            if !flat {
-                depth = depth.saturating_sub(1);
+            close(&name, &mut open, &mut counts);
+            continue;
+        }
+        let self_closing = end < bytes.len() && bytes[end - 1] == b'/';
+        let foreign = ["svg", "math"].iter().any(|f| counts.get(*f).copied().unwrap_or(0) > 0 || name == *f);
+        if FLAT.contains(&name.as_str()) || (self_closing && foreign) {
+            continue;
+        }
+        if name == "plaintext" {
+            // The rest is text.
+            return deepest.max(open.len() + 1);
+        }
+        if ONE_AT_A_TIME.contains(&name.as_str()) {
+            close(&name, &mut open, &mut counts);
+        }
+        if RAW_TEXT.contains(&name.as_str()) {
+            i = raw_text_end(bytes, i, &name);
+        }
+        *counts.entry(name.clone()).or_default() += 1;
+        open.push(name);
+        deepest = deepest.max(open.len());
+    }
+    deepest
+}
+
+/// Where `needle` first occurs in `bytes` at or after `from`.
+fn find(bytes: &[u8], from: usize, needle: &[u8]) -> Option<usize> {
+    bytes.get(from..)?.windows(needle.len()).position(|w| w == needle).map(|at| from + at)
+}
+
+/// The `>` that ends a tag whose attributes start at `from` (one inside a quoted attribute
+/// value does not), or the end of `bytes`.
+fn tag_end(bytes: &[u8], from: usize) -> usize {
+    let (mut quote, mut after_equals) = (None, false);
+    for (k, &b) in bytes[from..].iter().enumerate() {
+        match quote {
+            Some(q) if b == q => quote = None,
+            Some(_) => continue,
+            None if b == b'>' => return from + k,
+            None if after_equals && (b == b'"' || b == b'\'') => {
+                quote = Some(b);
+                continue;
             }
-        } else if !flat && !self_closing {
-            depth += 1;
+            None => {}
+        }
+        if !b.is_ascii_whitespace() {
+            after_equals = b == b'=';
+        }
+    }
+    bytes.len()
+}
+
+/// Where the end tag of the raw-text element `name` (a script, a style, …) starts, at or
+/// after `from`, or the end of `bytes`.
+fn raw_text_end(bytes: &[u8], from: usize, name: &str) -> usize {
+    let mut at = from;
+    while let Some(tag) = find(bytes, at, b"</") {
+        let named = bytes.get(tag + 2..tag + 2 + name.len());
+        if named.is_some_and(|n| n.eq_ignore_ascii_case(name.as_bytes())) {
+            return tag;
+        }
+        at = tag + 2;
+    }
+    bytes.len()
+}
+
+/// The exit status of `convert-html` when it refuses a document; why is on its stderr.
+pub const HTML_REFUSED: i32 = 3;
+/// The address space a conversion process may take: a 20 MiB document of tiny elements
+/// parses into about 1 GiB of tree.
+const HTML_MEMORY_BYTES: u64 = 2 * 1024 * 1024 * 1024;
+/// The tags whose contents are not converted.
+const HTML_SKIPPED: [&str; 6] = ["script", "style", "head", "noscript", "template", "iframe"];
+
+/// `turnlog convert-html`: an HTML document on stdin, its markdown on stdout (exit 0), or
+/// why it is refused on stderr (exit [`HTML_REFUSED`]). The ingress runs it as a process of
+/// its own for each HTML upload, so a document that exhausts the stack, the memory or the
+/// deadline ends this process, never the ingress.
+pub fn html_child() -> i32 {
+    use nix::sys::resource::{setrlimit, Resource};
+    // When memory runs out, the kernel stops this process rather than anything else; and a
+    // crash leaves no core behind.
+    let _ = std::fs::write("/proc/self/oom_score_adj", "1000");
+    let limited = setrlimit(Resource::RLIMIT_AS, HTML_MEMORY_BYTES, HTML_MEMORY_BYTES)
+        .and_then(|()| setrlimit(Resource::RLIMIT_CORE, 0, 0));
+    if let Err(e) = limited {
+        eprintln!("limiting the converter's resources: {e}");
+        return 1;
+    }
+    let mut html = Vec::new();
+    if let Err(e) = std::io::Read::read_to_end(&mut std::io::stdin().lock(), &mut html) {
+        eprintln!("reading the HTML document: {e}");
+        return 1;
+    }
+    match html_on_a_large_stack(html) {
+        Ok(Ok(markdown)) => {
+            let mut out = std::io::stdout().lock();
+            match out.write_all(markdown.as_bytes()).and_then(|()| out.flush()) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("writing the markdown: {e}");
+                    1
+                }
+            }
+        }
+        Ok(Err(refused)) => {
+            eprint!("{refused}");
+            HTML_REFUSED
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            1
+        }
+    }
+}
+
+/// [`html_to_markdown`] on a thread with room for [`MAX_HTML_DEPTH`] levels of recursion;
+/// an error when the converter could not run or panicked (its message is on stderr).
+fn html_on_a_large_stack(html: Vec<u8>) -> Result<Result<String, String>, String> {
+    std::thread::Builder::new()
+        .name("html-to-markdown".into())
+        .stack_size(HTML_STACK_BYTES)
+        .spawn(move || html_to_markdown(&String::from_utf8_lossy(&html)))
+        .map_err(|e| format!("starting the converter's thread: {e}"))?
+        .join()
+        .map_err(|_| "the converter panicked".to_owned())
+}
+
+/// HTML as markdown by `htmd` (scripts, styles and the head dropped), or why not: the tree
+/// the parser built is measured before the converter, which recurses once a level, walks it.
+pub fn html_to_markdown(html: &str) -> Result<String, String> {
+    let converter = htmd::HtmlToMarkdown::builder().skip_tags(HTML_SKIPPED.to_vec()).build();
+    let tree = converter.html_to_tree(html).map_err(|e| format!("the HTML document cannot be read: {e}"))?;
+    let depth = tree_depth(&tree);
+    if depth > MAX_HTML_DEPTH {
+        return Err(format!(
+            "the HTML document nests {depth} elements deep; at most {MAX_HTML_DEPTH} are read"
+        ));
+    }
+    Ok(converter.tree_to_markdown(&tree))
+}
+
+/// How deep the nodes that hold others nest below the document: the levels the converter
+/// recurses through (a leaf, such as a text, adds none). Measured without recursing.
+fn tree_depth(document: &std::rc::Rc<htmd::Node>) -> usize {
+    let mut deepest = 0;
+    let mut pending = vec![(std::rc::Rc::clone(document), 0usize)];
+    while let Some((node, depth)) = pending.pop() {
+        let children = node.children.borrow();
+        if !children.is_empty() {
             deepest = deepest.max(depth);
+            pending.extend(children.iter().map(|c| (std::rc::Rc::clone(c), depth + 1)));
         }
     }
     deepest
 }
 
 /// A PDF's text by `pdftotext`, pages separated by a blank line.
-async fn pdf(bytes: &[u8]) -> Result<Markdown, ApiError> {
+async fn pdf(bytes: &[u8], timeout: Duration) -> Result<Markdown, ApiError> {
     let file = TempFile::new("upload", "pdf");
     tokio::fs::write(file.path(), bytes)
         .await
         .map_err(|e| ApiError::internal(anyhow::anyhow!("writing {:?}: {e}", file.path())))?;
-    let raw = run_pdftotext(file.path()).await?;
+    let raw = run_pdftotext(file.path(), timeout).await?;
     let pages: Vec<&str> = raw.split('\u{c}').map(str::trim_end).collect();
     let markdown = pages.iter().filter(|p| !p.trim().is_empty()).copied().collect::<Vec<_>>().join("\n\n");
     if markdown.trim().is_empty() {
@@ -357,7 +630,7 @@ impl Drop for TempFile {
     }
 }
 
-async fn run_pdftotext(path: &std::path::Path) -> Result<String, ApiError> {
+async fn run_pdftotext(path: &std::path::Path, timeout: Duration) -> Result<String, ApiError> {
     let child = tokio::process::Command::new("pdftotext")
         .args(["-q", "-enc", "UTF-8"])
         .arg(path)
@@ -389,21 +662,20 @@ async fn run_pdftotext(path: &std::path::Path) -> Result<String, ApiError> {
         }
         child.wait().await
     };
-    let status = match tokio::time::timeout(PDF_TIMEOUT, run).await {
+    let status = match tokio::time::timeout(timeout, run).await {
         Ok(Ok(status)) => status,
         Ok(Err(e)) => return Err(ApiError::internal(anyhow::anyhow!("running pdftotext: {e}"))),
         Err(_) => {
+            // Gone before the upload's turn at conversion is handed on.
+            let _ = child.kill().await;
             return Err(ApiError::bad_request(format!(
                 "the PDF's text could not be extracted within {} s",
-                PDF_TIMEOUT.as_secs()
-            )))
+                seconds(timeout)
+            )));
         }
     };
     if out.len() as u64 >= cap {
-        return Err(ApiError::PayloadTooLarge(format!(
-            "the document's text is over the limit of {} KiB as markdown: send a shorter document, or split it",
-            MAX_MARKDOWN_BYTES / 1024
-        )));
+        return Err(markdown_over_the_limit());
     }
     if !status.success() {
         return Err(ApiError::bad_request(
@@ -454,26 +726,51 @@ mod tests {
         assert!(err.to_string().contains("40 million"), "{err}");
     }
 
-    #[tokio::test]
-    async fn deeply_nested_html_is_refused_before_the_converter_recurses() {
-        assert_eq!(nesting_depth("<html><body><p>a<p>b<br><img src=x/><div><b>c</b></div></body></html>"), 4);
-        assert_eq!(nesting_depth("<ul><li>a<li>b<li>c</ul><!-- <x> --><!doctype html>"), 1);
-        let deep = format!("<html><body>{}</body></html>", "<span>".repeat(5_000));
-        let err = document(Sniffed::Html, deep.as_bytes()).await.unwrap_err();
-        assert!(err.to_string().contains("nests"), "{err}");
+    #[test]
+    fn nesting_is_counted_as_a_parser_builds_it() {
+        let depth = |html: &str| nesting_depth(html, 10_000);
+        assert_eq!(depth("<html><body><p>a<p>b<br><img src=x/><div><b>c</b></div></body></html>"), 2);
+        assert_eq!(depth("<ul><li>a<li>b<li>c</ul><!-- <x> --><!doctype html>"), 1);
+        // A slash closes only void elements: `<span/>` opens a span.
+        assert_eq!(depth(&"<span/>".repeat(300)), 300);
+        // A stray end tag closes nothing; one closes the elements opened inside its own.
+        assert_eq!(depth("<div><div></b></i></span><div>"), 3);
+        assert_eq!(depth("<div></div></div></div><div><span><i></div><div>"), 3);
+        // Inside SVG and MathML a slash closes.
+        assert_eq!(depth(&format!("<svg>{}<g><circle/></g></svg><div>", "<path d='M0 0'/>".repeat(50))), 2);
+        // Comments, scripts and quoted attributes are not markup.
+        let quiet = "<!-- <div><div> --><script>if (a<b) w('<div><div>')</script><style>a<b{}</style>";
+        assert_eq!(depth(quiet), 1);
+        assert_eq!(depth(&r#"<div title="/>" data-x='>'>"#.repeat(3)), 3);
+        // A link inside a link closes it.
+        assert_eq!(depth("<a href=1><a href=2><a>"), 1);
+        // Counting stops once past the limit.
+        assert_eq!(nesting_depth(&"<i>".repeat(100_000), 100), 101);
+    }
+
+    #[test]
+    fn the_converter_measures_the_tree_the_parser_built() {
+        // A table's implied body, row and cell nest four deep for each `<table><td>`.
+        let tables = format!("<html><body>{}x</body></html>", "<table><td>".repeat(600));
+        assert!(nesting_depth(&tables, MAX_HTML_DEPTH) <= MAX_HTML_DEPTH, "the quick count passes it");
+        let err = html_on_a_large_stack(tables.into_bytes()).unwrap().unwrap_err();
+        assert!(err.contains("nests 240"), "{err}");
+        let deep = format!("<html><body>{}</body></html>", "<span/>".repeat(5_000));
+        let err = html_on_a_large_stack(deep.into_bytes()).unwrap().unwrap_err();
+        assert!(err.contains("nests 5001"), "{err}");
         // As deep as is taken converts (on the converter's own large stack).
         let ok = format!("<html><body>{}x</body></html>", "<span>".repeat(MAX_HTML_DEPTH - 2));
-        assert_eq!(document(Sniffed::Html, ok.as_bytes()).await.unwrap().markdown.trim(), "x");
+        assert_eq!(html_on_a_large_stack(ok.into_bytes()).unwrap().unwrap().trim(), "x");
     }
 
     #[tokio::test]
     async fn html_becomes_markdown_and_long_documents_are_refused() {
-        let md = document(Sniffed::Html, b"<html><head><title>t</title><script>x()</script></head><body><h1>Hi</h1><p>a <b>b</b></p></body></html>")
-            .await
-            .unwrap();
-        assert_eq!(md.markdown.trim(), "# Hi\n\na **b**");
+        let page = b"<html><head><title>t</title><script>x()</script></head><body><h1>Hi</h1><p>a <b>b</b></p></body></html>";
+        let md = html_on_a_large_stack(page.to_vec()).unwrap().unwrap();
+        assert_eq!(md.trim(), "# Hi\n\na **b**");
+        let conversion = Conversion { html_program: None, timeout: Duration::from_secs(30) };
         let long = "a".repeat(MAX_MARKDOWN_BYTES + 1);
-        let err = document(Sniffed::Text, long.as_bytes()).await.unwrap_err();
+        let err = document(Sniffed::Text, long.as_bytes(), &conversion).await.unwrap_err();
         assert!(err.to_string().contains("512 KiB"), "{err}");
     }
 }

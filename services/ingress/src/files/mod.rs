@@ -128,6 +128,92 @@ fn unavailable(what: &str, e: &object_store::Error) -> ApiError {
     ApiError::Unavailable("the file store cannot be reached; try again".into())
 }
 
+/// Room for the multipart framing around an uploaded file.
+pub(crate) const MULTIPART_OVERHEAD: usize = 64 * 1024;
+
+/// The bytes of upload bodies one copy holds at once (a body is held whole until it is
+/// stored), of which one owner's uploads hold at most a share: uploads that stall or crawl
+/// must not keep every other owner's out. An owner's upload past the share waits for room
+/// in it, holding nothing meanwhile.
+#[derive(Debug)]
+pub struct UploadBudget {
+    /// A permit a byte.
+    bytes: tokio::sync::Semaphore,
+    /// The most one owner's bodies hold at once.
+    per_owner: usize,
+    /// What each owner's bodies hold now.
+    held: std::sync::Mutex<HashMap<String, usize>>,
+    /// Told when an owner's body gives its room back.
+    released: tokio::sync::Notify,
+}
+
+/// Room for one body in an [`UploadBudget`], given back when dropped.
+#[derive(Debug)]
+pub struct UploadRoom<'a> {
+    budget: &'a UploadBudget,
+    owner: String,
+    bytes: usize,
+    _permit: Option<tokio::sync::SemaphorePermit<'a>>,
+}
+
+impl UploadBudget {
+    /// `total` bytes, of which one owner holds at most a quarter, or one upload of
+    /// `file_max_bytes` when that is more (`total` is at least twice that).
+    pub fn new(total: usize, file_max_bytes: usize) -> Self {
+        Self {
+            bytes: tokio::sync::Semaphore::new(total),
+            per_owner: (total / 4).max(file_max_bytes.saturating_add(MULTIPART_OVERHEAD)),
+            held: Default::default(),
+            released: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Room for `bytes` of `owner`'s: first in the owner's share, then in all.
+    pub async fn reserve(&self, owner: &str, bytes: usize) -> Result<UploadRoom<'_>, ApiError> {
+        let bytes = bytes.min(self.per_owner);
+        loop {
+            // Listening before looking, so a release in between is not missed.
+            let released = self.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            {
+                let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let mine = held.entry(owner.to_owned()).or_default();
+                if *mine + bytes <= self.per_owner {
+                    *mine += bytes;
+                    break;
+                }
+            }
+            released.await;
+        }
+        // Given back from here on, even when the wait below is dropped.
+        let mut room = UploadRoom { budget: self, owner: owner.to_owned(), bytes, _permit: None };
+        let permits = u32::try_from(bytes).unwrap_or(u32::MAX);
+        let permit = self
+            .bytes
+            .acquire_many(permits)
+            .await
+            .map_err(|_| ApiError::Unavailable("shutting down".into()))?;
+        room._permit = Some(permit);
+        Ok(room)
+    }
+}
+
+impl Drop for UploadRoom<'_> {
+    fn drop(&mut self) {
+        {
+            let mut held = self.budget.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(mine) = held.get_mut(&self.owner) {
+                *mine = mine.saturating_sub(self.bytes);
+                if *mine == 0 {
+                    held.remove(&self.owner);
+                }
+            }
+        }
+        self.budget.released.notify_waiters();
+    }
+}
+
 /// Stores an upload: its type sniffed, an image measured (and scaled once when larger than
 /// the model is sent), a document converted to markdown, the blobs put and the metadata
 /// committed through the writer. Everything that can refuse it runs before anything is
@@ -178,7 +264,11 @@ pub async fn store(
             })
         }
         FileKind::Document => {
-            let md = convert::document(kind, &bytes).await?;
+            let conversion = convert::Conversion {
+                html_program: app.config.html_converter.clone(),
+                timeout: app.config.convert_timeout,
+            };
+            let md = convert::document(kind, &bytes, &conversion).await?;
             meta.markdown_chars = Some(md.markdown.chars().count() as u64);
             meta.note = md.note;
             Some((Part::Markdown, Bytes::from(md.markdown)))

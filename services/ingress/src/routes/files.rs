@@ -1,14 +1,17 @@
 //! Files (DESIGN §12): upload (multipart, sniffed, converted once), list, metadata, bytes
 //! and delete. Another owner's file is 404 here; sending one is a 400 (`files::attachments`).
 
+use std::time::Duration;
+
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::files::{self as meta, FileKind, FileRow, MAX_FILE_NAME_CHARS};
 use utoipa::{IntoParams, ToSchema};
@@ -16,13 +19,11 @@ use uuid::Uuid;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::extract::{read_body, ApiPath, ApiQuery};
-use crate::files::{not_configured, Blobs, Part};
+use crate::extract::{ApiPath, ApiQuery, LimitedBody};
+use crate::files::{not_configured, Blobs, Part, MULTIPART_OVERHEAD};
 use crate::writes::submit;
 use crate::{AppState, Ingress};
 
-/// Room for the multipart framing around the file.
-const MULTIPART_OVERHEAD: usize = 64 * 1024;
 const DEFAULT_LIMIT: i64 = 100;
 const MAX_LIMIT: i64 = 1000;
 
@@ -104,6 +105,7 @@ fn blobs(app: &Ingress) -> Result<&Blobs, ApiError> {
     responses(
         (status = 201, body = FileView),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 408, description = "The body sent nothing for TURNLOG_UPLOAD_READ_TIMEOUT, or came slower than TURNLOG_UPLOAD_MIN_RATE", body = ErrorBody),
         (status = 413, description = "Over TURNLOG_FILE_MAX_BYTES, or a document whose markdown is over 512 KiB", body = ErrorBody),
         (status = 415, description = "Not a supported type (sniffed from the bytes)", body = ErrorBody),
         (status = 503, body = ErrorBody),
@@ -125,23 +127,63 @@ pub async fn upload(State(app): State<AppState>, caller: Caller, req: Request) -
             )
         })?;
     // Room for the body in the copy's upload budget first: a body is held whole until it is
-    // stored, so many at once must not add up past it.
+    // stored, so many at once must not add up past it, nor one owner's past their share.
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
     let room = declared.unwrap_or(usize::MAX).min(limit + MULTIPART_OVERHEAD);
-    let _room = app
-        .upload_bytes
-        .acquire_many(u32::try_from(room).unwrap_or(u32::MAX))
-        .await
-        .map_err(|_| ApiError::Unavailable("shutting down".into()))?;
-    let body = read_body(req, limit + MULTIPART_OVERHEAD).await?;
+    let _room = app.upload_bytes.reserve(caller.as_str(), room).await?;
+    let (read_timeout, min_rate) = (app.config.upload_read_timeout, app.config.upload_min_rate);
+    let body = read_upload(req, limit + MULTIPART_OVERHEAD, read_timeout, min_rate).await?;
     let (name, bytes) = file_field(body, boundary, limit).await?;
     let row = crate::files::store(&app, caller.as_str(), name, bytes, false).await?;
     tracing::Span::current().record("file_id", tracing::field::display(row.id));
     Ok((StatusCode::CREATED, Json(FileView::from(row))).into_response())
+}
+
+/// An upload's body, up to `limit` bytes, read while it keeps coming: a wait of more than
+/// `read_timeout` for its next bytes is a 408, and so is a body that, after `read_timeout`
+/// to start, averages under `min_rate` bytes a second — so a body that stalls or crawls
+/// gives its room in the upload budget back.
+async fn read_upload(
+    req: Request,
+    limit: usize,
+    read_timeout: Duration,
+    min_rate: u64,
+) -> Result<Bytes, ApiError> {
+    let mut chunks = LimitedBody::new(req, limit)?;
+    let mut body = BytesMut::new();
+    let started = Instant::now();
+    let mut last = started;
+    loop {
+        // The next bytes are due within the read timeout, and by when the bytes so far
+        // would have come at the least rate.
+        let owed = Duration::from_secs_f64(body.len() as f64 / min_rate.max(1) as f64);
+        let due = (last + read_timeout).min(started + read_timeout + owed);
+        match tokio::time::timeout_at(due, chunks.next()).await {
+            Ok(chunk) => match chunk? {
+                Some(chunk) => body.extend_from_slice(&chunk),
+                None => return Ok(body.freeze()),
+            },
+            Err(_) if last.elapsed() >= read_timeout => {
+                return Err(ApiError::RequestTimeout(format!(
+                    "the upload's body sent nothing for {} s (TURNLOG_UPLOAD_READ_TIMEOUT): send it without pauses",
+                    read_timeout.as_secs_f64()
+                )))
+            }
+            Err(_) => {
+                return Err(ApiError::RequestTimeout(format!(
+                    "the upload's body came slower than {min_rate} bytes a second (TURNLOG_UPLOAD_MIN_RATE): \
+                     {} bytes in {:.0} s",
+                    body.len(),
+                    started.elapsed().as_secs_f64()
+                )))
+            }
+        }
+        last = Instant::now();
+    }
 }
 
 /// The multipart body's `file` field: its name (cut to 255 characters) and bytes.
