@@ -38,7 +38,7 @@ pub async fn import(
     let summary = importer
         .file(path, format, |s, checked| {
             bar.set_length(checked.conversations as u64);
-            bar.set_position((s.conversations + s.failed.len()) as u64);
+            bar.set_position((s.conversations + s.failed_total) as u64);
             bar.set_message(format!("{} of {} messages", s.messages, checked.messages));
         })
         .await
@@ -55,18 +55,27 @@ pub async fn import(
         started.elapsed().as_secs_f64(),
     );
     if !summary.skipped.is_empty() {
-        println!("skipped {} parts (a note stands in each one's place):", summary.skipped.len());
+        println!("skipped {} parts (a note stands in each one's place):", summary.skipped_total);
         for s in &summary.skipped {
             println!("  {}: {} — {}", s.conversation, s.what, s.reason);
         }
+        more(summary.skipped_total - summary.skipped.len());
     }
     if !summary.failed.is_empty() {
-        println!("{} conversations not imported:", summary.failed.len());
+        println!("{} conversations not imported:", summary.failed_total);
         for f in &summary.failed {
             println!("  {}: {}", f.conversation, f.reason);
         }
+        more(summary.failed_total - summary.failed.len());
     }
     Ok(summary)
+}
+
+/// The line for what a summary counts but does not list.
+fn more(unlisted: usize) {
+    if unlisted > 0 {
+        println!("  … and {unlisted} more");
+    }
 }
 
 /// Writes every session of `owner` to stdout in `format`; returns how many.

@@ -3,8 +3,13 @@
 //!
 //! - Ids derive from the owner, the target session and the id in the export, so importing a
 //!   file again adds nothing, and an import cut short is completed by running it again.
-//! - A conversation is checked whole (sizes, text Postgres can store) before its first
-//!   append; one that fails the check appends nothing.
+//! - A conversation is checked whole (sizes, text Postgres can store, every seq it names;
+//!   and against what the log holds of an earlier import of it) before its first append;
+//!   one that fails the check appends nothing.
+//! - Memory: a process imports [`FILES_AT_ONCE`] files at once (an upload waits for its
+//!   turn before it is read), each reading one conversation at a time (at most
+//!   `MAX_CONVERSATION_BYTES` of JSON) and keeping at most [`READ_AHEAD_BYTES`] of planned
+//!   conversations ahead of its appends.
 //! - Each session's events go one after the other (the writer numbers them in that order);
 //!   many conversations go at once, at most [`IN_FLIGHT_PER_PARTITION`] appends per
 //!   partition across every import of the process, so live turns keep their share of the
@@ -21,15 +26,15 @@ use futures::future::BoxFuture;
 use futures::StreamExt;
 use serde::Serialize;
 use sqlx::PgPool;
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use turnlog_core::branch::{fork_lineage, Segment};
 use turnlog_core::events::{EventKind, ForkPoint};
 use turnlog_core::ids::{Owner, SessionId};
 use turnlog_core::import::{self, Conversation, FileError, Format, PlannedSession, Rejected};
 use uuid::Uuid;
 
 use crate::bus::{
-    append_and_wait, json_len, metadata_error, partition_of, AppendRequest, Bus, Op, RequestKind,
-    MAX_EVENT_BYTES,
+    append_and_wait, metadata_error, partition_of, AppendRequest, Bus, Op, RequestKind, MAX_EVENT_BYTES,
 };
 
 /// Most appends imports keep in flight on one partition.
@@ -38,22 +43,37 @@ pub const IN_FLIGHT_PER_PARTITION: usize = 200;
 /// Imported ids are name-based uuids in this namespace.
 const IMPORT_NAMESPACE: Uuid = Uuid::from_u128(0x2b9e_51c7_0f4a_4d38_a6e2_7c15_93d0_4e81);
 
-/// Files a process imports at once (each holds a few hundred conversations in memory);
-/// more wait their turn.
+/// Files a process imports at once; more wait their turn (an upload before it is read).
 pub const FILES_AT_ONCE: usize = 2;
+
+/// Most bytes of planned conversations (their payloads as JSON) one import reads ahead of
+/// its appends: the reader waits for room. A conversation larger than this still goes, alone.
+pub const READ_AHEAD_BYTES: usize = 64 * 1024 * 1024;
 
 /// The appends imports may have in flight, one lane per partition, and the files imported
 /// at once, shared by every import a process runs.
 pub struct ImportLanes {
     lanes: Vec<Arc<Semaphore>>,
-    files: Semaphore,
+    files: Arc<Semaphore>,
+}
+
+/// One of the [`FILES_AT_ONCE`] turns to import a file, held until the import ends.
+pub struct FileSlot {
+    _permit: OwnedSemaphorePermit,
 }
 
 impl ImportLanes {
     pub fn new(partitions: u32) -> Self {
         let lanes =
             (0..partitions.max(1)).map(|_| Arc::new(Semaphore::new(IN_FLIGHT_PER_PARTITION))).collect();
-        Self { lanes, files: Semaphore::new(FILES_AT_ONCE) }
+        Self { lanes, files: Arc::new(Semaphore::new(FILES_AT_ONCE)) }
+    }
+
+    /// Waits for a turn to import a file.
+    pub async fn file_slot(&self) -> Result<FileSlot, FileError> {
+        let permit =
+            self.files.clone().acquire_owned().await.map_err(|_| FileError::Shape("shutting down".into()))?;
+        Ok(FileSlot { _permit: permit })
     }
 
     fn lane(&self, partition: u32) -> &Semaphore {
@@ -80,11 +100,20 @@ pub struct Summary {
     pub messages: usize,
     /// Every event appended.
     pub events: usize,
-    /// What was brought in as a note instead of as it was.
+    /// What was brought in as a note instead of as it was (the first [`MAX_LISTED`]).
     pub skipped: Vec<SkippedPart>,
-    /// Conversations not imported, or not completely (run the import again to complete them).
+    /// How many parts were skipped, listed or not.
+    pub skipped_total: usize,
+    /// Conversations not imported, or not completely (run the import again to complete
+    /// them; the first [`MAX_LISTED`]).
     pub failed: Vec<Rejected>,
+    /// How many conversations failed, listed or not.
+    pub failed_total: usize,
 }
+
+/// Most entries a [`Summary`] lists as skipped, and as failed: a file of a million broken
+/// conversations is summed up in a few hundred kilobytes, and logged in a thousand lines.
+pub const MAX_LISTED: usize = 1_000;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SkippedPart {
@@ -132,50 +161,91 @@ struct Done {
     events: usize,
 }
 
+/// A conversation as read, with its share of the read-ahead room (given back once it is
+/// imported).
+type Incoming = (Result<Conversation, Rejected>, Option<OwnedSemaphorePermit>);
+
 impl Importer {
-    /// Imports the export at `path` (checked first; see [`check`]): conversations go
-    /// through the writer as they are read, `progress` hears of each one done.
+    /// Imports the export at `path` (checked first; see [`check`]) once a turn is free:
+    /// conversations go through the writer as they are read, `progress` hears of each one
+    /// done.
     pub async fn file(
         &self,
         path: &Path,
         format: Option<Format>,
         progress: impl Fn(&Summary, &Checked),
     ) -> Result<Summary, FileError> {
-        let _turn = self.lanes.files.acquire().await.map_err(|_| FileError::Shape("shutting down".into()))?;
-        let reader = open(path)?;
-        let checked = tokio::task::spawn_blocking(move || check(reader, format))
-            .await
-            .map_err(|e| FileError::Shape(format!("the check stopped: {e}")))??;
-        let reader = open(path)?;
+        let slot = self.lanes.file_slot().await?;
+        self.file_in(slot, path, format, progress).await
+    }
+
+    /// [`Importer::file`] in a turn taken already (the ingress takes it before it reads the
+    /// upload).
+    pub async fn file_in(
+        &self,
+        _slot: FileSlot,
+        path: &Path,
+        format: Option<Format>,
+        progress: impl Fn(&Summary, &Checked),
+    ) -> Result<Summary, FileError> {
+        // Both passes on one thread: the second reuses what the first allocated and freed
+        // (the allocator keeps a thread's freed memory for that thread's next allocations).
+        let (reader, again) = (open(path)?, open(path)?);
+        let (checked_tx, checked_rx) = tokio::sync::oneshot::channel();
         let (tx, rx) = mpsc::channel(64);
+        let room = Arc::new(Semaphore::new(READ_AHEAD_BYTES >> 10));
+        let runtime = tokio::runtime::Handle::current();
         let read = tokio::task::spawn_blocking(move || {
-            import::read(reader, Some(checked.format), |c| match tx.blocking_send(c) {
-                Ok(()) => ControlFlow::Continue(()),
-                Err(_) => ControlFlow::Break(()),
+            let checked = check(reader, format);
+            let format = checked.as_ref().ok().map(|c| c.format);
+            if checked_tx.send(checked).is_err() {
+                return Ok(());
+            }
+            let Some(format) = format else { return Ok(()) };
+            import::read(again, Some(format), |c| {
+                // Waits for room for it (a rejected conversation needs none).
+                let kib = c.as_ref().map_or(0, |c| (c.bytes() >> 10) + 1).min(READ_AHEAD_BYTES >> 10);
+                let permit = match kib {
+                    0 => None,
+                    kib => match runtime.block_on(room.clone().acquire_many_owned(kib as u32)) {
+                        Ok(permit) => Some(permit),
+                        Err(_) => return ControlFlow::Break(()),
+                    },
+                };
+                match tx.blocking_send((c, permit)) {
+                    Ok(()) => ControlFlow::Continue(()),
+                    Err(_) => ControlFlow::Break(()),
+                }
             })
+            .map(drop)
         });
+        let checked = match checked_rx.await {
+            Ok(checked) => checked?,
+            Err(_) => {
+                let stopped = read.await.err().map(|e| e.to_string()).unwrap_or_default();
+                return Err(FileError::Shape(format!("the check stopped: {stopped}")));
+            }
+        };
         let summary = self.conversations(rx, |s| progress(s, &checked)).await;
         read.await.map_err(|e| FileError::Shape(format!("the reader stopped: {e}")))??;
         Ok(summary)
     }
 
     /// Imports the conversations `rx` yields, many at once, and sums up.
-    pub async fn conversations(
-        &self,
-        rx: mpsc::Receiver<Result<Conversation, Rejected>>,
-        progress: impl Fn(&Summary),
-    ) -> Summary {
+    async fn conversations(&self, rx: mpsc::Receiver<Incoming>, progress: impl Fn(&Summary)) -> Summary {
         let incoming = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
         let results = incoming
-            .map(|c| -> BoxFuture<'_, (Option<Conversation>, Result<Done, Rejected>)> {
+            .map(|(c, room)| -> BoxFuture<'_, (Option<Conversation>, Result<Done, Rejected>)> {
                 Box::pin(async move {
-                    match c {
+                    let done = match c {
                         Ok(c) => {
                             let outcome = self.conversation(&c).await;
                             (Some(c), outcome)
                         }
                         Err(rejected) => (None, Err(rejected)),
-                    }
+                    };
+                    drop(room);
+                    done
                 })
             })
             .buffer_unordered(self.lanes.width());
@@ -191,7 +261,9 @@ impl Importer {
                     summary.events += done.events;
                     if let Some(c) = conversation {
                         let label = c.label();
-                        summary.skipped.extend(c.skipped.into_iter().map(|s| SkippedPart {
+                        summary.skipped_total += c.skipped.len() + c.skipped_unlisted;
+                        let room = MAX_LISTED.saturating_sub(summary.skipped.len());
+                        summary.skipped.extend(c.skipped.into_iter().take(room).map(|s| SkippedPart {
                             conversation: label.clone(),
                             what: s.what,
                             reason: s.reason,
@@ -199,8 +271,11 @@ impl Importer {
                     }
                 }
                 Err(rejected) => {
-                    tracing::info!(conversation = %rejected.conversation, reason = %rejected.reason, "not imported");
-                    summary.failed.push(rejected);
+                    summary.failed_total += 1;
+                    if summary.failed.len() < MAX_LISTED {
+                        tracing::info!(conversation = %rejected.conversation, reason = %rejected.reason, "not imported");
+                        summary.failed.push(rejected);
+                    }
                 }
             }
             progress(&summary);
@@ -208,23 +283,22 @@ impl Importer {
         summary
     }
 
-    /// Imports one conversation: checked whole, then its sessions in order (a parent
-    /// before its forks), each session's missing events in order, then the deletes.
+    /// Imports one conversation: checked whole, and against what the log holds of an
+    /// earlier import of it, then its sessions in order (a parent before its forks), each
+    /// session's missing events in order, then the deletes.
     async fn conversation(&self, c: &Conversation) -> Result<Done, Rejected> {
         let reject = |reason: String| Rejected { conversation: c.label(), reason };
         checked(c).map_err(reject)?;
+        let targets = self.targets(c).await.map_err(reject)?;
         let mut done = Done::default();
         let mut placed: Vec<Placed> = Vec::with_capacity(c.sessions.len());
-        for (i, s) in c.sessions.iter().enumerate() {
-            let parent = s.fork.map(|f| (&placed[f.parent], f.through_seq));
-            let id = match parent {
-                None => self.root_id(c.format, &c.source_id),
-                Some((p, _)) => self.fork_id(p.id, &s.key),
-            };
+        let mut index: HashMap<SessionId, usize> = HashMap::with_capacity(c.sessions.len());
+        for (i, (s, target)) in c.sessions.iter().zip(targets).enumerate() {
             let session = self
-                .session(id, s, parent, &mut done)
+                .session(s, target, &placed, &index, &mut done)
                 .await
                 .map_err(|e| reject(format!("{e} (session {} of the conversation)", i + 1)))?;
+            index.insert(session.id, i);
             placed.push(session);
         }
         for (s, p) in c.sessions.iter().zip(&placed) {
@@ -237,27 +311,73 @@ impl Importer {
         Ok(done)
     }
 
-    /// Creates session `id` unless it exists, then appends the events it lacks.
+    /// Where each session of `c` goes and what the log holds of it already, read (and found
+    /// to be a start of the plan) before anything is appended: a conversation changed or
+    /// deleted since it was imported fails whole.
+    async fn targets(&self, c: &Conversation) -> Result<Vec<Target>, String> {
+        let owner = self.owner.as_str();
+        let mut targets: Vec<Target> = Vec::with_capacity(c.sessions.len());
+        for (i, s) in c.sessions.iter().enumerate() {
+            let parent = s.fork.map(|f| &targets[f.parent]);
+            let id = match parent {
+                None => self.root_id(c.format, &c.source_id),
+                Some(p) => self.fork_id(p.id, &s.key),
+            };
+            let at = |e: String| format!("{e} (session {} of the conversation)", i + 1);
+            let existing = existing(&self.pool, owner, id)
+                .await
+                .map_err(|e| at(format!("reading the log failed: {e}")))?;
+            let deleted = || at("it was deleted since it was imported".into());
+            let Some(existing) = existing else {
+                // The writer forks only a live parent.
+                if parent.is_some_and(|p| p.existing.as_ref().is_some_and(|e| e.hidden)) {
+                    return Err(deleted());
+                }
+                targets.push(Target { id, existing: None });
+                continue;
+            };
+            let mut missing = false;
+            for e in &s.events {
+                let stored = existing.events.contains_key(&event_id(owner, id, &e.source_id));
+                if stored && missing {
+                    return Err(at("the conversation changed since it was imported (run it into a new \
+                                   account, or delete the imported sessions first)"
+                        .into()));
+                }
+                missing |= !stored;
+            }
+            if missing && existing.hidden {
+                return Err(deleted());
+            }
+            targets.push(Target { id, existing: Some(existing) });
+        }
+        Ok(targets)
+    }
+
+    /// Creates session `target` unless it exists, then appends the events it lacks;
+    /// `placed` are the sessions before it (`index`: by id).
     async fn session(
         &self,
-        id: SessionId,
         s: &PlannedSession,
-        parent: Option<(&Placed, i64)>,
+        target: Target,
+        placed: &[Placed],
+        index: &HashMap<SessionId, usize>,
         done: &mut Done,
     ) -> Result<Placed, String> {
         let owner = self.owner.as_str();
-        // Planned seq → seq in the target log, the inherited ones included.
-        let mut seqs: HashMap<i64, i64> = HashMap::new();
-        let fork = match parent {
-            None => None,
-            Some((p, through)) => {
-                seqs.extend(p.seqs.iter().filter(|(planned, _)| **planned <= through));
-                let through_seq = *p.seqs.get(&through).ok_or("its fork point is not in its parent")?;
-                Some(ForkPoint { session_id: p.id, through_seq })
+        let Target { id, existing } = target;
+        // Its branch log: the planned seqs it reads from each ancestor, and the target seq
+        // of each planned one (an ancestor's from the ancestor).
+        let (fork, lineage) = match s.fork {
+            None => (None, Vec::new()),
+            Some(f) => {
+                let p = &placed[f.parent];
+                let through_seq = seq_in(placed, index, &p.lineage, &p.seqs, f.through_seq)
+                    .ok_or("its fork point is not in its parent")?;
+                let lineage = fork_lineage(p.id, &p.lineage, f.through_seq);
+                (Some(ForkPoint { session_id: p.id, through_seq }), lineage)
             }
         };
-        let existing =
-            existing(&self.pool, owner, id).await.map_err(|e| format!("reading the log failed: {e}"))?;
         let hidden = existing.as_ref().is_some_and(|e| e.hidden);
         if existing.is_none() {
             let mut create = match fork {
@@ -269,31 +389,20 @@ impl Importer {
             self.send(&create).await?;
             done.sessions += 1;
         }
+        let mut seqs: HashMap<i64, i64> = HashMap::with_capacity(s.events.len() + 1);
         seqs.insert(s.first_seq(), fork.map_or(1, |f| f.through_seq + 1));
         let stored = existing.map(|e| e.events).unwrap_or_default();
-        let mut appending = false;
         for e in &s.events {
-            let event_id = name(&format!("{owner}\n{id}\n{}", e.source_id));
+            let event_id = event_id(owner, id, &e.source_id);
             if let Some(seq) = stored.get(&event_id) {
-                if appending {
-                    return Err(
-                        "the conversation changed since it was imported (run it into a new account, or \
-                                delete the imported sessions first)"
-                            .into(),
-                    );
-                }
                 seqs.insert(e.seq, *seq);
                 continue;
             }
-            if hidden {
-                return Err("it was deleted since it was imported".into());
-            }
-            appending = true;
-            let mut payload = e.payload.clone();
+            let mut payload = e.payload.value();
             import::turnlog::rewrite(
                 e.kind,
                 &mut payload,
-                |seq| seqs.get(&seq).copied(),
+                |seq| seq_in(placed, index, &lineage, &seqs, seq),
                 |memory| name(&format!("{id}\nmemory\n{memory}")).to_string(),
             );
             let append = AppendRequest::append_payload(id, owner, event_id, e.kind, payload);
@@ -308,7 +417,7 @@ impl Importer {
             archive.archived = Some(true);
             self.send(&archive).await?;
         }
-        Ok(Placed { id, seqs, hidden })
+        Ok(Placed { id, lineage, seqs, hidden })
     }
 
     /// Sends one request on its partition's lane and waits for its outcome; the seq it
@@ -350,15 +459,44 @@ fn open(path: &Path) -> Result<std::io::BufReader<std::fs::File>, FileError> {
         .map_err(|e| FileError::Shape(format!("cannot read the file: {e}")))
 }
 
+/// Where a session of the conversation goes, and what the log holds of it already.
+struct Target {
+    id: SessionId,
+    existing: Option<Existing>,
+}
+
 /// A session of the conversation, once placed.
 struct Placed {
     id: SessionId,
+    /// The ancestors its branch log reads, through planned seqs.
+    lineage: Vec<Segment>,
+    /// Its own events' (and its `session_started`'s) planned seq → seq in the log.
     seqs: HashMap<i64, i64>,
     hidden: bool,
 }
 
+/// The seq in the log of planned seq `seq` of a branch log whose ancestors are `lineage`
+/// and own events `own`.
+fn seq_in(
+    placed: &[Placed],
+    index: &HashMap<SessionId, usize>,
+    lineage: &[Segment],
+    own: &HashMap<i64, i64>,
+    seq: i64,
+) -> Option<i64> {
+    match lineage.iter().find(|s| seq <= s.through) {
+        Some(segment) => placed[*index.get(&segment.session)?].seqs.get(&seq).copied(),
+        None => own.get(&seq).copied(),
+    }
+}
+
 fn name(text: &str) -> Uuid {
     Uuid::new_v5(&IMPORT_NAMESPACE, text.as_bytes())
+}
+
+/// An imported event's id: from the owner, its session and its id in the export.
+fn event_id(owner: &str, session: SessionId, source_id: &str) -> Uuid {
+    name(&format!("{owner}\n{session}\n{source_id}"))
 }
 
 fn describe(req: &AppendRequest) -> String {
@@ -373,14 +511,14 @@ fn checked(c: &Conversation) -> Result<(), String> {
     for (i, s) in c.sessions.iter().enumerate() {
         for e in &s.events {
             let at = || format!("{} {} of session {}", e.kind.as_str().replace('_', " "), e.source_id, i + 1);
-            if json_len(&e.payload) > MAX_EVENT_BYTES {
+            if e.payload.json_len() > MAX_EVENT_BYTES {
                 return Err(format!(
                     "the {} is larger than the log accepts ({} KiB)",
                     at(),
                     MAX_EVENT_BYTES / 1024
                 ));
             }
-            if let Some(why) = turnlog_core::storable::payload_problem(e.kind, &e.payload) {
+            if let Some(why) = turnlog_core::storable::payload_problem(e.kind, &e.payload.value()) {
                 return Err(format!("the {}: {why}", at()));
             }
         }

@@ -120,9 +120,7 @@ pub fn init(service: &str, style: LogStyle, filter: EnvFilter) -> anyhow::Result
     use tracing_subscriber::fmt::{format, layer};
     // One of the two, each with the filter (a boxed layer would hide its filter's id).
     let (pretty, json) = match style {
-        LogStyle::Pretty { ansi } => {
-            (Some(layer().with_writer(std::io::stderr).with_ansi(ansi).with_filter(filter)), None)
-        }
+        LogStyle::Pretty { ansi } => (Some(pretty(ansi, std::io::stderr).with_filter(filter)), None),
         LogStyle::Json => {
             // Both formats print the fields of every enclosing span (a turn's lines all
             // carry its `session_id`).
@@ -133,6 +131,80 @@ pub fn init(service: &str, style: LogStyle, filter: EnvFilter) -> anyhow::Result
     };
     tracing_subscriber::registry().with(tracing).with(pretty).with(json).try_init()?;
     Ok(Telemetry { provider })
+}
+
+/// The human-readable log lines, written to `writer`: one line per event whatever its
+/// fields hold ([`OneLineFields`]).
+fn pretty<S, W>(ansi: bool, writer: W) -> impl tracing_subscriber::Layer<S>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + 'static,
+{
+    tracing_subscriber::fmt::layer().with_writer(writer).with_ansi(ansi).fmt_fields(OneLineFields)
+}
+
+/// Writes the fields of events and spans (the message included) as the default format
+/// does, with every control character of a value escaped (`\n`, `\u{1b}`): a value a client
+/// gave (an imported session id, a title, a header) cannot start a log line of its own or
+/// drive the terminal. The JSON format escapes them already.
+struct OneLineFields;
+
+impl<'w> FormatFields<'w> for OneLineFields {
+    fn format_fields<R: tracing_subscriber::field::RecordFields>(
+        &self,
+        writer: Writer<'w>,
+        fields: R,
+    ) -> std::fmt::Result {
+        let mut visitor = OneLineVisitor { writer, first: true, result: Ok(()) };
+        fields.record(&mut visitor);
+        visitor.result
+    }
+}
+
+struct OneLineVisitor<'w> {
+    writer: Writer<'w>,
+    first: bool,
+    result: std::fmt::Result,
+}
+
+impl tracing::field::Visit for OneLineVisitor<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        use std::fmt::Write as _;
+        let name = field.name();
+        // What the `log` bridge records, shown by the line's own metadata.
+        if self.result.is_err() || name.starts_with("log.") {
+            return;
+        }
+        let separator = if std::mem::take(&mut self.first) { "" } else { " " };
+        let ansi = self.writer.has_ansi_escapes();
+        self.result = (|| {
+            self.writer.write_str(separator)?;
+            if name != "message" {
+                let name = name.strip_prefix("r#").unwrap_or(name);
+                match ansi {
+                    true => write!(self.writer, "\x1b[3m{name}\x1b[0m\x1b[2m=\x1b[0m")?,
+                    false => write!(self.writer, "{name}=")?,
+                }
+            }
+            write!(Escaping(&mut self.writer), "{value:?}")
+        })();
+    }
+}
+
+/// Writes through, control characters (and the Unicode line separators) escaped.
+struct Escaping<'a, W>(&'a mut W);
+
+impl<W: std::fmt::Write> std::fmt::Write for Escaping<'_, W> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let mut rest = s;
+        while let Some(at) = rest.find(|c: char| c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')) {
+            self.0.write_str(&rest[..at])?;
+            let c = rest[at..].chars().next().unwrap_or_default();
+            write!(self.0, "{}", c.escape_default())?;
+            rest = &rest[at + c.len_utf8()..];
+        }
+        self.0.write_str(rest)
+    }
 }
 
 /// Whether an OTLP endpoint is configured (the standard variables; empty counts as unset).
@@ -264,5 +336,49 @@ mod tests {
             assert!(!own.contains("4bf92f3577b34da6a3ce929d0e0e4736"), "{own}");
         });
         assert_eq!(traceparent(&tracing::Span::none()), None);
+    }
+
+    /// What a layer wrote.
+    #[derive(Clone, Default)]
+    struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'w> tracing_subscriber::fmt::MakeWriter<'w> for Lines {
+        type Writer = Lines;
+        fn make_writer(&'w self) -> Lines {
+            self.clone()
+        }
+    }
+
+    #[test]
+    fn a_client_value_cannot_forge_a_pretty_log_line() {
+        for ansi in [false, true] {
+            let lines = Lines::default();
+            let subscriber = tracing_subscriber::registry().with(pretty(ansi, lines.clone()));
+            tracing::subscriber::with_default(subscriber, || {
+                let span = tracing::info_span!("import", owner = %"alice\r\nforged");
+                let _in = span.enter();
+                let forged = "0190a0e4\n2026-01-01T00:00:00.000000Z  INFO turnlog: forged line";
+                tracing::info!(session_id = %forged, reason = ?"a\tb", bell = "\u{7}\u{1b}[2J", "not imported: {}", "x\ny");
+                tracing::info!(n = 3, "a line of our own");
+            });
+            let out = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+            assert_eq!(out.lines().count(), 2, "{out}");
+            assert!(out.contains(r"0190a0e4\n2026-01-01"), "{out}");
+            assert!(out.contains(r"alice\r\nforged"), "{out}");
+            assert!(out.contains(r"not imported: x\ny"), "{out}");
+            let without_styles = out.replace("\u{1b}[", "");
+            assert!(!without_styles.contains(['\u{7}', '\u{1b}']), "{out:?}");
+            assert!(!out.contains("\u{1b}[2J"), "{out:?}");
+        }
     }
 }

@@ -1,13 +1,15 @@
 //! `POST /v1/import` (issue 25): conversations from ChatGPT's data export, ShareGPT files
-//! or turnlog's own export become the caller's sessions, through the writer. The upload is
-//! streamed to a temporary file (at most `TURNLOG_IMPORT_MAX_BYTES`), read once to check it
-//! whole, then imported conversation by conversation (`turnlog_runtime::import`).
+//! or turnlog's own export become the caller's sessions, through the writer. Once one of the
+//! process's import turns is free, the upload is streamed to a temporary file (at most
+//! `TURNLOG_IMPORT_MAX_BYTES`), read once to check it whole, then imported conversation by
+//! conversation (`turnlog_runtime::import`).
 
 use axum::extract::{Request, State};
 use axum::http::header;
 use axum::Json;
 use serde::Deserialize;
 use tokio::io::AsyncWriteExt as _;
+use tokio::time::{Duration, Instant};
 use turnlog_core::import::{FileError, Format};
 use turnlog_runtime::import::{Importer, Summary};
 use utoipa::IntoParams;
@@ -18,6 +20,9 @@ use crate::extract::{declared_length, ApiQuery, LimitedBody};
 use crate::files::convert::TempFile;
 use crate::AppState;
 
+/// The types of a body that is the file itself.
+const JSON_TYPES: [&str; 4] =
+    ["application/json", "application/x-ndjson", "application/jsonl", "application/json-lines"];
 /// Room for the multipart framing around the file.
 const MULTIPART_OVERHEAD: usize = 64 * 1024;
 /// The most a multipart field other than `file` (`format`) may hold.
@@ -45,6 +50,7 @@ pub struct ImportParams {
         (status = 200, description = "What was imported, skipped and could not be"),
         (status = 400, description = "Not an export of the format, or cut short: nothing was imported", body = ErrorBody),
         (status = 401, body = ErrorBody),
+        (status = 408, description = "The upload stalled or crawled (TURNLOG_UPLOAD_READ_TIMEOUT, TURNLOG_UPLOAD_MIN_RATE)", body = ErrorBody),
         (status = 413, description = "Over TURNLOG_IMPORT_MAX_BYTES", body = ErrorBody),
         (status = 415, body = ErrorBody), (status = 503, body = ErrorBody),
     )
@@ -61,18 +67,29 @@ pub async fn import(
     let content_type =
         req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
     let media = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let multipart = media == "multipart/form-data";
+    if !multipart && !JSON_TYPES.contains(&media.as_str()) {
+        return Err(ApiError::UnsupportedMediaType(
+            "send the export as multipart/form-data (a field named `file`) or as an application/json body"
+                .into(),
+        ));
+    }
+    if multipart && declared_length(&req).is_some_and(|n| n > limit + MULTIPART_OVERHEAD) {
+        if let Ok(body) = LimitedBody::draining(req, limit, DRAIN_MAX_BYTES) {
+            body.refuse().await;
+        }
+        return Err(too_large(limit));
+    }
+    // Its turn first: an upload waiting for one is not read, nor spooled to disk, meanwhile
+    // (the client's connection holds it).
+    let slot = app.imports.file_slot().await.map_err(file_error)?;
     // The upload on disk while it is imported.
     let spool = TempFile::new("import", "json");
+    let mut pace = Pace::new(app.config.upload_read_timeout, app.config.upload_min_rate);
     match media.as_str() {
         "multipart/form-data" => {
             let boundary = multer::parse_boundary(&content_type)
                 .map_err(|e| ApiError::bad_request(format!("a malformed multipart body: {e}")))?;
-            if declared_length(&req).is_some_and(|n| n > limit + MULTIPART_OVERHEAD) {
-                if let Ok(body) = LimitedBody::draining(req, limit, DRAIN_MAX_BYTES) {
-                    body.refuse().await;
-                }
-                return Err(too_large(limit));
-            }
             // The whole body is bounded (a chunked one declares no length), `format` to a
             // word, the file to the limit.
             let limits = multer::SizeLimit::new()
@@ -96,44 +113,43 @@ pub async fn import(
                 other => ApiError::bad_request(format!("a malformed multipart body: {other}")),
             };
             let mut got_file = false;
-            while let Some(mut field) = parts.next_field().await.map_err(multipart_error)? {
+            while let Some(mut field) = pace.of(parts.next_field()).await?.map_err(multipart_error)? {
                 match field.name() {
                     Some("format") => {
-                        let text = field.text().await.map_err(multipart_error)?;
+                        let text = pace.of(field.text()).await?.map_err(multipart_error)?;
                         format = Some(parse_format(text.trim())?);
                     }
                     Some("file") if !got_file => {
                         got_file = true;
                         let mut out = SpoolWriter::create(&spool).await?;
-                        while let Some(chunk) = field.chunk().await.map_err(multipart_error)? {
+                        while let Some(chunk) = pace.of(field.chunk()).await?.map_err(multipart_error)? {
+                            pace.count(chunk.len());
                             out.write(&chunk).await?;
                         }
                         out.done().await?;
                     }
                     // Other fields are read past.
-                    _ => while field.chunk().await.map_err(multipart_error)?.is_some() {},
+                    _ => while pace.of(field.chunk()).await?.map_err(multipart_error)?.is_some() {},
                 }
             }
             if !got_file {
                 return Err(ApiError::bad_request("send the export in a multipart field named `file`"));
             }
         }
-        "application/json" | "application/x-ndjson" | "application/jsonl" | "application/json-lines" => {
+        // One of JSON_TYPES: the file itself.
+        _ => {
             let named = |e: ApiError| match e {
                 ApiError::PayloadTooLarge(_) => too_large(limit),
                 other => other,
             };
             let mut body = LimitedBody::draining(req, limit, DRAIN_MAX_BYTES).map_err(named)?;
             let mut out = SpoolWriter::create(&spool).await?;
-            while let Some(chunk) = body.next().await.map_err(named)? {
+            while let Some(chunk) = pace.of(body.next()).await?.map_err(named)? {
+                pace.count(chunk.len());
                 out.write(&chunk).await?;
             }
             out.done().await?;
         }
-        _ => return Err(ApiError::UnsupportedMediaType(
-            "send the export as multipart/form-data (a field named `file`) or as an application/json body"
-                .into(),
-        )),
     }
     let importer = Importer {
         bus: app.bus.clone(),
@@ -144,7 +160,7 @@ pub async fn import(
     };
     // On a task of its own: a client that goes away does not stop a conversation halfway.
     let import = tokio::spawn(async move {
-        let result = importer.file(spool.path(), format, |_, _| {}).await;
+        let result = importer.file_in(slot, spool.path(), format, |_, _| {}).await;
         drop(spool);
         result
     });
@@ -176,6 +192,52 @@ fn file_error(e: FileError) -> ApiError {
     ApiError::bad_request(format!("nothing was imported: {e}"))
 }
 
+/// The pace an upload must keep while it holds an import turn (the rule `POST /v1/files`
+/// keeps for its upload budget): its next bytes within `TURNLOG_UPLOAD_READ_TIMEOUT`, and,
+/// after that long to start, `TURNLOG_UPLOAD_MIN_RATE` bytes a second on average. A body
+/// that stalls or crawls is a 408, and gives the turn back to the uploads waiting for it.
+struct Pace {
+    read_timeout: Duration,
+    min_rate: u64,
+    started: Instant,
+    last: Instant,
+    bytes: usize,
+}
+
+impl Pace {
+    fn new(read_timeout: Duration, min_rate: u64) -> Self {
+        let now = Instant::now();
+        Self { read_timeout, min_rate, started: now, last: now, bytes: 0 }
+    }
+
+    /// What `next` (a read of the body) gives, if it comes in time.
+    async fn of<T>(&mut self, next: impl std::future::Future<Output = T>) -> Result<T, ApiError> {
+        let owed = Duration::from_secs_f64(self.bytes as f64 / self.min_rate.max(1) as f64);
+        let due = (self.last + self.read_timeout).min(self.started + self.read_timeout + owed);
+        match tokio::time::timeout_at(due, next).await {
+            Ok(got) => {
+                self.last = Instant::now();
+                Ok(got)
+            }
+            Err(_) if self.last.elapsed() >= self.read_timeout => Err(ApiError::RequestTimeout(format!(
+                "the upload sent nothing for {} s (TURNLOG_UPLOAD_READ_TIMEOUT): send it without pauses",
+                self.read_timeout.as_secs_f64()
+            ))),
+            Err(_) => Err(ApiError::RequestTimeout(format!(
+                "the upload came slower than {} bytes a second (TURNLOG_UPLOAD_MIN_RATE): {} bytes in {:.0} s",
+                self.min_rate,
+                self.bytes,
+                self.started.elapsed().as_secs_f64()
+            ))),
+        }
+    }
+
+    /// Counts bytes of the file read.
+    fn count(&mut self, n: usize) {
+        self.bytes += n;
+    }
+}
+
 /// Writes the upload to its temporary file.
 struct SpoolWriter(tokio::io::BufWriter<tokio::fs::File>);
 
@@ -196,4 +258,29 @@ impl SpoolWriter {
 
 fn spool_error(e: std::io::Error) -> ApiError {
     ApiError::internal(anyhow::anyhow!("writing the import's temporary file: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_upload_that_stalls_or_crawls_is_a_408() {
+        let mut pace = Pace::new(Duration::from_millis(50), 1024);
+        assert_eq!(pace.of(async { 1 }).await.ok(), Some(1));
+        let stalled = pace.of(std::future::pending::<()>()).await;
+        assert!(
+            matches!(&stalled, Err(ApiError::RequestTimeout(m)) if m.contains("sent nothing")),
+            "{stalled:?}"
+        );
+        // 10 KB is owed 10 s at 1 KiB/s: the 50 ms start and no more are given for the rest.
+        let mut pace = Pace::new(Duration::from_millis(50), 1024);
+        pace.count(10_000);
+        pace.started -= Duration::from_secs(20);
+        let crawled = pace.of(std::future::pending::<()>()).await;
+        assert!(
+            matches!(&crawled, Err(ApiError::RequestTimeout(m)) if m.contains("slower than")),
+            "{crawled:?}"
+        );
+    }
 }

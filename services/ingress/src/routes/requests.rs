@@ -37,7 +37,8 @@ pub struct RequestView {
 
 /// The model request of one attempt, rebuilt from the log. `seq` names the attempt's
 /// outcome event (`assistant_turn`, `pending_state` or `turn_failed`) or its first
-/// checkpoint; an attempt that failed before anything was sent recorded no request (404).
+/// checkpoint; an attempt that failed before anything was sent recorded no request (404),
+/// and one whose system prompt an imported log does not hold cannot be rebuilt (404).
 #[utoipa::path(
     get, path = "/v1/sessions/{id}/requests/{seq}", tag = "requests", security(("bearer" = [])),
     params(
@@ -95,9 +96,13 @@ pub async fn request(
     };
     let resolve = urls.as_ref().map(|urls| move |id: &str, _: &str| urls.get(id).cloned());
     let images = resolve.as_ref().map(|r| r as ResolveImage<'_>);
-    // The log always gives the system prompt back (the sender records its text whenever it
-    // would not); not finding it is a fault of this server.
-    let rebuilt = rebuild_from_log(&events, recorded, images).map_err(ApiError::internal)?;
+    // The sender records the system prompt's text whenever the log would not give it back,
+    // so only an imported log (an export cut or crafted) can lack it: that request cannot be
+    // rebuilt, which is no fault of this server (logged, should it be one).
+    let rebuilt = rebuild_from_log(&events, recorded, images).map_err(|e| {
+        tracing::warn!(session_id = %id, seq, error = %e, "a recorded request cannot be rebuilt");
+        ApiError::NotFound(format!("the request of event {seq} cannot be rebuilt: {e}"))
+    })?;
     let body = serde_json::from_slice(&rebuilt.bytes)
         .context("a rebuilt body is not JSON")
         .map_err(ApiError::internal)?;

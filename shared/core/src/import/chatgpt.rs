@@ -16,7 +16,7 @@ use serde_json::Value;
 
 use super::{
     answer_payload, title_from, user_payload, Conversation, PlannedEvent, PlannedFork, PlannedSession,
-    Rejected, Skipped,
+    Rejected, Skipped, MAX_SESSIONS,
 };
 use crate::branch::MAX_FORK_DEPTH;
 use crate::events::{EventKind, Imported};
@@ -57,28 +57,43 @@ pub fn conversation(v: &Value) -> Result<Conversation, Rejected> {
             (key.as_str(), Node { parent, children: Vec::new(), message })
         })
         .collect();
-    // Children from the parents (the one link each node has); in the order the parent lists
-    // them, the rest by time.
-    let mut links: Vec<(&str, &str)> =
-        nodes.iter().filter_map(|(id, n)| n.parent.map(|p| (p, *id))).collect();
-    links.sort_by(|a, b| {
-        let rank = |(p, c): &(&str, &str)| {
-            let listed = mapping[*p]
-                .get("children")
-                .and_then(Value::as_array)
-                .and_then(|cs| cs.iter().position(|x| x.as_str() == Some(c)))
-                .unwrap_or(usize::MAX);
-            (
-                listed,
-                time_of(nodes[c].message).map(|t| t.timestamp_micros()).unwrap_or(i64::MAX),
-                c.to_string(),
-            )
-        };
-        a.0.cmp(b.0).then_with(|| rank(a).cmp(&rank(b)))
-    });
-    for (p, c) in links {
-        if let Some(n) = nodes.get_mut(p) {
-            n.children.push(c);
+    // Each leaf is a branch: a session to create. Counted before anything else is done
+    // with them.
+    let parents: HashSet<&str> = nodes.values().filter_map(|n| n.parent).collect();
+    let leaves = nodes.len() - parents.len();
+    if leaves > MAX_SESSIONS {
+        return Err(reject(format!("it has more than {MAX_SESSIONS} branches ({leaves})")));
+    }
+    // Children from the parents (the one link each node has): first in the order the parent
+    // lists them, then those it does not list by time. Linear in the nodes and the lists.
+    let mut unlisted: HashMap<&str, Vec<&str>> = HashMap::new();
+    for (id, n) in &nodes {
+        if let Some(p) = n.parent {
+            unlisted.entry(p).or_default().push(id);
+        }
+    }
+    let mut children: HashMap<&str, Vec<&str>> = HashMap::with_capacity(unlisted.len());
+    for (parent, mut rest) in unlisted {
+        let mut listed: HashSet<&str> = HashSet::new();
+        let mut ordered: Vec<&str> = Vec::with_capacity(rest.len());
+        let list =
+            mapping[parent].get("children").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+        for c in list.iter().filter_map(Value::as_str) {
+            let Some((key, node)) = nodes.get_key_value(c) else { continue };
+            if node.parent == Some(parent) && listed.insert(key) {
+                ordered.push(key);
+            }
+        }
+        rest.retain(|c| !listed.contains(c));
+        rest.sort_by_cached_key(|c| {
+            (time_of(nodes[c].message).map(|t| t.timestamp_micros()).unwrap_or(i64::MAX), *c)
+        });
+        ordered.extend(rest);
+        children.insert(parent, ordered);
+    }
+    for (parent, ordered) in children {
+        if let Some(n) = nodes.get_mut(parent) {
+            n.children = ordered;
         }
     }
     // Every node must reach a root by its parents: one that does not is on a cycle.
@@ -129,6 +144,7 @@ pub fn conversation(v: &Value) -> Result<Conversation, Rejected> {
         seq_of: HashMap::new(),
         depth: Vec::new(),
         skipped: Vec::new(),
+        skipped_unlisted: 0,
     };
     let mut main_path = vec![current];
     while let Some(p) = nodes[main_path[main_path.len() - 1]].parent {
@@ -162,10 +178,8 @@ pub fn conversation(v: &Value) -> Result<Conversation, Rejected> {
         plan.session(at.to_owned(), Some(PlannedFork { parent, through_seq }), &path);
     }
     let title = title.or_else(|| {
-        plan.sessions
-            .first()
-            .and_then(|s| s.events.first())
-            .and_then(|e| e.payload.get("text").and_then(Value::as_str).and_then(title_from))
+        let first = plan.sessions.first().and_then(|s| s.events.first())?.payload.value();
+        first.get("text").and_then(Value::as_str).and_then(title_from)
     });
     let mut sessions = plan.sessions;
     for s in &mut sessions {
@@ -188,7 +202,14 @@ pub fn conversation(v: &Value) -> Result<Conversation, Rejected> {
             s
         })
         .collect();
-    Ok(Conversation { format: super::Format::ChatGpt, source_id: id, title, sessions, skipped: plan.skipped })
+    Ok(Conversation {
+        format: super::Format::ChatGpt,
+        source_id: id,
+        title,
+        sessions,
+        skipped: plan.skipped,
+        skipped_unlisted: plan.skipped_unlisted,
+    })
 }
 
 /// Places paths of nodes as sessions, numbering their events as the writer will.
@@ -202,6 +223,7 @@ struct Planner<'a, 'n> {
     seq_of: HashMap<&'a str, i64>,
     depth: Vec<usize>,
     skipped: Vec<Skipped>,
+    skipped_unlisted: usize,
 }
 
 /// An answer being gathered from consecutive nodes.
@@ -227,14 +249,21 @@ impl<'a> Planner<'a, '_> {
             match self.part(id, node.message) {
                 Part::Nothing => {}
                 Part::User { text, time } => {
-                    close(&mut events, &mut answer, first_seq, &mut pending, &mut self.seq_of);
-                    let imported = imported(id, time);
+                    close(
+                        &mut events,
+                        &mut answer,
+                        (first_seq, self.fallback_time),
+                        &mut pending,
+                        &mut self.seq_of,
+                    );
+                    let imported = imported(id, time.or(self.fallback_time));
                     let seq = first_seq + events.len() as i64 + 1;
                     events.push(PlannedEvent {
                         source_id: id.to_owned(),
                         seq,
                         kind: EventKind::UserMessage,
                         payload: user_payload(text, imported),
+                        refers: None,
                     });
                 }
                 Part::Answer { text, reasoning, model, time } => {
@@ -254,18 +283,16 @@ impl<'a> Planner<'a, '_> {
             }
             // A branch starts after this node: what follows it is another answer.
             if node.children.len() > 1 {
-                close(&mut events, &mut answer, first_seq, &mut pending, &mut self.seq_of);
+                close(
+                    &mut events,
+                    &mut answer,
+                    (first_seq, self.fallback_time),
+                    &mut pending,
+                    &mut self.seq_of,
+                );
             }
         }
-        close(&mut events, &mut answer, first_seq, &mut pending, &mut self.seq_of);
-        // `close` needs the fallback time: filled in here for answers without one.
-        for e in &mut events {
-            if e.payload["imported"].get("created_at").is_none() {
-                if let Some(t) = self.fallback_time {
-                    e.payload["imported"]["created_at"] = Value::String(t.to_rfc3339());
-                }
-            }
-        }
+        close(&mut events, &mut answer, (first_seq, self.fallback_time), &mut pending, &mut self.seq_of);
         self.sessions.push(PlannedSession {
             key,
             title: None,
@@ -411,7 +438,7 @@ impl<'a> Planner<'a, '_> {
     }
 
     fn skip(&mut self, what: &str, reason: &str) {
-        self.skipped.push(Skipped { what: what.to_owned(), reason: reason.to_owned() });
+        super::skip(&mut self.skipped, &mut self.skipped_unlisted, what.to_owned(), reason);
     }
 }
 
@@ -422,10 +449,11 @@ enum Part {
 }
 
 /// Ends the answer being gathered (if any) as an event; its nodes end at its seq.
+/// `at`: the session's first seq, and the time of an answer whose nodes have none.
 fn close<'a>(
     events: &mut Vec<PlannedEvent>,
     answer: &mut Option<Answer>,
-    first_seq: i64,
+    (first_seq, fallback_time): (i64, Option<DateTime<Utc>>),
     pending: &mut Vec<&'a str>,
     seq_of: &mut HashMap<&'a str, i64>,
 ) {
@@ -433,11 +461,13 @@ fn close<'a>(
     let seq = first_seq + events.len() as i64 + 1;
     // Reasoning alone (no text) is still an answer the user saw being thought.
     let text = a.text.join("\n\n");
+    let imported = imported(&a.source_id, a.time.or(fallback_time));
     events.push(PlannedEvent {
         seq,
         kind: EventKind::AssistantTurn,
-        payload: answer_payload(a.reasoning, text, a.model, imported(&a.source_id, a.time)),
+        payload: answer_payload(a.reasoning, text, a.model, imported),
         source_id: a.source_id,
+        refers: None,
     });
     for id in pending.drain(..) {
         seq_of.insert(id, seq);
@@ -487,10 +517,24 @@ fn epoch(v: Option<&Value>) -> Option<DateTime<Utc>> {
     }
 }
 
-/// An id for a conversation the export gives none: a hash of its content.
+/// An id for a conversation the export gives none: a hash of its content (as JSON text,
+/// hashed as it is written out).
 pub(crate) fn content_id(v: &Value) -> String {
     use sha2::{Digest, Sha256};
-    let digest = Sha256::digest(v.to_string().as_bytes());
+    struct Hashing(Sha256);
+    impl std::io::Write for Hashing {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.update(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut hashing = Hashing(Sha256::new());
+    // Writing a JSON value to a hasher cannot fail.
+    let _ = serde_json::to_writer(&mut hashing, v);
+    let digest = hashing.0.finalize();
     digest.iter().take(16).map(|b| format!("{b:02x}")).collect()
 }
 
@@ -526,7 +570,8 @@ mod tests {
         s.events
             .iter()
             .map(|e| {
-                let text = e.payload.get("text").or_else(|| e.payload.pointer("/llm/message/content"));
+                let payload = e.payload.value();
+                let text = payload.get("text").or_else(|| payload.pointer("/llm/message/content"));
                 (e.seq, text.and_then(Value::as_str).unwrap_or("").to_owned())
             })
             .collect()
@@ -561,9 +606,55 @@ mod tests {
         let edited = &c.sessions[2];
         assert_eq!(edited.fork, Some(PlannedFork { parent: 0, through_seq: 3 }));
         assert_eq!(texts(edited), [(5, "edited".into()), (6, "to the edit".into())]);
-        assert_eq!(main.events[1].payload["model"], "gpt-4o");
-        assert_eq!(main.events[0].payload["imported"]["created_at"], "2023-11-14T22:13:20Z");
+        assert_eq!(main.events[1].payload.value()["model"], "gpt-4o");
+        assert_eq!(main.events[0].payload.value()["imported"]["created_at"], "2023-11-14T22:13:20Z");
         assert!(c.skipped.is_empty());
+    }
+
+    #[test]
+    fn children_keep_the_order_their_parent_lists_then_their_time() {
+        // u1 lists c3 then c1; c0 and c2 name it as their parent without being listed.
+        let c = conv(
+            vec![
+                node("root", None, &["u1"], "", "", 0.0),
+                node("u1", Some("root"), &["c3", "ghost", "c1", "c3"], "user", "q", 1.0),
+                node("c0", Some("u1"), &[], "assistant", "zero", 2.0),
+                node("c1", Some("u1"), &[], "assistant", "one", 5.0),
+                node("c2", Some("u1"), &[], "assistant", "two", 3.0),
+                node("c3", Some("u1"), &[], "assistant", "three", 4.0),
+            ],
+            "c1",
+        );
+        let c = conversation(&c).unwrap();
+        let keys: Vec<&str> = c.sessions.iter().map(|s| s.key.as_str()).collect();
+        assert_eq!(keys, ["c1", "c3", "c0", "c2"]);
+    }
+
+    #[test]
+    fn a_node_with_more_children_than_a_conversation_may_have_branches_is_refused() {
+        // 20,000 regenerated answers of one question (each would be a fork), listed newest
+        // first: refused before they are ordered.
+        let children: Vec<String> = (0..20_000).rev().map(|i| format!("a{i}")).collect();
+        let listed: Vec<&str> = children.iter().map(String::as_str).collect();
+        let mut nodes = vec![
+            node("root", None, &["u1"], "", "", 0.0),
+            node("u1", Some("root"), &listed, "user", "q", 1.0),
+        ];
+        nodes.extend(children.iter().map(|id| node(id, Some("u1"), &[], "assistant", "a", 2.0)));
+        let Err(err) = conversation(&conv(nodes, "a0")) else { panic!("20,000 branches were taken") };
+        assert!(err.reason.contains("more than 1000 branches"), "{err:?}");
+    }
+
+    #[test]
+    fn a_conversation_lists_a_hundred_skipped_parts_and_counts_the_rest() {
+        let mut c = conv(
+            vec![node("root", None, &["u1"], "", "", 0.0), node("u1", Some("root"), &[], "user", "x", 1.0)],
+            "u1",
+        );
+        let parts: Vec<Value> = (0..150).map(|_| json!({"content_type": "image_asset_pointer"})).collect();
+        c["mapping"]["u1"]["message"]["content"] = json!({"content_type": "multimodal_text", "parts": parts});
+        let c = conversation(&c).unwrap();
+        assert_eq!((c.skipped.len(), c.skipped_unlisted), (super::super::MAX_SKIPPED_LISTED, 50));
     }
 
     #[test]

@@ -5,7 +5,7 @@ use serde_json::Value;
 
 use super::chatgpt::content_id;
 use super::{
-    answer_payload, title_from, user_payload, Conversation, PlannedEvent, PlannedSession, Rejected, Skipped,
+    answer_payload, skip, title_from, user_payload, Conversation, PlannedEvent, PlannedSession, Rejected,
 };
 use crate::events::{EventKind, Imported};
 
@@ -29,7 +29,7 @@ pub fn conversation(v: &Value, index: usize) -> Result<Conversation, Rejected> {
         return Err(reject(format!("it has more than {MAX_MESSAGES} messages")));
     }
     let mut events = Vec::new();
-    let mut skipped = Vec::new();
+    let (mut skipped, mut skipped_unlisted) = (Vec::new(), 0);
     for (i, turn) in turns.iter().enumerate() {
         let role = turn.get("from").or_else(|| turn.get("role")).and_then(Value::as_str).unwrap_or("");
         let text = match turn.get("value").or_else(|| turn.get("content")) {
@@ -48,22 +48,19 @@ pub fn conversation(v: &Value, index: usize) -> Result<Conversation, Rejected> {
                 (EventKind::AssistantTurn, answer_payload(Vec::new(), text, None, imported))
             }
             "system" => {
-                skipped.push(Skipped {
-                    what: format!("a system message (message {})", i + 1),
-                    reason: "system prompts are not imported".into(),
-                });
+                let what = format!("a system message (message {})", i + 1);
+                skip(&mut skipped, &mut skipped_unlisted, what, "system prompts are not imported");
                 continue;
             }
             other => {
                 let shown: String = other.chars().take(40).collect();
-                skipped.push(Skipped {
-                    what: format!("a message from {shown:?} (message {})", i + 1),
-                    reason: "only human and gpt messages are imported".into(),
-                });
+                let what = format!("a message from {shown:?} (message {})", i + 1);
+                skip(&mut skipped, &mut skipped_unlisted, what, "only human and gpt messages are imported");
                 continue;
             }
         };
-        events.push(PlannedEvent { source_id: i.to_string(), seq: events.len() as i64 + 2, kind, payload });
+        let seq = events.len() as i64 + 2;
+        events.push(PlannedEvent { source_id: i.to_string(), seq, kind, payload, refers: None });
     }
     if events.is_empty() {
         return Err(reject("it has no human or gpt messages".into()));
@@ -72,7 +69,7 @@ pub fn conversation(v: &Value, index: usize) -> Result<Conversation, Rejected> {
         events
             .iter()
             .find(|e| e.kind == EventKind::UserMessage)
-            .and_then(|e| e.payload.get("text").and_then(Value::as_str).and_then(title_from))
+            .and_then(|e| e.payload.value().get("text").and_then(Value::as_str).and_then(title_from))
     });
     let session = PlannedSession {
         key: "main".into(),
@@ -89,6 +86,7 @@ pub fn conversation(v: &Value, index: usize) -> Result<Conversation, Rejected> {
         title,
         sessions: vec![session],
         skipped,
+        skipped_unlisted,
     })
 }
 
@@ -112,8 +110,9 @@ mod tests {
             s.events.iter().map(|e| (e.seq, e.kind)).collect::<Vec<_>>(),
             [(2, EventKind::UserMessage), (3, EventKind::AssistantTurn)]
         );
-        assert_eq!(s.events[1].payload["llm"]["message"]["content"], "In Alentejo.");
-        assert_eq!(s.events[1].payload["imported"], json!({"source": "sharegpt", "id": "2"}));
+        let answer = s.events[1].payload.value();
+        assert_eq!(answer["llm"]["message"]["content"], "In Alentejo.");
+        assert_eq!(answer["imported"], json!({"source": "sharegpt", "id": "2"}));
         assert_eq!(c.skipped.len(), 1);
         assert_eq!(conversation(&v, 1).unwrap(), c, "the same content, the same ids");
         assert!(conversation(&json!({"conversations": [{"from": "human"}]}), 3).is_err());

@@ -13,39 +13,162 @@ use std::collections::HashMap;
 
 use serde_json::Value;
 
-use super::{Conversation, FileError, PlannedEvent, PlannedFork, PlannedSession, Rejected};
+use super::elements::Element;
+use super::{
+    too_large, Conversation, FileError, Payload, PlannedEvent, PlannedFork, PlannedSession, Rejected, SeqRef,
+    MAX_CONVERSATION_BYTES,
+};
 use crate::events::{EventBody, EventKind, Imported};
 
 pub const VERSION: u64 = 1;
 const SOURCE: &str = "turnlog";
 
 /// Gathers a file's lines into session families, handing each on when the next begins.
-#[derive(Default)]
+/// Each event line is taken as it comes (a family holds its planned events, not its lines),
+/// and a family of more than `max_bytes` of lines is refused whole.
 pub struct Families {
     current: Option<Family>,
+    max_bytes: usize,
+}
+
+impl Default for Families {
+    fn default() -> Self {
+        Self::new(MAX_CONVERSATION_BYTES)
+    }
 }
 
 struct Family {
     blocks: Vec<Block>,
+    /// Its lines' bytes so far.
+    bytes: usize,
     /// Why the family cannot be imported, found while its lines came in.
     error: Option<String>,
 }
 
+/// A session's header and its events so far.
 struct Block {
     header: Value,
     id: String,
-    events: Vec<Value>,
+    /// The seq of its `session_started` (None when its `forked_from` is malformed, which
+    /// the family's conversation reports).
+    first_seq: Option<i64>,
+    /// The seq its next event line must have.
+    expected: i64,
+    events: Vec<PlannedEvent>,
+    /// The first thing wrong with its event lines.
+    error: Option<String>,
+}
+
+impl Block {
+    fn new(header: Value) -> Self {
+        let session = header.get("session").unwrap_or(&Value::Null);
+        let id = session.get("id").and_then(Value::as_str).unwrap_or("").to_owned();
+        let first_seq = match session.get("forked_from").filter(|f| !f.is_null()) {
+            None => Some(1),
+            Some(f) => f.get("through_seq").and_then(Value::as_i64).filter(|t| *t >= 1).map(|t| t + 1),
+        };
+        Self { header, id, first_seq, expected: first_seq.unwrap_or(1), events: Vec::new(), error: None }
+    }
+
+    /// Takes an event line of the block.
+    fn take(&mut self, line: &Value) {
+        if self.error.is_none() {
+            if let Err(e) = self.event(line) {
+                self.error = Some(e);
+            }
+        }
+    }
+
+    /// Lines before `first_seq` (a fork's inherited events, as a branch-log export holds
+    /// them) are its parent's and skipped; the rest must be gapless from its
+    /// `session_started` (which the importer's create makes), each payload an object its
+    /// kind decodes.
+    fn event(&mut self, line: &Value) -> Result<(), String> {
+        let Some(first_seq) = self.first_seq else { return Ok(()) };
+        let seq = line.get("seq").and_then(Value::as_i64).ok_or("an event line has no seq")?;
+        if seq < first_seq {
+            return Ok(());
+        }
+        if seq != self.expected {
+            return Err(format!("its events skip from seq {} to {seq}", self.expected - 1));
+        }
+        self.expected += 1;
+        let kind_name = line.get("kind").and_then(Value::as_str).unwrap_or("");
+        let kind: EventKind = kind_name.parse().map_err(|e| format!("seq {seq}: {e}"))?;
+        if seq == first_seq {
+            if kind != EventKind::SessionStarted {
+                return Err(format!("seq {seq} should be its session_started, not {kind_name}"));
+            }
+            return Ok(());
+        }
+        let event_id =
+            line.get("event_id").and_then(Value::as_str).ok_or(format!("seq {seq} has no event_id"))?;
+        // An array decodes as the struct whose fields it lists, but is no payload.
+        let Some(Value::Object(fields)) = line.get("payload") else {
+            return Err(format!("seq {seq}: its payload is not a JSON object"));
+        };
+        let mut payload = Value::Object(fields.clone());
+        let body = EventBody::decode(kind, &payload, seq).map_err(|e| format!("seq {seq}: {e}"))?;
+        if matches!(kind, EventKind::UserMessage | EventKind::AssistantTurn) {
+            // Always `turnlog` (the export brought the turn's memory events along, so
+            // extraction skips it), with the original time: an earlier import's if it had one.
+            let time = |v: Option<&Value>| v.and_then(Value::as_str).and_then(|t| t.parse().ok());
+            let imported = Imported {
+                source: SOURCE.to_owned(),
+                id: event_id.to_owned(),
+                created_at: time(payload.pointer("/imported/created_at")).or(time(line.get("created_at"))),
+            };
+            if let Value::Object(fields) = &mut payload {
+                fields.insert("imported".into(), serde_json::to_value(imported).unwrap_or(Value::Null));
+            }
+        }
+        self.events.push(PlannedEvent {
+            source_id: event_id.to_owned(),
+            seq,
+            kind,
+            payload: Payload::of(&payload),
+            refers: SeqRef::of(&body),
+        });
+        Ok(())
+    }
 }
 
 impl Families {
+    pub fn new(max_bytes: usize) -> Self {
+        Self { current: None, max_bytes }
+    }
+
     /// Takes the next line; returns the family it ends, if it starts another.
-    pub fn push(&mut self, line: Value) -> Result<Option<Result<Conversation, Rejected>>, FileError> {
+    pub(crate) fn push(
+        &mut self,
+        element: Element,
+    ) -> Result<Option<Result<Conversation, Rejected>>, FileError> {
+        let (line, bytes) = match element {
+            Element::Whole { value, bytes } => (value, bytes),
+            // A line over the cap: its family is over it too.
+            Element::TooLarge(_) => {
+                let family = self.current.get_or_insert_with(|| Family {
+                    blocks: vec![Block::new(Value::Null)],
+                    bytes: 0,
+                    error: None,
+                });
+                family.too_large(self.max_bytes);
+                return Ok(None);
+            }
+        };
         if line.get("format").is_none() {
+            let max_bytes = self.max_bytes;
             let Some(family) = &mut self.current else {
                 return Err(FileError::Shape("an event line comes before any session header".into()));
             };
-            if let Some(block) = family.blocks.last_mut() {
-                block.events.push(line);
+            family.bytes += bytes;
+            if family.bytes > max_bytes {
+                family.too_large(max_bytes);
+            }
+            if family.error.is_none() {
+                if let Some(block) = family.blocks.last_mut() {
+                    block.take(&line);
+                }
             }
             return Ok(None);
         }
@@ -58,23 +181,30 @@ impl Families {
                 "turnlog export version {version}: this build reads version {VERSION}"
             )));
         }
-        let session = line.get("session").unwrap_or(&Value::Null);
-        let id = session.get("id").and_then(Value::as_str).unwrap_or("").to_owned();
-        let parent = session.pointer("/forked_from/session_id").and_then(Value::as_str);
-        let block = Block { header: line.clone(), id, events: Vec::new() };
-        let joins = match (parent, &self.current) {
-            (Some(p), Some(family)) => family.blocks.iter().any(|b| b.id == p),
+        let parent =
+            line.pointer("/session/forked_from/session_id").and_then(Value::as_str).map(str::to_owned);
+        let block = Block::new(line);
+        let joins = match (&parent, &self.current) {
+            (Some(p), Some(family)) => family.blocks.iter().any(|b| b.id == *p),
             _ => false,
         };
         if joins {
             if let Some(family) = &mut self.current {
                 family.blocks.push(block);
+                family.bytes += bytes;
+                if family.bytes > self.max_bytes {
+                    family.too_large(self.max_bytes);
+                }
             }
             return Ok(None);
         }
         let error =
             parent.map(|p| format!("it is a fork of session {p}, which is not before it in the file"));
-        let done = self.current.replace(Family { blocks: vec![block], error });
+        let mut family = Family { blocks: vec![block], bytes, error };
+        if bytes > self.max_bytes {
+            family.too_large(self.max_bytes);
+        }
+        let done = self.current.replace(family);
         Ok(done.map(Family::conversation))
     }
 
@@ -85,6 +215,14 @@ impl Families {
 }
 
 impl Family {
+    /// Refused for its size: what it holds is let go of.
+    fn too_large(&mut self, max_bytes: usize) {
+        self.error = Some(too_large(max_bytes));
+        for b in &mut self.blocks {
+            b.events = Vec::new();
+        }
+    }
+
     fn conversation(self) -> Result<Conversation, Rejected> {
         let root = &self.blocks[0];
         let title = root.header.pointer("/session/title").and_then(Value::as_str).map(str::to_owned);
@@ -113,68 +251,34 @@ impl Family {
                     }
                 }
             };
-            let first_seq = fork.map_or(1, |f| f.through_seq + 1);
-            let events =
-                events(&block.events, first_seq).map_err(|e| reject(format!("session {}: {e}", block.id)))?;
+            if let Some(e) = &block.error {
+                return Err(reject(format!("session {}: {e}", block.id)));
+            }
+            if block.expected == block.first_seq.unwrap_or(1) {
+                return Err(reject(format!("session {}: it has no session_started event", block.id)));
+            }
             sessions.push(PlannedSession {
                 key: block.id.clone(),
                 title: s.get("title").and_then(Value::as_str).map(str::to_owned),
                 fork,
-                events,
+                events: Vec::new(),
                 archived: s.get("archived").and_then(Value::as_bool).unwrap_or(false),
                 metadata: s.get("metadata").filter(|m| m.as_object().is_some_and(|o| !o.is_empty())).cloned(),
                 deleted: s.get("deleted").and_then(Value::as_bool).unwrap_or(false),
             });
         }
-        Ok(Conversation { format: super::Format::Turnlog, source_id, title, sessions, skipped: Vec::new() })
+        for (session, block) in sessions.iter_mut().zip(self.blocks) {
+            session.events = block.events;
+        }
+        Ok(Conversation {
+            format: super::Format::Turnlog,
+            source_id,
+            title,
+            sessions,
+            skipped: Vec::new(),
+            skipped_unlisted: 0,
+        })
     }
-}
-
-/// A block's event lines as the events to append: gapless from its `session_started` at
-/// `first_seq` (which the importer's create makes), each payload one its kind decodes.
-/// Lines before `first_seq` (a fork's inherited events, as a branch-log export holds them)
-/// are its parent's and skipped.
-fn events(lines: &[Value], first_seq: i64) -> Result<Vec<PlannedEvent>, String> {
-    let mut out = Vec::with_capacity(lines.len());
-    let mut expected = first_seq;
-    for line in lines {
-        let seq = line.get("seq").and_then(Value::as_i64).ok_or("an event line has no seq")?;
-        if seq < first_seq {
-            continue;
-        }
-        if seq != expected {
-            return Err(format!("its events skip from seq {} to {seq}", expected - 1));
-        }
-        expected += 1;
-        let kind_name = line.get("kind").and_then(Value::as_str).unwrap_or("");
-        let kind: EventKind = kind_name.parse().map_err(|e| format!("seq {seq}: {e}"))?;
-        if seq == first_seq {
-            if kind != EventKind::SessionStarted {
-                return Err(format!("seq {seq} should be its session_started, not {kind_name}"));
-            }
-            continue;
-        }
-        let event_id =
-            line.get("event_id").and_then(Value::as_str).ok_or(format!("seq {seq} has no event_id"))?;
-        let mut payload = line.get("payload").cloned().unwrap_or(Value::Null);
-        EventBody::decode(kind, &payload, seq).map_err(|e| format!("seq {seq}: {e}"))?;
-        if matches!(kind, EventKind::UserMessage | EventKind::AssistantTurn) {
-            // Always `turnlog` (the export brought the turn's memory events along, so
-            // extraction skips it), with the original time: an earlier import's if it had one.
-            let time = |v: Option<&Value>| v.and_then(Value::as_str).and_then(|t| t.parse().ok());
-            let imported = Imported {
-                source: SOURCE.to_owned(),
-                id: event_id.to_owned(),
-                created_at: time(payload.pointer("/imported/created_at")).or(time(line.get("created_at"))),
-            };
-            payload["imported"] = serde_json::to_value(imported).unwrap_or(Value::Null);
-        }
-        out.push(PlannedEvent { source_id: event_id.to_owned(), seq, kind, payload });
-    }
-    if expected == first_seq {
-        return Err("it has no session_started event".into());
-    }
-    Ok(out)
 }
 
 /// Maps what an exported payload names in its own log to the target log: `seq` maps a seq
@@ -236,9 +340,13 @@ mod tests {
                "created_at": "2026-05-01T10:00:00Z"})
     }
 
+    fn whole(line: Value) -> Element {
+        Element::Whole { bytes: line.to_string().len(), value: line }
+    }
+
     fn push_all(lines: Vec<Value>) -> Vec<Result<Conversation, Rejected>> {
         let mut families = Families::default();
-        let mut out: Vec<_> = lines.into_iter().filter_map(|l| families.push(l).unwrap()).collect();
+        let mut out: Vec<_> = lines.into_iter().filter_map(|l| families.push(whole(l)).unwrap()).collect();
         out.extend(families.finish());
         out
     }
@@ -265,11 +373,11 @@ mod tests {
         assert_eq!(c.sessions.len(), 2);
         assert_eq!(c.sessions[1].fork, Some(PlannedFork { parent: 0, through_seq: 2 }));
         assert_eq!(c.sessions[1].events[0].seq, 4);
-        let imported = &c.sessions[0].events[0].payload["imported"];
+        let imported = &c.sessions[0].events[0].payload.value()["imported"];
         assert_eq!(imported["source"], "turnlog");
         assert_eq!(imported["created_at"], "2026-05-01T10:00:00Z");
         // An answer imported before keeps its original time, now as turnlog's.
-        let again = &c.sessions[0].events[1].payload["imported"];
+        let again = &c.sessions[0].events[1].payload.value()["imported"];
         assert_eq!(
             (&again["source"], &again["created_at"]),
             (&json!("turnlog"), &json!("2023-11-14T22:13:20Z"))
@@ -300,7 +408,21 @@ mod tests {
         let orphan = push_all(vec![header(FORK, Some((ROOT, 2))), event(3, "session_started", json!({}))]);
         assert!(orphan[0].as_ref().unwrap_err().reason.contains("not before it"));
         let mut families = Families::default();
-        assert!(families.push(event(1, "session_started", json!({}))).is_err());
+        assert!(families.push(whole(event(1, "session_started", json!({})))).is_err());
+    }
+
+    #[test]
+    fn payloads_that_are_not_objects_are_refused() {
+        // An array decodes as the struct it lists the fields of, but is no payload.
+        for payload in [json!(["hi"]), json!("hi"), json!(3)] {
+            let out = push_all(vec![
+                header(ROOT, None),
+                event(1, "session_started", json!({})),
+                event(2, "user_message", payload),
+            ]);
+            let err = out[0].as_ref().unwrap_err();
+            assert!(err.reason.contains("seq 2: its payload is not a JSON object"), "{err:?}");
+        }
     }
 
     #[test]

@@ -4,12 +4,13 @@
 //! import nothing of what is wrong with them.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use reqwest::Method;
 use serde_json::{json, Value};
 use turnlog_core::events::*;
 use turnlog_core::log_builder::assistant_turn;
-use turnlog_e2e::api::{Api, Body, Options, ALICE, BOB};
+use turnlog_e2e::api::{Api, Body, Options, ALICE, BOB, WAIT};
 
 const FIXTURE: &str = include_str!("../../fixtures/chatgpt/conversations.json");
 
@@ -384,4 +385,249 @@ async fn bad_files_import_nothing_of_what_is_wrong() {
         assert_eq!(event_count(&api).await, before);
     }
     assert_eq!(api.dead_letters().await, 0);
+}
+
+/// A session of a turnlog export: its id, its fork point, its events after its
+/// `session_started` as (kind, payload).
+type Exported<'a> = (uuid::Uuid, Option<(uuid::Uuid, i64)>, Vec<(&'a str, Value)>);
+
+/// A turnlog export of `sessions`, as JSON lines.
+fn turnlog_file(sessions: &[Exported]) -> Vec<u8> {
+    let mut text = String::new();
+    for (id, from, events) in sessions {
+        let forked = from.map(|(p, t)| json!({"session_id": p, "through_seq": t}));
+        let header = json!({"format": "turnlog", "version": 1, "session": {"id": id, "title": "Crafted", "forked_from": forked}});
+        text.push_str(&format!("{header}\n"));
+        let first = from.map_or(1, |(_, t)| t + 1);
+        let mut lines = vec![("session_started", json!({}))];
+        lines.extend(events.iter().cloned());
+        for (i, (kind, payload)) in lines.into_iter().enumerate() {
+            let line = json!({"seq": first + i as i64, "event_id": uuid::Uuid::now_v7(), "kind": kind, "payload": payload});
+            text.push_str(&format!("{line}\n"));
+        }
+    }
+    text.into_bytes()
+}
+
+fn hi() -> (&'static str, Value) {
+    ("user_message", json!({"text": "hi"}))
+}
+
+fn yo() -> (&'static str, Value) {
+    ("assistant_turn", json!({"llm": {"message": {"content": "yo"}}}))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_that_fails_appends_nothing() {
+    let api = Api::start().await;
+    let (root, fork) = (uuid::Uuid::now_v7(), uuid::Uuid::now_v7());
+    // A fork through a seq past its parent's end; a compaction of seqs the log does not hold.
+    let files = [
+        (turnlog_file(&[(root, None, vec![hi()]), (fork, Some((root, 5)), vec![hi()])]), "seq 5"),
+        (
+            turnlog_file(&[(
+                root,
+                None,
+                vec![
+                    hi(),
+                    yo(),
+                    ("compaction_applied", json!({"summary": "s", "replaces_through_seq": 999})),
+                ],
+            )]),
+            "replaces_through_seq 999",
+        ),
+    ];
+    let mut left = Vec::new();
+    for (file, says) in files {
+        let r = api.import(ALICE, None, &file).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let (events, listed) = (event_count(&api).await, sessions(&api, ALICE).await.len());
+        if events > 0 || listed > 0 {
+            left.push(format!("{says}: {events} events, {listed} sessions; {}", r.text));
+        }
+        let reason = r.json["failed"][0]["reason"].as_str().unwrap_or("");
+        if !reason.contains(says) {
+            left.push(format!("{reason:?} should say {says}"));
+        }
+        assert_eq!(r.json["sessions"], 0, "{}", r.text);
+    }
+    assert!(left.is_empty(), "{left:#?}");
+    assert_eq!(api.dead_letters().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_conversation_is_found_before_anything_of_it_is_appended() {
+    let api = Api::start().await;
+    // A conversation imported before that has changed since: found before the first append,
+    // though its main session alone could take what is new.
+    let node = |id: &str, parent: Option<&str>, children: &[&str], role: &str, text: &str, t: f64| {
+        let message = json!({"id": id, "author": {"role": role}, "create_time": t,
+                             "content": {"content_type": "text", "parts": [text]}});
+        (id.to_owned(), json!({"id": id, "parent": parent, "children": children, "message": message}))
+    };
+    let conversation = |nodes: Vec<(String, Value)>, current: &str| {
+        let mapping: serde_json::Map<String, Value> = nodes.into_iter().collect();
+        json!([{"conversation_id": "changing", "title": "Changing", "mapping": mapping, "current_node": current}])
+            .to_string()
+    };
+    let before = conversation(
+        vec![
+            node("u1", None, &["a1", "b1"], "user", "question", 1.7e9),
+            node("a1", Some("u1"), &[], "assistant", "answer", 1.7e9 + 1.0),
+            node("b1", Some("u1"), &[], "assistant", "another answer", 1.7e9 + 2.0),
+        ],
+        "a1",
+    );
+    let r = api.import(ALICE, None, before.as_bytes()).await;
+    assert_eq!((r.json["sessions"].as_u64(), r.json["messages"].as_u64()), (Some(2), Some(3)), "{}", r.text);
+    let imported = event_count(&api).await;
+    // The main path goes on; the fork's answer now follows a question it did not before.
+    let after = conversation(
+        vec![
+            node("u1", None, &["a1", "x1"], "user", "question", 1.7e9),
+            node("a1", Some("u1"), &["u2"], "assistant", "answer", 1.7e9 + 1.0),
+            node("u2", Some("a1"), &["a2"], "user", "and then?", 1.7e9 + 3.0),
+            node("a2", Some("u2"), &[], "assistant", "then this", 1.7e9 + 4.0),
+            node("x1", Some("u1"), &["b1"], "user", "inserted", 1.7e9 + 1.5),
+            node("b1", Some("x1"), &[], "assistant", "another answer", 1.7e9 + 2.0),
+        ],
+        "a2",
+    );
+    let r = api.import(ALICE, None, after.as_bytes()).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert!(r.json["failed"][0]["reason"].as_str().unwrap_or("").contains("changed"), "{}", r.text);
+    assert_eq!(event_count(&api).await, imported, "nothing of the changed conversation is appended");
+    assert_eq!(api.dead_letters().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_that_is_not_an_object_fails_its_conversation() {
+    let api = Api::start().await;
+    // A JSON array decodes as the struct whose fields it lists, but is no payload.
+    let file = turnlog_file(&[(uuid::Uuid::now_v7(), None, vec![("user_message", json!(["hi"]))])]);
+    let r = api.import(ALICE, None, &file).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let reason = r.json["failed"][0]["reason"].as_str().unwrap_or_else(|| panic!("{}", r.text));
+    assert!(reason.contains("not a JSON object"), "{reason}");
+    assert_eq!(event_count(&api).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_imported_request_that_cannot_be_rebuilt_is_a_404_not_a_500() {
+    let api = Api::start().await;
+    // An answer whose recorded request names its system prompt by hash alone, and no
+    // earlier request carries the text: the request cannot be rebuilt, which is not a 500.
+    let request = json!({"through_seq": 2, "model": "m", "params": {}, "system": {"sha256": "ab".repeat(32)},
+                         "tokens": 1, "body_sha256": "cd".repeat(32)});
+    let answer = json!({"llm": {"message": {"content": "yo"}}, "request": request});
+    let file = turnlog_file(&[(uuid::Uuid::now_v7(), None, vec![hi(), ("assistant_turn", answer)])]);
+    let r = api.import(ALICE, None, &file).await;
+    assert_eq!(r.json["messages"], 2, "{}", r.text);
+    let id = sessions(&api, ALICE).await[0]["id"].as_str().unwrap().to_owned();
+    let r = api.get(&format!("/v1/sessions/{id}/requests/3"), ALICE).await;
+    assert_eq!(r.status, 404, "{}", r.text);
+    assert!(r.json["error"]["message"].as_str().unwrap().contains("system prompt"), "{}", r.text);
+    assert_eq!(api.dead_letters().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_summary_lists_a_thousand_failures_and_counts_the_rest() {
+    let api = Api::start().await;
+    // One good conversation, then 1,500 that are not.
+    let mut lines =
+        String::from("{\"id\": \"ok\", \"conversations\": [{\"from\": \"human\", \"value\": \"hi\"}]}\n");
+    for i in 0..1500 {
+        lines.push_str(&format!("{{\"id\": \"bad-{i}\", \"conversations\": []}}\n"));
+    }
+    let r = api.import(ALICE, Some("sharegpt"), lines.as_bytes()).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json["conversations"], 1);
+    assert_eq!(r.json["failed"].as_array().unwrap().len(), turnlog_runtime::import::MAX_LISTED);
+    assert_eq!(r.json["failed_total"], 1500);
+    assert_eq!(r.json["skipped_total"], 0);
+}
+
+/// A streamed upload: `head`, then `pad` spaces, then (once `release` says so) the end;
+/// `sent` counts the bytes handed to the connection.
+fn held_upload(
+    head: &'static str,
+    pad: usize,
+    sent: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    release: tokio::sync::watch::Receiver<bool>,
+) -> reqwest::Body {
+    use std::sync::atomic::Ordering;
+    const CHUNK: usize = 64 * 1024;
+    let chunks = (pad / CHUNK) + 1;
+    let stream = futures::stream::unfold((0usize, release), move |(i, mut release)| {
+        let sent = sent.clone();
+        async move {
+            let chunk = match i {
+                0 => bytes::Bytes::from_static(head.as_bytes()),
+                i if i <= chunks => bytes::Bytes::from(vec![b' '; CHUNK]),
+                i if i == chunks + 1 => {
+                    let _ = release.wait_for(|r| *r).await;
+                    bytes::Bytes::from_static(b"\n")
+                }
+                _ => return None,
+            };
+            sent.fetch_add(chunk.len(), Ordering::SeqCst);
+            Some((Ok::<_, std::io::Error>(chunk), (i + 1, release)))
+        }
+    });
+    reqwest::Body::wrap_stream(stream)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_waits_for_an_import_slot_before_it_is_read() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let api = Api::start().await;
+    let (release, held) = tokio::sync::watch::channel(false);
+    let post = |body: reqwest::Body| {
+        api.request(Method::POST, "/v1/import")
+            .bearer_auth(ALICE)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    // Uploads that stop short of their end hold every import slot: each is read (so it has
+    // its slot) well past what the connection buffers.
+    let mut holders = Vec::new();
+    for _ in 0..turnlog_runtime::import::FILES_AT_ONCE {
+        let sent = Arc::new(AtomicUsize::new(0));
+        holders.push(tokio::spawn(post(held_upload("{\"nope\": 1}", 12 << 20, sent.clone(), held.clone()))));
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while sent.load(Ordering::SeqCst) < 12 << 20 {
+            assert!(tokio::time::Instant::now() < deadline, "a holding upload was not read");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    // One more waits for a slot unread: only what the connection buffers leaves the client,
+    // not the 32 MB the route would spool to disk meanwhile.
+    let sent = Arc::new(AtomicUsize::new(0));
+    let (_, never) = tokio::sync::watch::channel(true);
+    let waiting = tokio::spawn(post(held_upload("{\"nope\": 1}", 32 << 20, sent.clone(), never)));
+    let mut last = 0;
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = sent.load(Ordering::SeqCst);
+        if (now > 0 && now == last) || now > 32 << 20 {
+            break;
+        }
+        last = now;
+    }
+    assert!(
+        sent.load(Ordering::SeqCst) < 16 << 20,
+        "{} bytes read before a slot was free",
+        sent.load(Ordering::SeqCst)
+    );
+    assert!(!waiting.is_finished());
+    // Once the holders end, it is read and answered.
+    release.send_replace(true);
+    for h in holders {
+        assert_eq!(h.await.unwrap().unwrap().status(), 400);
+    }
+    let r = waiting.await.unwrap().unwrap();
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.unwrap().contains("cannot tell the format"));
 }
