@@ -124,13 +124,28 @@ async fn a_fork_reads_its_parents_log_through_the_fork_point_and_copies_nothing(
         context.as_array().unwrap()[..]
     );
 
+    // The parent goes on after the fork exists: nothing of its later events reaches the
+    // fork's log, transcript or context.
+    let child_before = (branch_log(&api, child).await, views(&api, child).await);
+    turn(&api, parent, "the parent goes on [mock words=8]").await;
+    api.append(
+        parent,
+        "alice",
+        &EventBody::UserMessage(UserMessage { text: "and on".into(), ..Default::default() }),
+    )
+    .await;
+    assert!(branch_log(&api, parent).await.len() >= 10, "the parent grew");
+    assert_eq!((branch_log(&api, child).await, views(&api, child).await), child_before);
+
     // A fork through an earlier seq, and one through a seq the child inherited.
     let early = id_of(&fork(&api, parent, json!({"through_seq": 3})).await);
     assert_eq!(branch_log(&api, early).await.len(), 4);
     let grand = fork(&api, child, json!({"through_seq": 5})).await;
     assert_eq!(grand["forked_from"], json!({"session_id": child.to_string(), "through_seq": 5}));
-    let grand_log = branch_log(&api, id_of(&grand)).await;
-    assert!(grand_log[..5].iter().all(|(owner, _, _)| *owner == parent.to_string()));
+    let grand_id = id_of(&grand);
+    let mut expected: Vec<_> = log[..5].to_vec();
+    expected.push((grand_id.to_string(), 6, "session_started".to_owned()));
+    assert_eq!(branch_log(&api, grand_id).await, expected, "the parent's first five events, then its own");
 
     // The parent lists its forks; the list shows each branch as a session.
     let detail = api.get(&format!("/v1/sessions/{parent}"), ALICE).await;
@@ -141,7 +156,7 @@ async fn a_fork_reads_its_parents_log_through_the_fork_point_and_copies_nothing(
     assert_eq!(list.json["sessions"].as_array().unwrap().len(), 4);
 
     // Bad fork points are the client's mistake; another owner's session is not found.
-    for body in [json!({"through_seq": 0}), json!({"through_seq": 8}), json!({"through_seq": "x"})] {
+    for body in [json!({"through_seq": 0}), json!({"through_seq": 1000}), json!({"through_seq": "x"})] {
         let r = api
             .call(Method::POST, &format!("/v1/sessions/{parent}/fork"), Some(ALICE), Body::Json(body))
             .await;

@@ -5,7 +5,6 @@ use eventsource_stream::Eventsource as _;
 use futures::StreamExt as _;
 use reqwest::Method;
 use serde_json::json;
-use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::log_builder::permission_request;
 use uuid::Uuid;
 
@@ -14,14 +13,13 @@ use turnlog_testkit::eventually;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn owners_cannot_see_or_touch_each_others_sessions() {
-    let api = Api::start().await;
+    let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await.unwrap();
+    let api = Api::with(Options { llm_url: Some(mock.base_url()), ..Options::default() }).await;
     let alice_session = api.create(ALICE, Some("alpha secret plans")).await;
     let bob_session = api.create(BOB, Some("bob's own")).await;
-    let user = EventBody::UserMessage(UserMessage {
-        text: "the zebra password is hunter2".into(),
-        ..Default::default()
-    });
-    api.append(alice_session, "alice", &user).await;
+    let turn = api.message(alice_session, ALICE, "the zebra password is hunter2 [mock words=5]").await;
+    assert_eq!(turn.end()["status"], "completed", "{:?}", turn.end());
+    let answer_seq = turn.end()["assistant_seq"].as_i64().unwrap();
     let perm = permission_request("perm-1", "high");
     api.append(alice_session, "alice", &perm).await;
     // A memory of Alice's (the memory worker's output; the test writes it directly).
@@ -34,24 +32,86 @@ async fn owners_cannot_see_or_touch_each_others_sessions() {
     .execute(&api.env.pool)
     .await
     .unwrap();
-    let before = api.written().await;
+    let file = api.upload(ALICE, "notes.txt", b"alice's private notes").await;
+    assert_eq!(file.status, 201, "{}", file.text);
+    let file = format!("/v1/files/{}", file.json["id"].as_str().unwrap());
+    // Alice's conversation, response and items by their OpenAI ids.
+    let (attempt, message): (String, Uuid) = sqlx::query_as(
+        "SELECT a.payload->>'attempt_id', u.event_id FROM session_events a, session_events u
+          WHERE a.session_id = $1 AND a.kind = 'assistant_turn' AND u.session_id = $1 AND u.kind = 'user_message'",
+    )
+    .bind(alice_session.0)
+    .fetch_one(&api.env.pool)
+    .await
+    .unwrap();
+    let conv = format!("/v1/conversations/conv_{}", alice_session.0.simple());
+    let resp = format!("resp_{}", Uuid::parse_str(&attempt).unwrap().simple());
+    let item = format!("{conv}/items/msg_{}", message.simple());
 
     let s = format!("/v1/sessions/{alice_session}");
-    let attempts: Vec<(Method, String, Body)> = vec![
+    let reads = [
+        format!("{s}/requests/{answer_seq}"),
+        format!("{s}/export"),
+        file.clone(),
+        format!("{file}/content"),
+        conv.clone(),
+        format!("{conv}/items"),
+        item.clone(),
+        format!("/v1/responses/{resp}"),
+        format!("/v1/responses/{resp}/input_items"),
+    ];
+    // Each is Alice's to read: Bob's 404 below is the owner check, not a wrong path.
+    for path in &reads {
+        let r = api.get(path, ALICE).await;
+        assert_eq!(r.status, 200, "Alice's own {path}: {:.300}", r.text);
+    }
+    let before = api.written().await;
+    let calls = chat_requests(&mock);
+
+    let mut attempts: Vec<(Method, String, Body)> =
+        reads.iter().map(|p| (Method::GET, p.clone(), Body::None)).collect();
+    attempts.extend([
         (Method::GET, s.clone(), Body::None),
         (Method::PATCH, s.clone(), Body::Json(json!({"title": "pwned"}))),
         (Method::PATCH, s.clone(), Body::Json(json!({"archived": true}))),
         (Method::DELETE, s.clone(), Body::None),
         (Method::GET, format!("{s}/events"), Body::None),
         (Method::GET, format!("{s}/context"), Body::None),
-        (Method::GET, format!("{s}/requests/2"), Body::None),
         (Method::POST, format!("{s}/permissions/perm-1"), Body::Json(json!({"decision": "allow"}))),
-    ];
+        (Method::POST, format!("{s}/fork"), Body::Json(json!({}))),
+        (Method::POST, format!("{s}/messages"), Body::Json(json!({"text": "edited", "edit_of": 2}))),
+        (Method::POST, format!("{s}/retry"), Body::Json(json!({"of": answer_seq}))),
+        (Method::DELETE, file.clone(), Body::None),
+        (Method::POST, conv.clone(), Body::Json(json!({"metadata": {"k": "pwned"}}))),
+        (Method::DELETE, conv.clone(), Body::None),
+        (
+            Method::POST,
+            format!("{conv}/items"),
+            Body::Json(json!({"items": [{"type": "message", "role": "user", "content": "bob was here"}]})),
+        ),
+        (Method::GET, format!("/v1/responses/{resp}?stream=true"), Body::None),
+        (Method::POST, format!("/v1/responses/{resp}/cancel"), Body::None),
+        (
+            Method::POST,
+            "/v1/responses".into(),
+            Body::Json(json!({"input": "more", "previous_response_id": resp})),
+        ),
+        (
+            Method::POST,
+            "/v1/responses".into(),
+            Body::Json(
+                json!({"input": "more", "conversation": format!("conv_{}", alice_session.0.simple())}),
+            ),
+        ),
+    ]);
     for (method, path, body) in attempts {
         let r = api.call(method.clone(), &path, Some(BOB), body).await;
-        assert_eq!((r.status, r.error_code()), (404, "not_found"), "{method} {path}: {}", r.text);
+        assert_eq!((r.status, r.error_code()), (404, "not_found"), "{method} {path}: {:.300}", r.text);
     }
     assert_eq!(api.written().await, before, "Bob's attempts wrote something");
+    assert_eq!(chat_requests(&mock), calls, "Bob's attempts reached the model");
+    let files = api.get("/v1/files", BOB).await;
+    assert_eq!(files.json["files"].as_array().map(Vec::len), Some(0), "{}", files.text);
 
     // Lists and searches (once the search index has caught up with the log).
     api.env.search_caught_up().await;
@@ -93,6 +153,7 @@ async fn missing_or_wrong_tokens_are_401_on_every_data_route() {
     let id = api.create(ALICE, None).await;
     let before = api.written().await;
     let s = format!("/v1/sessions/{id}");
+    let conv = format!("/v1/conversations/conv_{}", id.0.simple());
     let routes: Vec<(Method, String)> = vec![
         (Method::POST, "/v1/sessions".into()),
         (Method::GET, "/v1/sessions".into()),
@@ -103,6 +164,33 @@ async fn missing_or_wrong_tokens_are_401_on_every_data_route() {
         (Method::GET, format!("{s}/context")),
         (Method::POST, format!("{s}/permissions/p1")),
         (Method::GET, "/v1/memories".into()),
+        (Method::POST, format!("{s}/fork")),
+        (Method::GET, format!("{s}/export")),
+        (Method::GET, format!("{s}/requests/1")),
+        (Method::POST, format!("{s}/messages")),
+        (Method::POST, format!("{s}/retry")),
+        (Method::POST, format!("{s}/stop")),
+        (Method::GET, format!("{s}/stream")),
+        (Method::POST, "/v1/chat".into()),
+        (Method::POST, "/v1/import".into()),
+        (Method::POST, "/v1/files".into()),
+        (Method::GET, "/v1/files".into()),
+        (Method::GET, format!("/v1/files/{}", id.0)),
+        (Method::GET, format!("/v1/files/{}/content", id.0)),
+        (Method::DELETE, format!("/v1/files/{}", id.0)),
+        (Method::POST, "/v1/conversations".into()),
+        (Method::GET, conv.clone()),
+        (Method::POST, conv.clone()),
+        (Method::DELETE, conv.clone()),
+        (Method::GET, format!("{conv}/items")),
+        (Method::POST, format!("{conv}/items")),
+        (Method::GET, format!("{conv}/items/msg_{}", id.0.simple())),
+        (Method::POST, "/v1/responses".into()),
+        (Method::GET, format!("/v1/responses/resp_{}", id.0.simple())),
+        (Method::POST, format!("/v1/responses/resp_{}/cancel", id.0.simple())),
+        (Method::GET, format!("/v1/responses/resp_{}/input_items", id.0.simple())),
+        (Method::POST, "/v1/chat/completions".into()),
+        (Method::GET, "/v1/models".into()),
         // Auth comes before path validation: a malformed id is still 401.
         (Method::GET, "/v1/sessions/not-a-uuid".into()),
     ];
@@ -124,9 +212,10 @@ async fn missing_or_wrong_tokens_are_401_on_every_data_route() {
     }
 }
 
-/// The turn routes with another owner's *live* turn: Bob's re-attach, stop, retry, send and
-/// `/v1/chat {session_id}` are 404, append nothing, reach no model, and Alice's turn runs
-/// to its end untouched.
+/// The turn routes with another owner's *live* turn: Bob's re-attach, stop, retry, send,
+/// `/v1/chat {session_id}`, and the live response's retrieve, stream, cancel, input items and
+/// `previous_response_id` are 404, append nothing, reach no model, and Alice's turn runs to
+/// its end untouched (Bob's cancel did not stop it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_owners_live_turn_is_not_found_on_every_turn_route() {
     let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await.unwrap();
@@ -134,6 +223,11 @@ async fn another_owners_live_turn_is_not_found_on_every_turn_route() {
     let id = api.create(ALICE, None).await;
     let running = api.message_request(id, ALICE, "slow one [mock words=40 delay_ms=50]").await;
     assert_eq!(running.status(), 200);
+    let mut events = running.bytes_stream().eventsource().map(|e| e.unwrap());
+    let meta = events.next().await.unwrap();
+    assert_eq!(meta.event, "meta");
+    let attempt: serde_json::Value = serde_json::from_str(&meta.data).unwrap();
+    let resp = format!("resp_{}", Uuid::parse_str(attempt["attempt_id"].as_str().unwrap()).unwrap().simple());
     let live = eventually(WAIT, || async {
         let s = api.get(&format!("/v1/sessions/{id}"), ALICE).await;
         (s.json["turn_active"] == true && chat_requests(&mock) == 1).then_some(())
@@ -150,6 +244,16 @@ async fn another_owners_live_turn_is_not_found_on_every_turn_route() {
         (Method::POST, format!("/v1/sessions/{id}/retry"), None),
         (Method::POST, format!("/v1/sessions/{id}/messages"), Some(send.clone())),
         (Method::POST, "/v1/chat".to_owned(), Some(chat.clone())),
+        (Method::GET, format!("/v1/responses/{resp}"), None),
+        (Method::GET, format!("/v1/responses/{resp}?stream=true"), None),
+        (Method::POST, format!("/v1/responses/{resp}/cancel"), None),
+        (Method::GET, format!("/v1/responses/{resp}/input_items"), None),
+        (
+            Method::POST,
+            "/v1/responses".to_owned(),
+            Some(json!({"input": "bob", "previous_response_id": resp})),
+        ),
+        (Method::GET, format!("/v1/conversations/conv_{}/items", id.0.simple()), None),
     ] {
         let r = api.turn(method.clone(), &path, BOB, body, &[]).await;
         assert_eq!((r.status, r.error_code()), (404, "not_found"), "{method} {path}: {:?}", r.json);
@@ -158,7 +262,7 @@ async fn another_owners_live_turn_is_not_found_on_every_turn_route() {
     assert_eq!(chat_requests(&mock), requests_before, "Bob's requests reached the model");
 
     // Alice's turn was neither stopped nor joined: it completes with the whole answer.
-    let events: Vec<_> = running.bytes_stream().eventsource().map(|e| e.unwrap()).collect().await;
+    let events: Vec<_> = std::iter::once(meta).chain(events.collect::<Vec<_>>().await).collect();
     let ends: Vec<_> = events.iter().filter(|e| e.event == "end").collect();
     assert_eq!(ends.len(), 1, "{events:?}");
     assert_eq!(events.last().map(|e| e.event.as_str()), Some("end"));

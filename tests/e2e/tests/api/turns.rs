@@ -2,8 +2,6 @@
 //! shape, persistence of every ending, stop, retry, re-attach, idempotent resends, and the
 //! prompt prefix staying byte-stable across turns.
 
-use std::time::Duration;
-
 use eventsource_stream::Eventsource as _;
 use futures::StreamExt as _;
 use reqwest::Method;
@@ -351,14 +349,19 @@ async fn reattach_replays_after_last_event_id_then_follows_live() {
     let none = api.turn(Method::GET, &format!("/v1/sessions/{id}/stream"), ALICE, None, &[]).await;
     assert_eq!(none.status, 204);
     let first = api.message_request(id, ALICE, "go [mock words=30 delay_ms=20]").await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The turn is live once its stream has begun: the client has events 1–3.
+    let mut first = first.bytes_stream().eventsource();
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        seen.push(first.next().await.unwrap().unwrap());
+    }
     let attached = api
         .turn(Method::GET, &format!("/v1/sessions/{id}/stream"), ALICE, None, &[("Last-Event-ID", "3")])
         .await;
     assert_eq!(attached.events[0].id, 4);
     assert_eq!(attached.end()["status"], "completed");
-    let full = first.bytes_stream().eventsource().collect::<Vec<_>>().await;
-    assert_eq!(full.len() as u64, attached.events.last().unwrap().id, "the same turn, to its end");
+    let full = seen.len() + first.collect::<Vec<_>>().await.len();
+    assert_eq!(full as u64, attached.events.last().unwrap().id, "the same turn, to its end");
     let bad = api
         .turn(Method::GET, &format!("/v1/sessions/{id}/stream"), ALICE, None, &[("Last-Event-ID", "x")])
         .await;
@@ -371,7 +374,10 @@ async fn a_reattach_past_the_turns_last_event_ends_with_the_turn() {
     let id = api.create(ALICE, None).await;
     let stream_path = format!("/v1/sessions/{id}/stream");
     let running = api.message_request(id, ALICE, "go [mock words=30 delay_ms=100]").await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The turn is live once its stream has begun.
+    let mut running = running.bytes_stream().eventsource();
+    let meta = running.next().await.unwrap().unwrap();
+    assert_eq!(meta.event, "meta");
     // An id this turn (3 s long) has not reached (a client's id from an earlier, longer turn).
     let beyond = [("Last-Event-ID", "1000")];
     let attached = tokio::time::timeout(WAIT, api.turn(Method::GET, &stream_path, ALICE, None, &beyond))
@@ -379,7 +385,7 @@ async fn a_reattach_past_the_turns_last_event_ends_with_the_turn() {
         .expect("the re-attach ends when the turn does");
     assert_eq!(attached.status, 200);
     assert!(attached.events.is_empty(), "nothing past event 1000: {:?}", attached.events);
-    let full = running.bytes_stream().eventsource().collect::<Vec<_>>().await;
+    let full = running.collect::<Vec<_>>().await;
     assert_eq!(full.last().unwrap().as_ref().unwrap().event, "end");
 
     // The turn is over: no stream to hold open.
