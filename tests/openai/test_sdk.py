@@ -54,6 +54,28 @@ def upload(name, data):
         return json.load(resp)
 
 
+def session_ids(c):
+    """Every session id the caller has, through every page of the native list."""
+    ids, query = set(), {"limit": 100}
+    while True:
+        page = c.get("/sessions", options={"params": query}, cast_to=object)
+        ids.update(s["id"] for s in page["sessions"])
+        if not page["next"]:
+            return ids
+        query = {"limit": 100, **page["next"]}
+
+
+def count_409s():
+    """The 409s the server has answered (`turnlog_http_requests_total`, every route)."""
+    with urllib.request.urlopen(os.environ["TURNLOG_BASE"] + "/metrics") as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("turnlog_http_requests_total{") and 'status="409"' in line
+    )
+
+
 def streamed(stream):
     """Every event of a response stream, and the final response."""
     events = list(stream)
@@ -116,8 +138,7 @@ class ResponsesAndConversations(unittest.TestCase):
         hex_id = conv.id[len("conv_"):]
         native = self.client.get(f"/sessions/{hex_id}", cast_to=object)["session"]
         self.assertEqual(native["id"].replace("-", ""), hex_id)
-        listed = self.client.get("/sessions", cast_to=object)["sessions"]
-        self.assertIn(native["id"], [x["id"] for x in listed])
+        self.assertIn(native["id"], session_ids(self.client))
         created = self.client.post("/sessions", body={}, cast_to=object)
         as_conv = self.client.conversations.retrieve(created["id"])
         self.assertEqual(as_conv.id, "conv_" + created["id"].replace("-", ""))
@@ -179,7 +200,7 @@ class ResponsesAndConversations(unittest.TestCase):
         self.assertEqual(final.output_text, "".join(e.delta for e in events if e.type == "response.output_text.delta"))
 
     def test_store_false_passes_through_and_stores_nothing(self):
-        before = self.client.get("/sessions", cast_to=object)["sessions"]
+        before = session_ids(self.client)
         history = [
             {"role": "user", "content": "Hi, I am Ada."},
             {"role": "assistant", "content": "Hello Ada."},
@@ -193,8 +214,7 @@ class ResponsesAndConversations(unittest.TestCase):
         self.assertEqual(events[0].type, "response.created")
         self.assertEqual(final.status, "completed")
         self.assertEqual(final.output_text, "".join(e.delta for e in events if e.type == "response.output_text.delta"))
-        after = self.client.get("/sessions", cast_to=object)["sessions"]
-        self.assertEqual(len(after), len(before), "store: false created a session")
+        self.assertEqual(session_ids(self.client), before, "store: false created a session")
         with self.assertRaises(openai.NotFoundError):
             self.client.responses.retrieve(r.id)
         conv = self.client.conversations.create()
@@ -318,8 +338,54 @@ class ResponsesAndConversations(unittest.TestCase):
         with self.assertRaises(openai.AuthenticationError):
             client("wrong-token").conversations.create()
 
-    @unittest.skipUnless(os.environ.get("TURNLOG_RESTART_URL"), "needs servers that outlive turnlog dev")
+    def test_a_failed_turn_is_a_failed_response_and_a_cut_answer_an_incomplete_one(self):
+        conv = self.client.conversations.create()
+        failed = self.client.responses.create(model="mock", conversation=conv.id, input="Hi [mock status=500]")
+        self.assertEqual((failed.status, failed.error.code), ("failed", "server_error"))
+        self.assertTrue(failed.error.message)
+        got = self.client.responses.retrieve(failed.id)
+        self.assertEqual((got.status, got.error.code), ("failed", "server_error"))
+        events, final = streamed(
+            self.client.responses.create(model="mock", conversation=conv.id, input="Again [mock status=503]", stream=True)
+        )
+        self.assertEqual(events[-1].type, "response.failed")
+        self.assertEqual((final.status, final.error.code), ("failed", "server_error"))
+        cut = self.client.responses.create(
+            model="mock", conversation=conv.id, input="A long one. [mock words=300]", max_output_tokens=16
+        )
+        self.assertEqual((cut.status, cut.incomplete_details.reason), ("incomplete", "max_output_tokens"))
+        self.assertTrue(cut.output_text)
+        got = self.client.responses.retrieve(cut.id)
+        self.assertEqual((got.status, got.incomplete_details.reason), ("incomplete", "max_output_tokens"))
+        self.assertEqual(got.output_text, cut.output_text)
+
+    def test_a_background_response_is_cancelled_and_keeps_its_partial_answer(self):
+        conv = self.client.conversations.create()
+        r = self.client.responses.create(
+            model="mock", conversation=conv.id, input="A long one. [mock words=2000 delay_ms=10]", background=True
+        )
+        self.assertIn(r.status, ("queued", "in_progress"))
+        # Re-attached, until some of the answer has streamed.
+        seen = ""
+        for event in self.client.responses.retrieve(r.id, stream=True):
+            if event.type == "response.output_text.delta":
+                seen += event.delta
+                if seen.count(" ") >= 20:
+                    break
+        cancelled = self.client.responses.cancel(r.id)
+        self.assertEqual(cancelled.status, "cancelled")
+        self.assertTrue(cancelled.output_text)
+        got = self.client.responses.retrieve(r.id)
+        self.assertEqual((got.status, got.output_text), ("cancelled", cancelled.output_text))
+        self.assertLess(len(got.output_text.split()), 2000, "the whole answer ran")
+
     def test_zz_a_killed_ingress_leaves_an_incomplete_response_with_its_checkpoint(self):
+        if not os.environ.get("TURNLOG_RESTART_URL"):
+            # The crash needs servers that outlive `turnlog dev` (DATABASE_URL and NATS_URL):
+            # skipped on a developer's machine without them, a failure under CI.
+            if os.environ.get("CI"):
+                self.fail("CI must run this test: set DATABASE_URL and NATS_URL (.ci/run does when they answer)")
+            self.skipTest("needs servers that outlive turnlog dev (DATABASE_URL and NATS_URL)")
         conv = self.client.conversations.create()
         stream = self.client.responses.create(
             model="mock", conversation=conv.id, input="A long one. [mock words=600 delay_ms=10]", stream=True
@@ -480,6 +546,28 @@ class ChatCompletions(unittest.TestCase):
         own = [e["kind"] for e in self.events(regen) if e["session_id"] == regen]
         self.assertEqual(own, ["assistant_turn"])
 
+    def test_a_duplicate_sent_while_the_first_streams_is_a_409_the_sdk_does_not_retry(self):
+        history = [{"role": "user", "content": "A long story, please. [mock words=400 delay_ms=10]"}]
+        raw = self.client.chat.completions.with_raw_response.create(
+            model="mock", messages=history, stream=True, extra_headers={"X-Session-Id": self.sid}
+        )
+        branch = raw.headers.get("x-session-id")
+        stream = iter(raw.parse())
+        next(stream)
+        # The same request again from a client with the SDK's default retries: one request,
+        # by the server's count of its 409s.
+        conflicts = count_409s()
+        retrying = OpenAI(base_url=BASE, api_key=os.environ["TURNLOG_TOKEN"])
+        with self.assertRaises(openai.ConflictError) as conflict:
+            retrying.chat.completions.create(model="mock", messages=history, extra_headers={"X-Session-Id": self.sid})
+        self.assertEqual(conflict.exception.response.headers.get("x-should-retry"), "false")
+        self.assertEqual(count_409s(), conflicts + 1, "the SDK retried the 409")
+        text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        self.assertTrue(text)
+        # Nothing appended, nothing forked: the branch holds the one exchange.
+        self.assertEqual([e["kind"] for e in self.events(branch)], ["user_message", "assistant_turn"])
+        self.assertEqual(self.session(branch)["forks"], [])
+
     def test_resending_a_message_left_unanswered_runs_it_again(self):
         messages = [{"role": "user", "content": "Fail, please. [mock status=500]"}]
         with self.assertRaises(openai.InternalServerError) as failed:
@@ -519,15 +607,14 @@ class ChatCompletions(unittest.TestCase):
         self.assertEqual(self.session(branch)["forks"], [])
 
     def test_without_a_session_header_nothing_is_stored(self):
-        before = self.client.get("/sessions", cast_to=object)["sessions"]
+        before = session_ids(self.client)
         branch, text, done = chat(self.client, None, [{"role": "user", "content": "Hi [mock words=4]"}])
         self.assertIsNone(branch)
         self.assertEqual(done.object, "chat.completion")
         self.assertTrue(text)
         _, text, chunks = chat(self.client, None, [{"role": "user", "content": "Hi [mock words=4]"}], stream=True)
         self.assertTrue(text)
-        after = self.client.get("/sessions", cast_to=object)["sessions"]
-        self.assertEqual([s["id"] for s in after], [s["id"] for s in before])
+        self.assertEqual(session_ids(self.client), before)
 
     def test_a_task_prompt_sent_with_a_chat_id_forks_nothing(self):
         history = [{"role": "user", "content": "Plan a trip [mock words=5]"}]
