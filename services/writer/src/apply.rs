@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 
 use bytes::Bytes;
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, Datelike as _, Utc};
 use serde_json::Value;
 use turnlog_core::branch::{fork_lineage, Segment, MAX_FORK_DEPTH};
 use turnlog_core::events::{EventBody, EventKind, ForkPoint, SessionStarted};
@@ -725,7 +725,7 @@ fn push_event(
 
 /// When a message (`user_message`, `assistant_turn`) published at `published` makes its
 /// session last active: then, or at its original time when an import brought it
-/// (`imported.created_at`). None for the other kinds: a turn's progress and what the workers
+/// (`imported.created_at`, within `turnlog_core::storable::YEARS`). None for the other kinds: a turn's progress and what the workers
 /// derive from a turn follow a message, and an import's memory extraction must not list
 /// its old conversations as new.
 fn active_at(kind: EventKind, payload: &Value, published: DateTime<Utc>) -> Option<DateTime<Utc>> {
@@ -733,7 +733,11 @@ fn active_at(kind: EventKind, payload: &Value, published: DateTime<Utc>) -> Opti
         return None;
     }
     let original = payload.get("imported").and_then(|i| i.get("created_at")).and_then(Value::as_str);
-    Some(original.and_then(|t| t.parse().ok()).unwrap_or(published))
+    let original = original.and_then(|t| t.parse::<DateTime<Utc>>().ok());
+    // A time Postgres cannot hold would fail the commit only when no later message of the
+    // batch moves the session on: the same request would commit or not by how the stream
+    // was batched, and a rebuild could fail where the live writer did not.
+    Some(original.filter(|t| turnlog_core::storable::YEARS.contains(&t.year())).unwrap_or(published))
 }
 
 fn dead_letter(fx: &mut BatchEffects, msg: &Incoming, session: Option<SessionId>, refusal: Refusal) {

@@ -631,3 +631,54 @@ async fn an_upload_waits_for_an_import_slot_before_it_is_read() {
     assert_eq!(r.status(), 400);
     assert!(r.text().await.unwrap().contains("cannot tell the format"));
 }
+
+/// Everything of `owner`'s in the log, as text: sessions, events and memories.
+async fn rows_of(api: &Api, owner: &str) -> String {
+    let sessions: Vec<(uuid::Uuid, i64, Option<String>, Option<uuid::Uuid>)> =
+        sqlx::query_as("SELECT id, last_seq, title, forked_from FROM sessions WHERE owner = $1 ORDER BY id")
+            .bind(owner)
+            .fetch_all(&api.env.pool)
+            .await
+            .unwrap();
+    let events: Vec<(uuid::Uuid, i64, uuid::Uuid, Value)> = sqlx::query_as(
+        "SELECT e.session_id, e.seq, e.event_id, e.payload FROM session_events e
+           JOIN sessions s ON s.id = e.session_id WHERE s.owner = $1 ORDER BY e.session_id, e.seq",
+    )
+    .bind(owner)
+    .fetch_all(&api.env.pool)
+    .await
+    .unwrap();
+    format!("{sessions:?}\n{events:?}")
+}
+
+/// A second owner importing the first's export, and a crafted turnlog file whose session
+/// ids and fork points name the first owner's sessions, gets sessions of its own: the
+/// first owner's rows stay as they were, and nothing is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_owners_import_never_touches_the_first_owners_sessions() {
+    let api = Api::start().await;
+    let r = api.import(ALICE, Some("chatgpt"), FIXTURE.as_bytes()).await;
+    assert_eq!((r.status, r.json["sessions"].as_u64()), (200, Some(5)), "{}", r.text);
+    let alice: Vec<uuid::Uuid> =
+        sessions(&api, ALICE).await.iter().map(|s| s["id"].as_str().unwrap().parse().unwrap()).collect();
+    let before = rows_of(&api, "alice").await;
+
+    let r = api.import(BOB, Some("chatgpt"), FIXTURE.as_bytes()).await;
+    assert_eq!((r.status, r.json["sessions"].as_u64()), (200, Some(5)), "{}", r.text);
+    assert_eq!(r.json["failed"], json!([]), "{}", r.text);
+    let crafted =
+        turnlog_file(&[(alice[0], None, vec![hi(), yo()]), (alice[1], Some((alice[0], 2)), vec![hi()])]);
+    let r = api.import(BOB, Some("turnlog"), &crafted).await;
+    assert_eq!((r.status, r.json["sessions"].as_u64()), (200, Some(2)), "{}", r.text);
+
+    assert_eq!(rows_of(&api, "alice").await, before, "Bob's imports changed Alice's rows");
+    let bob: Vec<uuid::Uuid> =
+        sessions(&api, BOB).await.iter().map(|s| s["id"].as_str().unwrap().parse().unwrap()).collect();
+    assert_eq!(bob.len(), 7, "{bob:?}");
+    assert!(bob.iter().all(|id| !alice.contains(id)), "Bob was given one of Alice's session ids");
+    for id in &alice {
+        let r = api.get(&format!("/v1/sessions/{id}"), BOB).await;
+        assert_eq!(r.status, 404, "{}", r.text);
+    }
+    assert_eq!(api.dead_letters().await, 0);
+}
