@@ -796,34 +796,3 @@ mod tests {
         assert_eq!(all(&array, None).unwrap().1, out);
     }
 }
-
-/// Peak memory of reading a file (`TURNLOG_IMPORT_MEM_FILE`): not run by default, for
-/// measuring by hand (`cargo test --release -p turnlog-core peak_memory -- --ignored --nocapture`).
-#[cfg(test)]
-mod peak {
-    #[test]
-    #[ignore]
-    fn peak_memory_of_reading_a_file() {
-        let Ok(path) = std::env::var("TURNLOG_IMPORT_MEM_FILE") else { return };
-        let hwm = || {
-            std::fs::read_to_string("/proc/self/status")
-                .unwrap()
-                .lines()
-                .find(|l| l.starts_with("VmHWM"))
-                .unwrap()
-                .to_owned()
-        };
-        let before = hwm();
-        let file = std::io::BufReader::with_capacity(1 << 16, std::fs::File::open(&path).unwrap());
-        let started = std::time::Instant::now();
-        let mut n = 0;
-        let format = super::read(file, None, |c| {
-            n += 1;
-            if let Err(e) = c {
-                println!("rejected: {e:?}");
-            }
-            std::ops::ControlFlow::Continue(())
-        });
-        println!("{format:?} {n} conversations in {:?}; before {before}, after {}", started.elapsed(), hwm());
-    }
-}
