@@ -89,6 +89,64 @@ async fn a_response_running_on_one_copy_is_retrieved_and_cancelled_through_anoth
     a.stop().await.unwrap();
 }
 
+/// A response re-attached from another copy reads to its end exactly as its own stream:
+/// the same events with the same `sequence_number`s and deltas, then its terminal event
+/// and `[DONE]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_reattached_on_another_copy_streams_the_same_events_to_its_end() {
+    let env = test_env().await;
+    let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
+    let upstream = || config::upstream_at(&mock.base_url());
+    let a = turnlog_e2e::serve(config::chat_stack(&env, upstream(), "mock"), Duration::from_secs(30))
+        .await
+        .unwrap();
+    let b = turnlog_e2e::serve(config::chat_stack(&env, upstream(), "mock"), Duration::from_secs(30))
+        .await
+        .unwrap();
+    let http = reqwest::Client::new();
+    /// (event, sequence_number, delta) of every event before `[DONE]`, and whether
+    /// `[DONE]` ended them.
+    fn shown(events: Vec<eventsource_stream::Event>) -> (Vec<(String, u64, String)>, bool) {
+        let mut out = Vec::new();
+        for e in events {
+            if e.data == "[DONE]" {
+                return (out, true);
+            }
+            let data: Value = serde_json::from_str(&e.data).unwrap();
+            let delta = data["delta"].as_str().unwrap_or_default().to_owned();
+            out.push((e.event, data["sequence_number"].as_u64().unwrap(), delta));
+        }
+        (out, false)
+    }
+    async fn all(resp: reqwest::Response) -> Vec<eventsource_stream::Event> {
+        resp.bytes_stream().eventsource().map(|e| e.unwrap()).collect().await
+    }
+
+    let body = json!({"model": "mock", "input": "A story. [mock words=150 delay_ms=10]", "stream": true});
+    let resp = http.post(format!("{}/v1/responses", a.base_url())).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut events = resp.bytes_stream().eventsource().map(|e| e.unwrap());
+    let first = events.next().await.unwrap();
+    assert_eq!(first.event, "response.created");
+    let created: Value = serde_json::from_str(&first.data).unwrap();
+    let id = created["response"]["id"].as_str().unwrap().to_owned();
+    // Copy B re-attaches from the start while A's stream goes on; both read to the end.
+    let replay = async {
+        all(http.get(format!("{}/v1/responses/{id}?stream=true", b.base_url())).send().await.unwrap()).await
+    };
+    let (replayed, rest) = tokio::join!(replay, events.collect::<Vec<_>>());
+    let (original, done) = shown(std::iter::once(first).chain(rest).collect());
+    let (replayed, replay_done) = shown(replayed);
+    assert!(done && replay_done, "both streams end with [DONE]");
+    assert_eq!(original.last().map(|e| e.0.as_str()), Some("response.completed"));
+    let deltas = original.iter().filter(|e| e.0 == "response.output_text.delta").count();
+    assert!(deltas >= 100, "{deltas} deltas");
+    assert_eq!(replayed, original, "the re-attached stream differs from the original");
+
+    b.stop().await.unwrap();
+    a.stop().await.unwrap();
+}
+
 /// One `POST /v1/chat/completions`: the branch the response names (None when passed
 /// through) and the answer's text, streamed or not.
 async fn chat_completion(
