@@ -229,9 +229,39 @@ async fn round_trip(files_url: Option<String>) {
     })
     .await;
     assert_eq!(api.get(&format!("/v1/files/{loose}/content"), ALICE).await.status, 404);
+    // An image a stored message refers to is kept too, deleted or not: the next turn still
+    // sends its bytes.
+    let del = api.call(Method::DELETE, &format!("/v1/files/{image_id}"), Some(ALICE), Body::None).await;
+    assert_eq!(del.status, 204, "{}", del.text);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(swept_at(doc_id.clone()).await.is_none(), "a referenced file is not swept");
-    assert_eq!(api.get(&format!("/v1/files/{doc_id}/content"), ALICE).await.status, 200);
+    for referenced in [&doc_id, &image_id] {
+        assert!(swept_at(referenced.clone()).await.is_none(), "a referenced file is not swept");
+        assert_eq!(api.get(&format!("/v1/files/{referenced}/content"), ALICE).await.status, 200);
+    }
+    let later = api.message(id, ALICE, "and the picture again").await;
+    assert!(later.end()["error"].is_null(), "{:?}", later.end());
+    assert_eq!(parts(&chats(&mock).pop().unwrap().body).0.len(), 1, "the deleted image is still sent");
+    api.stop().await;
+    mock.stop().await.unwrap();
+}
+
+/// An upload's type comes from its bytes, whatever its name claims: a PNG named `.txt` is
+/// an image, text named `.png` a text document, HTML named `.pdf` HTML, an archive named
+/// `.png` a 415.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uploads_type_comes_from_its_bytes_not_its_name() {
+    let (mock, api) = stack(None).await;
+    for (name, bytes, kind, mime) in [
+        ("notes.txt", png(8, 8), "image", "image/png"),
+        ("photo.png", b"just words, not a picture".to_vec(), "document", "text/plain"),
+        ("report.pdf", b"<!doctype html><p>hello</p>".to_vec(), "document", "text/html"),
+    ] {
+        let r = api.upload(ALICE, name, &bytes).await;
+        assert_eq!(r.status, 201, "{name}: {}", r.text);
+        assert_eq!((r.json["kind"].as_str(), r.json["mime"].as_str()), (Some(kind), Some(mime)), "{name}");
+    }
+    let r = api.upload(ALICE, "image.png", b"PK\x03\x04\x14\0\0\0\x08\0rest").await;
+    assert_eq!(r.status, 415, "{}", r.text);
     api.stop().await;
     mock.stop().await.unwrap();
 }
@@ -364,6 +394,8 @@ async fn files_survive_a_restart_and_a_rebuild_restores_them() {
     let body = json!({"text": "look", "images": [image_id], "documents": [doc_id]});
     let turn = api.turn(Method::POST, &format!("/v1/sessions/{id}/messages"), ALICE, Some(body), &[]).await;
     assert!(turn.end()["error"].is_null(), "{:?}", turn.end());
+    let sent = parts(&chats(&mock).pop().unwrap().body).0;
+    assert_eq!(sent.len(), 1);
     let bus = api.bus.clone();
     let env = api.stop().await;
 
@@ -377,7 +409,7 @@ async fn files_survive_a_restart_and_a_rebuild_restores_them() {
     assert_eq!(api.get(&format!("/v1/files/{image_id}/content"), ALICE).await.status, 200);
     let next = api.message(id, ALICE, "and again").await;
     assert!(next.end()["error"].is_null(), "{:?}", next.end());
-    assert_eq!(parts(&chats(&mock).pop().unwrap().body).0.len(), 1, "the image is still sent");
+    assert_eq!(parts(&chats(&mock).pop().unwrap().body).0, sent, "the same data URL after the restart");
 
     // A rebuild from the APPEND stream restores the files table exactly (compared once the
     // live search index, which trails the log, has caught up: a rebuild indexes everything).
