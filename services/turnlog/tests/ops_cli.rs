@@ -3,6 +3,7 @@
 //! and their exit codes.
 
 use std::process::Output;
+use std::time::Duration;
 
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
@@ -167,4 +168,96 @@ async fn import_and_export_from_the_command_line() {
     assert!(String::from_utf8_lossy(&refused.stderr).contains("nothing was imported"));
     std::fs::remove_dir_all(&dir).unwrap();
     rig.stop().await;
+}
+
+/// An import cut short by its writer's death (SIGKILL mid-way) completes when run again
+/// once a writer is back: every message once, in order, nothing duplicated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_import_cut_by_a_writer_kill_completes_when_run_again_with_nothing_twice() {
+    use turnlog_testkit::{eventually, test_env, TurnlogProcess};
+    let env = test_env().await;
+    let mut writer = TurnlogProcess::start(BIN, &env, &["writer"], &[]);
+    // 200 ShareGPT conversations of 12 messages: long enough to be cut mid-way.
+    let (conversations, turns) = (200, 6);
+    let mut file = String::new();
+    for c in 0..conversations {
+        let messages: Vec<serde_json::Value> = (0..turns)
+            .flat_map(|t| {
+                [
+                    serde_json::json!({"from": "human", "value": format!("question {t} of conversation {c}")}),
+                    serde_json::json!({"from": "gpt", "value": format!("answer {t} of conversation {c}")}),
+                ]
+            })
+            .collect();
+        file.push_str(&serde_json::json!({"id": format!("c{c}"), "conversations": messages}).to_string());
+        file.push('\n');
+    }
+    let dir = std::env::temp_dir().join(format!("turnlog-cli-cut-{}", Uuid::now_v7()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sharegpt.jsonl");
+    std::fs::write(&path, file).unwrap();
+    let path = path.to_str().unwrap().to_owned();
+    let import = || {
+        let mut command = tokio::process::Command::new(BIN);
+        command
+            .args(["import", "--owner", OWNER, "--format", "sharegpt", &path])
+            .envs(env.env_vars())
+            .env("RUST_LOG", "warn")
+            .env("TURNLOG_APPEND_TIMEOUT", "2s")
+            .kill_on_drop(true);
+        command
+    };
+    let messages = || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM session_events WHERE kind IN ('user_message', 'assistant_turn')",
+        )
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+        n
+    };
+
+    let mut first = import().spawn().unwrap();
+    let cut_at = eventually(Duration::from_secs(60), || async {
+        let n = messages().await;
+        (n >= 300).then_some(n)
+    })
+    .await;
+    writer.kill();
+    let status =
+        tokio::time::timeout(Duration::from_secs(120), first.wait()).await.expect("the import ends").unwrap();
+    let stored = messages().await;
+    assert!(
+        stored < (conversations * turns * 2) as i64,
+        "the import was not cut ({stored} messages, {status})"
+    );
+    eprintln!("cut after {cut_at} messages; {stored} stored; the first import exited with {status}");
+
+    writer.restart().await;
+    let again =
+        tokio::time::timeout(Duration::from_secs(300), import().output()).await.expect("in time").unwrap();
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    assert_eq!(messages().await, (conversations * turns * 2) as i64, "every message once");
+    // Each conversation is one session holding its messages once, in order, gapless.
+    let sessions: Vec<(i64, i64, Vec<String>)> = sqlx::query_as(
+        "SELECT count(*), max(seq), array_agg(coalesce(payload->>'text', payload->'llm'->'message'->>'content') ORDER BY seq)
+           FILTER (WHERE kind IN ('user_message', 'assistant_turn'))
+           FROM session_events GROUP BY session_id",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(sessions.len(), conversations);
+    for (count, last, texts) in &sessions {
+        assert_eq!((*count, *last), ((turns * 2 + 1) as i64, (turns * 2 + 1) as i64), "{texts:?}");
+        let c = texts[0].rsplit(' ').next().unwrap();
+        let expected: Vec<String> = (0..turns)
+            .flat_map(|t| {
+                [format!("question {t} of conversation {c}"), format!("answer {t} of conversation {c}")]
+            })
+            .collect();
+        assert_eq!(texts, &expected);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    writer.terminate();
 }
