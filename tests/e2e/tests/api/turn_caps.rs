@@ -137,17 +137,18 @@ async fn a_turn_that_cannot_start_gives_the_slot_back() {
 /// their answer is relayed, and give it back when it ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stateless_response_holds_a_turn_slot_while_it_is_relayed() {
-    let (api, _mock) = capped(TurnLimits { per_owner: 1, total: 4 }, Options::default()).await;
+    let (api, mock) = capped(TurnLimits { per_owner: 1, total: 4 }, Options::default()).await;
     let body = |text: &str| json!({"input": text, "store": false, "stream": true});
     // The model never answers: the request waits for it, holding Alice's slot.
     let hanging = tokio::spawn(
         api.request(Method::POST, "/v1/responses").bearer_auth(ALICE).json(&body("hi [mock hang]")).send(),
     );
-    let refused = eventually(WAIT, || async {
-        let r = api.call(Method::POST, "/v1/responses", Some(ALICE), Body::Json(body("and more"))).await;
-        (r.status != 200).then_some(r)
+    // Once the model has the request, Alice's slot is held until the relay ends.
+    eventually(WAIT, || async {
+        mock.log().entries().iter().any(|r| r.body.to_string().contains("mock hang")).then_some(())
     })
     .await;
+    let refused = api.call(Method::POST, "/v1/responses", Some(ALICE), Body::Json(body("and more"))).await;
     assert_eq!(refused.status, 429, "{}", refused.text);
     assert_eq!(refused.json["error"]["type"], "rate_limit_error", "{}", refused.text);
     let r = api.call(Method::POST, "/v1/responses", Some(BOB), Body::Json(body("bob [mock words=3]"))).await;
