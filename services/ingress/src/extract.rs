@@ -10,6 +10,7 @@ use axum::http::request::Parts;
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt as _;
 use serde::de::DeserializeOwned;
+use tokio::time::Instant;
 
 use crate::error::ApiError;
 use crate::validate::MAX_BODY_BYTES;
@@ -133,5 +134,76 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
             .await
             .map(|Query(v)| ApiQuery(v))
             .map_err(|e| ApiError::bad_request(e.body_text()))
+    }
+}
+
+/// The pace an upload's body must keep while it holds something others wait for (room in
+/// the upload budget, an import turn): its next bytes within `TURNLOG_UPLOAD_READ_TIMEOUT`,
+/// and, after that long to start, `TURNLOG_UPLOAD_MIN_RATE` bytes a second on average. A
+/// body that stalls or crawls is a 408, and gives what it held back.
+pub(crate) struct UploadPace {
+    read_timeout: Duration,
+    min_rate: u64,
+    started: Instant,
+    last: Instant,
+    bytes: usize,
+}
+
+impl UploadPace {
+    pub(crate) fn new(read_timeout: Duration, min_rate: u64) -> Self {
+        let now = Instant::now();
+        Self { read_timeout, min_rate, started: now, last: now, bytes: 0 }
+    }
+
+    /// What `next` (a read of the body) gives, if it comes in time.
+    pub(crate) async fn of<T>(&mut self, next: impl std::future::Future<Output = T>) -> Result<T, ApiError> {
+        let owed = Duration::from_secs_f64(self.bytes as f64 / self.min_rate.max(1) as f64);
+        let due = (self.last + self.read_timeout).min(self.started + self.read_timeout + owed);
+        match tokio::time::timeout_at(due, next).await {
+            Ok(got) => {
+                self.last = Instant::now();
+                Ok(got)
+            }
+            Err(_) if self.last.elapsed() >= self.read_timeout => Err(ApiError::RequestTimeout(format!(
+                "the upload sent nothing for {} s (TURNLOG_UPLOAD_READ_TIMEOUT): send it without pauses",
+                self.read_timeout.as_secs_f64()
+            ))),
+            Err(_) => Err(ApiError::RequestTimeout(format!(
+                "the upload came slower than {} bytes a second (TURNLOG_UPLOAD_MIN_RATE): {} bytes in {:.0} s",
+                self.min_rate,
+                self.bytes,
+                self.started.elapsed().as_secs_f64()
+            ))),
+        }
+    }
+
+    /// Counts bytes of the body read.
+    pub(crate) fn count(&mut self, n: usize) {
+        self.bytes += n;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_upload_that_stalls_or_crawls_is_a_408() {
+        let mut pace = UploadPace::new(Duration::from_millis(50), 1024);
+        assert_eq!(pace.of(async { 1 }).await.ok(), Some(1));
+        let stalled = pace.of(std::future::pending::<()>()).await;
+        assert!(
+            matches!(&stalled, Err(ApiError::RequestTimeout(m)) if m.contains("sent nothing")),
+            "{stalled:?}"
+        );
+        // 10 KB is owed 10 s at 1 KiB/s: the 50 ms start and no more are given for the rest.
+        let mut pace = UploadPace::new(Duration::from_millis(50), 1024);
+        pace.count(10_000);
+        pace.started -= Duration::from_secs(20);
+        let crawled = pace.of(std::future::pending::<()>()).await;
+        assert!(
+            matches!(&crawled, Err(ApiError::RequestTimeout(m)) if m.contains("slower than")),
+            "{crawled:?}"
+        );
     }
 }

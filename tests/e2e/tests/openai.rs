@@ -14,17 +14,22 @@ use turnlog_e2e::config;
 use turnlog_mock_llm::MockConfig;
 use turnlog_testkit::test_env;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_response_running_on_one_copy_is_retrieved_and_cancelled_through_another() {
+/// Two ingress copies (each with the whole stack) on one database and bus, chatting with
+/// the mock model.
+async fn two_copies() -> (turnlog_mock_llm::MockHandle, turnlog_dev::Stack, turnlog_dev::Stack) {
     let env = test_env().await;
     let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
-    let upstream = || config::upstream_at(&mock.base_url());
-    let a = turnlog_e2e::serve(config::chat_stack(&env, upstream(), "mock"), Duration::from_secs(30))
-        .await
-        .unwrap();
-    let b = turnlog_e2e::serve(config::chat_stack(&env, upstream(), "mock"), Duration::from_secs(30))
-        .await
-        .unwrap();
+    let copy = || async {
+        let upstream = config::upstream_at(&mock.base_url());
+        turnlog_e2e::serve(config::chat_stack(&env, upstream, "mock"), Duration::from_secs(30)).await.unwrap()
+    };
+    let (a, b) = (copy().await, copy().await);
+    (mock, a, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_running_on_one_copy_is_retrieved_and_cancelled_through_another() {
+    let (_mock, a, b) = two_copies().await;
     let http = reqwest::Client::new();
 
     // A long answer streams through copy A.
@@ -94,15 +99,7 @@ async fn a_response_running_on_one_copy_is_retrieved_and_cancelled_through_anoth
 /// and `[DONE]`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_reattached_on_another_copy_streams_the_same_events_to_its_end() {
-    let env = test_env().await;
-    let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
-    let upstream = || config::upstream_at(&mock.base_url());
-    let a = turnlog_e2e::serve(config::chat_stack(&env, upstream(), "mock"), Duration::from_secs(30))
-        .await
-        .unwrap();
-    let b = turnlog_e2e::serve(config::chat_stack(&env, upstream(), "mock"), Duration::from_secs(30))
-        .await
-        .unwrap();
+    let (_mock, a, b) = two_copies().await;
     let http = reqwest::Client::new();
     /// (event, sequence_number, delta) of every event before `[DONE]`, and whether
     /// `[DONE]` ended them.

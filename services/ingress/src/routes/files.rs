@@ -11,7 +11,6 @@ use axum::Json;
 use bytes::{Bytes, BytesMut};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use tokio::time::Instant;
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::files::{self as meta, FileKind, FileRow, MAX_FILE_NAME_CHARS};
 use utoipa::{IntoParams, ToSchema};
@@ -19,7 +18,7 @@ use uuid::Uuid;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::extract::{ApiPath, ApiQuery, LimitedBody};
+use crate::extract::{ApiPath, ApiQuery, LimitedBody, UploadPace};
 use crate::files::{not_configured, Blobs, Part, MULTIPART_OVERHEAD};
 use crate::writes::submit;
 use crate::{AppState, Ingress};
@@ -143,10 +142,8 @@ pub async fn upload(State(app): State<AppState>, caller: Caller, req: Request) -
     Ok((StatusCode::CREATED, Json(FileView::from(row))).into_response())
 }
 
-/// An upload's body, up to `limit` bytes, read while it keeps coming: a wait of more than
-/// `read_timeout` for its next bytes is a 408, and so is a body that, after `read_timeout`
-/// to start, averages under `min_rate` bytes a second — so a body that stalls or crawls
-/// gives its room in the upload budget back.
+/// An upload's body, up to `limit` bytes, read at the upload pace ([`UploadPace`]): one
+/// that stalls or crawls is a 408 and gives its room in the upload budget back.
 async fn read_upload(
     req: Request,
     limit: usize,
@@ -155,35 +152,12 @@ async fn read_upload(
 ) -> Result<Bytes, ApiError> {
     let mut chunks = LimitedBody::new(req, limit)?;
     let mut body = BytesMut::new();
-    let started = Instant::now();
-    let mut last = started;
-    loop {
-        // The next bytes are due within the read timeout, and by when the bytes so far
-        // would have come at the least rate.
-        let owed = Duration::from_secs_f64(body.len() as f64 / min_rate.max(1) as f64);
-        let due = (last + read_timeout).min(started + read_timeout + owed);
-        match tokio::time::timeout_at(due, chunks.next()).await {
-            Ok(chunk) => match chunk? {
-                Some(chunk) => body.extend_from_slice(&chunk),
-                None => return Ok(body.freeze()),
-            },
-            Err(_) if last.elapsed() >= read_timeout => {
-                return Err(ApiError::RequestTimeout(format!(
-                    "the upload's body sent nothing for {} s (TURNLOG_UPLOAD_READ_TIMEOUT): send it without pauses",
-                    read_timeout.as_secs_f64()
-                )))
-            }
-            Err(_) => {
-                return Err(ApiError::RequestTimeout(format!(
-                    "the upload's body came slower than {min_rate} bytes a second (TURNLOG_UPLOAD_MIN_RATE): \
-                     {} bytes in {:.0} s",
-                    body.len(),
-                    started.elapsed().as_secs_f64()
-                )))
-            }
-        }
-        last = Instant::now();
+    let mut pace = UploadPace::new(read_timeout, min_rate);
+    while let Some(chunk) = pace.of(chunks.next()).await?? {
+        pace.count(chunk.len());
+        body.extend_from_slice(&chunk);
     }
+    Ok(body.freeze())
 }
 
 /// The multipart body's `file` field: its name (cut to 255 characters) and bytes.

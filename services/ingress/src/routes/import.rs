@@ -9,14 +9,13 @@ use axum::http::header;
 use axum::Json;
 use serde::Deserialize;
 use tokio::io::AsyncWriteExt as _;
-use tokio::time::{Duration, Instant};
 use turnlog_core::import::{FileError, Format};
 use turnlog_runtime::import::{Importer, Summary};
 use utoipa::IntoParams;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
-use crate::extract::{declared_length, ApiQuery, LimitedBody};
+use crate::extract::{declared_length, ApiQuery, LimitedBody, UploadPace};
 use crate::files::convert::TempFile;
 use crate::AppState;
 
@@ -85,7 +84,7 @@ pub async fn import(
     let slot = app.imports.file_slot().await.map_err(file_error)?;
     // The upload on disk while it is imported.
     let spool = TempFile::new("import", "json");
-    let mut pace = Pace::new(app.config.upload_read_timeout, app.config.upload_min_rate);
+    let mut pace = UploadPace::new(app.config.upload_read_timeout, app.config.upload_min_rate);
     match media.as_str() {
         "multipart/form-data" => {
             let boundary = multer::parse_boundary(&content_type)
@@ -192,52 +191,6 @@ fn file_error(e: FileError) -> ApiError {
     ApiError::bad_request(format!("nothing was imported: {e}"))
 }
 
-/// The pace an upload must keep while it holds an import turn (the rule `POST /v1/files`
-/// keeps for its upload budget): its next bytes within `TURNLOG_UPLOAD_READ_TIMEOUT`, and,
-/// after that long to start, `TURNLOG_UPLOAD_MIN_RATE` bytes a second on average. A body
-/// that stalls or crawls is a 408, and gives the turn back to the uploads waiting for it.
-struct Pace {
-    read_timeout: Duration,
-    min_rate: u64,
-    started: Instant,
-    last: Instant,
-    bytes: usize,
-}
-
-impl Pace {
-    fn new(read_timeout: Duration, min_rate: u64) -> Self {
-        let now = Instant::now();
-        Self { read_timeout, min_rate, started: now, last: now, bytes: 0 }
-    }
-
-    /// What `next` (a read of the body) gives, if it comes in time.
-    async fn of<T>(&mut self, next: impl std::future::Future<Output = T>) -> Result<T, ApiError> {
-        let owed = Duration::from_secs_f64(self.bytes as f64 / self.min_rate.max(1) as f64);
-        let due = (self.last + self.read_timeout).min(self.started + self.read_timeout + owed);
-        match tokio::time::timeout_at(due, next).await {
-            Ok(got) => {
-                self.last = Instant::now();
-                Ok(got)
-            }
-            Err(_) if self.last.elapsed() >= self.read_timeout => Err(ApiError::RequestTimeout(format!(
-                "the upload sent nothing for {} s (TURNLOG_UPLOAD_READ_TIMEOUT): send it without pauses",
-                self.read_timeout.as_secs_f64()
-            ))),
-            Err(_) => Err(ApiError::RequestTimeout(format!(
-                "the upload came slower than {} bytes a second (TURNLOG_UPLOAD_MIN_RATE): {} bytes in {:.0} s",
-                self.min_rate,
-                self.bytes,
-                self.started.elapsed().as_secs_f64()
-            ))),
-        }
-    }
-
-    /// Counts bytes of the file read.
-    fn count(&mut self, n: usize) {
-        self.bytes += n;
-    }
-}
-
 /// Writes the upload to its temporary file.
 struct SpoolWriter(tokio::io::BufWriter<tokio::fs::File>);
 
@@ -258,29 +211,4 @@ impl SpoolWriter {
 
 fn spool_error(e: std::io::Error) -> ApiError {
     ApiError::internal(anyhow::anyhow!("writing the import's temporary file: {e}"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn an_upload_that_stalls_or_crawls_is_a_408() {
-        let mut pace = Pace::new(Duration::from_millis(50), 1024);
-        assert_eq!(pace.of(async { 1 }).await.ok(), Some(1));
-        let stalled = pace.of(std::future::pending::<()>()).await;
-        assert!(
-            matches!(&stalled, Err(ApiError::RequestTimeout(m)) if m.contains("sent nothing")),
-            "{stalled:?}"
-        );
-        // 10 KB is owed 10 s at 1 KiB/s: the 50 ms start and no more are given for the rest.
-        let mut pace = Pace::new(Duration::from_millis(50), 1024);
-        pace.count(10_000);
-        pace.started -= Duration::from_secs(20);
-        let crawled = pace.of(std::future::pending::<()>()).await;
-        assert!(
-            matches!(&crawled, Err(ApiError::RequestTimeout(m)) if m.contains("slower than")),
-            "{crawled:?}"
-        );
-    }
 }
