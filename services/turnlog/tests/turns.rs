@@ -156,11 +156,12 @@ async fn a_killed_copy_keeps_the_text_up_to_its_last_checkpoint_and_frees_the_se
     let mut events = resp.bytes_stream().eventsource();
     let mut received = String::new();
     let mut seen_at: Vec<(std::time::Instant, usize)> = Vec::new();
-    // Kill just before a checkpoint is due — the worst moment — 1.9 s after the first
-    // `pending_state` the writer stamped: the 2 s bound is then nearly all used up.
-    let mut kill_at: Option<std::time::Instant> = None;
+    // Kill just before a checkpoint is due — the worst moment — timed in the answer's own
+    // clock (a word every 25 ms): once the client has 76 words (1.9 s) past the first
+    // checkpoint's partial, nearly all of the 2 s bound is used up.
+    let mut kill_at_words: Option<usize> = None;
     let mut poll = tokio::time::interval(Duration::from_millis(50));
-    while kill_at.is_none_or(|t| std::time::Instant::now() < t) {
+    while kill_at_words.is_none_or(|n| words(&received) < n) {
         tokio::select! {
             e = events.next() => {
                 let Some(Ok(e)) = e else { break };
@@ -170,18 +171,15 @@ async fn a_killed_copy_keeps_the_text_up_to_its_last_checkpoint_and_frees_the_se
                     seen_at.push((std::time::Instant::now(), received.len()));
                 }
             }
-            _ = poll.tick(), if kill_at.is_none() => {
-                let age: Option<f64> = sqlx::query_scalar(
-                    "SELECT extract(epoch FROM now() - created_at)::float8 FROM session_events \
+            _ = poll.tick(), if kill_at_words.is_none() => {
+                let first: Option<String> = sqlx::query_scalar(
+                    "SELECT payload->>'partial' FROM session_events \
                      WHERE kind = 'pending_state' ORDER BY seq LIMIT 1",
                 )
                 .fetch_optional(&sys.env.pool)
                 .await
                 .unwrap();
-                if let Some(age) = age {
-                    let left = (1.9 - age).max(0.0);
-                    kill_at = Some(std::time::Instant::now() + Duration::from_secs_f64(left));
-                }
+                kill_at_words = first.map(|partial| words(&partial) + 76);
             }
         }
     }
@@ -251,7 +249,9 @@ async fn sigterm_checkpoints_turns_in_flight_and_exits_with_streams_open() {
     assert_eq!(end["status"], "interrupted", "the turn was checkpointed: {end}");
     assert!(end["pending_seq"].as_i64().is_some());
     assert!(a.wait_exit(Duration::from_secs(25)).await.is_some(), "the ingress exits");
-    assert!(asked.elapsed() < Duration::from_secs(25));
+    // A stream holding shutdown keeps the ingress to its hard deadline (twice the 10 s
+    // grace): well under that, not a tight figure.
+    assert!(asked.elapsed() < Duration::from_secs(15), "exited after {:?}", asked.elapsed());
     let stored: String = sqlx::query_scalar(
         "SELECT payload->>'partial' FROM session_events WHERE kind = 'pending_state' ORDER BY seq DESC LIMIT 1",
     )
@@ -275,8 +275,11 @@ async fn a_long_turn_releases_its_renewed_lease_so_the_next_send_goes_through() 
 }
 
 /// §9.4 at its cause: a turn streaming for ~10 s checkpoints its partial at least every
-/// 2 s (the gaps between its `pending_state`s, and from the last one to the answer, stamped
-/// by the APPEND stream, stay under 2.2 s).
+/// 2 s. Measured in one clock, the answer's own: the mock sends a word at most every
+/// 25 ms, so 2 s of stream is at most 80 words. Consecutive checkpoints, and the last one
+/// and the answer, are at most 100 words apart (2.5 s: the slack is the ingress reading a
+/// little late once and on time the next); a checkpoint every 3 s shows 120. A loaded
+/// machine only slows the words down, which keeps them under the bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_turn_checkpoints_at_least_every_two_seconds() {
     let sys = System::start().await;
@@ -284,19 +287,31 @@ async fn a_long_turn_checkpoints_at_least_every_two_seconds() {
     let id = sys.create(&base).await;
     let events = read_all(sys.send(&base, &id, "ten seconds [mock words=400 delay_ms=25]").await).await;
     assert_eq!(the_end(&events)["status"], "completed");
-    let stamps: Vec<(String, f64)> = sqlx::query_as(
-        "SELECT kind, extract(epoch FROM created_at)::float8 FROM session_events \
-         WHERE kind IN ('pending_state', 'assistant_turn') ORDER BY seq",
+    let answer: String = events
+        .iter()
+        .filter(|(kind, _)| kind == "delta")
+        .map(|(_, data)| data["text"].as_str().unwrap())
+        .collect();
+    let partials: Vec<String> = sqlx::query_scalar(
+        "SELECT payload->>'partial' FROM session_events WHERE kind = 'pending_state' ORDER BY seq",
     )
     .fetch_all(&sys.env.pool)
     .await
     .unwrap();
-    let pendings = stamps.iter().filter(|(k, _)| k == "pending_state").count();
-    assert!(pendings >= 3, "a 10 s answer takes several checkpoints: {stamps:?}");
-    for pair in stamps.windows(2) {
-        let gap = pair[1].1 - pair[0].1;
-        assert!(gap <= 2.2, "{gap:.2} s between checkpoints: {stamps:?}");
+    assert!(partials.len() >= 3, "a 10 s answer takes several checkpoints: {} words", words(&answer));
+    let mut lengths: Vec<usize> = partials.iter().map(|p| words(p)).collect();
+    lengths.push(words(&answer));
+    assert!(
+        partials.iter().all(|p| answer.starts_with(p.as_str())),
+        "each checkpoint is a prefix of the answer"
+    );
+    for pair in lengths.windows(2) {
+        assert!(pair[1] - pair[0] <= 100, "{} words between checkpoints: {lengths:?}", pair[1] - pair[0]);
     }
+}
+
+fn words(text: &str) -> usize {
+    text.split_whitespace().count()
 }
 
 /// A re-attach with an id the turn has not reached (a client's id from an earlier turn).
@@ -349,7 +364,7 @@ async fn a_reattach_past_the_last_event_does_not_hold_shutdown() {
     let asked = std::time::Instant::now();
     a.terminate();
     assert!(a.wait_exit(Duration::from_secs(30)).await.is_some(), "the ingress exits");
-    // The grace period is 10 s; a stream held open would keep it to the 20 s hard deadline.
-    assert!(asked.elapsed() < Duration::from_secs(10), "exited after {:?}", asked.elapsed());
+    // A stream held open keeps the ingress to its hard deadline (twice the 10 s grace).
+    assert!(asked.elapsed() < Duration::from_secs(15), "exited after {:?}", asked.elapsed());
     drop(follower);
 }

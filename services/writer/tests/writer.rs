@@ -1014,7 +1014,7 @@ async fn deleting_200_sessions_scans_by_index_and_never_stalls_a_steady_appender
                     let req = AppendRequest::append(steady, "alice", Uuid::now_v7(), &body);
                     let t = std::time::Instant::now();
                     assert!(append_and_wait(&bus, &pool, &req, WAIT).await.unwrap().is_applied());
-                    t.elapsed()
+                    (t, t.elapsed())
                 }));
             }
             let mut out = Vec::new();
@@ -1026,17 +1026,35 @@ async fn deleting_200_sessions_scans_by_index_and_never_stalls_a_steady_appender
     };
     tokio::time::sleep(reported).await;
     let before = scans().await;
+    let mut deletes = Vec::new();
     for s in doomed.drain(..) {
+        let t = std::time::Instant::now();
         let o = append_and_wait(&h.bus, pool, &AppendRequest::delete(s, "alice"), WAIT).await.unwrap();
         assert_eq!(o.status, OutcomeStatus::Committed);
+        deletes.push((t, t.elapsed()));
     }
     tokio::time::sleep(reported).await;
     let after = scans().await;
     done.store(true, Ordering::Relaxed);
-    let mut latencies = appender.await.unwrap();
+    let appends = appender.await.unwrap();
+    let mut latencies: Vec<Duration> = appends.iter().map(|(_, took)| *took).collect();
     latencies.sort_unstable();
     let (p99, max) = (latencies[latencies.len() * 99 / 100], latencies[latencies.len() - 1]);
     eprintln!("steady appender during 200 deletes: p99 {p99:?}, max {max:?} ({} appends)", latencies.len());
+    if max >= Duration::from_secs(1) {
+        // When it stalled, and whether the deletes stalled with it (the whole writer) or not.
+        let origin = appends[0].0;
+        let (start, took) = appends.iter().max_by_key(|(_, took)| *took).unwrap();
+        let overlapping: Vec<String> = deletes
+            .iter()
+            .filter(|(t, d)| *t < *start + *took && *t + *d > *start)
+            .map(|(t, d)| format!("{:?}+{d:?}", t.duration_since(origin)))
+            .collect();
+        eprintln!(
+            "slowest append sent at {:?}, took {took:?}; deletes (start+took) meanwhile: {overlapping:?}",
+            start.duration_since(origin)
+        );
+    }
     assert!(max < Duration::from_secs(1), "an append took {max:?} while sessions were deleted");
 
     for ((table, seq_before, idx_before), (_, seq_after, idx_after)) in before.iter().zip(&after) {

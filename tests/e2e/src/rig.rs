@@ -191,38 +191,14 @@ impl Rig {
         format!("{}-{worker}", self.env.bus_prefix)
     }
 
-    /// Whether a worker's consumer has nothing left: nothing undelivered, nothing in hand,
-    /// nothing waiting for a retry. False while the consumer does not exist yet.
+    /// Whether a worker's consumer has nothing left ([`consumer_idle`]).
     pub async fn consumer_idle(&self, worker: &str) -> bool {
-        let Ok(stream) = self.bus.js.get_stream(self.bus.names.events_stream()).await else { return false };
-        match stream.consumer_info(self.consumer(worker)).await {
-            Ok(info) => info.num_pending == 0 && info.num_ack_pending == 0,
-            Err(_) => false,
-        }
+        consumer_idle(&self.bus, worker).await
     }
 
-    /// Waits until every named worker has handled everything on the feed. Producers come
-    /// first: a worker's appends reach the feed before it acknowledges, so once the
-    /// producers read idle, a later consumer that reads idle has seen their output too.
+    /// Waits until every named worker has handled everything on the feed ([`settle`]).
     pub async fn settle(&self, workers: &[&str]) {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let mut idle = true;
-            for w in workers {
-                if !self.consumer_idle(w).await {
-                    idle = false;
-                    break;
-                }
-            }
-            if idle {
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "workers {workers:?} did not settle within {WAIT:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        settle(&self.bus, workers).await
     }
 
     /// Every dead letter so far, with its subject.
@@ -310,4 +286,35 @@ pub fn filler(words: usize, seed: usize) -> String {
     }
     out.push('.');
     out
+}
+
+/// Whether a worker's consumer has nothing left: nothing undelivered, nothing in hand,
+/// nothing waiting for a retry. False while the consumer does not exist yet.
+pub async fn consumer_idle(bus: &Bus, worker: &str) -> bool {
+    let Ok(stream) = bus.js.get_stream(bus.names.events_stream()).await else { return false };
+    match stream.consumer_info(format!("{}-{worker}", bus.names.prefix())).await {
+        Ok(info) => info.num_pending == 0 && info.num_ack_pending == 0,
+        Err(_) => false,
+    }
+}
+
+/// Waits until every named worker has handled everything on the feed. Producers come
+/// first: a worker's appends reach the feed before it acknowledges, so once the producers
+/// read idle, a later consumer that reads idle has seen their output too.
+pub async fn settle(bus: &Bus, workers: &[&str]) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let mut idle = true;
+        for w in workers {
+            if !consumer_idle(bus, w).await {
+                idle = false;
+                break;
+            }
+        }
+        if idle {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "workers {workers:?} did not settle within {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
