@@ -1,18 +1,25 @@
 //! TURNLOG_STREAM_REPLICAS on real servers (issue 26): a three-node nats-server cluster of
 //! the test's own, streams created with three replicas, `turnlog migrate --bus` as an
 //! operator runs it (R1 → R3, the lease bucket still working, a second run a no-op), and
-//! the warning a service logs when it finds fewer replicas than configured.
+//! the warning a service logs when it finds fewer replicas than configured, and a worker
+//! whose node freezes.
 
 // A failed unwrap in a test is a failed test.
 #![allow(clippy::unwrap_used)]
 
 use std::process::Output;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use turnlog_core::events::EventKind;
 
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
-use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, BusNames};
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, BusNames, CommittedEvent};
 use turnlog_runtime::lease::TurnLeases;
+use turnlog_runtime::worker::{ConsumerSettings, Delivery, HandleError, Handler, Worker};
 use turnlog_testkit::{eventually, private_nats_cluster, test_env, TurnlogProcess};
 
 const BIN: &str = env!("CARGO_BIN_EXE_turnlog");
@@ -192,4 +199,138 @@ async fn a_writer_keeps_applying_through_migrate_bus() {
     }
     assert!(writer.is_running());
     writer.terminate();
+}
+
+/// Records when each event (by seq) was handled.
+struct Record(tokio::sync::mpsc::UnboundedSender<(i64, Instant)>);
+
+impl Handler for Record {
+    async fn handle(&self, event: CommittedEvent, _: Delivery) -> Result<(), HandleError> {
+        let _ = self.0.send((event.seq, Instant::now()));
+        Ok(())
+    }
+}
+
+/// When the event `seq` was handled, waiting up to `within` (None: not by then).
+async fn handled(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<(i64, Instant)>,
+    seq: i64,
+    within: Duration,
+) -> Option<Instant> {
+    let wait = async {
+        loop {
+            match rx.recv().await {
+                Some((s, at)) if s == seq => return at,
+                Some(_) => continue,
+                None => panic!("the worker stopped"),
+            }
+        }
+    };
+    tokio::time::timeout(within, wait).await.ok()
+}
+
+/// The leader a stream (or, with `consumer`, one of its consumers) names, as a node index.
+async fn leader(bus: &Bus, stream: &str, consumer: Option<&str>) -> Option<usize> {
+    let mut s = bus.js.get_stream(stream).await.ok()?;
+    let cluster = match consumer {
+        Some(name) => s.consumer_info(name).await.ok()?.cluster.clone(),
+        None => s.info().await.ok()?.cluster.clone(),
+    };
+    cluster?.leader?.strip_prefix('n')?.parse().ok()
+}
+
+/// Waits until neither the stream nor its consumer is led by node `not`, asking a leader
+/// there to step down (a thaw can bring leadership back to it).
+async fn lead_elsewhere(bus: &Bus, stream: &str, consumer: &str, not: usize) {
+    eventually(Duration::from_secs(30), || async {
+        let (s, c) = (leader(bus, stream, None).await?, leader(bus, stream, Some(consumer)).await?);
+        if s == not {
+            let _: Result<serde_json::Value, _> =
+                bus.js.request(format!("STREAM.LEADER.STEPDOWN.{stream}"), &()).await;
+        }
+        if c == not {
+            let _: Result<serde_json::Value, _> =
+                bus.js.request(format!("CONSUMER.LEADER.STEPDOWN.{stream}.{consumer}"), &()).await;
+        }
+        (s != not && c != not).then_some(())
+    })
+    .await;
+}
+
+/// A worker's copy whose node freezes (SIGSTOP 5 s, SIGCONT) handles an event published
+/// meanwhile within 3 s of the thaw, in each of three rounds (issue 38). The copy is on
+/// the node that leads neither the feed nor the worker's consumer, and the event comes
+/// right after the freeze starts, while the copy's last pull request is still open at the
+/// consumer's leader: the leader sends the event toward the frozen node at once. A copy
+/// that gives its pull requests up after 2 s with an inbox each dropped that inbox before
+/// the thaw, and the event came again only after its ack wait (30 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_on_a_frozen_node_handles_what_came_meanwhile_soon_after_the_thaw() {
+    let mut cluster = private_nats_cluster().await;
+    let prefix = prefix();
+    let admin = Bus::connect(&cluster.urls(), &prefix, 1).await.unwrap().with_replicas(3);
+    admin.ensure_topology(None).await.unwrap();
+    all_have(&admin, &prefix, 3).await;
+    let events = admin.names.events_stream();
+    let session = SessionId::new();
+    let publish = |bus: Bus, seq: i64| async move {
+        let event = json!({
+            "session_id": session, "owner": "alice", "seq": seq, "event_id": uuid::Uuid::new_v4(),
+            "kind": "assistant_turn", "payload": {}, "created_at": "2026-12-02T12:00:00Z",
+        });
+        let subject = bus.names.events_subject("assistant_turn", session);
+        let payload = serde_json::to_vec(&event).unwrap();
+        let published =
+            async { bus.js.publish(subject.clone(), payload.clone().into()).await.ok()?.await.ok() };
+        published.await.unwrap_or_else(|| panic!("event {seq} not published"));
+    };
+    let settings = ConsumerSettings { ack_wait: Duration::from_secs(30), ..ConsumerSettings::default() };
+    let worker = Worker::new("frozen", &[EventKind::AssistantTurn], settings);
+    let run = |bus: Bus| {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let (worker, stop) = (worker.clone(), CancellationToken::new());
+        let shutdown = stop.clone().cancelled_owned();
+        let task =
+            tokio::spawn(
+                async move { worker.run(bus, Arc::new(Record(tx)), Arc::default(), shutdown).await },
+            );
+        (rx, stop, task)
+    };
+    // The consumer made (one event handled), the copy goes to the node leading neither.
+    let (mut rx, stop, task) = run(admin.clone());
+    publish(admin.clone(), 1).await;
+    handled(&mut rx, 1, Duration::from_secs(30)).await.expect("handled before any fault");
+    stop.cancel();
+    task.await.unwrap();
+    let consumer = worker.consumer_name(&admin);
+    let busy = [leader(&admin, &events, None).await, leader(&admin, &events, Some(&consumer)).await]
+        .map(|n| n.expect("a leader"));
+    let frozen = (0..3).rfind(|n| !busy.contains(n)).unwrap();
+    let other = (0..3).find(|n| *n != frozen).unwrap();
+    let (bus, publisher) = (
+        Bus::connect(&cluster.url(frozen), &prefix, 1).await.unwrap(),
+        Bus::connect(&cluster.url(other), &prefix, 1).await.unwrap(),
+    );
+    let (mut rx, stop, task) = run(bus);
+    publish(publisher.clone(), 2).await;
+    handled(&mut rx, 2, Duration::from_secs(30)).await.expect("handled on the node to freeze");
+
+    let mut recoveries = Vec::new();
+    for seq in 3..6 {
+        lead_elsewhere(&publisher, &events, &consumer, frozen).await;
+        // A pull request of the copy's is open at the leader (each lasts 1 s).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        cluster.stop(frozen);
+        let frozen_at = Instant::now();
+        publish(publisher.clone(), seq).await;
+        tokio::time::sleep_until((frozen_at + Duration::from_secs(5)).into()).await;
+        cluster.cont(frozen);
+        let thawed = Instant::now();
+        let at = handled(&mut rx, seq, Duration::from_secs(45)).await.expect("handled at last");
+        recoveries.push(at.saturating_duration_since(thawed));
+    }
+    stop.cancel();
+    task.await.unwrap();
+    eprintln!("handled after the thaw: {recoveries:?} (n{frozen} frozen)");
+    assert!(recoveries.iter().all(|r| *r <= Duration::from_secs(3)), "{recoveries:?}");
 }

@@ -1024,6 +1024,35 @@ async fn deleting_200_sessions_scans_by_index_and_never_stalls_a_steady_appender
             out
         })
     };
+    // Control probes beside the appender, not through the writer: a Postgres commit and a
+    // JetStream publish, one after the other. A stall of the machine's (a WAL flush or a
+    // stream write held up by the disk) holds them as long as the appender.
+    sqlx::query("CREATE TABLE stall_probe (n int)").execute(pool).await.unwrap();
+    let probe_stream = format!("{}_PROBE", h.env.bus_prefix.to_uppercase());
+    let probe_subject = format!("{}.probe", h.env.bus_prefix);
+    h.bus
+        .js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: probe_stream.clone(),
+            subjects: vec![probe_subject.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let control = {
+        let (bus, pool, done) = (h.bus.clone(), pool.clone(), done.clone());
+        tokio::spawn(async move {
+            let mut took = Vec::new();
+            while !done.load(Ordering::Relaxed) {
+                let t = std::time::Instant::now();
+                sqlx::query("INSERT INTO stall_probe VALUES (1)").execute(&pool).await.unwrap();
+                bus.js.publish(probe_subject.clone(), "probe".into()).await.unwrap().await.unwrap();
+                took.push((t, t.elapsed()));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            took
+        })
+    };
     tokio::time::sleep(reported).await;
     let before = scans().await;
     let mut deletes = Vec::new();
@@ -1036,26 +1065,30 @@ async fn deleting_200_sessions_scans_by_index_and_never_stalls_a_steady_appender
     tokio::time::sleep(reported).await;
     let after = scans().await;
     done.store(true, Ordering::Relaxed);
-    let appends = appender.await.unwrap();
+    let (appends, control) = (appender.await.unwrap(), control.await.unwrap());
     let mut latencies: Vec<Duration> = appends.iter().map(|(_, took)| *took).collect();
     latencies.sort_unstable();
     let (p99, max) = (latencies[latencies.len() * 99 / 100], latencies[latencies.len() - 1]);
     eprintln!("steady appender during 200 deletes: p99 {p99:?}, max {max:?} ({} appends)", latencies.len());
+    // The slowest append's window: the deletes and control probes that overlapped it.
+    let (start, took) = *appends.iter().max_by_key(|(_, took)| *took).unwrap();
+    let during = |ops: &[(std::time::Instant, Duration)]| -> Vec<Duration> {
+        ops.iter().filter(|(t, d)| *t < start + took && *t + *d > start).map(|(_, d)| *d).collect()
+    };
+    let platform = during(&control).into_iter().max().unwrap_or_default();
     if max >= Duration::from_secs(1) {
-        // When it stalled, and whether the deletes stalled with it (the whole writer) or not.
-        let origin = appends[0].0;
-        let (start, took) = appends.iter().max_by_key(|(_, took)| *took).unwrap();
-        let overlapping: Vec<String> = deletes
-            .iter()
-            .filter(|(t, d)| *t < *start + *took && *t + *d > *start)
-            .map(|(t, d)| format!("{:?}+{d:?}", t.duration_since(origin)))
-            .collect();
         eprintln!(
-            "slowest append sent at {:?}, took {took:?}; deletes (start+took) meanwhile: {overlapping:?}",
-            start.duration_since(origin)
+            "slowest append sent {:?} in, took {took:?}; meanwhile deletes took {:?}, control probes at most {platform:?}",
+            start.duration_since(appends[0].0),
+            during(&deletes)
         );
     }
-    assert!(max < Duration::from_secs(1), "an append took {max:?} while sessions were deleted");
+    // The coarse guard is on the writer's own stalls: one the control probes shared (the
+    // machine's) is reported above, not failed.
+    assert!(
+        max < Duration::from_secs(1) || platform >= max / 2,
+        "an append took {max:?} while sessions were deleted (the control probes meanwhile: at most {platform:?})"
+    );
 
     for ((table, seq_before, idx_before), (_, seq_after, idx_after)) in before.iter().zip(&after) {
         assert_eq!(seq_after - seq_before, 0, "{table}: a delete read the table whole");

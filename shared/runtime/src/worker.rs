@@ -27,8 +27,8 @@ use turnlog_core::ids::SessionId;
 /// request is open are used only by the next one, and a stop drains the open request.
 const PULL_EXPIRES: Duration = Duration::from_secs(1);
 /// A pull request not ended by the server this long after it was sent was lost (a
-/// restarted nats-server forgets them); async-nats would wait 5 s past its expiry. A
-/// message the server still sends to it after that comes again after the ack wait.
+/// restarted nats-server forgets them, a frozen one holds them). A message the server still
+/// sends to it after that reaches the same inbox and is started or handed back.
 const PULL_LOST_AFTER: Duration = Duration::from_secs(2);
 /// How often the consumer's backlog is read for the lag counter.
 const LAG_INTERVAL: Duration = Duration::from_secs(5);
@@ -521,10 +521,33 @@ impl Worker {
     ) -> Result<(), String> {
         let lag = tokio::spawn(watch_lag(self.name.clone(), consumer.clone(), stats.clone(), stop.clone()));
         let _lag = AbortOnDrop(lag);
+        // One inbox for every pull request of this run, each request answered on a subject
+        // of its own under it. A request the server answers late (one sent while a node was
+        // frozen, passed on after the thaw) still reaches this copy, which starts the event
+        // or hands it back; an inbox per request, dropped by then, would leave the event
+        // to its ack wait.
+        let inbox = bus.client.new_inbox();
+        let mut replies = bus
+            .client
+            .subscribe(format!("{inbox}.*"))
+            .await
+            .map_err(|e| format!("subscribing to the pull replies failed: {e}"))?;
+        let mut requests: u64 = 0;
         loop {
             let first = tokio::select! {
+                biased;
                 _ = stop.wait_for(|s| *s) => return Ok(()),
-                p = permits.clone().acquire_owned() => p.map_err(|e| e.to_string())?,
+                p = permits.clone().acquire_owned() => Ok(p.map_err(|e| e.to_string())?),
+                m = replies.next() => Err(pull_reply(m, &bus.js, None)?),
+            };
+            let first = match first {
+                Ok(permit) => permit,
+                // An earlier request's event while every permit is in use.
+                Err(PullReply::Event(message)) => {
+                    hand_back_late(&message).await;
+                    continue;
+                }
+                Err(_) => continue,
             };
             let mut free = vec![first];
             while free.len() < self.settings.concurrency {
@@ -533,31 +556,37 @@ impl Worker {
                     Err(_) => break,
                 }
             }
-            let mut batch = consumer
-                .batch()
-                .max_messages(free.len())
-                .expires(PULL_EXPIRES)
-                .messages()
+            requests += 1;
+            let reply = format!("{inbox}.{requests}");
+            let request =
+                pull::BatchConfig { batch: free.len(), expires: Some(PULL_EXPIRES), ..Default::default() };
+            consumer
+                .request_batch(request, reply.clone().into())
                 .await
                 .map_err(|e| format!("pull request failed: {e}"))?;
             let lost_at = tokio::time::Instant::now() + PULL_LOST_AFTER;
-            let mut stopping = false;
-            loop {
+            let (mut wanted, mut stopping) = (free.len(), false);
+            // Until the request is answered in full, ends, or is given up for lost.
+            while wanted > 0 {
                 let next = tokio::select! {
-                    _ = tokio::time::sleep_until(lost_at) => break,
+                    biased;
+                    m = replies.next() => m,
                     _ = stop.wait_for(|s| *s), if !stopping => {
                         // Keep draining the open request (it ends within PULL_EXPIRES) so
                         // nothing it delivers sits unhandled until its ack wait runs out.
                         stopping = true;
                         continue;
                     }
-                    m = batch.next() => m,
+                    _ = tokio::time::sleep_until(lost_at) => break,
                 };
-                let message = match next {
-                    None => break,
-                    Some(Err(e)) => return Err(format!("pulling events failed: {e}")),
-                    Some(Ok(m)) => m,
+                let message = match pull_reply(next, &bus.js, Some(&reply))? {
+                    PullReply::Event(message) => message,
+                    PullReply::End => break,
+                    PullReply::Other => continue,
                 };
+                // (An earlier request's late event counts too: this one's own, if any,
+                // come in after it and are started or handed back like it.)
+                wanted -= 1;
                 match (stopping, free.pop()) {
                     (false, Some(permit)) => {
                         let job = Job {
@@ -567,7 +596,7 @@ impl Worker {
                             stats: stats.clone(),
                             until,
                         };
-                        in_hand.spawn(job.process(message, permit));
+                        in_hand.spawn(job.process(*message, permit));
                     }
                     _ => hand_back(&message).await,
                 }
@@ -578,6 +607,44 @@ impl Worker {
             }
             while in_hand.try_join_next().is_some() {}
         }
+    }
+}
+
+/// What arrived on the pull requests' inbox.
+enum PullReply {
+    Event(Box<Message>),
+    /// The open request's end: expired (408), nothing to wait for (404), or ended by the
+    /// server (409: a leadership change, too many requests waiting).
+    End,
+    /// A heartbeat, or an earlier request's end.
+    Other,
+}
+
+/// Reads one message of the pull requests' inbox; `open` is the open request's subject.
+/// A status the consumer cannot go on after (deleted, push based, the inbox gone, an
+/// unknown status of the open request) is an error: the worker reconnects.
+fn pull_reply(
+    message: Option<async_nats::Message>,
+    js: &async_nats::jetstream::Context,
+    open: Option<&str>,
+) -> Result<PullReply, String> {
+    use async_nats::StatusCode;
+    let message = message.ok_or("the pull requests' inbox was closed")?;
+    let Some(status) = message.status.filter(|s| *s != StatusCode::OK) else {
+        return Ok(PullReply::Event(Box::new(Message { message, context: js.clone() })));
+    };
+    let why = message.description.as_deref().unwrap_or_default();
+    let ours = open == Some(message.subject.as_str());
+    match status {
+        StatusCode::IDLE_HEARTBEAT => Ok(PullReply::Other),
+        StatusCode::REQUEST_TERMINATED if why.contains("Consumer Deleted") || why.contains("push based") => {
+            Err(format!("pulling events failed: {status} {why}"))
+        }
+        StatusCode::TIMEOUT | StatusCode::NOT_FOUND | StatusCode::REQUEST_TERMINATED if ours => {
+            Ok(PullReply::End)
+        }
+        _ if ours => Err(format!("pulling events failed: {status} {why}")),
+        _ => Ok(PullReply::Other),
     }
 }
 
@@ -604,7 +671,19 @@ impl Drop for AbortOnDrop {
 
 /// An event this copy will not start: back to the consumer at once, for another copy.
 async fn hand_back(message: &Message) {
-    if let Err(e) = message.ack_with(AckKind::Nak(None)).await {
+    nak(message, None).await;
+}
+
+/// An event a late answer to an earlier request brought while every permit is in use: back
+/// to the consumer after PULL_EXPIRES, when the other late requests have expired (at once,
+/// it could go to one of them again, and again, each a delivery counted toward
+/// `max_deliver`).
+async fn hand_back_late(message: &Message) {
+    nak(message, Some(PULL_EXPIRES)).await;
+}
+
+async fn nak(message: &Message, delay: Option<Duration>) {
+    if let Err(e) = message.ack_with(AckKind::Nak(delay)).await {
         tracing::debug!(error = %e, "could not hand an event back; it is redelivered after its ack wait");
     }
 }

@@ -317,24 +317,42 @@ async fn inject(
 /// how long until the writer applies an append again, then starts the node again.
 async fn kill_leader(cluster: &Cluster, shared: &Shared, probes: &Probes, stream: &str) -> Option<f64> {
     let mut servers = cluster.servers.lock().await;
-    let killed = Instant::now();
-    let node = match &mut servers.nats {
-        Nats::One(n) => {
-            n.kill();
-            None
-        }
-        Nats::Three(c) => {
+    let node = match &servers.nats {
+        Nats::One(_) => None,
+        Nats::Three(_) => {
+            // The node to kill is the stream's leader, read from the cluster: asked again
+            // until one is named (an election may be under way). None named: a violation,
+            // and no node is killed, so the fault's figures never stand for another node.
             let leader = async {
-                let mut s = cluster.bus.js.get_stream(stream).await.ok()?;
-                let name = s.info().await.ok()?.cluster.clone()?.leader?;
-                name.strip_prefix('n')?.parse::<usize>().ok()
+                loop {
+                    let named = async {
+                        let mut s = cluster.bus.js.get_stream(stream).await.ok()?;
+                        let name = s.info().await.ok()?.cluster.clone()?.leader?;
+                        name.strip_prefix('n')?.parse::<usize>().ok()
+                    };
+                    match named.await {
+                        Some(node) => return node,
+                        None => tokio::time::sleep(Duration::from_millis(250)).await,
+                    }
+                }
             };
-            let node = tokio::time::timeout(Duration::from_secs(5), leader).await.ok().flatten().unwrap_or(0);
+            let Ok(node) = tokio::time::timeout(Duration::from_secs(15), leader).await else {
+                shared.violation(
+                    ViolationKind::Other,
+                    format!("no leader of {stream} named within 15 s; no node killed"),
+                );
+                return None;
+            };
             shared.say(&format!("  {stream} is led by n{node}"));
-            c.kill(node);
             Some(node)
         }
     };
+    let killed = Instant::now();
+    match (&mut servers.nats, node) {
+        (Nats::Three(c), Some(node)) => c.kill(node),
+        (Nats::One(n), _) => n.kill(),
+        _ => {}
+    }
     let outage = write_outage(cluster, shared, probes.writer, killed).await;
     match (&mut servers.nats, node) {
         (Nats::Three(c), Some(node)) => c.restart(node).await,
