@@ -50,5 +50,5 @@ pub use nats::{
 pub use netns::{test_host, TestHost};
 pub use postgres::{private_postgres, private_postgres_for, PrivatePostgres};
 pub use process::{ExternalProcess, TurnlogProcess};
-pub use servers::stop_private_servers;
+pub use servers::{stop_private_servers, STATE_DIR_VAR};
 pub use util::{eventually, free_port};

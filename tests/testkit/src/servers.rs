@@ -16,10 +16,17 @@ use turnlog_local_servers::{
 use crate::postgres;
 
 /// Everything the testkit keeps between test processes: the lock, `servers.json`, the
-/// shared nats-server's store and log, and the sweep's records.
+/// shared nats-server's store and log, and the sweep's records. `TURNLOG_TESTKIT_STATE_DIR`
+/// puts them elsewhere (the testkit's own sweep test gives a child process one of its own).
 pub(crate) fn state_dir() -> PathBuf {
-    PathBuf::from(format!("/var/tmp/turnlog-testkit-{}", current_uid()))
+    match std::env::var_os(STATE_DIR_VAR) {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => PathBuf::from(format!("/var/tmp/turnlog-testkit-{}", current_uid())),
+    }
 }
+
+/// The environment variable naming another state directory.
+pub const STATE_DIR_VAR: &str = "TURNLOG_TESTKIT_STATE_DIR";
 
 /// Ports and pids of the shared servers, as recorded by the process that started them.
 #[derive(Debug, Default, Serialize, Deserialize)]

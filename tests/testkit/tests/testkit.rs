@@ -8,7 +8,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, stream};
 use turnlog_testkit::{
     eventually, free_port, private_nats, private_nats_cluster, private_postgres, test_env, test_env_on,
-    ExternalProcess, TestEnv, TurnlogProcess,
+    ExternalProcess, TestEnv, TurnlogProcess, STATE_DIR_VAR,
 };
 
 async fn table_exists(env: &TestEnv, table: &str) -> bool {
@@ -110,6 +110,9 @@ async fn nats_client_reaches_jetstream_and_cleanup_removes_only_its_own() {
 }
 
 fn state_dir() -> String {
+    if let Some(dir) = std::env::var_os(STATE_DIR_VAR) {
+        return dir.to_string_lossy().into_owned();
+    }
     let uid = std::fs::read_to_string("/proc/self/status")
         .expect("status")
         .lines()
@@ -124,11 +127,57 @@ fn set_age(path: &str, age: Duration) {
     file.set_modified(std::time::SystemTime::now() - age).expect("set mtime");
 }
 
-#[tokio::test]
-#[ignore = "depends on how much other runs left on the shared servers: a sweep is capped at 5 s, \
-            and on a long-lived machine thousands of old streams can keep it from reaching this one; \
-            run it alone with --ignored"]
-async fn abandoned_environments_are_swept_after_an_hour() {
+/// Set in a child process this suite runs: it runs the inner part of the test it names.
+const INNER: &str = "TURNLOG_TESTKIT_INNER";
+
+/// Runs `test` of this binary in a child process, its inner part (`INNER` set), with `env`
+/// changed as given (None removes a variable); returns the stdout of a passing run.
+fn run_inner(test: &str, env: &[(&str, Option<&str>)]) -> String {
+    let mut command = Command::new(std::env::current_exe().expect("current exe"));
+    command.args(["--exact", test, "--nocapture", "--test-threads=1"]).env(INNER, "1");
+    for (key, value) in env {
+        match value {
+            Some(v) => command.env(key, v),
+            None => command.env_remove(key),
+        };
+    }
+    let out = command.output().expect("run self");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "inner test failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// An environment recorded two hours ago and no longer used is swept by the next test
+/// process that makes one. The sweep runs in a child process with a state directory of its
+/// own, on this run's servers: the environments other runs left on long-lived servers
+/// (thousands, on a machine that has run the suite for a while) are not in its records, so
+/// none stands before this one in a sweep's 5 s budget.
+#[test]
+fn abandoned_environments_are_swept_after_an_hour() {
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    if std::env::var_os(INNER).is_some() {
+        return runtime.block_on(sweep_inner());
+    }
+    let env = runtime.block_on(test_env());
+    let dir = std::env::temp_dir().join(format!("turnlog-testkit-sweep-{}", env.bus_prefix));
+    run_inner(
+        "abandoned_environments_are_swept_after_an_hour",
+        &[
+            (STATE_DIR_VAR, Some(&dir.to_string_lossy())),
+            ("DATABASE_URL", Some(&env.admin_url)),
+            ("NATS_URL", Some(&env.nats_url)),
+        ],
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    runtime.block_on(env.cleanup());
+}
+
+/// Run in a child process by [`abandoned_environments_are_swept_after_an_hour`].
+async fn sweep_inner() {
     let old = test_env().await;
     let js = jetstream::new(old.nats().await);
     let stream_name = format!("{}_EVENTS", old.bus_prefix.to_uppercase());
@@ -160,23 +209,18 @@ async fn abandoned_environments_are_swept_after_an_hour() {
     new.cleanup().await;
 }
 
-/// Runs `private_servers_inner` in a child process without DATABASE_URL / NATS_URL, twice,
-/// so the private path is covered whichever way the suite is run, and the second process
-/// must reuse the servers the first one found or started.
+/// Runs its inner part in a child process without DATABASE_URL / NATS_URL, twice, so the
+/// private path is covered whichever way the suite is run, and the second process must
+/// reuse the servers the first one found or started.
 #[test]
 fn private_servers_are_started_once_and_reused_when_env_is_unset() {
+    if std::env::var_os(INNER).is_some() {
+        return tokio::runtime::Runtime::new().expect("runtime").block_on(private_servers_inner());
+    }
     let run = || {
-        let out = Command::new(std::env::current_exe().expect("current exe"))
-            .args(["--exact", "private_servers_inner", "--ignored", "--nocapture", "--test-threads=1"])
-            .env_remove("DATABASE_URL")
-            .env_remove("NATS_URL")
-            .output()
-            .expect("run self");
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(
-            out.status.success() && stdout.contains("1 passed"),
-            "inner test failed:\n{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
+        let stdout = run_inner(
+            "private_servers_are_started_once_and_reused_when_env_is_unset",
+            &[("DATABASE_URL", None), ("NATS_URL", None)],
         );
         // libtest prints "test name ... " before the test's own output on the same line.
         let at = stdout.find("SERVERS ").expect("SERVERS line");
@@ -187,8 +231,6 @@ fn private_servers_are_started_once_and_reused_when_env_is_unset() {
     assert_eq!(first, second, "a second test process must reuse the same private servers");
 }
 
-#[tokio::test]
-#[ignore = "run by private_servers_are_started_once_and_reused_when_env_is_unset"]
 async fn private_servers_inner() {
     assert!(std::env::var_os("DATABASE_URL").is_none() && std::env::var_os("NATS_URL").is_none());
     let env = test_env().await;
