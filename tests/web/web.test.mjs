@@ -195,10 +195,11 @@ async function waitForSession(id) {
   await page.waitForTimeout(200);
 }
 
-/** Loads the page afresh (the list too) with session `id` open. */
+/** Loads the page afresh (the list too) with session `id` open: a new document, after the
+ * old one is gone (a `goto` that changes only the hash would run in the old page first). */
 async function openPage(id) {
+  await page.goto('about:blank');
   await page.goto(`${server.base}/#/s/${id}`);
-  await page.reload();
   await waitForSession(id);
 }
 
@@ -1387,7 +1388,8 @@ check('thumbnails load with the token when they scroll near, once each', async (
   for (let i = 0; i < 3; i++) await turnVia(attachSession, `More about the fjords ${i} [mock words=400]`);
   const { images } = (await stored(attachSession)).items.find((i) => i.kind === 'user');
   // Routed, so the browser's cache (which the server's immutable answer allows) is off and
-  // every fetch of the page's own is seen.
+  // every fetch of the page's own is seen; from a blank page, so none is the old page's.
+  await page.goto('about:blank');
   const contentRequests = [];
   await page.route(`**/v1/files/${images[0].id}/content`, (route) => {
     contentRequests.push(route.request());

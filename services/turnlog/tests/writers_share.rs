@@ -2,8 +2,8 @@
 //! writers 1 → 2 → 3 → 2 (the last step a SIGKILL) under steady appends. At every step each
 //! partition has one holder, the shares differ by at most one and settle within 10 s; at
 //! the end the checker proves every acknowledged append is stored once, in order, gapless,
-//! and on the feed. And a writer whose host drops off the network hands its partitions over
-//! within the same 10 s.
+//! and on the feed. A writer whose host drops off the network hands its partitions over
+//! within the same 10 s, and a deposed writer that comes back applies nothing.
 
 // A failed unwrap in a test is a failed test.
 #![allow(clippy::unwrap_used)]
@@ -204,4 +204,43 @@ async fn a_writer_whose_host_vanishes_hands_its_partitions_over_within_10_s() {
     appends_flow(&env).await;
     load.check(&env, &bus).await;
     remote.kill();
+}
+
+/// A deposed writer comes back (issue 38). Of two writers under steady appends, one is
+/// frozen (SIGSTOP) holding its partitions and batches in hand; its database sessions are
+/// ended, as Postgres ends those of a writer it stops hearing from, so its locks go; the
+/// other takes every partition and appends flow. Thawed (SIGCONT), the deposed writer
+/// commits nothing of what it held (the position check fences it), claims its share back,
+/// and the checker finds every acknowledged append stored once, in order, gapless, and on
+/// the feed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_writer_that_comes_back_applies_nothing_twice() {
+    let mut env = test_env().await;
+    env.partitions = PARTITIONS;
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, PARTITIONS).await.unwrap();
+    bus.ensure_topology(None).await.unwrap();
+    let mut a = start_writer(&env);
+    let b = start_writer(&env);
+    settled(&env, &[&a, &b]).await;
+    let load = Load::start(&env, &bus).await;
+    appends_flow(&env).await;
+
+    a.stop();
+    let ended: i64 = sqlx::query_scalar(
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = $1",
+    )
+    .bind(format!("turnlog-writer pid={}", a.pid()))
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert!(ended > 0, "the frozen writer had database sessions");
+    let (took, shares) = settled(&env, &[&b]).await;
+    eprintln!("one writer frozen, its sessions ended: {shares:?} after {took:?}");
+    appends_flow(&env).await;
+
+    a.cont();
+    let (took, shares) = settled(&env, &[&a, &b]).await;
+    eprintln!("the deposed writer back: {shares:?} after {took:?}");
+    appends_flow(&env).await;
+    load.check(&env, &bus).await;
 }
