@@ -124,6 +124,8 @@ impl Cluster {
             .build()?;
 
         let llm = mock.base_url();
+        // The processes' log filter: `info`, or TURNLOG_SOAK_RUST_LOG's (to look closer).
+        let log_filter = std::env::var("TURNLOG_SOAK_RUST_LOG").unwrap_or_else(|_| "info".to_owned());
         let worker_env = [
             ("TURNLOG_LLM_URL", llm.as_str()),
             ("TURNLOG_MODEL", "mock"),
@@ -132,13 +134,13 @@ impl Cluster {
             ("TURNLOG_WORKER_ACK_WAIT", "15s"),
             ("TURNLOG_FACTS_WAIT", "2s"),
             ("TURNLOG_UPSTREAM_TIMEOUT", "20s"),
-            ("RUST_LOG", "info"),
+            ("RUST_LOG", log_filter.as_str()),
         ];
         let worker_env = [&worker_env[..], cluster_env].concat();
         let bin = &config.bin;
         let mut slots = Vec::new();
         for copy in 0..2 {
-            let vars = [&[("RUST_LOG", "info")][..], cluster_env].concat();
+            let vars = [&[("RUST_LOG", log_filter.as_str())][..], cluster_env].concat();
             let process = TurnlogProcess::start(bin, &env, &["writer"], &vars);
             slots.push(Slot { role: Role::Writer, copy, process });
             if copy == 0 {
@@ -172,7 +174,7 @@ impl Cluster {
                 // A hung model turns into a failed turn this soon.
                 ("TURNLOG_UPSTREAM_TIMEOUT", "5s"),
                 ("TURNLOG_COMPACT_TIMEOUT", "3s"),
-                ("RUST_LOG", "info"),
+                ("RUST_LOG", log_filter.as_str()),
             ];
             let vars = [&vars[..], cluster_env].concat();
             let process = TurnlogProcess::start(bin, &env, &["ingress"], &vars);
