@@ -279,9 +279,8 @@ async fn a_worker_on_a_frozen_node_handles_what_came_meanwhile_soon_after_the_th
             "kind": "assistant_turn", "payload": {}, "created_at": "2026-12-02T12:00:00Z",
         });
         let subject = bus.names.events_subject("assistant_turn", session);
-        let payload = serde_json::to_vec(&event).unwrap();
-        let published =
-            async { bus.js.publish(subject.clone(), payload.clone().into()).await.ok()?.await.ok() };
+        let payload = serde_json::to_vec(&event).unwrap().into();
+        let published = async { bus.js.publish(subject, payload).await.ok()?.await.ok() };
         published.await.unwrap_or_else(|| panic!("event {seq} not published"));
     };
     let settings = ConsumerSettings { ack_wait: Duration::from_secs(30), ..ConsumerSettings::default() };
