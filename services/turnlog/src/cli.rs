@@ -739,6 +739,34 @@ mod tests {
         },
     }
 
+    /// The settings table of docs/operating.md names every variable the binary reads and
+    /// nothing else: each one clap reads (every flag of every subcommand), and the two read
+    /// before clap (the log filter; OpenTelemetry's endpoint, whose row names the other
+    /// standard OTEL_ variables).
+    #[test]
+    fn the_settings_table_names_every_setting_and_nothing_else() {
+        fn read_by(command: &clap::Command, into: &mut std::collections::BTreeSet<String>) {
+            into.extend(
+                command.get_arguments().filter_map(|a| Some(a.get_env()?.to_string_lossy().into_owned())),
+            );
+            for sub in command.get_subcommands() {
+                read_by(sub, into);
+            }
+        }
+        let command = <super::Cli as clap::CommandFactory>::command();
+        let mut read = std::collections::BTreeSet::new();
+        read_by(&command, &mut read);
+        read.extend(["RUST_LOG", "OTEL_EXPORTER_OTLP_ENDPOINT"].map(String::from));
+        let doc = include_str!("../../../docs/operating.md");
+        let table = &doc[doc.find("## Settings").unwrap()..doc.find("## Operating notes").unwrap()];
+        let documented: std::collections::BTreeSet<String> = table
+            .lines()
+            .filter_map(|row| row.strip_prefix("| `")?.split('`').next())
+            .map(String::from)
+            .collect();
+        assert_eq!(read, documented, "variables read (left) and the settings table's rows (right)");
+    }
+
     #[test]
     fn a_bad_value_is_traced_to_its_variable() {
         let command = <Cli as clap::CommandFactory>::command();
