@@ -135,16 +135,28 @@ async fn appends_flow(env: &TestEnv) {
     panic!("appends stopped flowing");
 }
 
+/// `env` with [`PARTITIONS`], and a bus on it with its streams made.
+async fn partitioned(mut env: TestEnv) -> (TestEnv, Bus) {
+    env.partitions = PARTITIONS;
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, PARTITIONS).await.unwrap();
+    bus.ensure_topology(None).await.unwrap();
+    (env, bus)
+}
+
+/// [`settled`] with `live`, said as `step`, then appends flowing again.
+async fn settled_and_flowing(env: &TestEnv, live: &[&TurnlogProcess], step: &str) {
+    let (took, shares) = settled(env, live).await;
+    eprintln!("{step}: {shares:?} after {took:?}");
+    appends_flow(env).await;
+}
+
 fn start_writer(env: &TestEnv) -> TurnlogProcess {
     TurnlogProcess::start(BIN, env, &["writer"], &[("RUST_LOG", "info")])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitions_spread_over_writers_as_they_come_and_go() {
-    let mut env = test_env().await;
-    env.partitions = PARTITIONS;
-    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, PARTITIONS).await.unwrap();
-    bus.ensure_topology(None).await.unwrap();
+    let (env, bus) = partitioned(test_env().await).await;
 
     let a = start_writer(&env);
     let (took, shares) = settled(&env, &[&a]).await;
@@ -153,19 +165,13 @@ async fn partitions_spread_over_writers_as_they_come_and_go() {
     appends_flow(&env).await;
 
     let mut b = start_writer(&env);
-    let (took, shares) = settled(&env, &[&a, &b]).await;
-    eprintln!("2 writers: {shares:?} after {took:?}");
-    appends_flow(&env).await;
+    settled_and_flowing(&env, &[&a, &b], "2 writers").await;
 
     let c = start_writer(&env);
-    let (took, shares) = settled(&env, &[&a, &b, &c]).await;
-    eprintln!("3 writers: {shares:?} after {took:?}");
-    appends_flow(&env).await;
+    settled_and_flowing(&env, &[&a, &b, &c], "3 writers").await;
 
     b.kill();
-    let (took, shares) = settled(&env, &[&a, &c]).await;
-    eprintln!("SIGKILL one of 3: {shares:?} after {took:?}");
-    appends_flow(&env).await;
+    settled_and_flowing(&env, &[&a, &c], "SIGKILL one of 3").await;
 
     load.check(&env, &bus).await;
 }
@@ -180,10 +186,7 @@ async fn a_writer_whose_host_vanishes_hands_its_partitions_over_within_10_s() {
     let host = test_host();
     let pg = private_postgres_for(free_port(), &host).await;
     let nats = private_nats_for(free_port(), &host).await;
-    let mut env = test_env_on(Some(&pg.url()), Some(&nats.url())).await;
-    env.partitions = PARTITIONS;
-    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, PARTITIONS).await.unwrap();
-    bus.ensure_topology(None).await.unwrap();
+    let (env, bus) = partitioned(test_env_on(Some(&pg.url()), Some(&nats.url())).await).await;
 
     let (program, mut args) = host.command(BIN);
     args.push("writer".to_owned());
@@ -199,9 +202,7 @@ async fn a_writer_whose_host_vanishes_hands_its_partitions_over_within_10_s() {
     appends_flow(&env).await;
 
     host.cut();
-    let (took, shares) = settled(&env, &[&local]).await;
-    eprintln!("the test host cut off: {shares:?} after {took:?}");
-    appends_flow(&env).await;
+    settled_and_flowing(&env, &[&local], "the test host cut off").await;
     load.check(&env, &bus).await;
     remote.kill();
 }
@@ -215,10 +216,7 @@ async fn a_writer_whose_host_vanishes_hands_its_partitions_over_within_10_s() {
 /// the feed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deposed_writer_that_comes_back_applies_nothing_twice() {
-    let mut env = test_env().await;
-    env.partitions = PARTITIONS;
-    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, PARTITIONS).await.unwrap();
-    bus.ensure_topology(None).await.unwrap();
+    let (env, bus) = partitioned(test_env().await).await;
     let mut a = start_writer(&env);
     let b = start_writer(&env);
     settled(&env, &[&a, &b]).await;
@@ -234,13 +232,9 @@ async fn a_deposed_writer_that_comes_back_applies_nothing_twice() {
     .await
     .unwrap();
     assert!(ended > 0, "the frozen writer had database sessions");
-    let (took, shares) = settled(&env, &[&b]).await;
-    eprintln!("one writer frozen, its sessions ended: {shares:?} after {took:?}");
-    appends_flow(&env).await;
+    settled_and_flowing(&env, &[&b], "one writer frozen, its sessions ended").await;
 
     a.cont();
-    let (took, shares) = settled(&env, &[&a, &b]).await;
-    eprintln!("the deposed writer back: {shares:?} after {took:?}");
-    appends_flow(&env).await;
+    settled_and_flowing(&env, &[&a, &b], "the deposed writer back").await;
     load.check(&env, &bus).await;
 }
