@@ -17,7 +17,8 @@ use sqlx::PgPool;
 use turnlog_runtime::bus::{Bus, DeadLetter, OutcomeStatus};
 
 use crate::apply::{apply_batch, BatchEffects, Incoming, LoadedState, UNSTORABLE};
-use crate::{bulk, incoming};
+use crate::bulk;
+use crate::read_ahead::incoming;
 
 /// Most requests applied and written per transaction: ten times the live writer's, since
 /// no producer waits for a reply and a larger COPY spreads each commit's costs thinner.

@@ -14,6 +14,7 @@ use turnlog_runtime::bus::partition_of;
 use uuid::Uuid;
 
 use crate::apply::EventRow;
+use crate::commit::data_error;
 
 /// How long committed events wait to be indexed together.
 pub const INDEX_EVERY: Duration = Duration::from_millis(200);
@@ -139,7 +140,7 @@ async fn index(
 ) -> anyhow::Result<()> {
     let refused = match index_once(pool, partition, events, through).await {
         Ok(()) => return Ok(()),
-        Err(e) => match crate::data_error(&e) {
+        Err(e) => match data_error(&e) {
             Some(why) if !events.is_empty() => why,
             _ => return Err(e).context("writing the search index"),
         },
@@ -152,7 +153,9 @@ async fn index(
     );
     for &(session, seq) in events {
         if let Err(e) = index_once(pool, partition, &[(session, seq)], 0).await {
-            let Some(why) = crate::data_error(&e) else { return Err(e).context("writing the search index") };
+            let Some(why) = data_error(&e) else {
+                return Err(e).context("writing the search index");
+            };
             tracing::warn!(partition, %session, seq, error = why, "event left out of the search index");
             crate::metrics::metrics().search_skipped();
         }

@@ -210,11 +210,11 @@ pub async fn holders(pool: &sqlx::PgPool, partitions: u32) -> Result<Vec<(u32, S
            AND (l.classid::bigint << 32) | l.objid::bigint BETWEEN $1 AND $2 \
          ORDER BY 1",
     )
-    .bind(crate::LOCK_BASE)
-    .bind(crate::LOCK_BASE + i64::from(partitions) - 1)
+    .bind(crate::partition::LOCK_BASE)
+    .bind(crate::partition::LOCK_BASE + i64::from(partitions) - 1)
     .fetch_all(pool)
     .await?;
-    Ok(rows.into_iter().map(|(key, name)| ((key - crate::LOCK_BASE) as u32, name)).collect())
+    Ok(rows.into_iter().map(|(key, name)| ((key - crate::partition::LOCK_BASE) as u32, name)).collect())
 }
 
 /// The `application_name` of a writer's connections: `pg_stat_activity` then tells which
