@@ -7,8 +7,10 @@
 mod postgres;
 mod servers;
 mod stack;
+mod workers;
 
 pub use stack::{ServiceConfigs, Stack};
+pub use workers::Worker;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -56,20 +58,12 @@ impl ServiceConfigs {
         if let Some(writer) = &mut self.writer {
             writer.backbone = backbone.clone();
         }
-        let mut upstreams = Vec::new();
-        if let Some(distiller) = &mut self.distiller {
-            distiller.backbone = backbone.clone();
-            upstreams.push(&mut distiller.upstream);
+        for worker in &mut self.workers {
+            let (worker_backbone, upstream) = worker.connections_mut();
+            *worker_backbone = backbone.clone();
+            upstream.base_url = llm_url.into();
         }
-        if let Some(memory) = &mut self.memory {
-            memory.backbone = backbone.clone();
-            upstreams.push(&mut memory.upstream);
-        }
-        if let Some(compactor) = &mut self.compactor {
-            compactor.backbone = backbone;
-            upstreams.push(&mut compactor.upstream);
-        }
-        for upstream in upstreams.into_iter().chain(self.ingress.upstream.as_mut()) {
+        if let Some(upstream) = &mut self.ingress.upstream {
             upstream.base_url = llm_url.into();
         }
         self

@@ -12,6 +12,8 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
+use crate::Worker;
+
 /// Beyond the ingress's own grace period (open requests finishing), how long its task
 /// gets to return.
 const INGRESS_STOP_MARGIN: Duration = Duration::from_secs(5);
@@ -21,14 +23,23 @@ const WORKERS_GRACE: Duration = Duration::from_secs(20);
 const WRITER_GRACE: Duration = Duration::from_secs(15);
 
 /// Every service's config for one set of servers and one model gateway. The ingress always
-/// runs (its backbone says where the log and the bus are); a service left `None` does not
-/// (`turnlog dev` runs them all; a test may leave out the writer or the workers).
+/// runs (its backbone says where the log and the bus are); the writer runs when set, and
+/// each worker listed (`turnlog dev` runs them all; a test may leave out the writer or
+/// some workers).
 pub struct ServiceConfigs {
     pub writer: Option<turnlog_writer::WriterConfig>,
     pub ingress: turnlog_ingress::IngressConfig,
-    pub distiller: Option<turnlog_distiller::DistillerConfig>,
-    pub memory: Option<turnlog_memory::MemoryConfig>,
-    pub compactor: Option<turnlog_compactor::CompactorConfig>,
+    pub workers: Vec<Worker>,
+}
+
+impl ServiceConfigs {
+    /// The compactor's config, when it is among the workers.
+    pub fn compactor_mut(&mut self) -> Option<&mut turnlog_compactor::CompactorConfig> {
+        self.workers.iter_mut().find_map(|w| match w {
+            Worker::Compactor(c) => Some(c),
+            _ => None,
+        })
+    }
 }
 
 /// The services of [`ServiceConfigs`] running in this process. Dropped without
@@ -68,18 +79,12 @@ impl Stack {
         // cancelled only when the stack is dropped, and are cancelled in order by `stop`.
         let all = CancellationToken::new();
         let (ended_tx, ended) = mpsc::unbounded_channel();
-        let ServiceConfigs { writer, ingress, distiller, memory, compactor } = configs;
+        let ServiceConfigs { writer, ingress, workers } = configs;
         let writer = writer.map(|c| Service::spawn("writer", &all, &ended_tx, |t| turnlog_writer::run(c, t)));
-        let mut workers = Vec::new();
-        if let Some(c) = distiller {
-            workers.push(Service::spawn("distiller", &all, &ended_tx, |t| turnlog_distiller::run(c, t)));
-        }
-        if let Some(c) = memory {
-            workers.push(Service::spawn("memory", &all, &ended_tx, |t| turnlog_memory::run(c, t)));
-        }
-        if let Some(c) = compactor {
-            workers.push(Service::spawn("compactor", &all, &ended_tx, |t| turnlog_compactor::run(c, t)));
-        }
+        let workers = workers
+            .into_iter()
+            .map(|w| Service::spawn(w.name(), &all, &ended_tx, |t| w.run(t)))
+            .collect();
         let ingress =
             Service::spawn("ingress", &all, &ended_tx, |t| turnlog_ingress::run(ingress, listener, t));
         Ok(Stack {

@@ -8,8 +8,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum as _};
 use turnlog_core::budget::DEFAULT_BUDGET;
+use turnlog_dev::Worker;
 use turnlog_ingress::config::{DEFAULT_MAX_TURNS, DEFAULT_MAX_TURNS_PER_OWNER};
 use turnlog_ingress::{ApiTokens, IngressConfig};
 use turnlog_runtime::settings::{parse_duration, parse_replicas, Backbone, Secret};
@@ -105,7 +106,7 @@ pub enum Command {
     Replay {
         /// The worker whose handler runs again.
         #[arg(long, value_enum)]
-        worker: ReplayWorker,
+        worker: WorkerKind,
         /// The TURNLOG_EVENTS sequence to start at.
         #[arg(long, required_unless_present = "since", conflicts_with = "since")]
         from_seq: Option<u64>,
@@ -175,11 +176,39 @@ pub enum Command {
     },
 }
 
+/// The workers (`turnlog_dev::Worker`), by the name of their subcommand.
 #[derive(Clone, Copy, clap::ValueEnum)]
-pub enum ReplayWorker {
+pub enum WorkerKind {
     Distiller,
     Memory,
     Compactor,
+}
+
+impl Command {
+    /// The worker a worker's subcommand runs, and where it serves its metrics.
+    pub fn worker(&self) -> Option<(anyhow::Result<Worker>, &MetricsArgs)> {
+        match self {
+            Command::Distiller { worker, metrics } => Some((worker.distiller().map(Worker::Distiller), metrics)),
+            Command::Memory { worker, metrics } => Some((worker.memory().map(Worker::Memory), metrics)),
+            Command::Compactor { worker, compactor, metrics } => {
+                Some((worker.compactor(compactor).map(Worker::Compactor), metrics))
+            }
+            _ => None,
+        }
+    }
+
+    /// The name the process's spans carry (`service.name`), unless OTEL_SERVICE_NAME says.
+    pub fn service_name(&self) -> &'static str {
+        match self {
+            Command::Writer { .. } => "turnlog-writer",
+            Command::Distiller { .. } => "turnlog-distiller",
+            Command::Memory { .. } => "turnlog-memory",
+            Command::Compactor { .. } => "turnlog-compactor",
+            Command::Ingress { .. } => "turnlog-ingress",
+            Command::Dev { .. } => "turnlog-dev",
+            _ => "turnlog",
+        }
+    }
 }
 
 /// Where a writer or worker serves its metrics.
@@ -468,6 +497,15 @@ impl BackboneArgs {
 }
 
 impl WorkerArgs {
+    /// The worker `kind` on these flags (and the compactor's own).
+    pub fn worker(&self, kind: WorkerKind, compactor: &CompactorArgs) -> anyhow::Result<Worker> {
+        Ok(match kind {
+            WorkerKind::Distiller => Worker::Distiller(self.distiller()?),
+            WorkerKind::Memory => Worker::Memory(self.memory()?),
+            WorkerKind::Compactor => Worker::Compactor(self.compactor(compactor)?),
+        })
+    }
+
     pub fn distiller(&self) -> anyhow::Result<turnlog_distiller::DistillerConfig> {
         self.turn_worker()
     }
@@ -664,9 +702,10 @@ impl DevArgs {
         let services = turnlog_dev::ServiceConfigs {
             writer: Some(backbone.writer()),
             ingress: backbone.ingress(ingress)?,
-            distiller: Some(worker.distiller()?),
-            memory: Some(worker.memory()?),
-            compactor: Some(worker.compactor(&self.compactor)?),
+            workers: WorkerKind::value_variants()
+                .iter()
+                .map(|&kind| worker.worker(kind, &self.compactor))
+                .collect::<anyhow::Result<_>>()?,
         };
         Ok(turnlog_dev::DevConfig {
             data_dir,

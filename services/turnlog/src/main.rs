@@ -5,12 +5,10 @@ mod cli;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
-use turnlog_compactor::CompactorConfig;
 use turnlog_core::ids::Owner;
-use turnlog_runtime::turn_worker::TurnWorkerConfig;
 use turnlog_runtime::worker::ConsumerSettings;
 
-use cli::{Cli, Command, DeadCommand, LogFormat, ReplayWorker};
+use cli::{Cli, Command, DeadCommand, LogFormat};
 
 /// glibc raises its mmap threshold (up to 32 MiB) each time a large block is freed, so later
 /// large blocks (an 800 KiB append, its parsed copy, its dead letter) come from the heap and
@@ -52,23 +50,10 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    let telemetry = init_logging(cli.log_format, service_name(&cli.command))?;
+    let telemetry = init_logging(cli.log_format, cli.command.service_name())?;
     let result = serve(cli.command).await;
     telemetry.shutdown().await;
     result
-}
-
-/// The name a process's spans carry (`service.name`), unless OTEL_SERVICE_NAME says.
-fn service_name(command: &Command) -> &'static str {
-    match command {
-        Command::Writer { .. } => "turnlog-writer",
-        Command::Distiller { .. } => "turnlog-distiller",
-        Command::Memory { .. } => "turnlog-memory",
-        Command::Compactor { .. } => "turnlog-compactor",
-        Command::Ingress { .. } => "turnlog-ingress",
-        Command::Dev { .. } => "turnlog-dev",
-        _ => "turnlog",
-    }
 }
 
 async fn serve(command: Command) -> anyhow::Result<()> {
@@ -81,17 +66,11 @@ async fn serve(command: Command) -> anyhow::Result<()> {
             turnlog_runtime::db::migrate(&pool).await.context("applying migrations")?;
             turnlog_writer::run(b.writer(), shutdown).await
         }
-        Command::Distiller { worker, metrics } => {
-            serve_metrics(&metrics, &shutdown).await?;
-            turnlog_distiller::run(worker.distiller()?, shutdown).await
-        }
-        Command::Memory { worker, metrics } => {
-            serve_metrics(&metrics, &shutdown).await?;
-            turnlog_memory::run(worker.memory()?, shutdown).await
-        }
-        Command::Compactor { worker, compactor: c, metrics } => {
-            serve_metrics(&metrics, &shutdown).await?;
-            turnlog_compactor::run(worker.compactor(&c)?, shutdown).await
+        Command::Distiller { .. } | Command::Memory { .. } | Command::Compactor { .. } => {
+            let Some((worker, metrics)) = command.worker() else { anyhow::bail!("not a worker") };
+            let worker = worker?;
+            serve_metrics(metrics, &shutdown).await?;
+            worker.run(shutdown).await
         }
         Command::Ingress { backbone: b, args } => {
             let config = b.ingress(args)?;
@@ -131,27 +110,9 @@ async fn serve(command: Command) -> anyhow::Result<()> {
             };
             let replay = turnlog_ops::Replay::new(from, session);
             let consumer = ConsumerSettings { replay: Some(replay.clone()), ..w.tuning.settings() };
-            match worker {
-                ReplayWorker::Distiller => {
-                    let config = TurnWorkerConfig { consumer, ..w.distiller()? };
-                    turnlog_ops::replay("distiller", &replay, true, shutdown, |s| {
-                        turnlog_distiller::run(config, s)
-                    })
-                    .await?
-                }
-                ReplayWorker::Memory => {
-                    let config = TurnWorkerConfig { consumer, ..w.memory()? };
-                    turnlog_ops::replay("memory", &replay, true, shutdown, |s| turnlog_memory::run(config, s))
-                        .await?
-                }
-                ReplayWorker::Compactor => {
-                    let config = CompactorConfig { consumer, ..w.compactor(&c)? };
-                    turnlog_ops::replay("compactor", &replay, true, shutdown, |s| {
-                        turnlog_compactor::run(config, s)
-                    })
-                    .await?
-                }
-            };
+            let mut worker = w.worker(worker, &c)?;
+            *worker.consumer_mut() = consumer;
+            turnlog_ops::replay(worker.name(), &replay, true, shutdown, |s| worker.run(s)).await?;
             Ok(())
         }
         Command::Rebuild { database_url, nats_url, bus } => {

@@ -2,8 +2,8 @@
 //! advisory lock (partitions are spread over the writers running, see `share`; one that
 //! dies leaves its partitions to the others), reads TURNLOG_APPEND strictly in
 //! stream order from its recorded position, applies each batch and its new position in
-//! one transaction, then publishes the committed events, advances `published_seq` and
-//! answers the producers. A crash anywhere applies nothing twice and skips nothing.
+//! one transaction, then answers the producers, publishes the committed events and
+//! advances `published_seq`. A crash anywhere applies nothing twice and skips nothing.
 //! `rebuild` runs the same apply code in an apply-only mode into an empty database.
 
 mod apply;

@@ -46,7 +46,7 @@ impl System {
         configs.ingress.turn_limits = settings.turn_limits;
         let files_dir = std::env::temp_dir().join("turnlog-bench-files").join(&env.bus_prefix);
         configs.ingress.files_url = Some(format!("file://{}", files_dir.display()));
-        if let Some(compactor) = &mut configs.compactor {
+        if let Some(compactor) = configs.compactor_mut() {
             compactor.consumer = ConsumerSettings::default();
             compactor.facts_wait = Duration::from_millis(200);
             compactor.summary_deadline = Duration::from_secs(30);

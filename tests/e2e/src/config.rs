@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use turnlog_compactor::CompactorConfig;
-use turnlog_dev::ServiceConfigs;
+use turnlog_dev::{ServiceConfigs, Worker};
 use turnlog_distiller::DistillerConfig;
 use turnlog_ingress::IngressConfig;
 use turnlog_memory::MemoryConfig;
@@ -93,9 +93,7 @@ pub fn stack(env: &TestEnv) -> ServiceConfigs {
     ServiceConfigs {
         writer: Some(writer(env)),
         ingress: ingress(env),
-        distiller: None,
-        memory: None,
-        compactor: None,
+        workers: Vec::new(),
     }
 }
 
@@ -105,7 +103,7 @@ pub fn chat_stack(env: &TestEnv, upstream: UpstreamConfig, model: &str) -> Servi
     let mut configs = stack(env);
     let mut compactor = compactor(env, upstream.base_url.expose(), model);
     compactor.upstream = upstream.clone();
-    configs.compactor = Some(compactor);
+    configs.workers.push(Worker::Compactor(compactor));
     configs.ingress.model = model.into();
     configs.ingress.model_windows = upstream.windows_override.clone();
     configs.ingress.upstream = Some(upstream);

@@ -9,6 +9,7 @@ use eventsource_stream::Eventsource as _;
 use futures::StreamExt as _;
 use serde_json::{json, Value};
 use turnlog_core::budget::budget_for;
+use turnlog_dev::Worker;
 use turnlog_e2e::config;
 use turnlog_mock_llm::MockConfig;
 use turnlog_runtime::worker::ConsumerSettings;
@@ -27,13 +28,13 @@ async fn a_long_conversation_stays_within_budget_and_keeps_turn_one_facts() {
     };
     let mut configs = config::chat_stack(&env, config::upstream_at(&mock.base_url()), "mock-small");
     configs.ingress.system_prompt = "You are a helpful assistant.".into();
-    if let Some(compactor) = &mut configs.compactor {
+    if let Some(compactor) = configs.compactor_mut() {
         compactor.summary_model = "mock".into();
         compactor.context_budget = 60_000;
         compactor.consumer = consumer.clone();
     }
     let memory = config::memory(&env, &mock.base_url());
-    configs.memory = Some(turnlog_memory::MemoryConfig { mini_model: "mock".into(), consumer, ..memory });
+    configs.workers.push(Worker::Memory(turnlog_memory::MemoryConfig { mini_model: "mock".into(), consumer, ..memory }));
     let stack = turnlog_e2e::serve(configs, Duration::from_secs(30)).await.unwrap();
     let base = stack.base_url().to_owned();
     let http = reqwest::Client::new();

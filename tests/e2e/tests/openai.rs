@@ -377,7 +377,7 @@ async fn chat_completions_keep_the_prompt_cache_hitting_like_the_native_api() {
     let native_system = "Conversation one. You are a helpful assistant.";
     let compat_system = "Conversation two. You are a helpful assistant.";
     configs.ingress.system_prompt = native_system.into();
-    if let Some(compactor) = &mut configs.compactor {
+    if let Some(compactor) = configs.compactor_mut() {
         compactor.summary_model = "mock".into();
     }
     let stack = turnlog_e2e::serve(configs, Duration::from_secs(30)).await.unwrap();

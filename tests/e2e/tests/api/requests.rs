@@ -12,7 +12,7 @@ use serde_json::Value;
 use turnlog_core::events::{EventBody, PendingState};
 use turnlog_core::ids::SessionId;
 use turnlog_core::request_body::sha256_hex;
-use turnlog_dev::ServiceConfigs;
+use turnlog_dev::{ServiceConfigs, Worker};
 use turnlog_e2e::api::{Api, Body, ALICE, BOB, TOKENS};
 use turnlog_e2e::config;
 use turnlog_ingress::ApiTokens;
@@ -40,13 +40,13 @@ fn configs(env: &TestEnv, mock: &MockHandle, system_prompt: &str) -> ServiceConf
         retry_backoff: vec![Duration::from_millis(200)],
         ..Default::default()
     };
-    if let Some(compactor) = &mut configs.compactor {
+    if let Some(compactor) = configs.compactor_mut() {
         compactor.summary_model = "mock".into();
         compactor.facts_wait = Duration::from_millis(500);
         compactor.consumer = consumer.clone();
     }
     let memory = config::memory(env, &mock.base_url());
-    configs.memory = Some(turnlog_memory::MemoryConfig { mini_model: "mock".into(), consumer, ..memory });
+    configs.workers.push(Worker::Memory(turnlog_memory::MemoryConfig { mini_model: "mock".into(), consumer, ..memory }));
     configs
 }
 
