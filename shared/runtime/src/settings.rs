@@ -2,13 +2,12 @@
 //! in every service's config), [`Secret`] (the one type a password or key is kept in) and
 //! the parsers behind the binary's flags, so a setting means the same thing to each service.
 
-use std::fmt;
 use std::time::Duration;
 
 use sqlx::PgPool;
 
 use crate::bus::{Bus, BusError};
-use crate::upstream::redacted_url;
+pub use crate::secret::Secret;
 
 /// Where the log and the bus are, and how the services use them: embedded as `backbone` in
 /// every service's config.
@@ -65,66 +64,6 @@ impl Backbone {
     /// A pool whose statements run as long as they need ([`crate::db::connect`]).
     pub async fn connect_db(&self, max_connections: u32) -> Result<PgPool, sqlx::Error> {
         crate::db::connect(self.database_url.expose(), max_connections).await
-    }
-}
-
-/// A setting that must never be shown: a database URL (its password), an API key, a token
-/// list, a token's digest. `{:?}` and `{}` show a URL without its user name and password
-/// (the host stays visible, e.g. `postgres://db:5432/turnlog`) and anything else as `***`;
-/// the value itself only through [`Secret::expose`].
-#[derive(Clone, Default, PartialEq, Eq)]
-pub struct Secret<T = String>(T);
-
-impl<T> Secret<T> {
-    pub fn new(value: T) -> Self {
-        Self(value)
-    }
-
-    /// The value itself, for the one place that uses it (a connection, a header).
-    pub fn expose(&self) -> &T {
-        &self.0
-    }
-}
-
-impl Secret {
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-}
-
-impl From<String> for Secret {
-    fn from(value: String) -> Self {
-        Self(value)
-    }
-}
-
-impl From<&str> for Secret {
-    fn from(value: &str) -> Self {
-        Self(value.to_owned())
-    }
-}
-
-impl fmt::Display for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0.contains("://") {
-            f.write_str(&redacted_url(&self.0))
-        } else {
-            f.write_str("***")
-        }
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Secret({self})")
-    }
-}
-
-/// A digest (of an API token): shown as `***` too, since a digest of a short token can be
-/// reversed by trying.
-impl fmt::Debug for Secret<[u8; 32]> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(***)")
     }
 }
 

@@ -18,7 +18,8 @@ use tokio::sync::Mutex;
 use turnlog_core::message::ChatMessage;
 use turnlog_core::request_body::{RequestBody, RequestParams, ResponseFormat, StreamOptions};
 
-use crate::settings::Secret;
+use crate::secret::Secret;
+pub use crate::secret::{gateway_host, redacted_url};
 
 pub use json::{ask_for_json, JsonAnswerError};
 pub use stream::{ChatStream, StreamItem};
@@ -44,38 +45,6 @@ pub struct UpstreamConfig {
     pub timeout: Duration,
     /// `TURNLOG_MODEL_WINDOWS`: context windows that win over what `/models` reports.
     pub windows_override: HashMap<String, u32>,
-}
-
-/// `url` as it may be printed: without the user name and password a gateway URL can carry
-/// (`https://user:pw@gw/v1`; reqwest sends them as Basic auth, nothing else may show them),
-/// and with its query shown as `?…` (`postgres://db/turnlog?password=…` is a valid
-/// database URL).
-pub fn redacted_url(url: &str) -> String {
-    let (before, host, after) = split_authority(url);
-    match after.split_once('?') {
-        Some((path, query)) => {
-            let fragment = query.find('#').map_or("", |i| &query[i..]);
-            format!("{before}{host}{path}?…{fragment}")
-        }
-        None => format!("{before}{host}{after}"),
-    }
-}
-
-/// The gateway's host, with its port when the URL names one: who served a turn, as stored
-/// in the log. Never the credentials, path or query.
-pub fn gateway_host(url: &str) -> String {
-    split_authority(url).1.to_owned()
-}
-
-/// `url` cut around its authority's host: what comes before (scheme and `://`), the host
-/// and port without any `userinfo@`, and what follows (path, query, fragment).
-fn split_authority(url: &str) -> (&str, &str, &str) {
-    let start = url.find("://").map_or(0, |i| i + 3);
-    let end = url[start..].find(['/', '?', '#']).map_or(url.len(), |i| start + i);
-    let authority = &url[start..end];
-    // The userinfo ends at the authority's last `@` (a password may contain `@` escaped or not).
-    let host = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
-    (&url[..start], host, &url[end..])
 }
 
 /// One chat completion request, in turnlog's terms; the wire format is built from it.
@@ -427,23 +396,6 @@ mod tests {
         assert!(!format!("{:?}", config()).contains("sk-secret"));
         let with_userinfo = UpstreamConfig { base_url: "https://user:pw@gw/v1".into(), ..config() };
         assert!(!format!("{with_userinfo:?}").contains("pw"));
-    }
-
-    #[test]
-    fn urls_are_shown_and_stored_without_credentials() {
-        for (url, shown, host) in [
-            ("https://user:pw@gw/v1", "https://gw/v1", "gw"),
-            ("http://key@10.0.0.5:8000/v1/", "http://10.0.0.5:8000/v1/", "10.0.0.5:8000"),
-            ("https://u:p@ss@gw.example?x=@y", "https://gw.example?…", "gw.example"),
-            ("postgres://db:5432/t?password=pw#f", "postgres://db:5432/t?…#f", "db:5432"),
-            ("http://127.0.0.1:9/v1", "http://127.0.0.1:9/v1", "127.0.0.1:9"),
-            ("http://[::1]:9/v1", "http://[::1]:9/v1", "[::1]:9"),
-            ("gw:8000/v1", "gw:8000/v1", "gw:8000"),
-            ("user:pw@gw/v1", "gw/v1", "gw"),
-        ] {
-            assert_eq!(redacted_url(url), shown, "{url}");
-            assert_eq!(gateway_host(url), host, "{url}");
-        }
     }
 
     #[test]

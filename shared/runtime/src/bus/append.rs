@@ -1,0 +1,201 @@
+//! Appending (DESIGN §6 "append_and_wait"): publishing a request to TURNLOG_APPEND until
+//! JetStream acknowledges it, and `append_and_wait`, which then waits for the writer's
+//! outcome or looks it up in `request_outcomes`.
+
+use std::time::Duration;
+
+use async_nats::jetstream::stream::RawMessageErrorKind;
+use async_nats::jetstream::{self, message::PublishMessage};
+use bytes::Bytes;
+use sqlx::PgPool;
+
+use turnlog_core::ids::SessionId;
+
+use super::{js_err, AppendRequest, Bus, BusError, Op, REPLY_HEADER};
+use crate::outcome::{purge_pending, recorded_outcome, Outcome, OutcomeStatus};
+
+/// The reason `append_and_wait` reports for a request applied once and then deleted with
+/// its session, when the same request id is sent again within the duplicate window.
+/// JetStream drops the copy as a duplicate, so the writer never sees it, and the first
+/// copy's outcome went with the session: without this the producer could only wait for an
+/// outcome that never comes (a 503 forever). It is an answer, not a write — the database
+/// stays a function of the APPEND stream. After the window the same request is applied
+/// anew (a create makes the session again), as a rebuild would apply it.
+pub const SESSION_DELETED: &str = "session_deleted";
+
+impl Bus {
+    /// Publishes a request to TURNLOG_APPEND and waits for JetStream's PubAck.
+    pub async fn publish_append(
+        &self,
+        req: &AppendRequest,
+        reply_to: Option<&str>,
+    ) -> Result<jetstream::publish::PublishAck, BusError> {
+        let body = serde_json::to_vec(req).map_err(js_err)?;
+        self.publish_append_raw(req.session_id, &req.request_id.to_string(), Bytes::from(body), reply_to)
+            .await
+    }
+
+    /// Publishes already-serialized request bytes (also how poison is injected in tests).
+    pub async fn publish_append_raw(
+        &self,
+        session: SessionId,
+        msg_id: &str,
+        body: Bytes,
+        reply_to: Option<&str>,
+    ) -> Result<jetstream::publish::PublishAck, BusError> {
+        let subject = self.names.append_subject(self.partition_of(session), session);
+        let traceparent = crate::trace::current_traceparent();
+        let msg = append_message(body, msg_id, reply_to, traceparent.as_deref());
+        let ack = self.js.send_publish(subject, msg).await.map_err(js_err)?;
+        ack.await.map_err(js_err)
+    }
+
+    /// Publishes an append request until it is acknowledged or `deadline` passes: while
+    /// JetStream elects a new stream leader (4–9 s after a node dies) a publish finds no
+    /// responder, and the same `Nats-Msg-Id` sent again is stored once (DESIGN §6).
+    async fn publish_append_until(
+        &self,
+        req: &AppendRequest,
+        reply_to: Option<&str>,
+        deadline: tokio::time::Instant,
+    ) -> Result<jetstream::publish::PublishAck, String> {
+        let body = Bytes::from(serde_json::to_vec(req).map_err(|e| e.to_string())?);
+        let subject = self.names.append_subject(self.partition_of(req.session_id), req.session_id);
+        let msg_id = req.request_id.to_string();
+        let traceparent = crate::trace::current_traceparent();
+        let mut republished = 0;
+        loop {
+            let msg = append_message(body.clone(), &msg_id, reply_to, traceparent.as_deref());
+            let publish = async {
+                let ack = self.js.send_publish(subject.clone(), msg).await?;
+                ack.await
+            };
+            let error = match tokio::time::timeout_at(deadline, publish).await {
+                Ok(Ok(ack)) => {
+                    if republished > 0 {
+                        tracing::info!(request_id = %req.request_id, republished, "append acknowledged after republishing");
+                    }
+                    return Ok(ack);
+                }
+                Ok(Err(e)) if is_transient(e.kind()) => e.to_string(),
+                Ok(Err(e)) => return Err(e.to_string()),
+                Err(_) => "no PubAck before the deadline".to_owned(),
+            };
+            if tokio::time::Instant::now() + REPUBLISH_EVERY >= deadline {
+                return Err(error);
+            }
+            if republished == 0 {
+                tracing::warn!(request_id = %req.request_id, error, "append not acknowledged; republishing until the deadline");
+            }
+            republished += 1;
+            tokio::time::sleep(REPUBLISH_EVERY).await;
+        }
+    }
+}
+
+/// An append request as published: its body, its id for JetStream's dedup, and the headers
+/// naming where the writer replies and the producer's trace context.
+pub fn append_message(
+    body: Bytes,
+    msg_id: &str,
+    reply_to: Option<&str>,
+    traceparent: Option<&str>,
+) -> PublishMessage {
+    let mut msg = PublishMessage::build().payload(body).message_id(msg_id);
+    if let Some(r) = reply_to {
+        msg = msg.header(REPLY_HEADER, r);
+    }
+    if let Some(t) = traceparent {
+        msg = msg.header(crate::trace::TRACEPARENT, t);
+    }
+    msg
+}
+
+/// How often a producer republishes an unacknowledged append.
+const REPUBLISH_EVERY: Duration = Duration::from_millis(250);
+
+/// Publish failures that pass by themselves: no responder (async-nats's "stream not found":
+/// a leader election, or nats-server restarting), a lost connection, a late PubAck, and
+/// errors the server puts in the PubAck (such as a stream without a quorum).
+fn is_transient(kind: jetstream::context::PublishErrorKind) -> bool {
+    use jetstream::context::PublishErrorKind as K;
+    matches!(kind, K::StreamNotFound | K::TimedOut | K::BrokenPipe | K::Other)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppendError {
+    /// NATS (or the writer behind it) could not take the request in time; retrying with
+    /// the same request id is safe.
+    #[error("the bus could not take the request: {0}")]
+    Unavailable(String),
+    /// Published, but no outcome arrived before the deadline; resending the same request
+    /// id is always safe.
+    #[error("outcome unknown after {0:?}")]
+    OutcomeUnknown(Duration),
+}
+
+/// Appends through the writer and waits for the outcome: subscribe to an inbox, publish
+/// with the reply header, await the PubAck, await the outcome until the deadline. When the
+/// PubAck says duplicate, or the reply does not come, the outcome is looked up in
+/// `request_outcomes` until found or the deadline passes.
+pub async fn append_and_wait(
+    bus: &Bus,
+    pool: &PgPool,
+    req: &AppendRequest,
+    timeout: Duration,
+) -> Result<Outcome, AppendError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let inbox = bus.client.new_inbox();
+    let mut replies =
+        bus.client.subscribe(inbox.clone()).await.map_err(|e| AppendError::Unavailable(e.to_string()))?;
+
+    let ack = bus
+        .publish_append_until(req, Some(&inbox), deadline)
+        .await
+        .map_err(|e| AppendError::Unavailable(format!("not acknowledged within {timeout:?}: {e}")))?;
+    if !ack.duplicate {
+        use futures::StreamExt;
+        while let Ok(Some(msg)) = tokio::time::timeout_at(deadline, replies.next()).await {
+            if let Ok(outcome) = serde_json::from_slice::<Outcome>(&msg.payload) {
+                if outcome.request_id == req.request_id {
+                    return Ok(outcome);
+                }
+            }
+        }
+    }
+    // The reply went to an earlier sender (duplicate) or was lost: the database knows —
+    // unless the request's session was deleted since ([`SESSION_DELETED`]).
+    loop {
+        match recorded_outcome(pool, req.request_id).await {
+            // A delete is answered once its session's messages are gone (as the writer's
+            // reply is), so that nothing of the session is left behind it.
+            Ok(Some(outcome)) if req.op == Op::Delete => {
+                if let Ok(false) = purge_pending(pool, req.session_id).await {
+                    return Ok(outcome);
+                }
+            }
+            Ok(Some(outcome)) => return Ok(outcome),
+            Ok(None) if removed_from_stream(bus, ack.sequence).await => {
+                return Ok(Outcome {
+                    request_id: req.request_id,
+                    status: OutcomeStatus::Rejected,
+                    seq: None,
+                    reason: Some(SESSION_DELETED.to_owned()),
+                });
+            }
+            Ok(None) | Err(_) => {}
+        }
+        if tokio::time::Instant::now() + Duration::from_millis(25) > deadline {
+            return Err(AppendError::OutcomeUnknown(timeout));
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Whether TURNLOG_APPEND message `seq` is gone. Only a deleted session's purge removes
+/// messages while they can still be resent (the stream keeps every message at least as long
+/// as its duplicate window), and it removes only messages already applied.
+async fn removed_from_stream(bus: &Bus, seq: u64) -> bool {
+    let Ok(stream) = bus.js.get_stream_no_info(bus.names.append_stream()).await else { return false };
+    matches!(stream.get_raw_message(seq).await, Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound)
+}

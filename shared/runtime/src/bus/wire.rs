@@ -1,0 +1,343 @@
+//! The messages on the bus (DESIGN §6): append requests and their header, committed
+//! events, dead letters, and the compaction check's request and reply. Their shapes are a
+//! contract: kinds are added, new fields are optional, old messages always decode.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use uuid::Uuid;
+
+use turnlog_core::events::{EventKind, ForkPoint};
+use turnlog_core::ids::{EventId, Owner, SessionId};
+
+/// Header naming the core NATS subject the writer answers a request's outcome on.
+pub const REPLY_HEADER: &str = "Turnlog-Reply-To";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    Create,
+    Append,
+    Update,
+    Delete,
+    /// A file's metadata (DESIGN §12): `session_id` is the file's id, `payload` its
+    /// [`crate::files::FileMeta`].
+    FilePut,
+    /// Marks a file deleted (its blobs go later, when no stored message refers to them).
+    FileDelete,
+    /// Records that a deleted file's blobs are gone (the sweep's, after it removed them).
+    FileSwept,
+}
+
+/// `expect` of a conditional append; `compacted_through` null means "no compaction yet".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Expect {
+    #[serde(default)]
+    pub compacted_through: Option<i64>,
+}
+
+/// An append's event kind as it arrives: one this build knows, or another name — which
+/// the writer refuses as `unknown_kind` (an outcome the producer hears of), not as a
+/// request that does not decode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestKind {
+    Known(EventKind),
+    Unknown(String),
+}
+
+impl Serialize for RequestKind {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Known(kind) => serializer.serialize_str(kind.as_str()),
+            Self::Unknown(name) => serializer.serialize_str(name),
+        }
+    }
+}
+
+/// Read as a string and looked up once (not `untagged`, which buffers the value and tries
+/// each variant in turn on every append).
+impl<'de> Deserialize<'de> for RequestKind {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        Ok(match name.parse() {
+            Ok(kind) => Self::Known(kind),
+            Err(_) => Self::Unknown(name),
+        })
+    }
+}
+
+/// A request to the writer, the body of a TURNLOG_APPEND message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AppendRequest {
+    /// Equals the event's `event_id` when `op` is append.
+    pub request_id: Uuid,
+    pub op: Op,
+    pub session_id: SessionId,
+    pub owner: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<RequestKind>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expect: Option<Expect>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub title: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub archived: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub title_if_empty: Option<String>,
+    /// On a `create`: the session is a fork of this branch point (DESIGN §10).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<ForkPoint>,
+    /// On a `create` or an `update`: the session's metadata, replaced whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<Value>,
+}
+
+impl AppendRequest {
+    fn base(op: Op, session_id: SessionId, owner: &str) -> Self {
+        Self {
+            request_id: Uuid::now_v7(),
+            op,
+            session_id,
+            owner: owner.to_owned(),
+            kind: None,
+            payload: None,
+            expect: None,
+            title: None,
+            archived: None,
+            title_if_empty: None,
+            forked_from: None,
+            metadata: None,
+        }
+    }
+    pub fn create(session_id: SessionId, owner: &str, title: Option<String>) -> Self {
+        Self { title, ..Self::base(Op::Create, session_id, owner) }
+    }
+    /// A `create` of `session_id` as a fork of `from`; its id must hash to the parent's
+    /// partition ([`partition_of`](super::partition_of)), or the writer dead-letters it.
+    pub fn fork(session_id: SessionId, owner: &str, title: Option<String>, from: ForkPoint) -> Self {
+        Self { title, forked_from: Some(from), ..Self::base(Op::Create, session_id, owner) }
+    }
+    /// An append of `body`, with `event_id` as the request id.
+    pub fn append(
+        session_id: SessionId,
+        owner: &str,
+        event_id: Uuid,
+        body: &turnlog_core::EventBody,
+    ) -> Self {
+        Self {
+            request_id: event_id,
+            kind: Some(RequestKind::Known(body.kind())),
+            payload: Some(body.to_payload()),
+            ..Self::base(Op::Append, session_id, owner)
+        }
+    }
+    /// An append of a payload as it is (an import's: fields this build does not know kept).
+    pub fn append_payload(
+        session_id: SessionId,
+        owner: &str,
+        event_id: Uuid,
+        kind: EventKind,
+        payload: Value,
+    ) -> Self {
+        Self {
+            request_id: event_id,
+            kind: Some(RequestKind::Known(kind)),
+            payload: Some(payload),
+            ..Self::base(Op::Append, session_id, owner)
+        }
+    }
+    pub fn update(session_id: SessionId, owner: &str) -> Self {
+        Self::base(Op::Update, session_id, owner)
+    }
+    pub fn delete(session_id: SessionId, owner: &str) -> Self {
+        Self::base(Op::Delete, session_id, owner)
+    }
+    /// A file's metadata; the file id stands in the session's place (subject and partition).
+    pub fn file_put(file: Uuid, owner: &str, meta: &crate::files::FileMeta) -> Self {
+        Self { payload: serde_json::to_value(meta).ok(), ..Self::base(Op::FilePut, SessionId(file), owner) }
+    }
+    pub fn file_delete(file: Uuid, owner: &str) -> Self {
+        Self::base(Op::FileDelete, SessionId(file), owner)
+    }
+    pub fn file_swept(file: Uuid, owner: &str) -> Self {
+        Self::base(Op::FileSwept, SessionId(file), owner)
+    }
+}
+
+/// An event on TURNLOG_EVENTS, published by the writer after its commit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CommittedEvent {
+    pub session_id: SessionId,
+    pub owner: Owner,
+    pub seq: i64,
+    pub event_id: EventId,
+    pub kind: EventKind,
+    pub payload: Value,
+    pub created_at: DateTime<Utc>,
+    /// The TURNLOG_APPEND message it was committed from: what a deleted session's purge
+    /// compares with the delete's own sequence. None on events published before it was added.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_seq: Option<u64>,
+}
+
+impl CommittedEvent {
+    /// Decodes a feed message; `Ok(None)` for an event of a kind this build does not know
+    /// (a newer writer's), which no worker here handles.
+    pub fn decode(payload: &[u8]) -> Result<Option<Self>, serde_json::Error> {
+        #[derive(Deserialize)]
+        struct KindOnly {
+            kind: String,
+        }
+        match serde_json::from_slice::<Self>(payload) {
+            Ok(event) => Ok(Some(event)),
+            Err(e) => match serde_json::from_slice::<KindOnly>(payload) {
+                Ok(k) if k.kind.parse::<EventKind>().is_err() => Ok(None),
+                _ => Err(e),
+            },
+        }
+    }
+
+    /// The feed's dedup id, given the creation time of the event's session: the same event
+    /// republished after a crash is dropped as a duplicate, while a session created again
+    /// under a deleted one's id is not mistaken for it (JetStream remembers dedup ids after
+    /// their messages are deleted).
+    pub fn msg_id(&self, session_created_at: DateTime<Utc>) -> String {
+        format!("{}:{}:{}", self.session_id, self.seq, session_created_at.timestamp_micros())
+    }
+}
+
+/// A dead letter: a request the writer could not apply, with the original bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeadLetter {
+    pub reason: String,
+    pub detail: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_seq: Option<u64>,
+    pub request: String,
+}
+
+impl DeadLetter {
+    /// The TURNLOG_APPEND sequence the letter comes from: a writer's letter names it in
+    /// `stream_seq`; a worker's letter holds a committed event, which carries its own (the
+    /// letter's `stream_seq` is then the event's TURNLOG_EVENTS sequence).
+    pub fn append_seq(&self) -> Option<u64> {
+        if serde_json::from_str::<AppendRequest>(&self.request).is_err() {
+            if let Ok(event) = serde_json::from_str::<CommittedEvent>(&self.request) {
+                return event.stream_seq;
+            }
+        }
+        self.stream_seq
+    }
+}
+
+/// A pre-send check, as the ingress sends it to `<prefix>.compact.<session_id>`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompactRequest {
+    pub session_id: SessionId,
+    pub owner: Owner,
+    /// The model about to be called; its window sets the budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// What the system prompt and this turn's extras add to the request.
+    #[serde(default)]
+    pub reserve_tokens: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CompactStatus {
+    /// This check committed a compaction; the request is within budget unless `tokens`
+    /// says otherwise.
+    Compacted,
+    /// Already within budget.
+    NotNeeded,
+    /// Still over budget (nothing left to compact, refused summaries, a failed call).
+    Failed,
+}
+
+/// The answer to a [`CompactRequest`]. `tokens` and `budget` are the next request's size
+/// and limit as the compactor measured them after its work.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompactReply {
+    pub status: CompactStatus,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub through_seq: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_kind_reads_known_and_unknown_names_alike() {
+        for (json, kind) in [
+            ("\"user_message\"", RequestKind::Known(EventKind::UserMessage)),
+            ("\"user_msg\"", RequestKind::Unknown("user_msg".into())),
+        ] {
+            assert_eq!(serde_json::from_str::<RequestKind>(json).unwrap(), kind);
+            assert_eq!(serde_json::to_string(&kind).unwrap(), json);
+        }
+        assert!(serde_json::from_str::<RequestKind>("42").is_err());
+    }
+
+    #[test]
+    fn feed_ids_name_the_session_life_and_bodies_name_their_append_sequence() {
+        let session = SessionId::new();
+        let created: DateTime<Utc> = "2026-12-01T02:03:04.567891Z".parse().unwrap();
+        let event: CommittedEvent = serde_json::from_value(serde_json::json!({
+            "session_id": session, "owner": "alice", "seq": 3, "event_id": Uuid::nil(),
+            "kind": "user_message", "payload": {}, "created_at": created, "stream_seq": 42
+        }))
+        .unwrap();
+        assert_eq!(event.msg_id(created), format!("{session}:3:1796090584567891"));
+        let later = created + chrono::TimeDelta::microseconds(1);
+        assert_ne!(event.msg_id(later), event.msg_id(created), "a session created again is another");
+        // Events published before bodies carried it still decode.
+        let mut old = serde_json::to_value(&event).unwrap();
+        old.as_object_mut().unwrap().remove("stream_seq");
+        assert_eq!(serde_json::from_value::<CommittedEvent>(old).unwrap().stream_seq, None);
+
+        // A writer's dead letter names its APPEND sequence; a worker's holds an event that does.
+        let request = AppendRequest::delete(session, "alice");
+        let writer_letter = DeadLetter {
+            reason: "owner_mismatch".into(),
+            detail: String::new(),
+            stream_seq: Some(7),
+            request: serde_json::to_string(&request).unwrap(),
+        };
+        assert_eq!(writer_letter.append_seq(), Some(7));
+        let undecodable = DeadLetter { request: "{garbage".into(), ..writer_letter.clone() };
+        assert_eq!(undecodable.append_seq(), Some(7));
+        let worker_letter = DeadLetter {
+            stream_seq: Some(1_000),
+            request: serde_json::to_string(&event).unwrap(),
+            ..writer_letter
+        };
+        assert_eq!(worker_letter.append_seq(), Some(42));
+    }
+
+    #[test]
+    fn request_wire_shape() {
+        let s = SessionId::new();
+        let mut r = AppendRequest::append(
+            s,
+            "alice",
+            Uuid::nil(),
+            &turnlog_core::EventBody::TurnFailed(turnlog_core::events::TurnFailed::default()),
+        );
+        r.expect = Some(Expect { compacted_through: None });
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["op"], "append");
+        assert_eq!(v["kind"], "turn_failed");
+        assert_eq!(v["expect"], serde_json::json!({"compacted_through": null}));
+        assert_eq!(serde_json::from_value::<AppendRequest>(v).unwrap(), r);
+    }
+}

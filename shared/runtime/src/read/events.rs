@@ -1,0 +1,170 @@
+//! A session's events as stored, read over its branch log: the live tail the model's
+//! context is built from, pages of raw events, one event, and the tail a past request saw.
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use turnlog_core::budget::CountedEvent;
+use turnlog_core::events::{DecodeError, Event, EventKind};
+use turnlog_core::ids::{EventId, SessionId};
+
+use super::{get_session, ReadError, SessionRow};
+
+/// An event row as stored: kind and payload raw (the `/events` page), decodable.
+#[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
+pub struct StoredEvent {
+    /// The session the event belongs to: on a fork's branch log, an ancestor for the
+    /// inherited events (DESIGN §10).
+    pub session_id: Uuid,
+    pub seq: i64,
+    #[serde(skip)]
+    pub event_id: Uuid,
+    pub kind: String,
+    pub payload: serde_json::Value,
+    #[serde(skip)]
+    pub tokens: i32,
+    pub created_at: DateTime<Utc>,
+}
+
+impl StoredEvent {
+    pub fn decode(&self) -> Result<Event, DecodeError> {
+        Event::decode(self.seq, EventId(self.event_id), &self.kind, &self.payload, self.created_at)
+    }
+
+    /// The budget's view, from the stored count (no re-encoding).
+    pub fn counted(&self) -> Result<CountedEvent, DecodeError> {
+        let kind: EventKind = self.kind.parse()?;
+        let replaces_through = match kind {
+            EventKind::CompactionApplied => self.payload.get("replaces_through_seq").and_then(|v| v.as_i64()),
+            _ => None,
+        };
+        Ok(CountedEvent {
+            seq: self.seq,
+            kind,
+            tokens: u32::try_from(self.tokens).unwrap_or(0),
+            replaces_through,
+        })
+    }
+}
+
+/// A session's live tail: its newest compaction and every event after that compaction's
+/// boundary — all that the model's context and the next request's size depend on.
+#[derive(Debug, Clone)]
+pub struct LiveTail {
+    pub state: SessionRow,
+    pub events: Vec<Event>,
+    pub counted: Vec<CountedEvent>,
+}
+
+pub async fn live_tail(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<LiveTail>, ReadError> {
+    let Some(state) = get_session(pool, owner, id).await? else { return Ok(None) };
+    // The compaction itself comes after the boundary it replaces (the writer checks it),
+    // so one range per segment holds the whole tail.
+    let rows: Vec<StoredEvent> = sqlx::query_as(branch_sql!(
+        "SELECT ",
+        event_columns!(),
+        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto AND e.seq > $3
+          ORDER BY e.seq"
+    ))
+    .bind(id.0)
+    .bind(owner)
+    .bind(state.compacted_through.unwrap_or(0))
+    .fetch_all(pool)
+    .await?;
+    let counted = rows.iter().map(StoredEvent::counted).collect::<Result<Vec<_>, _>>()?;
+    let events = rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(LiveTail { state, events, counted }))
+}
+
+/// Every event of a session, decoded. Services read pages or a live tail instead; this is
+/// for tools and tests that look at a whole log.
+pub async fn all_events(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<Vec<Event>>, ReadError> {
+    match events_page(pool, owner, id, 0, i64::MAX).await? {
+        None => Ok(None),
+        Some(rows) => Ok(Some(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?)),
+    }
+}
+
+/// Up to `limit` raw events after `after`, or None when the session is not the owner's.
+pub async fn events_page(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+    after: i64,
+    limit: i64,
+) -> Result<Option<Vec<StoredEvent>>, sqlx::Error> {
+    // Each segment gives at most `limit` rows, read in seq order by index.
+    let rows: Vec<StoredEvent> = sqlx::query_as(branch_sql!(
+        "SELECT x.* FROM branch b, LATERAL (
+             SELECT ",
+        event_columns!(),
+        " FROM session_events e
+              WHERE e.session_id = b.sid AND e.seq <= b.upto AND e.seq > $3
+              ORDER BY e.seq LIMIT $4) x
+          ORDER BY x.seq LIMIT $4"
+    ))
+    .bind(id.0)
+    .bind(owner)
+    .bind(after)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    if rows.is_empty() && get_session(pool, owner, id).await?.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(rows))
+}
+
+/// The event at `seq` of the owner's session's branch log, or None (no such seq, or not
+/// the owner's session).
+pub async fn event_at(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+    seq: i64,
+) -> Result<Option<StoredEvent>, sqlx::Error> {
+    // A client's seq: the branch log starts at 1 (and `seq - 1` must not overflow).
+    if seq < 1 {
+        return Ok(None);
+    }
+    let rows = events_page(pool, owner, id, seq - 1, 1).await?.unwrap_or_default();
+    Ok(rows.into_iter().find(|e| e.seq == seq))
+}
+
+/// The events a request sent right after `through_seq` was built from, as the live tail
+/// read them then: the newest compaction at or before `through_seq` in the branch log and
+/// every event after its boundary up to `through_seq` (what `GET /requests/{seq}` rebuilds
+/// a body from). None when the session is not the owner's.
+pub async fn tail_through(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+    through_seq: i64,
+) -> Result<Option<Vec<Event>>, ReadError> {
+    // The compaction itself is after its boundary, so the one range holds it.
+    let rows: Vec<StoredEvent> = sqlx::query_as(branch_sql!(
+        ", c AS (
+             SELECT x.boundary FROM branch b, LATERAL (
+                 SELECT e.seq, coalesce((e.payload ->> 'replaces_through_seq')::bigint, 0) AS boundary
+                   FROM session_events e
+                  WHERE e.session_id = b.sid AND e.seq <= b.upto AND e.seq <= $3 AND e.kind = 'compaction_applied'
+                  ORDER BY e.seq DESC LIMIT 1) x
+              ORDER BY x.seq DESC LIMIT 1)
+         SELECT ",
+        event_columns!(),
+        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto AND e.seq <= $3
+            AND e.seq > coalesce((SELECT boundary FROM c), 0)
+          ORDER BY e.seq"
+    ))
+    .bind(id.0)
+    .bind(owner)
+    .bind(through_seq)
+    .fetch_all(pool)
+    .await?;
+    if rows.is_empty() && get_session(pool, owner, id).await?.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?))
+}

@@ -1,0 +1,165 @@
+//! A turn's events: the last user message a retry runs again, the events a committed turn
+//! closes, an attempt's outcome and recorded request, and where a permission request stands.
+
+use sqlx::PgPool;
+
+use turnlog_core::events::{Event, EventKind};
+use turnlog_core::ids::SessionId;
+
+use super::{ReadError, StoredEvent};
+
+/// Where a permission request stands, found by its id alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PermissionStatus {
+    /// Seq of the first `permission_request` with this id; None when there is none.
+    pub request_seq: Option<i64>,
+    /// Seq and decision of the first `permission_resolved` for it: the one that decided.
+    pub resolution: Option<(i64, String)>,
+}
+
+/// Permission request `perm_id` of the session, or None when the session is not the owner's.
+pub async fn permission_status(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+    perm_id: &str,
+) -> Result<Option<PermissionStatus>, sqlx::Error> {
+    let row: Option<(Option<i64>, Option<i64>, Option<String>)> = sqlx::query_as(branch_sql!(
+        "SELECT (SELECT q.seq FROM branch qb JOIN session_events q ON q.session_id = qb.sid AND q.seq <= qb.upto
+                  WHERE q.kind = 'permission_request' AND q.payload ->> 'id' = $3
+                  ORDER BY q.seq LIMIT 1),
+                r.seq, r.payload ->> 'decision'
+           FROM (SELECT 1) one
+           LEFT JOIN LATERAL (SELECT e.seq, e.payload
+                                FROM branch rb JOIN session_events e ON e.session_id = rb.sid AND e.seq <= rb.upto
+                               WHERE e.kind = 'permission_resolved' AND e.payload ->> 'id' = $3
+                               ORDER BY e.seq LIMIT 1) r ON true
+          WHERE EXISTS (SELECT 1 FROM branch)"
+    ))
+    .bind(id.0)
+    .bind(owner)
+    .bind(perm_id)
+    .fetch_optional(pool)
+    .await?;
+    Ok(row
+        .map(|(request_seq, seq, decision)| PermissionStatus { request_seq, resolution: seq.zip(decision) }))
+}
+
+/// The session's last user message (seq and payload) and whether an answer follows it:
+/// what a retry runs again.
+pub async fn last_user_message(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+) -> Result<Option<(i64, turnlog_core::events::UserMessage, bool)>, ReadError> {
+    let row: Option<(i64, serde_json::Value, bool)> = sqlx::query_as(branch_sql!(
+        "SELECT u.seq, u.payload,
+                EXISTS (SELECT 1 FROM branch ab JOIN session_events a ON a.session_id = ab.sid AND a.seq <= ab.upto
+                         WHERE a.kind = 'assistant_turn' AND a.seq > u.seq)
+           FROM (SELECT x.* FROM branch b, LATERAL (
+                     SELECT e.seq, e.payload FROM session_events e
+                      WHERE e.session_id = b.sid AND e.seq <= b.upto AND e.kind = 'user_message'
+                      ORDER BY e.seq DESC LIMIT 1) x
+                  ORDER BY x.seq DESC LIMIT 1) u"
+    ))
+    .bind(id.0)
+    .bind(owner)
+    .fetch_optional(pool)
+    .await?;
+    let Some((seq, payload, answered)) = row else { return Ok(None) };
+    match turnlog_core::events::EventBody::decode(EventKind::UserMessage, &payload, seq)? {
+        turnlog_core::events::EventBody::UserMessage(m) => Ok(Some((seq, m, answered))),
+        _ => Ok(None),
+    }
+}
+
+/// The events of the turn a committed `assistant_turn` at `turn_seq` closes: from the
+/// user message it answers (the newest one before it) through the answer, with any tool
+/// executions, checkpoints and failed attempts in between. What distillation and memory
+/// extraction read; at most `limit` events.
+pub async fn turn_events(
+    pool: &PgPool,
+    session: SessionId,
+    turn_seq: i64,
+    limit: i64,
+) -> Result<Vec<Event>, ReadError> {
+    let rows: Vec<StoredEvent> = sqlx::query_as(branch_sql!(
+        "SELECT ",
+        event_columns!(),
+        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
+          WHERE e.seq <= $3
+            AND e.seq >= coalesce((SELECT max(x.seq) FROM branch xb, LATERAL (
+                                       SELECT u.seq FROM session_events u
+                                        WHERE u.session_id = xb.sid AND u.seq <= xb.upto AND u.seq < $3
+                                          AND u.kind = 'user_message'
+                                        ORDER BY u.seq DESC LIMIT 1) x), $3)
+          ORDER BY e.seq LIMIT $4"
+    ))
+    .bind(session.0)
+    .bind(None::<&str>)
+    .bind(turn_seq)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?)
+}
+
+/// Whether the branch log of `session` has an answer before seq `before`: a turn at
+/// `before` is its first when it has none (the distiller titles a session after it).
+pub async fn answered_before(pool: &PgPool, session: SessionId, before: i64) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(branch_sql!(
+        "SELECT EXISTS (SELECT 1 FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
+                         WHERE e.kind = 'assistant_turn' AND e.seq < $3)"
+    ))
+    .bind(session.0)
+    .bind(None::<&str>)
+    .bind(before)
+    .fetch_one(pool)
+    .await
+}
+
+/// The newest event of attempt `attempt_id` (its outcome once it ended: `assistant_turn`,
+/// a final `pending_state` or `turn_failed`; before that, its latest checkpoint), in the
+/// owner's visible session that ran it.
+pub async fn attempt_event(
+    pool: &PgPool,
+    owner: &str,
+    attempt_id: &str,
+) -> Result<Option<StoredEvent>, sqlx::Error> {
+    sqlx::query_as(concat!(
+        "SELECT ",
+        event_columns!(),
+        " FROM session_events e JOIN sessions s ON s.id = e.session_id
+          WHERE (e.payload ->> 'attempt_id') = $1 AND e.kind IN ('assistant_turn', 'pending_state', 'turn_failed')
+            AND s.owner = $2 AND s.hidden_seq IS NULL
+          ORDER BY e.seq DESC LIMIT 1"
+    ))
+    .bind(attempt_id)
+    .bind(owner)
+    .fetch_optional(pool)
+    .await
+}
+
+/// The first checkpoint before `before` of attempt `attempt` in the owner's session's
+/// branch log that records the attempt's request (§11), if any.
+pub async fn attempt_request(
+    pool: &PgPool,
+    owner: &str,
+    id: SessionId,
+    attempt: &str,
+    before: i64,
+) -> Result<Option<StoredEvent>, sqlx::Error> {
+    sqlx::query_as(branch_sql!(
+        "SELECT ",
+        event_columns!(),
+        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto AND e.seq < $4
+          WHERE e.kind = 'pending_state' AND e.payload ->> 'attempt_id' = $3 AND e.payload ? 'request'
+          ORDER BY e.seq LIMIT 1"
+    ))
+    .bind(id.0)
+    .bind(owner)
+    .bind(attempt)
+    .bind(before)
+    .fetch_optional(pool)
+    .await
+}
