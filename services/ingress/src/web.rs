@@ -53,10 +53,20 @@ const ASSETS: &[Asset] = &[
     asset("app.js", JS, include_bytes!("../web/app.js")),
     asset("api.js", JS, include_bytes!("../web/api.js")),
     asset("attachments.js", JS, include_bytes!("../web/attachments.js")),
+    asset("branches.js", JS, include_bytes!("../web/branches.js")),
     asset("dom.js", JS, include_bytes!("../web/dom.js")),
+    asset("import-export.js", JS, include_bytes!("../web/import-export.js")),
+    asset("inspector.js", JS, include_bytes!("../web/inspector.js")),
     asset("markdown.js", JS, include_bytes!("../web/markdown.js")),
+    asset("search.js", JS, include_bytes!("../web/search.js")),
+    asset("session.js", JS, include_bytes!("../web/session.js")),
+    asset("session-actions.js", JS, include_bytes!("../web/session-actions.js")),
+    asset("session-list.js", JS, include_bytes!("../web/session-list.js")),
+    asset("snapshot.js", JS, include_bytes!("../web/snapshot.js")),
     asset("sse.js", JS, include_bytes!("../web/sse.js")),
+    asset("state.js", JS, include_bytes!("../web/state.js")),
     asset("transcript.js", JS, include_bytes!("../web/transcript.js")),
+    asset("turn.js", JS, include_bytes!("../web/turn.js")),
     asset("app.css", "text/css; charset=utf-8", include_bytes!("../web/app.css")),
     asset("icon.svg", "image/svg+xml", include_bytes!("../web/icon.svg")),
 ];
@@ -126,6 +136,26 @@ mod tests {
         assert_eq!(r.headers()[header::CONTENT_TYPE], "text/css; charset=utf-8");
         let r = named_asset(Path("../Cargo.toml".into()), HeaderMap::new()).await;
         assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    }
+
+    /// The client is a set of modules: each is served as JavaScript under the same headers.
+    #[tokio::test]
+    async fn every_module_is_javascript_under_the_policy() {
+        let page = index(HeaderMap::new()).await;
+        let kept = [
+            header::CONTENT_SECURITY_POLICY,
+            header::X_CONTENT_TYPE_OPTIONS,
+            header::REFERRER_POLICY,
+            header::CACHE_CONTROL,
+        ];
+        for js in ASSETS.iter().filter(|a| a.name.ends_with(".js")) {
+            let r = named_asset(Path(js.name.into()), HeaderMap::new()).await;
+            assert_eq!(r.status(), StatusCode::OK, "{}", js.name);
+            assert_eq!(r.headers()[header::CONTENT_TYPE], JS, "{}", js.name);
+            for h in &kept {
+                assert_eq!(r.headers()[h], page.headers()[h], "{} {h}", js.name);
+            }
+        }
     }
 
     #[tokio::test]

@@ -241,7 +241,7 @@ function renderUnknown(item) {
   return h('article', { class: 'item unknown' }, h('p', { class: 'dim', text: `(${item.kind})` }), meta(item));
 }
 
-/** The answer of the turn being streamed; app.js fills its parts as events arrive. */
+/** The answer of the turn being streamed; turn.js fills its parts as events arrive. */
 export function liveView() {
   const reasoningText = h('div', { class: 'reasoning-text' });
   const reasoning = h('details', { class: 'reasoning', hidden: true }, h('summary', { text: 'Reasoning…' }), reasoningText);
