@@ -4,61 +4,23 @@
 //! Everything works on a branch log as the projections take it (the whole log or its live
 //! tail), so a fork needs nothing of its own here.
 
-use serde::{Deserialize, Serialize};
-
-use crate::events::{Event, EventBody};
+use crate::events::{Event, Extras};
 use crate::llm_context::{llm_messages, newest_compaction};
-use crate::request::{assemble, Extras};
+use crate::request::assemble;
 use crate::request_body::{request_body, sha256_hex, RequestBody, RequestParams, ResolveImage};
+
+// The record lives with the events that carry it; its old path stays.
+pub use crate::events::{RecordedRequest, SystemPrompt};
 
 /// Longest system prompt, in bytes: it may ride along with an outcome event, which must
 /// stay under the writer's 768 KiB limit with the answer it carries.
 pub const MAX_SYSTEM_PROMPT_BYTES: usize = 32 * 1024;
-
-/// The request one attempt sent, as its first checkpoint and its outcome event record it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RecordedRequest {
-    /// The last seq of the branch log the projection read.
-    pub through_seq: i64,
-    pub model: String,
-    /// Every body field not derived from the log.
-    pub params: RequestParams,
-    pub system: SystemPrompt,
-    /// The per-turn extras sent after the history (they are nowhere else in the log).
-    #[serde(default)]
-    pub extras: Extras,
-    /// The request's size as the budget counted it (system prompt, history, extras).
-    pub tokens: u32,
-    /// SHA-256 (lowercase hex) of the exact body bytes sent.
-    pub body_sha256: String,
-}
-
-/// The system prompt of a request: its hash always, its text only when the log cannot
-/// give it back (see [`system_prompt_record`]).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SystemPrompt {
-    pub sha256: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub text: Option<String>,
-}
 
 /// Why a body cannot be rebuilt from the log.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RebuildError {
     #[error("no recorded request at or before seq {through_seq} carries the system prompt {sha256}")]
     SystemPromptNotFound { sha256: String, through_seq: i64 },
-}
-
-impl EventBody {
-    /// The audited request an outcome event (or first checkpoint) carries.
-    pub fn recorded_request(&self) -> Option<&RecordedRequest> {
-        match self {
-            EventBody::AssistantTurn(t) => t.request.as_ref(),
-            EventBody::PendingState(p) => p.request.as_ref(),
-            EventBody::TurnFailed(f) => f.request.as_ref(),
-            _ => None,
-        }
-    }
 }
 
 /// The part of `events` the model's context depends on: the newest compaction and every
@@ -140,7 +102,7 @@ pub fn rebuild_from_log(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::events::{PendingState, TurnFailed};
+    use crate::events::{EventBody, PendingState, TurnFailed};
     use crate::log_builder::LogBuilder;
 
     fn record(log: &LogBuilder, system: &str, extras: Extras) -> RecordedRequest {

@@ -1,7 +1,7 @@
 //! How big a session's next request is, decided from the per-event token counts stored
 //! beside the log: a sum over the live tail, never a re-encode of the history.
 
-use crate::events::{Event, EventKind};
+use crate::events::{Event, EventBody, EventKind, Projection};
 use crate::tokens::{event_tokens, REQUEST_OVERHEAD};
 
 /// Share of the model's context window a request may fill; the rest is for the answer.
@@ -31,10 +31,8 @@ pub struct CountedEvent {
 impl CountedEvent {
     /// Counts an event (done once, when it is written).
     pub fn of(e: &Event) -> Self {
-        let replaces_through = match &e.body {
-            crate::EventBody::CompactionApplied(c) => Some(c.replaces_through_seq),
-            _ => None,
-        };
+        let replaces_through =
+            if let EventBody::CompactionApplied(c) = &e.body { Some(c.replaces_through_seq) } else { None };
         Self { seq: e.seq, kind: e.kind(), tokens: event_tokens(&e.body), replaces_through }
     }
 }
@@ -44,28 +42,27 @@ impl CountedEvent {
 /// compaction's summary, everything projecting after its boundary, and only the live
 /// pending. Works on the whole log or on its live tail; events in seq order.
 pub fn history_tokens(events: &[CountedEvent]) -> u32 {
-    let compaction = events.iter().rev().find(|e| e.kind == EventKind::CompactionApplied);
+    let compaction = events.iter().rev().find(|e| e.kind.projection() == Projection::Summary);
     let boundary = compaction.and_then(|c| c.replaces_through).unwrap_or(0);
     let mut total = compaction.map_or(0, |c| c.tokens);
     let mut live_pending_found = false;
     let mut answered_after = false;
     // Walk backwards so the live pending is known in the same pass.
     for e in events.iter().rev().take_while(|e| e.seq > boundary) {
-        match e.kind {
-            EventKind::UserMessage | EventKind::TurnMemory | EventKind::TurnFailed => {
-                total = total.saturating_add(e.tokens)
-            }
-            EventKind::AssistantTurn => {
+        match e.kind.projection() {
+            Projection::Each => total = total.saturating_add(e.tokens),
+            Projection::Answer => {
                 answered_after = true;
                 total = total.saturating_add(e.tokens);
             }
-            EventKind::PendingState if !live_pending_found => {
+            Projection::LivePending if !live_pending_found => {
                 live_pending_found = true;
                 if !answered_after {
                     total = total.saturating_add(e.tokens);
                 }
             }
-            _ => {}
+            // An older pending is never live; only the newest summary counts (above).
+            Projection::LivePending | Projection::Summary | Projection::Never => {}
         }
     }
     total

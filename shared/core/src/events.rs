@@ -9,56 +9,114 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::audit::RecordedRequest;
 use crate::ids::EventId;
+use crate::request_body::RequestParams;
 
-/// The kinds of event. Kinds are added, never changed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum EventKind {
-    SessionStarted,
-    UserMessage,
-    AssistantTurn,
-    ToolExecution,
-    TurnMemory,
-    CompactionApplied,
-    PendingState,
-    PermissionRequest,
-    PermissionResolved,
-    TurnFailed,
-    MemoryExtracted,
+/// The one list of event kinds. A row: the variant (of [`EventKind`] and of [`EventBody`]),
+/// the wire name (stored, and sent on the bus — never changed), the payload type (a struct
+/// with a `Default`), and how the kind reaches the model ([`Projection`]). The enums,
+/// [`EventKind::ALL`], the names, the projection and the payload's decode and encode all
+/// come from here; adding a kind is adding a row and its payload, and then the compiler
+/// asks each projection how the new kind renders (both match every kind).
+macro_rules! event_kinds {
+    ($($kind:ident = $name:literal, $payload:ident, $projection:ident;)+) => {
+        /// The kinds of event. Kinds are added, never changed.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        pub enum EventKind {
+            $(#[serde(rename = $name)] $kind,)+
+        }
+
+        impl EventKind {
+            pub const ALL: [EventKind; [$($name),+].len()] = [$(EventKind::$kind),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(EventKind::$kind => $name,)+
+                }
+            }
+
+            /// How events of this kind reach the model's context (DESIGN §3).
+            pub fn projection(self) -> Projection {
+                match self {
+                    $(EventKind::$kind => Projection::$projection,)+
+                }
+            }
+        }
+
+        /// An event's typed payload; the variant is the kind.
+        #[derive(Debug, Clone, PartialEq)]
+        pub enum EventBody {
+            $($kind($payload),)+
+        }
+
+        impl EventBody {
+            pub fn kind(&self) -> EventKind {
+                match self {
+                    $(EventBody::$kind(_) => EventKind::$kind,)+
+                }
+            }
+
+            /// Decodes a stored payload. `seq` only labels the error (0 before a seq is assigned).
+            pub fn decode(kind: EventKind, payload: &Value, seq: i64) -> Result<Self, DecodeError> {
+                fn de<T: serde::de::DeserializeOwned>(v: &Value) -> serde_json::Result<T> {
+                    T::deserialize(v)
+                }
+                let body = match kind {
+                    $(EventKind::$kind => de(payload).map(EventBody::$kind),)+
+                };
+                body.map_err(|source| DecodeError::Payload { kind, seq, source })
+            }
+
+            /// The payload as JSON (the shape producers send and the log stores).
+            pub fn to_payload(&self) -> Value {
+                let v = match self {
+                    $(EventBody::$kind(p) => serde_json::to_value(p),)+
+                };
+                // Plain structs of strings, numbers and JSON values always serialize.
+                v.unwrap_or(Value::Null)
+            }
+
+            /// An event of `kind` with every payload field at its default (empty texts, no
+            /// attachments): how property tests make one of every kind in [`EventKind::ALL`].
+            pub fn default_of(kind: EventKind) -> Self {
+                match kind {
+                    $(EventKind::$kind => EventBody::$kind($payload::default()),)+
+                }
+            }
+        }
+    };
 }
 
-impl EventKind {
-    pub const ALL: [EventKind; 11] = [
-        EventKind::SessionStarted,
-        EventKind::UserMessage,
-        EventKind::AssistantTurn,
-        EventKind::ToolExecution,
-        EventKind::TurnMemory,
-        EventKind::CompactionApplied,
-        EventKind::PendingState,
-        EventKind::PermissionRequest,
-        EventKind::PermissionResolved,
-        EventKind::TurnFailed,
-        EventKind::MemoryExtracted,
-    ];
+event_kinds! {
+    SessionStarted = "session_started", SessionStarted, Never;
+    UserMessage = "user_message", UserMessage, Each;
+    AssistantTurn = "assistant_turn", AssistantTurn, Answer;
+    ToolExecution = "tool_execution", ToolExecution, Never;
+    TurnMemory = "turn_memory", TurnMemory, Each;
+    CompactionApplied = "compaction_applied", CompactionApplied, Summary;
+    PendingState = "pending_state", PendingState, LivePending;
+    PermissionRequest = "permission_request", PermissionRequest, Never;
+    PermissionResolved = "permission_resolved", PermissionResolved, Never;
+    TurnFailed = "turn_failed", TurnFailed, Each;
+    MemoryExtracted = "memory_extracted", MemoryExtracted, Never;
+}
 
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EventKind::SessionStarted => "session_started",
-            EventKind::UserMessage => "user_message",
-            EventKind::AssistantTurn => "assistant_turn",
-            EventKind::ToolExecution => "tool_execution",
-            EventKind::TurnMemory => "turn_memory",
-            EventKind::CompactionApplied => "compaction_applied",
-            EventKind::PendingState => "pending_state",
-            EventKind::PermissionRequest => "permission_request",
-            EventKind::PermissionResolved => "permission_resolved",
-            EventKind::TurnFailed => "turn_failed",
-            EventKind::MemoryExtracted => "memory_extracted",
-        }
-    }
+/// How the events of a kind reach the model's context (DESIGN §3): the one answer the
+/// projection (`llm_context`) and the budget's count of it (`budget`) both follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Projection {
+    /// The model never sees these.
+    Never,
+    /// Every one after the newest compaction's boundary.
+    Each,
+    /// Every one after the boundary; it also answers its turn, so no pending before it is
+    /// live any more.
+    Answer,
+    /// Only the live one: the newest, unless an answer follows it or the newest compaction
+    /// covers it.
+    LivePending,
+    /// Only the newest, as the summary that stands for every event up to its boundary.
+    Summary,
 }
 
 impl fmt::Display for EventKind {
@@ -381,20 +439,53 @@ pub struct MemoryExtracted {
     pub error: Option<String>,
 }
 
-/// An event's typed payload; the variant is the kind.
-#[derive(Debug, Clone, PartialEq)]
-pub enum EventBody {
-    SessionStarted(SessionStarted),
-    UserMessage(UserMessage),
-    AssistantTurn(AssistantTurn),
-    ToolExecution(ToolExecution),
-    TurnMemory(TurnMemory),
-    CompactionApplied(CompactionApplied),
-    PendingState(PendingState),
-    PermissionRequest(PermissionRequest),
-    PermissionResolved(PermissionResolved),
-    TurnFailed(TurnFailed),
-    MemoryExtracted(MemoryExtracted),
+// ---- the audited request (DESIGN §11) -------------------------------------------------
+// Part of the outcome payloads above; the functions that build and rebuild it are in
+// `audit`, which re-exports these.
+
+/// The request one attempt sent, as its first checkpoint and its outcome event record it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecordedRequest {
+    /// The last seq of the branch log the projection read.
+    pub through_seq: i64,
+    pub model: String,
+    /// Every body field not derived from the log.
+    pub params: RequestParams,
+    pub system: SystemPrompt,
+    /// The per-turn extras sent after the history (they are nowhere else in the log).
+    #[serde(default)]
+    pub extras: Extras,
+    /// The request's size as the budget counted it (system prompt, history, extras).
+    pub tokens: u32,
+    /// SHA-256 (lowercase hex) of the exact body bytes sent.
+    pub body_sha256: String,
+}
+
+/// The system prompt of a request: its hash always, its text only when the log cannot
+/// give it back (see `audit::system_prompt_record`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SystemPrompt {
+    pub sha256: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+}
+
+/// Per-turn material that is not stored in the log but in the request that carried it
+/// (the message it becomes is `request`'s).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Extras {
+    /// Today's date as the model should read it, e.g. "2026-11-29 (Sunday)".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub date: Option<String>,
+    /// Recalled long-term memories, most relevant first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub memories: Vec<String>,
+}
+
+impl Extras {
+    pub fn is_empty(&self) -> bool {
+        self.date.is_none() && self.memories.is_empty()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -411,65 +502,19 @@ pub enum DecodeError {
 }
 
 impl EventBody {
-    pub fn kind(&self) -> EventKind {
-        match self {
-            EventBody::SessionStarted(_) => EventKind::SessionStarted,
-            EventBody::UserMessage(_) => EventKind::UserMessage,
-            EventBody::AssistantTurn(_) => EventKind::AssistantTurn,
-            EventBody::ToolExecution(_) => EventKind::ToolExecution,
-            EventBody::TurnMemory(_) => EventKind::TurnMemory,
-            EventBody::CompactionApplied(_) => EventKind::CompactionApplied,
-            EventBody::PendingState(_) => EventKind::PendingState,
-            EventBody::PermissionRequest(_) => EventKind::PermissionRequest,
-            EventBody::PermissionResolved(_) => EventKind::PermissionResolved,
-            EventBody::TurnFailed(_) => EventKind::TurnFailed,
-            EventBody::MemoryExtracted(_) => EventKind::MemoryExtracted,
-        }
-    }
-
-    /// Decodes a stored payload. `seq` only labels the error (0 before a seq is assigned).
-    pub fn decode(kind: EventKind, payload: &Value, seq: i64) -> Result<Self, DecodeError> {
-        fn de<T: serde::de::DeserializeOwned>(v: &Value) -> serde_json::Result<T> {
-            T::deserialize(v)
-        }
-        let body = match kind {
-            EventKind::SessionStarted => de(payload).map(EventBody::SessionStarted),
-            EventKind::UserMessage => de(payload).map(EventBody::UserMessage),
-            EventKind::AssistantTurn => de(payload).map(EventBody::AssistantTurn),
-            EventKind::ToolExecution => de(payload).map(EventBody::ToolExecution),
-            EventKind::TurnMemory => de(payload).map(EventBody::TurnMemory),
-            EventKind::CompactionApplied => de(payload).map(EventBody::CompactionApplied),
-            EventKind::PendingState => de(payload).map(EventBody::PendingState),
-            EventKind::PermissionRequest => de(payload).map(EventBody::PermissionRequest),
-            EventKind::PermissionResolved => de(payload).map(EventBody::PermissionResolved),
-            EventKind::TurnFailed => de(payload).map(EventBody::TurnFailed),
-            EventKind::MemoryExtracted => de(payload).map(EventBody::MemoryExtracted),
-        };
-        body.map_err(|source| DecodeError::Payload { kind, seq, source })
-    }
-
     /// Decodes with the kind given as text (as stored, or as sent on the bus).
     pub fn decode_str(kind: &str, payload: &Value, seq: i64) -> Result<Self, DecodeError> {
         Self::decode(kind.parse()?, payload, seq)
     }
 
-    /// The payload as JSON (the shape producers send and the log stores).
-    pub fn to_payload(&self) -> Value {
-        let v = match self {
-            EventBody::SessionStarted(p) => serde_json::to_value(p),
-            EventBody::UserMessage(p) => serde_json::to_value(p),
-            EventBody::AssistantTurn(p) => serde_json::to_value(p),
-            EventBody::ToolExecution(p) => serde_json::to_value(p),
-            EventBody::TurnMemory(p) => serde_json::to_value(p),
-            EventBody::CompactionApplied(p) => serde_json::to_value(p),
-            EventBody::PendingState(p) => serde_json::to_value(p),
-            EventBody::PermissionRequest(p) => serde_json::to_value(p),
-            EventBody::PermissionResolved(p) => serde_json::to_value(p),
-            EventBody::TurnFailed(p) => serde_json::to_value(p),
-            EventBody::MemoryExtracted(p) => serde_json::to_value(p),
-        };
-        // Plain structs of strings, numbers and JSON values always serialize.
-        v.unwrap_or(Value::Null)
+    /// The audited request an outcome event (or first checkpoint) carries.
+    pub fn recorded_request(&self) -> Option<&RecordedRequest> {
+        match self {
+            EventBody::AssistantTurn(t) => t.request.as_ref(),
+            EventBody::PendingState(p) => p.request.as_ref(),
+            EventBody::TurnFailed(f) => f.request.as_ref(),
+            _ => None,
+        }
     }
 }
 

@@ -5,6 +5,10 @@
 //! functions of their arguments (only new ids read the clock: `SessionId::new`,
 //! `EventId::new` are time-ordered v7 UUIDs).
 
+// Module order: a module uses only modules before it, so the graph has no cycles.
+//   ids, message → request_body → events (with the recorded request they carry) →
+//   llm_context, ui_transcript, turn, storable, branch, log_builder → tokens → request →
+//   audit, budget, compaction, import.
 pub mod audit;
 pub mod branch;
 pub mod budget;

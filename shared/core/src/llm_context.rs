@@ -4,8 +4,8 @@
 //! disappears when its turn's successor completes.
 
 use crate::events::{
-    AssistantTurn, CompactionApplied, Event, EventBody, PendingReason, PendingState, TurnFailed, TurnMemory,
-    UserMessage,
+    AssistantTurn, CompactionApplied, Event, EventBody, PendingReason, PendingState, Projection, TurnFailed,
+    TurnMemory, UserMessage,
 };
 use crate::message::{ChatMessage, Content, ContentPart, Role};
 
@@ -52,17 +52,13 @@ pub fn llm_context(events: &[Event]) -> Vec<ProjectedMessage> {
         out.push(ProjectedMessage { seq: boundary, source: Source::Summary, message: summary_message(c) });
     }
     for e in events.iter().filter(|e| e.seq > boundary) {
-        let projected = match &e.body {
-            EventBody::PendingState(p) if Some(e.seq) == live_pending => {
-                Some((Source::LivePending, pending_message(p)))
-            }
-            EventBody::UserMessage(m) => Some((Source::User, user_message(m))),
-            EventBody::AssistantTurn(t) => Some((Source::Assistant, assistant_message(t))),
-            EventBody::TurnMemory(m) => turn_memory_note(m).map(|n| (Source::TurnMemory, n)),
-            EventBody::TurnFailed(f) => Some((Source::TurnFailed, turn_failed_note(f))),
-            _ => None,
+        let projects = match e.kind().projection() {
+            Projection::Each | Projection::Answer => true,
+            Projection::LivePending => Some(e.seq) == live_pending,
+            // Only the newest summary projects, and it opens the list (above).
+            Projection::Summary | Projection::Never => false,
         };
-        if let Some((source, message)) = projected {
+        if let Some((source, message)) = projects.then(|| render(&e.body)).flatten() {
             out.push(ProjectedMessage { seq: e.seq, source, message });
         }
     }
@@ -76,9 +72,9 @@ pub fn llm_messages(events: &[Event]) -> Vec<ChatMessage> {
 
 /// The newest `compaction_applied` event and its payload.
 pub fn newest_compaction(events: &[Event]) -> Option<(i64, &CompactionApplied)> {
-    events.iter().rev().find_map(|e| match &e.body {
-        EventBody::CompactionApplied(c) => Some((e.seq, c)),
-        _ => None,
+    events.iter().rev().find_map(|e| {
+        let EventBody::CompactionApplied(c) = &e.body else { return None };
+        Some((e.seq, c))
     })
 }
 
@@ -88,10 +84,10 @@ pub fn newest_compaction(events: &[Event]) -> Option<(i64, &CompactionApplied)> 
 pub fn live_pending_seq(events: &[Event]) -> Option<i64> {
     let boundary = newest_compaction(events).map_or(0, |(_, c)| c.replaces_through_seq);
     for e in events.iter().rev() {
-        match e.body {
-            EventBody::AssistantTurn(_) => return None,
-            EventBody::PendingState(_) => return (e.seq > boundary).then_some(e.seq),
-            _ => {}
+        match e.kind().projection() {
+            Projection::Answer => return None,
+            Projection::LivePending => return (e.seq > boundary).then_some(e.seq),
+            Projection::Each | Projection::Summary | Projection::Never => {}
         }
     }
     None
@@ -101,14 +97,25 @@ pub fn live_pending_seq(events: &[Event]) -> Option<i64> {
 /// memory is empty). A pending always renders as live here; whether it is live is the
 /// caller's business. This is what per-event token counts are computed from.
 pub fn project_event(body: &EventBody) -> Option<ChatMessage> {
+    render(body).map(|(_, message)| message)
+}
+
+/// What an event renders as, and its source. Which events project is
+/// [`EventKind::projection`](crate::events::EventKind::projection)'s to say; the kinds it
+/// calls `Never` render nothing here (a test holds the two together).
+fn render(body: &EventBody) -> Option<(Source, ChatMessage)> {
     match body {
-        EventBody::UserMessage(m) => Some(user_message(m)),
-        EventBody::AssistantTurn(t) => Some(assistant_message(t)),
-        EventBody::TurnMemory(m) => turn_memory_note(m),
-        EventBody::TurnFailed(f) => Some(turn_failed_note(f)),
-        EventBody::PendingState(p) => Some(pending_message(p)),
-        EventBody::CompactionApplied(c) => Some(summary_message(c)),
-        _ => None,
+        EventBody::UserMessage(m) => Some((Source::User, user_message(m))),
+        EventBody::AssistantTurn(t) => Some((Source::Assistant, assistant_message(t))),
+        EventBody::TurnMemory(m) => turn_memory_note(m).map(|n| (Source::TurnMemory, n)),
+        EventBody::TurnFailed(f) => Some((Source::TurnFailed, turn_failed_note(f))),
+        EventBody::PendingState(p) => Some((Source::LivePending, pending_message(p))),
+        EventBody::CompactionApplied(c) => Some((Source::Summary, summary_message(c))),
+        EventBody::SessionStarted(_)
+        | EventBody::ToolExecution(_)
+        | EventBody::PermissionRequest(_)
+        | EventBody::PermissionResolved(_)
+        | EventBody::MemoryExtracted(_) => None,
     }
 }
 
@@ -172,4 +179,21 @@ fn turn_memory_note(m: &TurnMemory) -> Option<ChatMessage> {
 
 fn turn_failed_note(f: &TurnFailed) -> ChatMessage {
     ChatMessage::text(Role::User, format!("[previous turn failed: {}: {}]", f.code, f.message))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::events::EventKind;
+
+    #[test]
+    fn a_kind_renders_exactly_when_its_projection_says_it_reaches_the_model() {
+        for kind in EventKind::ALL {
+            let mut body = EventBody::default_of(kind);
+            if let EventBody::TurnMemory(m) = &mut body {
+                m.key_findings.push("a finding".into()); // an empty one renders nothing
+            }
+            assert_eq!(render(&body).is_some(), kind.projection() != Projection::Never, "{kind}");
+        }
+    }
 }

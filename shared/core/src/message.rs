@@ -22,7 +22,7 @@ pub enum ContentPart {
     ImageRef {
         id: String,
         mime: String,
-        /// The pixels sent, when known: what the image costs ([`crate::tokens::image_tokens`]).
+        /// The pixels sent, when known: what the image costs (by the tile rule in `tokens`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         width: Option<u32>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -63,18 +63,6 @@ impl ChatMessage {
             })
             .collect::<Vec<_>>()
             .into_iter()
-    }
-
-    /// What the message's images cost, by the tile rule.
-    pub fn image_tokens(&self) -> u32 {
-        let Content::Parts(parts) = &self.content else { return 0 };
-        parts
-            .iter()
-            .map(|p| match p {
-                ContentPart::ImageRef { width, height, .. } => crate::tokens::image_tokens(*width, *height),
-                ContentPart::Text { .. } => 0,
-            })
-            .fold(0, u32::saturating_add)
     }
 
     /// The message's exact bytes, as compared by the prefix-stability rule.

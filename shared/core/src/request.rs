@@ -3,30 +3,16 @@
 //! history — anything that changes early in a request breaks the provider's prompt cache
 //! for everything after it.
 
-use serde::{Deserialize, Serialize};
-
 use crate::message::{ChatMessage, Role};
 use crate::tokens::message_tokens;
 
 /// Opens the per-turn extras message.
 pub const EXTRAS_MARKER: &str = "[context for this turn; not part of the conversation]";
 
-/// Per-turn material that is not stored in the log.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Extras {
-    /// Today's date as the model should read it, e.g. "2026-11-29 (Sunday)".
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub date: Option<String>,
-    /// Recalled long-term memories, most relevant first.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub memories: Vec<String>,
-}
+// The extras are recorded with the request (`events::RecordedRequest`); their old path stays.
+pub use crate::events::Extras;
 
 impl Extras {
-    pub fn is_empty(&self) -> bool {
-        self.date.is_none() && self.memories.is_empty()
-    }
-
     /// The user-role message that carries the extras, or None when there are none.
     pub fn message(&self) -> Option<ChatMessage> {
         if self.is_empty() {

@@ -6,7 +6,7 @@
 
 use crate::events::EventBody;
 use crate::llm_context::project_event;
-use crate::message::ChatMessage;
+use crate::message::{ChatMessage, Content, ContentPart};
 
 /// Tokens every message costs beyond its text (role and framing), as OpenAI counts them.
 pub const MESSAGE_OVERHEAD: u32 = 4;
@@ -57,6 +57,21 @@ pub fn image_tokens(width: Option<u32>, height: Option<u32>) -> u32 {
     let (w, h) = ((w * short).round(), (h * short).round());
     let tiles = (w / 512.0).ceil() * (h / 512.0).ceil();
     85 + 170 * tiles as u32
+}
+
+// Here rather than in `message`, so the message types stay a leaf of the module graph.
+impl ChatMessage {
+    /// What the message's images cost, by the tile rule.
+    pub fn image_tokens(&self) -> u32 {
+        let Content::Parts(parts) = &self.content else { return 0 };
+        parts
+            .iter()
+            .map(|p| match p {
+                ContentPart::ImageRef { width, height, .. } => image_tokens(*width, *height),
+                ContentPart::Text { .. } => 0,
+            })
+            .fold(0, u32::saturating_add)
+    }
 }
 
 /// The longest edge of an image as the model is sent it: larger ones are scaled down once,

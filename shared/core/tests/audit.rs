@@ -63,6 +63,9 @@ enum Op {
     Unrecorded(bool),
     /// A compaction through the live message at this fraction of the live list.
     Compaction(u8),
+    /// An event of any kind with its default payload, so every kind (a new one too) is in
+    /// the property.
+    Kind(EventKind),
 }
 
 fn extras() -> impl Strategy<Value = Extras> {
@@ -147,6 +150,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Extracted),
         1 => any::<bool>().prop_map(Op::Unrecorded),
         2 => any::<u8>().prop_map(Op::Compaction),
+        1 => proptest::sample::select(EventKind::ALL.to_vec()).prop_map(Op::Kind),
     ]
 }
 
@@ -279,6 +283,7 @@ fn apply(log: &mut LogBuilder, op: &Op) -> Option<RecordedRequest> {
                 facts_extracted: vec![],
             })
         }
+        Op::Kind(kind) => EventBody::default_of(*kind),
     };
     log.push(body);
     None

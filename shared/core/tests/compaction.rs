@@ -177,16 +177,20 @@ fn request_assembly_puts_extras_after_the_whole_history() {
 
 proptest! {
     #[test]
-    fn cached_counts_always_agree_with_projection(ops in proptest::collection::vec(0u8..6, 1..60)) {
+    fn cached_counts_always_agree_with_projection(
+        // An op, and the kind op 6 appends with its default payload (every kind is counted).
+        ops in proptest::collection::vec((0u8..7, proptest::sample::select(EventKind::ALL.to_vec())), 1..60),
+    ) {
         let mut log = LogBuilder::new();
-        for (i, op) in ops.iter().enumerate() {
+        for (i, (op, kind)) in ops.iter().enumerate() {
             match op {
                 0 => { log.user(&format!("user says {i}")); }
                 1 => { log.assistant(&format!("assistant answers {i} at length")); }
                 2 => { log.pending(&format!("partial {i}"), None); }
                 3 => { log.push(EventBody::TurnMemory(TurnMemory { turn_seq: 1, key_findings: vec![format!("f{i}")], ..Default::default() })); }
                 4 => { let t = log.next_seq() / 2; log.compaction(&format!("summary {i}"), t); }
-                _ => { log.push(EventBody::ToolExecution(ToolExecution { call_id: "c".into(), name: "n".into(), status: "ok".into(), ..Default::default() })); }
+                5 => { log.push(EventBody::ToolExecution(ToolExecution { call_id: "c".into(), name: "n".into(), status: "ok".into(), ..Default::default() })); }
+                _ => { log.push(EventBody::default_of(*kind)); }
             }
             let counted: Vec<_> = log.events.iter().map(CountedEvent::of).collect();
             prop_assert_eq!(history_tokens(&counted), request_tokens(&llm_messages(&log.events)) - REQUEST_OVERHEAD);
@@ -270,6 +274,9 @@ enum Step {
     Memory,
     /// Apply the plan, shrunk this many times, as a compaction (if there is one).
     Compact(u32),
+    /// An event of any kind with its default payload, so every kind (a new one too) is in
+    /// the property.
+    Kind(EventKind),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -280,6 +287,7 @@ fn step() -> impl Strategy<Value = Step> {
         1 => Just(Step::Failed),
         1 => Just(Step::Memory),
         1 => (0u32..3).prop_map(Step::Compact),
+        1 => proptest::sample::select(EventKind::ALL.to_vec()).prop_map(Step::Kind),
     ]
 }
 
@@ -322,6 +330,7 @@ proptest! {
                         log.compaction(&format!("summary {i}"), plan.through_seq);
                     }
                 }
+                Step::Kind(kind) => { log.push(EventBody::default_of(*kind)); }
             }
             let live = llm_context(&log.events);
             for halvings in 0..4 {

@@ -353,6 +353,9 @@ enum Op {
     Extracted,
     /// A compaction through the live message at this fraction of the live list.
     Compaction(u8),
+    /// An event of any kind with its default payload, so every kind (a new one too) is in
+    /// the property.
+    Kind(EventKind),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -368,6 +371,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Permission),
         1 => Just(Op::Extracted),
         1 => any::<u8>().prop_map(Op::Compaction),
+        1 => proptest::sample::select(EventKind::ALL.to_vec()).prop_map(Op::Kind),
     ]
 }
 
@@ -422,6 +426,7 @@ fn apply(log: &mut LogBuilder, op: &Op) {
                 facts_extracted: vec![],
             })
         }
+        Op::Kind(kind) => EventBody::default_of(*kind),
     };
     log.push(body);
 }
