@@ -16,6 +16,7 @@ pub mod compaction;
 pub mod events;
 pub mod ids;
 pub mod import;
+pub mod limits;
 pub mod llm_context;
 pub mod log_builder;
 pub mod message;
