@@ -23,6 +23,7 @@ pub mod message;
 pub mod request;
 pub mod request_body;
 pub mod storable;
+pub mod stream;
 pub mod tokens;
 pub mod turn;
 pub mod ui_transcript;
