@@ -15,9 +15,9 @@ use axum::Json;
 use futures::stream::BoxStream;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
-use serde_json::json;
 use turnlog_core::events::{EventBody, EventKind, PendingReason, UserMessage};
 use turnlog_core::ids::SessionId;
+use turnlog_core::stream::{turn_end_from_log, Meta, TurnEnd};
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read;
 use turnlog_runtime::read::recorded_outcome;
@@ -30,7 +30,8 @@ use crate::extract::{ApiJson, ApiPath};
 use crate::routes::forks::{create_fork, fork_request};
 use crate::routes::sessions::owned_session;
 use crate::turn::{
-    remote_stop, remote_stream, start_turn, ActiveTurn, TurnEvent, TurnOptions, TurnSlot, TurnStart,
+    remote_stop, remote_stream, start_turn, ActiveTurn, StreamEvent, TurnEvent, TurnOptions, TurnSlot,
+    TurnStart,
 };
 use crate::writes::submit;
 use crate::{files, validate, AppState, Ingress};
@@ -277,7 +278,7 @@ pub(crate) async fn begin_turn(
     key: Option<String>,
     create: Option<AppendRequest>,
     options: TurnOptions,
-) -> Result<BoxStream<'static, TurnEvent>, ApiError> {
+) -> Result<BoxStream<'static, StreamEvent>, ApiError> {
     ready_for_turns(app)?;
     validate::turn_options(&options)?;
     let owner = caller.as_str();
@@ -454,7 +455,7 @@ pub(crate) async fn retry_last(
     id: SessionId,
     model: Option<String>,
     options: TurnOptions,
-) -> Result<BoxStream<'static, TurnEvent>, ApiError> {
+) -> Result<BoxStream<'static, StreamEvent>, ApiError> {
     ready_for_turns(app)?;
     let slot = take_slot(app, caller)?;
     retried(app, caller, id, slot, model, options).await
@@ -467,7 +468,7 @@ async fn retried(
     slot: TurnSlot,
     model: Option<String>,
     options: TurnOptions,
-) -> Result<BoxStream<'static, TurnEvent>, ApiError> {
+) -> Result<BoxStream<'static, StreamEvent>, ApiError> {
     let lease = app.leases.acquire(id, &app.instance_id).await?.ok_or_else(turn_running)?;
     let last = match read::last_user_message(&app.pool, caller.as_str(), id).await {
         Ok(Some((seq, message, false))) => (seq, message),
@@ -557,9 +558,9 @@ async fn resent_events(
     caller: &Caller,
     session: SessionId,
     user_seq: i64,
-) -> Result<BoxStream<'static, TurnEvent>, ApiError> {
-    let is_ours = |first: Option<&TurnEvent>| {
-        first.is_some_and(|e| e.data.get("user_seq").and_then(serde_json::Value::as_i64) == Some(user_seq))
+) -> Result<BoxStream<'static, StreamEvent>, ApiError> {
+    let is_ours = |first: Option<&StreamEvent>| {
+        first.is_some_and(|e| matches!(&e.event, TurnEvent::Meta(m) if m.user_seq == Some(user_seq)))
     };
     if let Some(turn) = app.turns.get(session) {
         if is_ours(turn.events_after(0).first().map(|e| e.as_ref())) {
@@ -573,9 +574,10 @@ async fn resent_events(
         }
     }
     let end = outcome_from_log(app, caller, session, user_seq).await?;
+    let meta = Meta { session_id: Some(session), user_seq: Some(user_seq), ..Default::default() };
     let events = vec![
-        TurnEvent { id: 1, event: "meta".into(), data: json!({"session_id": session, "user_seq": user_seq}) },
-        TurnEvent { id: 2, event: "end".into(), data: end },
+        StreamEvent { id: 1, event: TurnEvent::Meta(meta) },
+        StreamEvent { id: 2, event: TurnEvent::End(end) },
     ];
     Ok(futures::stream::iter(events).boxed())
 }
@@ -586,33 +588,20 @@ async fn outcome_from_log(
     caller: &Caller,
     session: SessionId,
     user_seq: i64,
-) -> Result<serde_json::Value, ApiError> {
+) -> Result<TurnEnd, ApiError> {
     let rows = read::events_page(&app.pool, caller.as_str(), session, user_seq, 10_000)
         .await?
         .ok_or_else(ApiError::session_not_found)?;
-    let mut end = json!({"session_id": session, "status": "interrupted"});
-    for row in rows.iter().take_while(|r| r.kind != "user_message") {
-        match row.kind.as_str() {
-            "assistant_turn" => {
-                return Ok(json!({"session_id": session, "status": "completed", "assistant_seq": row.seq}))
-            }
-            "pending_state" => {
-                let stopped =
-                    row.payload.get("reason").and_then(serde_json::Value::as_str) == Some("stopped");
-                let status = if stopped { "stopped" } else { "interrupted" };
-                end = json!({"session_id": session, "status": status, "pending_seq": row.seq});
-            }
-            "turn_failed" => end = json!({"session_id": session, "status": "failed", "failed_seq": row.seq}),
-            _ => {}
-        }
-    }
-    Ok(end)
+    // The turn's own events (to the next user message), those this build can read.
+    let events: Vec<_> =
+        rows.iter().take_while(|r| r.kind != "user_message").filter_map(|r| r.decode().ok()).collect();
+    Ok(turn_end_from_log(session, &events))
 }
 
 /// Events of a local turn with an id above `after`, live until its `end`.
-pub(crate) fn follow_local(turn: Arc<ActiveTurn>, after: u64) -> BoxStream<'static, TurnEvent> {
+pub(crate) fn follow_local(turn: Arc<ActiveTurn>, after: u64) -> BoxStream<'static, StreamEvent> {
     let watch = turn.watch();
-    let state = (turn, after, watch, std::collections::VecDeque::<Arc<TurnEvent>>::new(), false);
+    let state = (turn, after, watch, std::collections::VecDeque::<Arc<StreamEvent>>::new(), false);
     futures::stream::unfold(state, |(turn, mut last, mut watch, mut queue, ended)| async move {
         loop {
             if let Some(e) = queue.pop_front() {
@@ -646,12 +635,13 @@ pub(crate) fn follow_local(turn: Arc<ActiveTurn>, after: u64) -> BoxStream<'stat
 fn stream_response(
     app: &AppState,
     session: SessionId,
-    events: futures::stream::BoxStream<'static, TurnEvent>,
+    events: futures::stream::BoxStream<'static, StreamEvent>,
 ) -> Response {
     let guard = app.metrics.stream_opened();
     let sse = events.map(move |e| {
         let _held = &guard;
-        Ok::<_, Infallible>(SseEvent::default().id(e.id.to_string()).event(e.event).data(e.data.to_string()))
+        let data = e.event.data().to_string();
+        Ok::<_, Infallible>(SseEvent::default().id(e.id.to_string()).event(e.event.name()).data(data))
     });
     let mut response = Sse::new(sse).keep_alive(KeepAlive::new().interval(KEEP_ALIVE)).into_response();
     let headers = response.headers_mut();

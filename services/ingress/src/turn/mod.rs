@@ -10,8 +10,6 @@ mod slots;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -21,27 +19,14 @@ use turnlog_core::ids::{Owner, SessionId};
 pub use remote::{remote_attempt, remote_stop, remote_stream};
 pub use runner::{start_turn, TurnOptions, TurnStart};
 pub use slots::{CapReached, TurnLimits, TurnSlot};
-
-/// One event of a turn's stream: `id` counts from 1 within the turn.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TurnEvent {
-    pub id: u64,
-    pub event: String,
-    pub data: Value,
-}
-
-impl TurnEvent {
-    pub fn is_end(&self) -> bool {
-        self.event == "end"
-    }
-}
+pub use turnlog_core::stream::{StreamEvent, TurnEvent};
 
 /// A turn this copy runs: its events so far and the means to stop it.
 pub struct ActiveTurn {
     pub session: SessionId,
     /// The attempt this turn runs (a response's id on the OpenAI-compatible routes).
     pub attempt_id: String,
-    events: Mutex<Vec<Arc<TurnEvent>>>,
+    events: Mutex<Vec<Arc<StreamEvent>>>,
     /// The number of events emitted; followers wait on it.
     count: watch::Sender<u64>,
     stop: CancellationToken,
@@ -61,16 +46,16 @@ impl ActiveTurn {
     }
 
     /// Appends an event and wakes every follower; returns it (for the live subject).
-    fn emit(&self, event: &str, data: Value) -> Arc<TurnEvent> {
+    fn emit(&self, event: TurnEvent) -> Arc<StreamEvent> {
         let mut events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
-        let e = Arc::new(TurnEvent { id: events.len() as u64 + 1, event: event.to_owned(), data });
+        let e = Arc::new(StreamEvent { id: events.len() as u64 + 1, event });
         events.push(Arc::clone(&e));
         self.count.send_replace(e.id);
         e
     }
 
     /// Events with an id above `after`.
-    pub fn events_after(&self, after: u64) -> Vec<Arc<TurnEvent>> {
+    pub fn events_after(&self, after: u64) -> Vec<Arc<StreamEvent>> {
         let events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
         events.iter().skip(usize::try_from(after).unwrap_or(usize::MAX)).cloned().collect()
     }

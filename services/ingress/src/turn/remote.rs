@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use turnlog_core::events::PendingReason;
 use turnlog_core::ids::SessionId;
 
-use super::{ActiveTurn, TurnEvent};
+use super::{ActiveTurn, StreamEvent};
 use crate::Ingress;
 
 /// Snapshot pieces stay under NATS's 1 MiB default payload with room to spare.
@@ -29,7 +29,7 @@ struct SnapshotRequest {
 
 #[derive(Serialize, Deserialize)]
 struct SnapshotPiece {
-    events: Vec<TurnEvent>,
+    events: Vec<StreamEvent>,
     last: bool,
     /// On the last piece: the turn has emitted its `end` (absent from older copies).
     #[serde(default)]
@@ -42,7 +42,7 @@ struct Control {
 }
 
 /// Sends a turn event to followers on other copies (best effort: they resync by snapshot).
-pub async fn publish_live(app: &Ingress, session: SessionId, e: &TurnEvent) {
+pub async fn publish_live(app: &Ingress, session: SessionId, e: &StreamEvent) {
     if let Ok(body) = serde_json::to_vec(e) {
         let _ = app.bus.client.publish(app.bus.names.live_subject(session), body.into()).await;
     }
@@ -92,12 +92,12 @@ pub async fn serve(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>) -> Option<tokio::
 
 /// Splits events into snapshot pieces under [`PIECE_BYTES`]; the last one says so, and
 /// whether the turn is `over`.
-fn pieces(events: Vec<Arc<TurnEvent>>, over: bool) -> Vec<SnapshotPiece> {
+fn pieces(events: Vec<Arc<StreamEvent>>, over: bool) -> Vec<SnapshotPiece> {
     let piece = || SnapshotPiece { events: Vec::new(), last: false, over: false };
     let mut out = vec![piece()];
     let mut size = 0;
     for e in events {
-        let len = e.data.to_string().len() + 64;
+        let len = e.event.data().to_string().len() + 64;
         if size + len > PIECE_BYTES && !out.last().is_none_or(|p| p.events.is_empty()) {
             out.push(piece());
             size = 0;
@@ -136,7 +136,7 @@ pub async fn remote_stream(
     app: &Arc<Ingress>,
     session: SessionId,
     after: u64,
-) -> Option<impl Stream<Item = TurnEvent> + Send + 'static> {
+) -> Option<impl Stream<Item = StreamEvent> + Send + 'static> {
     let client = app.bus.client.clone();
     let live = client.subscribe(app.bus.names.live_subject(session)).await.ok()?;
     let (snapshot, over) = snapshot(app, session, after).await?;
@@ -152,7 +152,7 @@ pub async fn remote_stream(
 }
 
 /// The turn's events after `after`, and whether it is over.
-async fn snapshot(app: &Ingress, session: SessionId, after: u64) -> Option<(Vec<TurnEvent>, bool)> {
+async fn snapshot(app: &Ingress, session: SessionId, after: u64) -> Option<(Vec<StreamEvent>, bool)> {
     let client = &app.bus.client;
     let inbox = client.new_inbox();
     let mut replies = client.subscribe(inbox.clone()).await.ok()?;
@@ -173,13 +173,13 @@ struct Follow {
     app: Arc<Ingress>,
     session: SessionId,
     live: async_nats::Subscriber,
-    queue: std::collections::VecDeque<TurnEvent>,
+    queue: std::collections::VecDeque<StreamEvent>,
     last: u64,
     ended: bool,
 }
 
 impl Follow {
-    async fn next(&mut self) -> Option<TurnEvent> {
+    async fn next(&mut self) -> Option<StreamEvent> {
         loop {
             if self.ended {
                 return None;
@@ -204,7 +204,7 @@ impl Follow {
             }
             match tokio::time::timeout(QUIET_CHECK, self.live.next()).await {
                 Ok(Some(msg)) => {
-                    if let Ok(e) = serde_json::from_slice::<TurnEvent>(&msg.payload) {
+                    if let Ok(e) = serde_json::from_slice::<StreamEvent>(&msg.payload) {
                         self.queue.push_back(e);
                     }
                 }

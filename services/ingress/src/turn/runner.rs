@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
 use tracing::Instrument as _;
 use turnlog_core::audit::{system_prompt_record, turn_body, RecordedRequest, MAX_SYSTEM_PROMPT_BYTES};
 use turnlog_core::budget::{budget_for, history_tokens, request_size};
@@ -13,6 +12,9 @@ use turnlog_core::events::*;
 use turnlog_core::ids::{Owner, SessionId};
 use turnlog_core::request::{reserve_tokens, Extras};
 use turnlog_core::request_body::{RequestBody, RequestParams, ResolveImage, StreamOptions};
+use turnlog_core::stream::{
+    FailureCode, Meta, OutcomeEvent, StreamError, Text, TurnEnd, TurnEvent, TurnStatus, STOPPED_BEFORE_TEXT,
+};
 use turnlog_runtime::bus::{
     append_and_wait, json_len, AppendRequest, CompactReply, CompactRequest, CompactStatus, Outcome,
     MAX_EVENT_BYTES,
@@ -95,9 +97,9 @@ pub fn start_turn(app: &Arc<Ingress>, start: TurnStart) -> Arc<ActiveTurn> {
     turn
 }
 
-/// What a turn stores and tells its client: the stream's `error` (code, message) if any,
-/// the outcome event, the `end` status, and the `end` field that names the event's seq.
-type StoredOutcome = (Option<(&'static str, String)>, EventBody, &'static str, &'static str);
+/// What a turn stores and tells its client: the stream's `error` if any, the outcome event,
+/// the `end` status, and how the `end` names the event's seq.
+type StoredOutcome = (Option<StreamError>, EventBody, TurnStatus, fn(i64) -> OutcomeEvent);
 
 /// The longest prefix of `delta`, in whole characters, that takes at most `room` bytes and
 /// at most `json_room` bytes as stored JSON; with its JSON length (without quotes).
@@ -124,7 +126,7 @@ fn partial_json_cap(request: Option<&RecordedRequest>) -> usize {
 enum Ending {
     Done { finish_reason: Option<String> },
     Stopped(PendingReason),
-    Failed { code: &'static str, message: String },
+    Failed { code: FailureCode, message: String },
 }
 
 #[tracing::instrument(skip_all, fields(session_id = %start.session, attempt_id))]
@@ -144,10 +146,13 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
         request: None,
         request_checkpointed: false,
     };
-    let meta = json!({
-        "session_id": start.session, "user_seq": start.user_seq, "attempt_id": t.attempt_id, "model": start.model,
-    });
-    t.emit("meta", meta).await;
+    let meta = Meta {
+        session_id: Some(start.session),
+        user_seq: Some(start.user_seq),
+        attempt_id: Some(t.attempt_id.clone()),
+        model: Some(start.model.clone()),
+    };
+    t.emit(TurnEvent::Meta(meta)).await;
 
     // Renew the lease on its own timer for the whole turn; losing it stops the turn. The
     // latest revision is shared, because the release at the end must present it.
@@ -191,9 +196,8 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
         tracing::debug!(error = %e, "turn lease not released (it expires by itself)");
     }
     start.slot.release();
-    let status = end.get("status").and_then(Value::as_str).unwrap_or("failed").to_owned();
-    app.metrics.turn_finished(&status);
-    t.emit("end", end).await;
+    app.metrics.turn_finished(end.status.as_str());
+    t.emit(TurnEvent::End(end)).await;
 }
 
 struct Turn<'a> {
@@ -213,8 +217,8 @@ struct Turn<'a> {
 }
 
 impl Turn<'_> {
-    async fn emit(&self, event: &str, data: Value) {
-        let e = self.turn.emit(event, data);
+    async fn emit(&self, event: TurnEvent) {
+        let e = self.turn.emit(event);
         remote::publish_live(self.app, self.start.session, &e).await;
     }
 
@@ -222,7 +226,7 @@ impl Turn<'_> {
     async fn stream_answer(&mut self, started: Instant) -> Ending {
         let Some(upstream) = self.app.upstream.clone() else {
             return Ending::Failed {
-                code: "upstream_error",
+                code: FailureCode::UpstreamError,
                 message: "no model gateway is configured".into(),
             };
         };
@@ -289,16 +293,17 @@ impl Turn<'_> {
         };
         let (kept, kept_json) = fitting(delta, room, json_room);
         if !kept.is_empty() {
+            let text = Text { text: kept.to_owned() };
             let event = if reasoning {
                 self.reasoning.push_str(kept);
-                "reasoning"
+                TurnEvent::Reasoning(text)
             } else {
                 self.text.push_str(kept);
                 self.text_json += kept_json;
-                "delta"
+                TurnEvent::Delta(text)
             };
             let t0 = Instant::now();
-            self.emit(event, json!({ "text": kept })).await;
+            self.emit(event).await;
             self.app.metrics.relayed(t0.elapsed());
         }
         kept.len() == delta.len()
@@ -318,7 +323,7 @@ impl Turn<'_> {
                 "the configured system prompt takes {} bytes, over the limit of {MAX_SYSTEM_PROMPT_BYTES}",
                 system.len()
             );
-            return Err(Ending::Failed { code: "internal", message });
+            return Err(Ending::Failed { code: FailureCode::Internal, message });
         }
         let t0 = Instant::now();
         // Recall needs only the user's text: it is read beside the live tail.
@@ -354,7 +359,7 @@ impl Turn<'_> {
             let whole_window = window.unwrap_or_else(|| app.config.context_budget.saturating_mul(100) / 60);
             if size > whole_window {
                 return Err(Ending::Failed {
-                    code: "context_overflow",
+                    code: FailureCode::ContextOverflow,
                     message: format!("the request takes {size} tokens; the model's window is {whole_window}"),
                 });
             }
@@ -365,7 +370,7 @@ impl Turn<'_> {
             Some(blobs) if app.config.sees_images(model) => {
                 Some(crate::files::data_urls(blobs, owner, &tail.events).await.map_err(|_| {
                     Ending::Failed {
-                        code: "unavailable",
+                        code: FailureCode::Unavailable,
                         message: "the file store could not be read; retry the turn".into(),
                     }
                 })?)
@@ -415,11 +420,13 @@ impl Turn<'_> {
     async fn live_tail(&self) -> Result<read::LiveTail, Ending> {
         match read::live_tail(&self.app.pool, self.start.owner.as_str(), self.start.session).await {
             Ok(Some(tail)) => Ok(tail),
-            Ok(None) => Err(Ending::Failed { code: "not_found", message: "the session is gone".into() }),
+            Ok(None) => {
+                Err(Ending::Failed { code: FailureCode::NotFound, message: "the session is gone".into() })
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read the session's log");
                 Err(Ending::Failed {
-                    code: "unavailable",
+                    code: FailureCode::Unavailable,
                     message: "the session's log could not be read".into(),
                 })
             }
@@ -478,8 +485,8 @@ impl Turn<'_> {
         self.app.metrics.upstream_error(kind);
         tracing::warn!(error = %e, "upstream failed");
         let code = match e {
-            UpstreamError::Timeout { .. } => "upstream_timeout",
-            _ => "upstream_error",
+            UpstreamError::Timeout { .. } => FailureCode::UpstreamTimeout,
+            _ => FailureCode::UpstreamError,
         };
         Ending::Failed { code, message: e.public_message() }
     }
@@ -507,17 +514,20 @@ impl Turn<'_> {
 
     /// Stores the turn's outcome (answer, final partial, or failure) and returns the
     /// `end` event's data; emits `error` first when the turn did not complete.
-    async fn persist(&self, ending: Ending, started: Instant) -> Value {
+    async fn persist(&self, ending: Ending, started: Instant) -> TurnEnd {
         let duration_ms = started.elapsed().as_millis() as u64;
-        let session = self.start.session;
-        let mut end = json!({ "session_id": session, "duration_ms": duration_ms, "model": self.start.model });
+        let mut end = TurnEnd {
+            model: Some(self.start.model.clone()),
+            duration_ms: Some(duration_ms),
+            ..TurnEnd::new(Some(self.start.session), TurnStatus::Failed)
+        };
         let usage = self.usage.map(|u| Usage {
             input_tokens: u64::from(u.prompt_tokens),
             output_tokens: u64::from(u.completion_tokens),
             cached_input_tokens: u.cached_tokens.map(u64::from),
         });
+        end.usage = usage;
         if let Some(u) = usage {
-            end["usage"] = json!(u);
             let model = &self.start.model;
             let config = &self.app.config;
             let known = *model == config.model
@@ -531,13 +541,13 @@ impl Turn<'_> {
                 u.output_tokens,
             );
         }
-        let (failure, body, status, seq_field) = match ending {
+        let (failure, body, status, outcome): StoredOutcome = match ending {
             Ending::Done { finish_reason } => {
-                end["finish_reason"] = json!(finish_reason);
+                end.finish_reason = Some(finish_reason.clone());
                 let answer = self.answer(finish_reason, usage, duration_ms);
                 let size = json_len(&answer.to_payload());
                 if size <= MAX_EVENT_BYTES {
-                    (None, answer, "completed", "assistant_seq")
+                    (None, answer, TurnStatus::Completed, OutcomeEvent::Answer)
                 } else {
                     // The answer holds the text twice; its pending holds it once and always fits.
                     tracing::warn!(
@@ -548,7 +558,7 @@ impl Turn<'_> {
                         "the answer takes {size} bytes as stored, over the log's limit of {MAX_EVENT_BYTES} \
                          per event; it is kept as an interrupted partial"
                     );
-                    self.failed("answer_too_large", message)
+                    self.failed(FailureCode::AnswerTooLarge, message)
                 }
             }
             Ending::Stopped(reason) if !self.text.is_empty() => {
@@ -558,41 +568,47 @@ impl Turn<'_> {
                     reason: Some(reason),
                     request: self.request.clone(),
                 };
-                let status = if reason == PendingReason::Stopped { "stopped" } else { "interrupted" };
-                (None, EventBody::PendingState(pending), status, "pending_seq")
+                let status = match reason {
+                    PendingReason::Stopped => TurnStatus::Stopped,
+                    PendingReason::Interrupted => TurnStatus::Interrupted,
+                };
+                (None, EventBody::PendingState(pending), status, OutcomeEvent::Partial)
             }
             Ending::Stopped(reason) => {
-                let message = match reason {
-                    PendingReason::Stopped => "stopped by the user before any text arrived",
-                    PendingReason::Interrupted => "interrupted before any text arrived",
+                let (code, message, status) = match reason {
+                    PendingReason::Stopped => {
+                        (FailureCode::Stopped, STOPPED_BEFORE_TEXT, TurnStatus::Stopped)
+                    }
+                    PendingReason::Interrupted => {
+                        (FailureCode::Interrupted, "interrupted before any text arrived", TurnStatus::Failed)
+                    }
                 };
                 let failed = TurnFailed {
-                    code: "interrupted".into(),
+                    code: code.to_string(),
                     message: message.into(),
                     attempt_id: Some(self.attempt_id.clone()),
                     request: self.request.clone(),
                 };
-                let status = if reason == PendingReason::Stopped { "stopped" } else { "failed" };
-                (None, EventBody::TurnFailed(failed), status, "failed_seq")
+                (None, EventBody::TurnFailed(failed), status, OutcomeEvent::Failure)
             }
             Ending::Failed { code, message } => self.failed(code, message),
         };
-        if let Some((code, message)) = failure {
-            self.emit("error", json!({ "code": code, "message": message })).await;
+        if let Some(failure) = failure {
+            self.emit(TurnEvent::Error(failure)).await;
         }
-        end["status"] = json!(status);
+        end.status = status;
         match self.store(&body).await {
-            Ok(seq) => end[seq_field] = json!(seq),
+            Ok(seq) => end.outcome = Some(outcome(seq)),
             Err(e) => {
                 tracing::error!(error = %e, "the turn's outcome could not be stored");
-                self.emit(
-                    "error",
-                    json!({ "code": "unavailable", "message": "the answer could not be stored" }),
-                )
-                .await;
+                let error = StreamError {
+                    code: FailureCode::Unavailable,
+                    message: "the answer could not be stored".into(),
+                };
+                self.emit(TurnEvent::Error(error)).await;
                 // Never `completed` without the answer in the log.
-                if status == "completed" {
-                    end["status"] = json!("failed");
+                if status == TurnStatus::Completed {
+                    end.status = TurnStatus::Failed;
                 }
             }
         }
@@ -622,7 +638,7 @@ impl Turn<'_> {
 
     /// A turn that did not complete: its text so far as the final `pending_state`, or
     /// `turn_failed` when there is none; the failure is also the stream's `error`.
-    fn failed(&self, code: &'static str, message: String) -> StoredOutcome {
+    fn failed(&self, code: FailureCode, message: String) -> StoredOutcome {
         if !self.text.is_empty() {
             let pending = PendingState {
                 partial: self.text.clone(),
@@ -630,16 +646,27 @@ impl Turn<'_> {
                 reason: Some(PendingReason::Interrupted),
                 request: self.request.clone(),
             };
-            return (Some((code, message)), EventBody::PendingState(pending), "interrupted", "pending_seq");
+            let error = StreamError { code, message };
+            return (
+                Some(error),
+                EventBody::PendingState(pending),
+                TurnStatus::Interrupted,
+                OutcomeEvent::Partial,
+            );
         }
         // Without a request (it failed before sending), the failure records none.
         let failed = TurnFailed {
-            code: code.into(),
+            code: code.to_string(),
             message: message.clone(),
             attempt_id: Some(self.attempt_id.clone()),
             request: self.request.clone(),
         };
-        (Some((code, message)), EventBody::TurnFailed(failed), "failed", "failed_seq")
+        (
+            Some(StreamError { code, message }),
+            EventBody::TurnFailed(failed),
+            TurnStatus::Failed,
+            OutcomeEvent::Failure,
+        )
     }
 
     /// Appends the outcome, resending the same event id until the writer answers or the

@@ -18,6 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
 use turnlog_core::ids::SessionId;
+use turnlog_core::stream::{TurnEnd, TurnEvent, TurnStatus};
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read::{self, SessionRow};
 use uuid::Uuid;
@@ -31,7 +32,7 @@ use crate::routes::forks::fork_request;
 use crate::routes::turns::{
     begin_turn, derived, prepared, ready_for_turns, retry_last, take_slot, SendMessage,
 };
-use crate::turn::{TurnEvent, TurnOptions};
+use crate::turn::{StreamEvent, TurnOptions};
 use crate::validate::MAX_CHAT_BODY_BYTES;
 use crate::writes::submit;
 use crate::{files, validate, AppState};
@@ -372,7 +373,7 @@ async fn run(
     caller: &Caller,
     target: Target,
     turn: Turn<'_>,
-) -> Result<(SessionId, BoxStream<'static, TurnEvent>), OaiError> {
+) -> Result<(SessionId, BoxStream<'static, StreamEvent>), OaiError> {
     let Turn { conversation, from, options, model } = turn;
     let from = from.min(conversation.messages.len());
     let new = &conversation.messages[from..];
@@ -575,7 +576,8 @@ fn pass_through_fields(app: &AppState, fields: &serde_json::Map<String, Value>) 
     Ok(())
 }
 
-/// What a turn's native events add up to.
+/// What a turn's native events add up to: a pure fold of its [`TurnEvent`]s into Chat
+/// Completions chunks and the completion.
 #[derive(Default)]
 struct Answer {
     id: String,
@@ -584,40 +586,37 @@ struct Answer {
     text: String,
     reasoning: String,
     error: Option<String>,
-    end: Value,
+    end: Option<TurnEnd>,
 }
 
 impl Answer {
     /// Takes in a native event; the chunk it streams as, if any.
     fn on(&mut self, e: &TurnEvent) -> Option<Value> {
-        match e.event.as_str() {
-            "meta" => {
+        match e {
+            TurnEvent::Meta(m) => {
                 let attempt =
-                    e.data["attempt_id"].as_str().and_then(|a| Uuid::parse_str(a).ok()).unwrap_or_default();
+                    m.attempt_id.as_deref().and_then(|a| Uuid::parse_str(a).ok()).unwrap_or_default();
                 self.id = format!("chatcmpl-{}", attempt.simple());
                 self.created = attempt.get_timestamp().map_or(0, |t| t.to_unix().0 as i64);
-                self.model = e.data["model"].as_str().unwrap_or_default().to_owned();
+                self.model = m.model.clone().unwrap_or_default();
                 Some(self.chunk(json!({"role": "assistant", "content": ""}), None))
             }
-            "delta" => {
-                let t = e.data["text"].as_str().unwrap_or_default();
-                self.text.push_str(t);
-                Some(self.chunk(json!({"content": t}), None))
+            TurnEvent::Delta(t) => {
+                self.text.push_str(&t.text);
+                Some(self.chunk(json!({"content": t.text}), None))
             }
-            "reasoning" => {
-                let t = e.data["text"].as_str().unwrap_or_default();
-                self.reasoning.push_str(t);
-                Some(self.chunk(json!({"reasoning_content": t}), None))
+            TurnEvent::Reasoning(t) => {
+                self.reasoning.push_str(&t.text);
+                Some(self.chunk(json!({"reasoning_content": t.text}), None))
             }
-            "error" => {
-                self.error = e.data["message"].as_str().map(str::to_owned);
+            TurnEvent::Error(e) => {
+                self.error = Some(e.message.clone());
                 None
             }
-            "end" => {
-                self.end = e.data.clone();
+            TurnEvent::End(end) => {
+                self.end = Some(end.clone());
                 None
             }
-            _ => None,
         }
     }
 
@@ -631,35 +630,33 @@ impl Answer {
     /// `stop` or `length` when the turn ended with an answer (stopped ones included); else
     /// the failure's message.
     fn finish_reason(&self) -> Result<&'static str, String> {
-        match self.end["status"].as_str() {
-            Some("completed") if self.end["finish_reason"] == "length" => Ok("length"),
-            Some("completed" | "stopped") => Ok("stop"),
-            Some("interrupted") => Err(format!(
+        let failed = || Err(self.error.clone().unwrap_or_else(|| "the answer failed".into()));
+        let Some(end) = &self.end else { return failed() };
+        match end.status {
+            TurnStatus::Completed if end.hit_length() => Ok("length"),
+            TurnStatus::Completed | TurnStatus::Stopped => Ok("stop"),
+            TurnStatus::Interrupted => Err(format!(
                 "the answer was interrupted; its partial text is kept in session {}",
-                self.end["session_id"].as_str().unwrap_or_default()
+                end.session_id.map(|s| s.to_string()).unwrap_or_default()
             )),
-            _ => Err(self.error.clone().unwrap_or_else(|| "the answer failed".into())),
+            TurnStatus::Failed => failed(),
         }
     }
 
     /// OpenAI's usage object, with the cached share of the prompt.
     fn usage(&self) -> Value {
-        let u = &self.end["usage"];
-        if u.is_null() {
-            return Value::Null;
-        }
-        let n = |k: &str| u[k].as_u64().unwrap_or(0);
-        let (input, output) = (n("input_tokens"), n("output_tokens"));
+        let Some(u) = self.end.as_ref().and_then(|e| e.usage) else { return Value::Null };
+        let (input, output) = (u.input_tokens, u.output_tokens);
         json!({
             "prompt_tokens": input, "completion_tokens": output, "total_tokens": input + output,
-            "prompt_tokens_details": {"cached_tokens": n("cached_input_tokens")},
+            "prompt_tokens_details": {"cached_tokens": u.cached_input_tokens.unwrap_or(0)},
         })
     }
 }
 
 /// A streamed completion: `chat.completion.chunk`s, the finish (or an error object, as
 /// OpenAI streams one), the usage chunk when asked for, then `data: [DONE]`.
-fn chunks(events: BoxStream<'static, TurnEvent>, include_usage: bool) -> Response {
+fn chunks(events: BoxStream<'static, StreamEvent>, include_usage: bool) -> Response {
     let chunks = futures::stream::unfold(
         (events, Answer::default(), false),
         move |(mut events, mut a, done)| async move {
@@ -670,7 +667,7 @@ fn chunks(events: BoxStream<'static, TurnEvent>, include_usage: bool) -> Respons
                 let Some(e) = events.next().await else {
                     return Some((end_chunks(&a, include_usage), (events, a, true)));
                 };
-                if let Some(chunk) = a.on(&e) {
+                if let Some(chunk) = a.on(&e.event) {
                     return Some((vec![chunk], (events, a, false)));
                 }
                 if e.is_end() {
@@ -706,10 +703,10 @@ fn end_chunks(a: &Answer, include_usage: bool) -> Vec<Value> {
 }
 
 /// A completion answered whole: `chat.completion`, or the turn's failure as an error.
-async fn completion(mut events: BoxStream<'static, TurnEvent>) -> Result<Response, OaiError> {
+async fn completion(mut events: BoxStream<'static, StreamEvent>) -> Result<Response, OaiError> {
     let mut a = Answer::default();
     while let Some(e) = events.next().await {
-        a.on(&e);
+        a.on(&e.event);
     }
     let finish = a.finish_reason().map_err(|m| OaiError(ApiError::BadGateway(m)))?;
     let mut message = json!({"role": "assistant", "content": a.text, "refusal": null});
@@ -755,6 +752,8 @@ pub async fn models(State(app): State<AppState>, _caller: Caller) -> Json<Value>
 
 #[cfg(test)]
 mod tests {
+    use turnlog_core::stream::{Meta, Text};
+
     use super::*;
 
     fn messages(v: Value) -> Vec<WireMessage> {
@@ -818,7 +817,7 @@ mod tests {
 
     #[test]
     fn a_turn_reads_as_chunks_and_a_completion() {
-        let event = |id: u64, event: &str, data: Value| TurnEvent { id, event: event.into(), data };
+        let event = |_id: u64, event: &str, data: Value| TurnEvent::from_parts(event, data).unwrap();
         let attempt = Uuid::now_v7();
         let mut a = Answer::default();
         let first =
@@ -843,8 +842,57 @@ mod tests {
             (Some(0), &json!(12))
         );
         let mut failed = Answer::default();
-        failed.on(&event(1, "error", json!({"message": "the model gateway answered 500"})));
+        failed.on(&event(
+            1,
+            "error",
+            json!({"code": "upstream_error", "message": "the model gateway answered 500"}),
+        ));
         failed.on(&event(2, "end", json!({"status": "failed"})));
         assert_eq!(end_chunks(&failed, false)[0]["error"]["message"], "the model gateway answered 500");
+    }
+
+    #[test]
+    fn how_a_turn_ended_is_how_its_completion_finishes() {
+        let session = SessionId::new();
+        let attempt = Uuid::now_v7();
+        let meta =
+            Meta { attempt_id: Some(attempt.to_string()), model: Some("m".into()), ..Default::default() };
+        let text = |t: &str| Text { text: t.into() };
+        let fold = |ending: Option<TurnStatus>| {
+            let mut events = vec![
+                TurnEvent::Meta(meta.clone()),
+                TurnEvent::Reasoning(text("hm")),
+                TurnEvent::Delta(text("Hi")),
+            ];
+            events.extend(ending.map(|status| TurnEvent::End(TurnEnd::new(Some(session), status))));
+            let mut a = Answer::default();
+            let chunks: Vec<Value> = events.iter().filter_map(|e| a.on(e)).collect();
+            (a, chunks)
+        };
+        let (stopped, chunks) = fold(Some(TurnStatus::Stopped));
+        let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+        assert_eq!(
+            deltas,
+            [
+                &json!({"role": "assistant", "content": ""}),
+                &json!({"reasoning_content": "hm"}),
+                &json!({"content": "Hi"})
+            ]
+        );
+        assert!(chunks
+            .iter()
+            .all(|c| c["id"] == format!("chatcmpl-{}", attempt.simple()) && c["model"] == "m"));
+        // A stopped answer is an answer: it finishes as `stop`, without usage when none came.
+        let ends = end_chunks(&stopped, true);
+        assert_eq!(ends[0]["choices"][0]["finish_reason"], "stop");
+        assert_eq!(ends[1]["usage"], Value::Null);
+        let (interrupted, _) = fold(Some(TurnStatus::Interrupted));
+        let message = end_chunks(&interrupted, false)[0]["error"]["message"].clone();
+        assert_eq!(
+            message,
+            format!("the answer was interrupted; its partial text is kept in session {session}")
+        );
+        let (cut, _) = fold(None);
+        assert_eq!(end_chunks(&cut, false)[0]["error"]["message"], "the answer failed");
     }
 }

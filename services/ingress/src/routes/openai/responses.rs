@@ -1,6 +1,8 @@
 //! `POST /v1/responses` and friends: a response is one turn's attempt, streamed as
 //! OpenAI's `response.*` events translated from the turn's native events (DESIGN §13).
 
+mod translate;
+
 use std::convert::Infallible;
 
 use axum::extract::State;
@@ -13,24 +15,26 @@ use futures::StreamExt as _;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
-use turnlog_core::events::{BlockType, EventBody, PendingReason};
+use turnlog_core::events::{EventBody, PendingReason, Usage};
 use turnlog_core::ids::SessionId;
 use turnlog_core::request_body::{request_body, RequestParams, StreamOptions};
+use turnlog_core::stream::{FailureCode, Meta, StreamError, Text, TurnEnd, TurnEvent, TurnStatus};
 use turnlog_core::{ChatMessage, Role};
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read::{self, StoredEvent};
 use turnlog_runtime::upstream::{ChatStream, StreamItem};
 use uuid::Uuid;
 
-use super::{conversation_id, message_id, output_message, parse_conversation, parse_response, reasoning_id};
-use super::{list_page, reasoning_item, response_id, user_item, OaiBody, OaiError, OaiPath, OaiQuery};
+use super::{conversation_id, list_page, parse_conversation, parse_response, user_item};
+use super::{OaiBody, OaiError, OaiPath, OaiQuery};
 use crate::auth::Caller;
 
 use crate::routes::forks::fork_request;
 use crate::routes::sessions::owned_session;
 use crate::routes::turns::{begin_turn, follow_local, prepared, ready_for_turns, take_slot, SendMessage};
-use crate::turn::{remote_attempt, remote_stop, remote_stream, TurnEvent, TurnOptions, TurnSlot};
+use crate::turn::{remote_attempt, remote_stop, remote_stream, StreamEvent, TurnOptions, TurnSlot};
 use crate::AppState;
+use translate::{from_log, replay_finished, Echo, Translator};
 
 /// The body of `POST /v1/responses`; fields OpenAI defines that turnlog does not act on
 /// are refused when they would change the answer (`tools`) and ignored otherwise.
@@ -146,32 +150,6 @@ fn user_content(content: Option<&Content>, input: &mut UserInput) -> Result<Stri
     Ok(text)
 }
 
-/// What a created response's object repeats of its request.
-#[derive(Debug, Clone)]
-struct Echo {
-    instructions: Option<String>,
-    previous_response_id: Option<String>,
-    max_output_tokens: Option<u32>,
-    temperature: Option<f64>,
-    top_p: Option<f64>,
-    store: bool,
-    background: bool,
-}
-
-impl Default for Echo {
-    fn default() -> Self {
-        Self {
-            instructions: None,
-            previous_response_id: None,
-            max_output_tokens: None,
-            temperature: None,
-            top_p: None,
-            store: true,
-            background: false,
-        }
-    }
-}
-
 /// Create a model response (OpenAI's Responses API): one turn of a conversation.
 #[utoipa::path(
     post, path = "/v1/responses", tag = "openai", security(("bearer" = [])),
@@ -280,38 +258,55 @@ async fn pass_through(app: &AppState, caller: &Caller, req: CreateResponse) -> R
         OaiError(crate::error::ApiError::Unavailable(e.public_message()))
     })?;
     let attempt = Uuid::now_v7().hyphenated().to_string();
-    let meta =
-        TurnEvent { id: 1, event: "meta".into(), data: json!({"attempt_id": attempt, "model": model}) };
-    let state = Relay { chat, meta: Some(meta), id: 2, usage: None, finish: None, done: false, _slot: slot };
+    let meta = Meta { attempt_id: Some(attempt), model: Some(model), ..Default::default() };
+    let state = Relay {
+        chat,
+        queue: [TurnEvent::Meta(meta)].into(),
+        id: 1,
+        usage: None,
+        finish: None,
+        done: false,
+        _slot: slot,
+    };
     let events = futures::stream::unfold(state, |mut s| async move {
-        if let Some(meta) = s.meta.take() {
-            return Some((meta, s));
-        }
-        if s.done {
-            return None;
-        }
         loop {
-            let (event, data) = match s.chat.next().await {
-                Ok(Some(StreamItem::Text(t))) => ("delta", json!({"text": t})),
-                Ok(Some(StreamItem::Reasoning(t))) => ("reasoning", json!({"text": t})),
+            if let Some(event) = s.queue.pop_front() {
+                let e = StreamEvent { id: s.id, event };
+                s.id += 1;
+                return Some((e, s));
+            }
+            if s.done {
+                return None;
+            }
+            match s.chat.next().await {
+                Ok(Some(StreamItem::Text(text))) => s.queue.push_back(TurnEvent::Delta(Text { text })),
+                Ok(Some(StreamItem::Reasoning(text))) => {
+                    s.queue.push_back(TurnEvent::Reasoning(Text { text }))
+                }
                 Ok(Some(StreamItem::Usage(u))) => {
-                    s.usage =
-                        Some(json!([u.prompt_tokens, u.completion_tokens, u.cached_tokens.unwrap_or(0)]));
-                    continue;
+                    s.usage = Some(Usage {
+                        input_tokens: u64::from(u.prompt_tokens),
+                        output_tokens: u64::from(u.completion_tokens),
+                        cached_input_tokens: u.cached_tokens.map(u64::from),
+                    });
                 }
-                Ok(Some(StreamItem::Finish(f))) => {
-                    s.finish = Some(f);
-                    continue;
-                }
+                Ok(Some(StreamItem::Finish(f))) => s.finish = Some(f),
                 Ok(None) => {
-                    ("end", json!({"status": "completed", "finish_reason": s.finish, "usage": s.usage}))
+                    let end = TurnEnd {
+                        usage: s.usage,
+                        finish_reason: Some(s.finish.take()),
+                        ..TurnEnd::new(None, TurnStatus::Completed)
+                    };
+                    s.queue.push_back(TurnEvent::End(end));
+                    s.done = true;
                 }
-                Err(e) => ("end", json!({"status": "failed", "message": e.public_message()})),
-            };
-            s.done = event == "end";
-            let e = TurnEvent { id: s.id, event: event.into(), data };
-            s.id += 1;
-            return Some((e, s));
+                Err(e) => {
+                    let error = StreamError { code: FailureCode::UpstreamError, message: e.public_message() };
+                    s.queue.push_back(TurnEvent::Error(error));
+                    s.queue.push_back(TurnEvent::End(TurnEnd::new(None, TurnStatus::Failed)));
+                    s.done = true;
+                }
+            }
         }
     });
     let echo = Echo { store: false, ..echo_of(&req) };
@@ -325,10 +320,13 @@ async fn pass_through(app: &AppState, caller: &Caller, req: CreateResponse) -> R
 /// A gateway's stream read as a turn's native events (`store: false`).
 struct Relay {
     chat: ChatStream,
-    meta: Option<TurnEvent>,
+    /// Events read and not yet given out.
+    queue: std::collections::VecDeque<TurnEvent>,
+    /// The next event's id.
     id: u64,
-    usage: Option<Value>,
+    usage: Option<Usage>,
     finish: Option<String>,
+    /// The gateway's stream is over.
     done: bool,
     /// The owner's turn slot, given back when the relay ends or its client leaves.
     _slot: TurnSlot,
@@ -539,7 +537,11 @@ pub async fn input_items(
     let (session, after_question) = match locate(&app, &caller, &parse_response(&id)?).await? {
         Located::Running(session, mut events) => {
             let meta = events.next().await;
-            (session, meta.and_then(|m| m.data["user_seq"].as_i64()).unwrap_or(0) + 1)
+            let user_seq = meta.and_then(|m| match m.event {
+                TurnEvent::Meta(m) => m.user_seq,
+                _ => None,
+            });
+            (session, user_seq.unwrap_or(0) + 1)
         }
         Located::Stored(event) => (SessionId(event.session_id), event.seq),
     };
@@ -555,7 +557,7 @@ pub async fn input_items(
 /// Where a response is: running (on this copy or another), with its session and its native
 /// events from the first; or stored, by its attempt's newest event.
 enum Located {
-    Running(SessionId, BoxStream<'static, TurnEvent>),
+    Running(SessionId, BoxStream<'static, StreamEvent>),
     Stored(StoredEvent),
 }
 
@@ -577,7 +579,8 @@ async fn locate(app: &AppState, caller: &Caller, attempt: &str) -> Result<Locate
         if let Some(events) = remote_stream(app, session, 0).await {
             let mut events = events.boxed().peekable();
             let first = std::pin::Pin::new(&mut events).peek().await;
-            if first.is_some_and(|m| m.data["attempt_id"] == attempt) {
+            let ours = |e: &StreamEvent| matches!(&e.event, TurnEvent::Meta(m) if m.attempt_id.as_deref() == Some(attempt));
+            if first.is_some_and(ours) {
                 return Ok(Located::Running(session, events.boxed()));
             }
         }
@@ -590,398 +593,46 @@ fn is_outcome(event: &StoredEvent) -> bool {
     event.kind != "pending_state" || event.payload.get("reason").is_some_and(|r| !r.is_null())
 }
 
-/// A response's object read from its attempt's newest event.
-fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
-    let session = SessionId(event.session_id);
-    let body = EventBody::decode_str(&event.kind, &event.payload, event.seq).ok();
-    let mut r = Snapshot::new(String::new(), session, echo.clone());
-    match body {
-        Some(EventBody::AssistantTurn(a)) => {
-            r.set_attempt(a.attempt_id.as_deref());
-            r.model = a.model.clone().unwrap_or_default();
-            for b in &a.ui.blocks {
-                if b.kind == BlockType::Reasoning {
-                    r.reasoning.push_str(b.text.as_deref().unwrap_or_default());
-                }
-            }
-            r.text = a.ui_text();
-            r.usage = a.usage.map(|u| (u.input_tokens, u.output_tokens, u.cached_input_tokens.unwrap_or(0)));
-            let length = a.finish_reason.as_deref() == Some("length");
-            r.finish(if length { Status::Incomplete(Some("max_output_tokens")) } else { Status::Completed })
-        }
-        Some(EventBody::PendingState(p)) => {
-            r.set_attempt(p.attempt_id.as_deref());
-            r.model = p.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
-            r.text = p.partial;
-            match p.reason {
-                Some(PendingReason::Stopped) => r.finish(Status::Cancelled),
-                _ => r.finish(Status::Incomplete(None)),
-            }
-        }
-        Some(EventBody::TurnFailed(f)) => {
-            r.set_attempt(f.attempt_id.as_deref());
-            r.model = f.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
-            if f.code == "interrupted" && f.message.starts_with("stopped") {
-                r.finish(Status::Cancelled)
-            } else {
-                r.finish(Status::Failed(f.message))
-            }
-        }
-        _ => r.finish(Status::Failed("the response could not be read".into())),
-    }
-}
-
-/// The events of a finished response, as a re-attach replays them.
-fn replay_finished(response: Value) -> Vec<Value> {
-    let mut events = vec![
-        json!({"type": "response.created", "response": in_progress(&response)}),
-        json!({"type": "response.in_progress", "response": in_progress(&response)}),
-    ];
-    let items = response["output"].as_array().cloned().unwrap_or_default();
-    for (index, item) in items.iter().enumerate() {
-        let id = item["id"].clone();
-        let mut added = item.clone();
-        added["status"] = json!("in_progress");
-        if added["type"] == "message" {
-            added["content"] = json!([]);
-        }
-        events.push(json!({"type": "response.output_item.added", "output_index": index, "item": added}));
-        let part = &item["content"][0];
-        let text = part["text"].clone();
-        let (part_type, delta_type, done_type) = if item["type"] == "reasoning" {
-            ("reasoning_text", "response.reasoning_text.delta", "response.reasoning_text.done")
-        } else {
-            ("output_text", "response.output_text.delta", "response.output_text.done")
-        };
-        events.push(json!({"type": "response.content_part.added", "item_id": id, "output_index": index,
-            "content_index": 0, "part": empty_part(part_type)}));
-        let mut delta = json!({"type": delta_type, "item_id": id, "output_index": index, "content_index": 0, "delta": text});
-        let mut done = json!({"type": done_type, "item_id": id, "output_index": index, "content_index": 0, "text": text});
-        if part_type == "output_text" {
-            delta["logprobs"] = json!([]);
-            done["logprobs"] = json!([]);
-        }
-        events.push(delta);
-        events.push(done);
-        events.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": index,
-            "content_index": 0, "part": part}));
-        events.push(json!({"type": "response.output_item.done", "output_index": index, "item": item}));
-    }
-    events.push(json!({"type": terminal_type(&response), "response": response}));
-    events
-}
-
-fn empty_part(kind: &str) -> Value {
-    match kind {
-        "output_text" => json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []}),
-        _ => json!({"type": kind, "text": ""}),
-    }
-}
-
-fn in_progress(response: &Value) -> Value {
-    let mut r = response.clone();
-    r["status"] = json!("in_progress");
-    r["output"] = json!([]);
-    r["usage"] = Value::Null;
-    r["error"] = Value::Null;
-    r["incomplete_details"] = Value::Null;
-    r
-}
-
-fn terminal_type(response: &Value) -> &'static str {
-    match response["status"].as_str() {
-        Some("completed") => "response.completed",
-        Some("failed") => "response.failed",
-        _ => "response.incomplete",
-    }
-}
-
-enum Status {
-    Completed,
-    Cancelled,
-    Incomplete(Option<&'static str>),
-    Failed(String),
-}
-
-/// A response as it stands: what its object is built from.
-struct Snapshot {
-    owner: String,
-    session: SessionId,
-    attempt: Option<Uuid>,
-    model: String,
-    text: String,
-    reasoning: String,
-    usage: Option<(u64, u64, u64)>,
-    echo: Echo,
-    message_item: String,
-    reasoning_item: String,
-}
-
-impl Snapshot {
-    fn new(owner: String, session: SessionId, echo: Echo) -> Self {
-        Self {
-            owner,
-            session,
-            attempt: None,
-            model: String::new(),
-            text: String::new(),
-            reasoning: String::new(),
-            usage: None,
-            echo,
-            message_item: message_id(Uuid::nil()),
-            reasoning_item: reasoning_id(Uuid::nil()),
-        }
-    }
-
-    fn attempt(&self) -> Uuid {
-        self.attempt.unwrap_or_default()
-    }
-
-    /// Names the attempt, and with it the ids of its items (made once, not per delta).
-    fn set_attempt(&mut self, attempt: Option<&str>) {
-        self.attempt = attempt.and_then(|a| Uuid::parse_str(a).ok());
-        self.message_item = message_id(self.attempt());
-        self.reasoning_item = reasoning_id(self.attempt());
-    }
-
-    fn message_id(&self) -> &str {
-        &self.message_item
-    }
-
-    fn reasoning_id(&self) -> &str {
-        &self.reasoning_item
-    }
-
-    /// The object with `status` and the output so far.
-    fn object(&self, status: &str, output: Vec<Value>) -> Value {
-        let attempt = self.attempt();
-        let created_at = attempt.get_timestamp().map_or(0, |t| t.to_unix().0);
-        let usage = self.usage.map(|(input, output, cached)| {
-            json!({
-                "input_tokens": input,
-                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-                "output_tokens": output,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": input + output,
-            })
-        });
-        json!({
-            "id": response_id(attempt),
-            "object": "response",
-            "created_at": created_at,
-            "status": status,
-            "background": self.echo.background,
-            "error": null,
-            "incomplete_details": null,
-            "instructions": self.echo.instructions,
-            "max_output_tokens": self.echo.max_output_tokens,
-            "model": self.model,
-            "output": output,
-            "parallel_tool_calls": false,
-            "previous_response_id": self.echo.previous_response_id,
-            "reasoning": {"effort": null, "summary": null},
-            "store": self.echo.store,
-            "temperature": self.echo.temperature,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": "auto",
-            "tools": [],
-            "top_p": self.echo.top_p,
-            "truncation": "disabled",
-            "usage": usage,
-            "metadata": {},
-            // A stored response's conversation; none for `store: false`.
-            "conversation": self.echo.store.then(|| json!({"id": conversation_id(self.session)})),
-        })
-    }
-
-    /// The finished object.
-    fn finish(&self, status: Status) -> Value {
-        let item_status = if matches!(status, Status::Completed) { "completed" } else { "incomplete" };
-        let mut output = Vec::new();
-        if !self.reasoning.is_empty() {
-            output.push(reasoning_item(self.reasoning_id(), &self.reasoning));
-        }
-        if !self.text.is_empty() {
-            output.push(output_message(self.message_id(), &self.text, item_status));
-        }
-        let (name, details, error) = match status {
-            Status::Completed => ("completed", Value::Null, Value::Null),
-            Status::Cancelled => ("cancelled", Value::Null, Value::Null),
-            Status::Incomplete(reason) => ("incomplete", json!({ "reason": reason }), Value::Null),
-            Status::Failed(message) => {
-                ("failed", Value::Null, json!({"code": "server_error", "message": message}))
-            }
-        };
-        let mut r = self.object(name, output);
-        r["incomplete_details"] = details;
-        r["error"] = error;
-        r
-    }
-}
-
-/// Which item the stream has open.
-#[derive(PartialEq)]
-enum Open {
-    None,
-    Reasoning,
-    Message,
-}
-
 /// The native events of a turn as OpenAI's `response.*` events (without their
 /// `sequence_number`, which [`sse`] numbers: a pure function of the native events, so a
 /// re-attach from the turn's first event numbers them alike). Ends with the terminal event,
-/// whose response is read back from the log (usage included).
+/// whose response is read back from the log (usage included) when the `end` names the
+/// turn's outcome: the one read here; the rest is [`Translator`]'s.
 fn translate(
     app: AppState,
     owner: String,
-    events: BoxStream<'static, TurnEvent>,
+    events: BoxStream<'static, StreamEvent>,
     echo: Echo,
 ) -> BoxStream<'static, Value> {
-    let translator = Translator {
-        app,
-        r: Snapshot::new(owner, SessionId(Uuid::nil()), echo),
-        open: Open::None,
-        index: 0,
-        failure: None,
-        events,
-    };
-    futures::stream::unfold(translator, |mut t| async move {
-        let e = t.events.next().await?;
-        let out = t.on(e).await;
-        Some((futures::stream::iter(out), t))
+    let state = (Translator::new(echo), events, app, owner);
+    futures::stream::unfold(state, |(mut t, mut events, app, owner)| async move {
+        let e = events.next().await?;
+        let out = match &e.event {
+            TurnEvent::End(end) => {
+                let stored = stored_outcome(&app, &owner, t.session(), end, t.echo()).await;
+                t.end(end, stored)
+            }
+            event => t.on(event),
+        };
+        Some((futures::stream::iter(out), (t, events, app, owner)))
     })
     .flatten()
     .boxed()
 }
 
-/// [`translate`]'s state: the response so far and the item the stream has open.
-struct Translator {
-    app: AppState,
-    r: Snapshot,
-    open: Open,
-    index: usize,
-    failure: Option<String>,
-    events: BoxStream<'static, TurnEvent>,
-}
-
-impl Translator {
-    /// The OpenAI events of one native event.
-    async fn on(&mut self, e: TurnEvent) -> Vec<Value> {
-        let Self { app, r, open, index, failure, .. } = self;
-        let mut out = Vec::new();
-        match e.event.as_str() {
-            "meta" => {
-                r.session = e.data["session_id"].as_str().and_then(|s| s.parse().ok()).unwrap_or(r.session);
-                r.set_attempt(e.data["attempt_id"].as_str());
-                r.model = e.data["model"].as_str().unwrap_or_default().to_owned();
-                let created = r.object("in_progress", Vec::new());
-                out.push(json!({"type": "response.created", "response": created}));
-                out.push(
-                    json!({"type": "response.in_progress", "response": r.object("in_progress", Vec::new())}),
-                );
-            }
-            "reasoning" if *open != Open::Message => {
-                let delta = e.data["text"].as_str().unwrap_or_default();
-                if *open == Open::None {
-                    let item = json!({"type": "reasoning", "id": r.reasoning_id(), "summary": [], "content": [], "status": "in_progress"});
-                    out.push(
-                        json!({"type": "response.output_item.added", "output_index": *index, "item": item}),
-                    );
-                    out.push(json!({"type": "response.content_part.added", "item_id": r.reasoning_id(),
-                        "output_index": *index, "content_index": 0, "part": empty_part("reasoning_text")}));
-                    *open = Open::Reasoning;
-                }
-                r.reasoning.push_str(delta);
-                out.push(json!({"type": "response.reasoning_text.delta", "item_id": r.reasoning_id(),
-                    "output_index": *index, "content_index": 0, "delta": delta}));
-            }
-            "delta" => {
-                let delta = e.data["text"].as_str().unwrap_or_default();
-                if *open == Open::Reasoning {
-                    close_reasoning(r, *index, &mut out);
-                    *index += 1;
-                }
-                if *open != Open::Message {
-                    let item = json!({"type": "message", "id": r.message_id(), "role": "assistant", "status": "in_progress", "content": []});
-                    out.push(
-                        json!({"type": "response.output_item.added", "output_index": *index, "item": item}),
-                    );
-                    out.push(json!({"type": "response.content_part.added", "item_id": r.message_id(),
-                        "output_index": *index, "content_index": 0, "part": empty_part("output_text")}));
-                    *open = Open::Message;
-                }
-                r.text.push_str(delta);
-                out.push(json!({"type": "response.output_text.delta", "item_id": r.message_id(),
-                    "output_index": *index, "content_index": 0, "delta": delta, "logprobs": []}));
-            }
-            "error" => *failure = e.data["message"].as_str().map(str::to_owned),
-            "end" => {
-                let stored = stored_outcome(app, r, &e.data).await;
-                let response = stored.unwrap_or_else(|| {
-                    // Not from the log (`store: false`): the end carries the usage.
-                    if let Some(u) = e.data["usage"].as_array() {
-                        let n = |k: usize| u.get(k).and_then(Value::as_u64).unwrap_or(0);
-                        r.usage = Some((n(0), n(1), n(2)));
-                    }
-                    let length = e.data["finish_reason"] == "length";
-                    let status = match e.data["status"].as_str() {
-                        Some("completed") if length => Status::Incomplete(Some("max_output_tokens")),
-                        Some("completed") => Status::Completed,
-                        Some("stopped") => Status::Cancelled,
-                        Some("interrupted") => Status::Incomplete(None),
-                        _ => Status::Failed(
-                            failure
-                                .clone()
-                                .or_else(|| e.data["message"].as_str().map(str::to_owned))
-                                .unwrap_or_else(|| "the response failed".into()),
-                        ),
-                    };
-                    r.finish(status)
-                });
-                let item_status = if response["status"] == "completed" { "completed" } else { "incomplete" };
-                match open {
-                    Open::Reasoning => close_reasoning(r, *index, &mut out),
-                    Open::Message => {
-                        let id = r.message_id();
-                        let part =
-                            json!({"type": "output_text", "text": r.text, "annotations": [], "logprobs": []});
-                        out.push(
-                            json!({"type": "response.output_text.done", "item_id": id, "output_index": *index,
-                            "content_index": 0, "text": r.text, "logprobs": []}),
-                        );
-                        out.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": *index,
-                            "content_index": 0, "part": part}));
-                        out.push(json!({"type": "response.output_item.done", "output_index": *index,
-                            "item": output_message(id, &r.text, item_status)}));
-                    }
-                    Open::None => {}
-                }
-                out.push(json!({"type": terminal_type(&response), "response": response}));
-            }
-            _ => {}
-        }
-        out
-    }
-}
-
-fn close_reasoning(r: &Snapshot, index: usize, out: &mut Vec<Value>) {
-    let id = r.reasoning_id();
-    let part = json!({"type": "reasoning_text", "text": r.reasoning});
-    out.push(json!({"type": "response.reasoning_text.done", "item_id": id, "output_index": index,
-        "content_index": 0, "text": r.reasoning}));
-    out.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": index,
-        "content_index": 0, "part": part}));
-    out.push(json!({"type": "response.output_item.done", "output_index": index,
-        "item": reasoning_item(id, &r.reasoning)}));
-}
-
 /// The response object of a turn's stored outcome (the `end` names its seq), with the
-/// request's echo; None when it cannot be read.
-async fn stored_outcome(app: &AppState, r: &Snapshot, end: &Value) -> Option<Value> {
-    let seq = ["assistant_seq", "pending_seq", "failed_seq"].iter().find_map(|k| end[*k].as_i64())?;
-    let event = read::event_at(&app.pool, &r.owner, r.session, seq).await.ok()??;
-    let mut response = from_log(&event, &r.echo);
-    response["conversation"] = json!({"id": conversation_id(r.session)});
+/// request's echo; None when there is none or it cannot be read.
+async fn stored_outcome(
+    app: &AppState,
+    owner: &str,
+    session: SessionId,
+    end: &TurnEnd,
+    echo: &Echo,
+) -> Option<Value> {
+    let seq = end.outcome?.seq();
+    let event = read::event_at(&app.pool, owner, session, seq).await.ok()??;
+    let mut response = from_log(&event, echo);
+    response["conversation"] = json!({"id": conversation_id(session)});
     Some(response)
 }
 

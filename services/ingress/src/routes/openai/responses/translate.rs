@@ -1,0 +1,602 @@
+//! A response as OpenAI's objects and `response.*` events, from a turn's native events
+//! (live) or from its outcome in the log (finished): pure translation, no I/O. Which
+//! events a response is made of, and where its stored outcome is read, is the routes'.
+
+use serde_json::{json, Value};
+use turnlog_core::events::{BlockType, EventBody};
+use turnlog_core::ids::SessionId;
+use turnlog_core::stream::{turn_end_from_log, Text, TurnEnd, TurnEvent, TurnStatus};
+use turnlog_runtime::read::StoredEvent;
+use uuid::Uuid;
+
+use crate::routes::openai::{
+    conversation_id, message_id, output_message, reasoning_id, reasoning_item, response_id,
+};
+
+/// What a created response's object repeats of its request.
+#[derive(Debug, Clone)]
+pub(super) struct Echo {
+    pub instructions: Option<String>,
+    pub previous_response_id: Option<String>,
+    pub max_output_tokens: Option<u32>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub store: bool,
+    pub background: bool,
+}
+
+impl Default for Echo {
+    fn default() -> Self {
+        Self {
+            instructions: None,
+            previous_response_id: None,
+            max_output_tokens: None,
+            temperature: None,
+            top_p: None,
+            store: true,
+            background: false,
+        }
+    }
+}
+
+/// A response's object read from its attempt's newest event; how it ended is the log's
+/// word ([`turn_end_from_log`]).
+pub(super) fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
+    let session = SessionId(event.session_id);
+    let mut r = Snapshot::new(session, echo.clone());
+    let unreadable = || Status::Failed("the response could not be read".into());
+    let Ok(e) = event.decode() else { return r.finish(unreadable()) };
+    let (length, failure) = match &e.body {
+        EventBody::AssistantTurn(a) => {
+            r.set_attempt(a.attempt_id.as_deref());
+            r.model = a.model.clone().unwrap_or_default();
+            for b in &a.ui.blocks {
+                if b.kind == BlockType::Reasoning {
+                    r.reasoning.push_str(b.text.as_deref().unwrap_or_default());
+                }
+            }
+            r.text = a.ui_text();
+            r.usage = a.usage.map(|u| (u.input_tokens, u.output_tokens, u.cached_input_tokens.unwrap_or(0)));
+            (a.finish_reason.as_deref() == Some("length"), None)
+        }
+        EventBody::PendingState(p) => {
+            r.set_attempt(p.attempt_id.as_deref());
+            r.model = p.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
+            r.text = p.partial.clone();
+            (false, None)
+        }
+        EventBody::TurnFailed(f) => {
+            r.set_attempt(f.attempt_id.as_deref());
+            r.model = f.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
+            (false, Some(f.message.clone()))
+        }
+        _ => return r.finish(unreadable()),
+    };
+    let end = turn_end_from_log(session, [&e]);
+    r.finish(Status::of(end.status, length, failure))
+}
+
+/// The events of a finished response, as a re-attach replays them.
+pub(super) fn replay_finished(response: Value) -> Vec<Value> {
+    let mut events = vec![
+        json!({"type": "response.created", "response": in_progress(&response)}),
+        json!({"type": "response.in_progress", "response": in_progress(&response)}),
+    ];
+    let items = response["output"].as_array().cloned().unwrap_or_default();
+    for (index, item) in items.iter().enumerate() {
+        let id = item["id"].clone();
+        let mut added = item.clone();
+        added["status"] = json!("in_progress");
+        if added["type"] == "message" {
+            added["content"] = json!([]);
+        }
+        events.push(json!({"type": "response.output_item.added", "output_index": index, "item": added}));
+        let part = &item["content"][0];
+        let text = part["text"].clone();
+        let (part_type, delta_type, done_type) = if item["type"] == "reasoning" {
+            ("reasoning_text", "response.reasoning_text.delta", "response.reasoning_text.done")
+        } else {
+            ("output_text", "response.output_text.delta", "response.output_text.done")
+        };
+        events.push(json!({"type": "response.content_part.added", "item_id": id, "output_index": index,
+            "content_index": 0, "part": empty_part(part_type)}));
+        let mut delta = json!({"type": delta_type, "item_id": id, "output_index": index, "content_index": 0, "delta": text});
+        let mut done = json!({"type": done_type, "item_id": id, "output_index": index, "content_index": 0, "text": text});
+        if part_type == "output_text" {
+            delta["logprobs"] = json!([]);
+            done["logprobs"] = json!([]);
+        }
+        events.push(delta);
+        events.push(done);
+        events.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": index,
+            "content_index": 0, "part": part}));
+        events.push(json!({"type": "response.output_item.done", "output_index": index, "item": item}));
+    }
+    events.push(json!({"type": terminal_type(&response), "response": response}));
+    events
+}
+
+fn empty_part(kind: &str) -> Value {
+    match kind {
+        "output_text" => json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []}),
+        _ => json!({"type": kind, "text": ""}),
+    }
+}
+
+fn in_progress(response: &Value) -> Value {
+    let mut r = response.clone();
+    r["status"] = json!("in_progress");
+    r["output"] = json!([]);
+    r["usage"] = Value::Null;
+    r["error"] = Value::Null;
+    r["incomplete_details"] = Value::Null;
+    r
+}
+
+fn terminal_type(response: &Value) -> &'static str {
+    match response["status"].as_str() {
+        Some("completed") => "response.completed",
+        Some("failed") => "response.failed",
+        _ => "response.incomplete",
+    }
+}
+
+enum Status {
+    Completed,
+    Cancelled,
+    Incomplete(Option<&'static str>),
+    Failed(String),
+}
+
+impl Status {
+    /// OpenAI's status of a turn that ended `status` (DESIGN §13): stopped is `cancelled`;
+    /// interrupted, or cut at the output cap (`length`), `incomplete`; a failure says why.
+    fn of(status: TurnStatus, length: bool, failure: Option<String>) -> Self {
+        match status {
+            TurnStatus::Completed if length => Status::Incomplete(Some("max_output_tokens")),
+            TurnStatus::Completed => Status::Completed,
+            TurnStatus::Stopped => Status::Cancelled,
+            TurnStatus::Interrupted => Status::Incomplete(None),
+            TurnStatus::Failed => Status::Failed(failure.unwrap_or_else(|| "the response failed".into())),
+        }
+    }
+}
+
+/// A response as it stands: what its object is built from.
+struct Snapshot {
+    session: SessionId,
+    attempt: Option<Uuid>,
+    model: String,
+    text: String,
+    reasoning: String,
+    usage: Option<(u64, u64, u64)>,
+    echo: Echo,
+    message_item: String,
+    reasoning_item: String,
+}
+
+impl Snapshot {
+    fn new(session: SessionId, echo: Echo) -> Self {
+        Self {
+            session,
+            attempt: None,
+            model: String::new(),
+            text: String::new(),
+            reasoning: String::new(),
+            usage: None,
+            echo,
+            message_item: message_id(Uuid::nil()),
+            reasoning_item: reasoning_id(Uuid::nil()),
+        }
+    }
+
+    fn attempt(&self) -> Uuid {
+        self.attempt.unwrap_or_default()
+    }
+
+    /// Names the attempt, and with it the ids of its items (made once, not per delta).
+    fn set_attempt(&mut self, attempt: Option<&str>) {
+        self.attempt = attempt.and_then(|a| Uuid::parse_str(a).ok());
+        self.message_item = message_id(self.attempt());
+        self.reasoning_item = reasoning_id(self.attempt());
+    }
+
+    fn message_id(&self) -> &str {
+        &self.message_item
+    }
+
+    fn reasoning_id(&self) -> &str {
+        &self.reasoning_item
+    }
+
+    /// The object with `status` and the output so far.
+    fn object(&self, status: &str, output: Vec<Value>) -> Value {
+        let attempt = self.attempt();
+        let created_at = attempt.get_timestamp().map_or(0, |t| t.to_unix().0);
+        let usage = self.usage.map(|(input, output, cached)| {
+            json!({
+                "input_tokens": input,
+                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+                "output_tokens": output,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": input + output,
+            })
+        });
+        json!({
+            "id": response_id(attempt),
+            "object": "response",
+            "created_at": created_at,
+            "status": status,
+            "background": self.echo.background,
+            "error": null,
+            "incomplete_details": null,
+            "instructions": self.echo.instructions,
+            "max_output_tokens": self.echo.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": false,
+            "previous_response_id": self.echo.previous_response_id,
+            "reasoning": {"effort": null, "summary": null},
+            "store": self.echo.store,
+            "temperature": self.echo.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": self.echo.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "metadata": {},
+            // A stored response's conversation; none for `store: false`.
+            "conversation": self.echo.store.then(|| json!({"id": conversation_id(self.session)})),
+        })
+    }
+
+    /// The finished object.
+    fn finish(&self, status: Status) -> Value {
+        let item_status = if matches!(status, Status::Completed) { "completed" } else { "incomplete" };
+        let mut output = Vec::new();
+        if !self.reasoning.is_empty() {
+            output.push(reasoning_item(self.reasoning_id(), &self.reasoning));
+        }
+        if !self.text.is_empty() {
+            output.push(output_message(self.message_id(), &self.text, item_status));
+        }
+        let (name, details, error) = match status {
+            Status::Completed => ("completed", Value::Null, Value::Null),
+            Status::Cancelled => ("cancelled", Value::Null, Value::Null),
+            Status::Incomplete(reason) => ("incomplete", json!({ "reason": reason }), Value::Null),
+            Status::Failed(message) => {
+                ("failed", Value::Null, json!({"code": "server_error", "message": message}))
+            }
+        };
+        let mut r = self.object(name, output);
+        r["incomplete_details"] = details;
+        r["error"] = error;
+        r
+    }
+}
+
+/// Which item the stream has open.
+#[derive(PartialEq)]
+enum Open {
+    None,
+    Reasoning,
+    Message,
+}
+
+/// A turn's native events folded into OpenAI's `response.*` events: the response so far
+/// and the item the stream has open. Pure: what it needs of the log is handed to [`Self::end`].
+pub(super) struct Translator {
+    r: Snapshot,
+    open: Open,
+    index: usize,
+    failure: Option<String>,
+}
+
+impl Translator {
+    pub(super) fn new(echo: Echo) -> Self {
+        Self { r: Snapshot::new(SessionId(Uuid::nil()), echo), open: Open::None, index: 0, failure: None }
+    }
+
+    /// The session the response runs in (once the `meta` named it).
+    pub(super) fn session(&self) -> SessionId {
+        self.r.session
+    }
+
+    pub(super) fn echo(&self) -> &Echo {
+        &self.r.echo
+    }
+
+    /// The OpenAI events of one native event.
+    pub(super) fn on(&mut self, e: &TurnEvent) -> Vec<Value> {
+        let Self { r, open, index, failure } = self;
+        let mut out = Vec::new();
+        match e {
+            TurnEvent::Meta(m) => {
+                r.session = m.session_id.unwrap_or(r.session);
+                r.set_attempt(m.attempt_id.as_deref());
+                r.model = m.model.clone().unwrap_or_default();
+                let created = r.object("in_progress", Vec::new());
+                out.push(json!({"type": "response.created", "response": created}));
+                out.push(
+                    json!({"type": "response.in_progress", "response": r.object("in_progress", Vec::new())}),
+                );
+            }
+            TurnEvent::Reasoning(Text { text: delta }) if *open != Open::Message => {
+                if *open == Open::None {
+                    let item = json!({"type": "reasoning", "id": r.reasoning_id(), "summary": [], "content": [], "status": "in_progress"});
+                    out.push(
+                        json!({"type": "response.output_item.added", "output_index": *index, "item": item}),
+                    );
+                    out.push(json!({"type": "response.content_part.added", "item_id": r.reasoning_id(),
+                        "output_index": *index, "content_index": 0, "part": empty_part("reasoning_text")}));
+                    *open = Open::Reasoning;
+                }
+                r.reasoning.push_str(delta);
+                out.push(json!({"type": "response.reasoning_text.delta", "item_id": r.reasoning_id(),
+                    "output_index": *index, "content_index": 0, "delta": delta}));
+            }
+            TurnEvent::Reasoning(_) => {}
+            TurnEvent::Delta(Text { text: delta }) => {
+                if *open == Open::Reasoning {
+                    close_reasoning(r, *index, &mut out);
+                    *index += 1;
+                }
+                if *open != Open::Message {
+                    let item = json!({"type": "message", "id": r.message_id(), "role": "assistant", "status": "in_progress", "content": []});
+                    out.push(
+                        json!({"type": "response.output_item.added", "output_index": *index, "item": item}),
+                    );
+                    out.push(json!({"type": "response.content_part.added", "item_id": r.message_id(),
+                        "output_index": *index, "content_index": 0, "part": empty_part("output_text")}));
+                    *open = Open::Message;
+                }
+                r.text.push_str(delta);
+                out.push(json!({"type": "response.output_text.delta", "item_id": r.message_id(),
+                    "output_index": *index, "content_index": 0, "delta": delta, "logprobs": []}));
+            }
+            TurnEvent::Error(e) => *failure = Some(e.message.clone()),
+            TurnEvent::End(end) => return self.end(end, None),
+        }
+        out
+    }
+
+    /// The events that close the response: its open item's, then the terminal one, whose
+    /// response is `stored` (read from the log by the outcome's seq) when there is one, else
+    /// built from the stream and the `end` (`store: false`, or a log that could not be read).
+    pub(super) fn end(&mut self, end: &TurnEnd, stored: Option<Value>) -> Vec<Value> {
+        let Self { r, open, index, failure } = self;
+        let mut out = Vec::new();
+        let response = stored.unwrap_or_else(|| {
+            if let Some(u) = end.usage {
+                r.usage = Some((u.input_tokens, u.output_tokens, u.cached_input_tokens.unwrap_or(0)));
+            }
+            r.finish(Status::of(end.status, end.hit_length(), failure.clone()))
+        });
+        let item_status = if response["status"] == "completed" { "completed" } else { "incomplete" };
+        match open {
+            Open::Reasoning => close_reasoning(r, *index, &mut out),
+            Open::Message => {
+                let id = r.message_id();
+                let part = json!({"type": "output_text", "text": r.text, "annotations": [], "logprobs": []});
+                out.push(json!({"type": "response.output_text.done", "item_id": id, "output_index": *index,
+                    "content_index": 0, "text": r.text, "logprobs": []}));
+                out.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": *index,
+                    "content_index": 0, "part": part}));
+                out.push(json!({"type": "response.output_item.done", "output_index": *index,
+                    "item": output_message(id, &r.text, item_status)}));
+            }
+            Open::None => {}
+        }
+        out.push(json!({"type": terminal_type(&response), "response": response}));
+        out
+    }
+}
+
+fn close_reasoning(r: &Snapshot, index: usize, out: &mut Vec<Value>) {
+    let id = r.reasoning_id();
+    let part = json!({"type": "reasoning_text", "text": r.reasoning});
+    out.push(json!({"type": "response.reasoning_text.done", "item_id": id, "output_index": index,
+        "content_index": 0, "text": r.reasoning}));
+    out.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": index,
+        "content_index": 0, "part": part}));
+    out.push(json!({"type": "response.output_item.done", "output_index": index,
+        "item": reasoning_item(id, &r.reasoning)}));
+}
+
+#[cfg(test)]
+mod tests {
+    use chrono::Utc;
+    use turnlog_core::events::Usage;
+    use turnlog_core::stream::{FailureCode, Meta, OutcomeEvent, StreamError, STOPPED_BEFORE_TEXT};
+
+    use super::*;
+
+    fn meta(attempt: Uuid) -> TurnEvent {
+        TurnEvent::Meta(Meta {
+            session_id: Some(SessionId(Uuid::nil())),
+            user_seq: Some(2),
+            attempt_id: Some(attempt.to_string()),
+            model: Some("m".into()),
+        })
+    }
+
+    fn text(t: &str) -> Text {
+        Text { text: t.into() }
+    }
+
+    /// Feeds `events` to a translator as [`translate`] does, with nothing stored.
+    fn translated(events: &[TurnEvent]) -> Vec<Value> {
+        let mut t = Translator::new(Echo::default());
+        events.iter().flat_map(|e| t.on(e)).collect()
+    }
+
+    fn types(events: &[Value]) -> Vec<&str> {
+        events.iter().map(|e| e["type"].as_str().unwrap_or_default()).collect()
+    }
+
+    #[test]
+    fn a_turn_streams_as_reasoning_then_a_message() {
+        let attempt = Uuid::now_v7();
+        let usage = Usage { input_tokens: 10, output_tokens: 4, cached_input_tokens: Some(8) };
+        let end = TurnEnd {
+            usage: Some(usage),
+            finish_reason: Some(Some("stop".into())),
+            ..TurnEnd::new(Some(SessionId(Uuid::nil())), TurnStatus::Completed)
+        };
+        let out = translated(&[
+            meta(attempt),
+            TurnEvent::Reasoning(text("hm")),
+            TurnEvent::Delta(text("Hel")),
+            TurnEvent::Reasoning(text("ignored once the message is open")),
+            TurnEvent::Delta(text("lo")),
+            TurnEvent::End(end),
+        ]);
+        assert_eq!(
+            types(&out),
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.output_item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "response.completed",
+            ]
+        );
+        assert_eq!(out[0]["response"]["id"], response_id(attempt));
+        assert_eq!(out[0]["response"]["status"], "in_progress");
+        assert_eq!(out[4]["item_id"], reasoning_id(attempt));
+        assert_eq!((&out[10]["item_id"], &out[10]["output_index"]), (&json!(message_id(attempt)), &json!(1)));
+        assert_eq!(out[12]["text"], "Hello");
+        let response = &out[15]["response"];
+        assert_eq!(response["status"], "completed");
+        assert_eq!(response["output"][0]["type"], "reasoning");
+        assert_eq!(response["output"][1]["content"][0]["text"], "Hello");
+        assert_eq!(response["usage"]["input_tokens_details"]["cached_tokens"], 8);
+        assert_eq!(response["usage"]["total_tokens"], 14);
+    }
+
+    #[test]
+    fn how_a_turn_ended_is_the_response_status() {
+        let s = Some(SessionId(Uuid::nil()));
+        let end = |status, finish: Option<&str>| {
+            TurnEvent::End(TurnEnd {
+                finish_reason: Some(finish.map(str::to_owned)),
+                ..TurnEnd::new(s, status)
+            })
+        };
+        let last = |events: Vec<TurnEvent>| translated(&events).pop().unwrap();
+        let partial =
+            |ending: TurnEvent| last(vec![meta(Uuid::now_v7()), TurnEvent::Delta(text("Hel")), ending]);
+
+        let length = partial(end(TurnStatus::Completed, Some("length")));
+        assert_eq!(
+            (length["type"].as_str(), &length["response"]["status"]),
+            (Some("response.incomplete"), &json!("incomplete"))
+        );
+        assert_eq!(length["response"]["incomplete_details"]["reason"], "max_output_tokens");
+        assert_eq!(length["response"]["output"][0]["status"], "incomplete");
+
+        let stopped = partial(TurnEvent::End(TurnEnd::new(s, TurnStatus::Stopped)));
+        assert_eq!(
+            (stopped["type"].as_str(), &stopped["response"]["status"]),
+            (Some("response.incomplete"), &json!("cancelled"))
+        );
+
+        let interrupted = partial(TurnEvent::End(TurnEnd::new(s, TurnStatus::Interrupted)));
+        assert_eq!(interrupted["response"]["status"], "incomplete");
+        assert_eq!(interrupted["response"]["incomplete_details"]["reason"], Value::Null);
+
+        let error =
+            StreamError { code: FailureCode::UpstreamError, message: "the gateway answered 500".into() };
+        let failed = last(vec![
+            meta(Uuid::now_v7()),
+            TurnEvent::Error(error),
+            TurnEvent::End(TurnEnd::new(s, TurnStatus::Failed)),
+        ]);
+        assert_eq!(
+            (failed["type"].as_str(), &failed["response"]["status"]),
+            (Some("response.failed"), &json!("failed"))
+        );
+        assert_eq!(
+            failed["response"]["error"],
+            json!({"code": "server_error", "message": "the gateway answered 500"})
+        );
+        let silent = last(vec![meta(Uuid::now_v7()), TurnEvent::End(TurnEnd::new(s, TurnStatus::Failed))]);
+        assert_eq!(silent["response"]["error"]["message"], "the response failed");
+    }
+
+    #[test]
+    fn a_stored_outcome_is_the_final_response() {
+        let mut t = Translator::new(Echo::default());
+        t.on(&meta(Uuid::now_v7()));
+        t.on(&TurnEvent::Delta(text("Hel")));
+        let end = TurnEnd {
+            outcome: Some(OutcomeEvent::Answer(3)),
+            ..TurnEnd::new(Some(SessionId(Uuid::nil())), TurnStatus::Completed)
+        };
+        let stored = json!({"status": "completed", "output": [], "usage": {"total_tokens": 99}});
+        let out = t.end(&end, Some(stored.clone()));
+        assert_eq!(
+            types(&out)[..3],
+            ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+        );
+        assert_eq!(out[2]["item"]["status"], "completed");
+        assert_eq!(out[3], json!({"type": "response.completed", "response": stored}));
+    }
+
+    fn stored(kind: &str, payload: Value) -> StoredEvent {
+        StoredEvent {
+            session_id: Uuid::nil(),
+            seq: 3,
+            event_id: Uuid::now_v7(),
+            kind: kind.into(),
+            payload,
+            tokens: 0,
+            created_at: Utc::now(),
+        }
+    }
+
+    #[test]
+    fn a_response_read_from_the_log_ends_as_its_outcome_says() {
+        let attempt = Uuid::now_v7().to_string();
+        let status = |kind: &str, payload: Value| {
+            let r = from_log(&stored(kind, payload), &Echo::default());
+            (r["status"].as_str().unwrap_or_default().to_owned(), r["error"]["message"].clone())
+        };
+        let failed = |code: &str, message: &str| {
+            status("turn_failed", json!({"code": code, "message": message, "attempt_id": attempt}))
+        };
+        assert_eq!(failed("stopped", STOPPED_BEFORE_TEXT), ("cancelled".into(), Value::Null));
+        // As a stop before any text was stored before its code said so.
+        assert_eq!(failed("interrupted", STOPPED_BEFORE_TEXT), ("cancelled".into(), Value::Null));
+        assert_eq!(
+            failed("interrupted", "interrupted before any text arrived"),
+            ("failed".into(), json!("interrupted before any text arrived"))
+        );
+        assert_eq!(failed("upstream_error", "500"), ("failed".into(), json!("500")));
+        let pending = |reason: Value| {
+            status("pending_state", json!({"partial": "Hel", "attempt_id": attempt, "reason": reason})).0
+        };
+        assert_eq!(pending(json!("stopped")), "cancelled");
+        assert_eq!(pending(json!("interrupted")), "incomplete");
+        assert_eq!(pending(Value::Null), "incomplete", "a checkpoint: its copy died");
+        let answer = |finish: &str| {
+            let ui = json!({"blocks": [{"type": "text", "text": "Hello"}]});
+            status("assistant_turn", json!({"ui": ui, "attempt_id": attempt, "finish_reason": finish})).0
+        };
+        assert_eq!(answer("stop"), "completed");
+        assert_eq!(answer("length"), "incomplete");
+        assert_eq!(status("user_message", json!({"text": "q"})).1, json!("the response could not be read"));
+    }
+}
