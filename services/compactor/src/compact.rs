@@ -13,7 +13,7 @@ use turnlog_core::budget::{budget_for, history_tokens, request_size};
 use turnlog_core::compaction::{plan_compaction_shrunk, CompactionPlan};
 use turnlog_core::events::{CompactionApplied, EventBody};
 use turnlog_core::ids::{EventId, SessionId};
-use turnlog_runtime::bus::{append_and_wait, AppendError, AppendRequest, Bus, Expect};
+use turnlog_runtime::bus::{append_and_wait, AppendError, AppendRequest, Bus, Expect, Refusal};
 use turnlog_runtime::read::{live_tail, ReadError};
 use turnlog_runtime::upstream::{UpstreamClient, UpstreamError};
 use uuid::Uuid;
@@ -218,15 +218,17 @@ impl Compactor {
             replaces_through_seq: plan.through_seq,
             facts_extracted: facts,
         });
-        let mut request = AppendRequest::append(session, owner, compaction_event_id(session, plan).0, &body);
-        request.expect = Some(Expect { compacted_through: plan.expect_compacted_through });
+        let request = AppendRequest::append(session, owner, compaction_event_id(session, plan).0, &body)
+            .with_expect(Some(Expect { compacted_through: plan.expect_compacted_through }));
         let outcome = append_and_wait(&self.bus, &self.pool, &request, self.settings.append_timeout).await?;
         if outcome.is_applied() {
             Ok(Attempt::Applied { summary_tokens })
-        } else if outcome.reason.as_deref() == Some("expect_failed") {
-            Ok(Attempt::LostRace)
         } else {
-            Err(CompactError::Refused(outcome.reason.unwrap_or_else(|| "no reason given".into())))
+            match outcome.reason {
+                Some(Refusal::ExpectFailed) => Ok(Attempt::LostRace),
+                Some(reason) => Err(CompactError::Refused(reason.to_string())),
+                None => Err(CompactError::Refused("no reason given".into())),
+            }
         }
     }
 

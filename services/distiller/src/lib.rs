@@ -128,9 +128,8 @@ async fn title_session(w: &TurnWorker, turn: &CommittedEvent) -> Result<(), Hand
         tracing::info!("the model proposed no usable title; the session stays untitled");
         return Ok(());
     };
-    let mut update = AppendRequest::update(turn.session_id, &turn.owner);
+    let mut update = AppendRequest::update(turn.session_id, &turn.owner).with_title_if_empty(Some(title));
     update.request_id = request_id;
-    update.title_if_empty = Some(title);
     let outcome = w.append(&update).await?;
     log_unapplied(&outcome, "title");
     Ok(())

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use turnlog_runtime::bus::{append_and_wait, AppendRequest, Op, Outcome, RequestKind, SESSION_DELETED};
+use turnlog_runtime::bus::{append_and_wait, AppendOp, AppendRequest, Outcome, Refusal, RequestKind};
 
 use crate::error::ApiError;
 use crate::{validate, Ingress};
@@ -16,55 +16,55 @@ const DELETE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Sends `req` and waits for the writer's outcome; only an applied request is Ok.
 #[tracing::instrument(
     skip_all,
-    fields(op = ?req.op, session_id = %req.session_id, request_id = %req.request_id),
+    fields(op = req.op.name(), session_id = %req.session_id, request_id = %req.request_id),
     err(Display, level = "debug")
 )]
 pub async fn submit(app: &Ingress, req: &AppendRequest) -> Result<Outcome, ApiError> {
-    if let (Some(RequestKind::Known(kind)), Some(payload)) = (&req.kind, &req.payload) {
+    if let AppendOp::Append { kind: RequestKind::Known(kind), payload, .. } = &req.op {
         validate::event(*kind, payload)?;
     }
     // A delete is answered once its session's stream messages are removed, one at a time
     // (DESIGN.md §6): a long session takes longer than an append may.
     let deadline = match req.op {
-        Op::Delete => app.config.append_timeout.max(DELETE_TIMEOUT),
+        AppendOp::Delete => app.config.append_timeout.max(DELETE_TIMEOUT),
         _ => app.config.append_timeout,
     };
     let outcome = append_and_wait(&app.bus, &app.pool, req, deadline).await?;
     if outcome.is_applied() {
         return Ok(outcome);
     }
-    let reason = outcome.reason.as_deref().unwrap_or("rejected");
-    tracing::info!(reason, "the writer refused the request");
-    Err(refusal(reason))
+    let reason = outcome.reason.unwrap_or_else(|| Refusal::Other("rejected".into()));
+    tracing::info!(%reason, "the writer refused the request");
+    Err(refusal(&reason))
 }
 
 /// A refusal reason (the writer's dead-letter reasons and failed conditions) as the client
 /// sees it.
-fn refusal(reason: &str) -> ApiError {
+fn refusal(reason: &Refusal) -> ApiError {
     match reason {
         // The session went away (deleted) or is another owner's between the check and the write.
-        "unknown_session" | "owner_mismatch" => ApiError::session_not_found(),
+        Refusal::UnknownSession | Refusal::OwnerMismatch => ApiError::session_not_found(),
         // Applied once, then deleted with its session; a resend within the bus's duplicate
-        // window is not applied again (`turnlog_runtime::bus::SESSION_DELETED`).
-        SESSION_DELETED => ApiError::Conflict(
+        // window is not applied again (`turnlog_runtime::bus::Refusal::SessionDeleted`).
+        Refusal::SessionDeleted => ApiError::Conflict(
             "the session this request created or wrote to has been deleted since; send a new request \
              (with a new Idempotency-Key)"
                 .into(),
         ),
-        "too_large" => ApiError::PayloadTooLarge("the event is larger than the log accepts".into()),
-        "unstorable_text" => ApiError::bad_request("text must not contain NUL characters"),
+        Refusal::TooLarge => ApiError::PayloadTooLarge("the event is larger than the log accepts".into()),
+        Refusal::UnstorableText => ApiError::bad_request("text must not contain NUL characters"),
         // A fork's checks (DESIGN §10): the route checked them first, so these follow a
         // change of the parent between the check and the write.
-        "bad_fork_point" => ApiError::bad_request("through_seq is past the end of the session's log"),
-        "too_deep" => ApiError::bad_request(format!(
+        Refusal::BadForkPoint => ApiError::bad_request("through_seq is past the end of the session's log"),
+        Refusal::TooDeep => ApiError::bad_request(format!(
             "forks nest at most {} deep: fork an ancestor instead",
             turnlog_core::branch::MAX_FORK_DEPTH
         )),
         // The ingress draws fork ids on the parent's partition: this is its own bug.
-        "wrong_partition" => {
+        Refusal::WrongPartition => {
             ApiError::internal(anyhow::anyhow!("a fork id was drawn on the wrong partition"))
         }
-        "bad_payload" | "bad_request" => {
+        Refusal::BadPayload | Refusal::BadRequest => {
             ApiError::bad_request(format!("the log refused the request ({reason})"))
         }
         other => ApiError::Conflict(format!("the log refused the request ({other})")),
@@ -79,13 +79,13 @@ mod tests {
     #[test]
     fn refusals_are_client_errors() {
         for (reason, status) in [
-            ("unknown_session", StatusCode::NOT_FOUND),
-            ("owner_mismatch", StatusCode::NOT_FOUND),
-            ("too_large", StatusCode::PAYLOAD_TOO_LARGE),
-            ("unstorable_text", StatusCode::BAD_REQUEST),
-            ("expect_failed", StatusCode::CONFLICT),
-            ("session_exists", StatusCode::CONFLICT),
-            (SESSION_DELETED, StatusCode::CONFLICT),
+            (&Refusal::UnknownSession, StatusCode::NOT_FOUND),
+            (&Refusal::OwnerMismatch, StatusCode::NOT_FOUND),
+            (&Refusal::TooLarge, StatusCode::PAYLOAD_TOO_LARGE),
+            (&Refusal::UnstorableText, StatusCode::BAD_REQUEST),
+            (&Refusal::ExpectFailed, StatusCode::CONFLICT),
+            (&Refusal::SessionExists, StatusCode::CONFLICT),
+            (&Refusal::SessionDeleted, StatusCode::CONFLICT),
         ] {
             assert_eq!(refusal(reason).status(), status, "{reason}");
         }

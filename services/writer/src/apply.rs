@@ -6,14 +6,15 @@ use std::collections::{HashMap, HashSet};
 
 use bytes::Bytes;
 use chrono::{DateTime, Datelike as _, Utc};
+use serde::Deserialize as _;
 use serde_json::Value;
 use turnlog_core::branch::{fork_lineage, Segment, MAX_FORK_DEPTH};
 use turnlog_core::events::{EventBody, EventKind, ForkPoint, SessionStarted};
 use turnlog_core::ids::{EventId, Owner, SessionId};
 use turnlog_core::tokens::event_tokens;
 use turnlog_runtime::bus::{
-    json_len, metadata_error, partition_of, AppendRequest, CommittedEvent, DeadLetter, Op, Outcome,
-    OutcomeStatus, RequestKind, MAX_EVENT_BYTES,
+    json_len, metadata_error, partition_of, AppendOp, AppendRequest, CommittedEvent, DeadLetter, Expect,
+    Outcome, OutcomeStatus, Refusal, RequestKind, MAX_EVENT_BYTES,
 };
 use turnlog_runtime::files::{FileMeta, FileRow};
 use uuid::Uuid;
@@ -34,11 +35,11 @@ pub struct Incoming {
     pub redrive: bool,
     pub body: Bytes,
     /// The request, or why it does not decode.
-    request: Result<AppendRequest, Refusal>,
+    request: Result<AppendRequest, Rejection>,
     /// An append's event, checked and counted, or why it cannot be stored. Worked out from
     /// the message alone (tokenizing is most of a batch's CPU time), so that the live
     /// writer does it while the batch before commits.
-    event: Option<Result<NewEvent, Refusal>>,
+    event: Option<Result<NewEvent, Rejection>>,
     /// The database's refusal of this request's writes, once the writer found that this
     /// request alone fails its commit (a rebuild learns it from the `unstorable` dead
     /// letters): it is then dead-lettered instead of applied.
@@ -63,9 +64,11 @@ impl Incoming {
         body: Bytes,
     ) -> Self {
         let request = serde_json::from_slice::<AppendRequest>(&body)
-            .map_err(|e| refuse("bad_request", format!("request does not decode: {e}")));
+            .map_err(|e| refuse(Refusal::BadRequest, format!("request does not decode: {e}")));
         let event = match &request {
-            Ok(req) if req.op == Op::Append => Some(new_event(req, body.len())),
+            Ok(AppendRequest { op: AppendOp::Append { kind, payload, .. }, .. }) => {
+                Some(new_event(kind, payload, body.len()))
+            }
             _ => None,
         };
         Self {
@@ -109,32 +112,34 @@ impl Incoming {
     /// dead-lettered again); so are redrives.
     pub fn skips_lookup(&self, duplicate_window: std::time::Duration) -> bool {
         let Ok(req) = &self.request else { return false };
-        !self.redrive && req.op == Op::Append && first_copy(req.request_id, self.published, duplicate_window)
+        !self.redrive
+            && matches!(req.op, AppendOp::Append { .. })
+            && first_copy(req.request_id, self.published, duplicate_window)
     }
 }
 
 /// The event an append carries, if it is one the log can store.
-fn new_event(req: &AppendRequest, body_len: usize) -> Result<NewEvent, Refusal> {
-    let (Some(kind), Some(payload)) = (&req.kind, &req.payload) else {
-        return Err(refuse("bad_request", "append needs kind and payload"));
-    };
+fn new_event(kind: &RequestKind, payload: &Value, body_len: usize) -> Result<NewEvent, Rejection> {
     let kind = match kind {
         RequestKind::Known(kind) => *kind,
         RequestKind::Unknown(name) => name
             .parse()
-            .map_err(|e: turnlog_core::events::UnknownKind| refuse("unknown_kind", e.to_string()))?,
+            .map_err(|e: turnlog_core::events::UnknownKind| refuse(Refusal::UnknownKind, e.to_string()))?,
     };
     if kind == EventKind::SessionStarted {
-        return Err(refuse("unknown_kind", "session_started is written by create only"));
+        return Err(refuse(Refusal::UnknownKind, "session_started is written by create only"));
     }
-    let body = EventBody::decode(kind, payload, 0).map_err(|e| refuse("bad_payload", e.to_string()))?;
+    let body = EventBody::decode(kind, payload, 0).map_err(|e| refuse(Refusal::BadPayload, e.to_string()))?;
     // The payload is part of the request body, so only a large body needs measuring.
     let size = if body_len <= MAX_EVENT_BYTES { body_len } else { json_len(payload) };
     if size > MAX_EVENT_BYTES {
-        return Err(refuse("too_large", format!("event is {size} bytes; the limit is {MAX_EVENT_BYTES}")));
+        return Err(refuse(
+            Refusal::TooLarge,
+            format!("event is {size} bytes; the limit is {MAX_EVENT_BYTES}"),
+        ));
     }
     if turnlog_runtime::bus::has_nul(payload) {
-        return Err(refuse("unstorable_text", "payload text contains a NUL character"));
+        return Err(refuse(Refusal::UnstorableText, "payload text contains a NUL character"));
     }
     let tokens = i32::try_from(event_tokens(&body)).unwrap_or(i32::MAX);
     Ok(NewEvent { kind, body, tokens })
@@ -233,13 +238,13 @@ pub struct Removal {
 
 /// A request that cannot be applied: its dead-letter reason and detail.
 #[derive(Debug, Clone)]
-struct Refusal {
-    reason: &'static str,
+struct Rejection {
+    reason: Refusal,
     detail: String,
 }
 
-fn refuse(reason: &'static str, detail: impl Into<String>) -> Refusal {
-    Refusal { reason, detail: detail.into() }
+fn refuse(reason: Refusal, detail: impl Into<String>) -> Rejection {
+    Rejection { reason, detail: detail.into() }
 }
 
 /// The state a batch needs from the database: loaded before each batch by the live
@@ -320,16 +325,10 @@ pub fn first_copy(request_id: Uuid, published: DateTime<Utc>, duplicate_window: 
     (published - minted).abs() < half
 }
 
-/// The dead-letter reason of a request whose writes the database refused.
-pub const UNSTORABLE: &str = "unstorable";
-
-/// The reason of the one rejection that is not a dead letter.
-const EXPECT_FAILED: &str = "expect_failed";
-
-/// A rejection that went to the dead letters (not a failed `expect`): one a redrive may
-/// apply again once its cause is fixed.
+/// A rejection that went to the dead letters (not a failed `expect`, the one rejection
+/// that is not): one a redrive may apply again once its cause is fixed.
 fn was_dead_lettered(outcome: &Outcome) -> bool {
-    outcome.status == OutcomeStatus::Rejected && outcome.reason.as_deref() != Some(EXPECT_FAILED)
+    outcome.status == OutcomeStatus::Rejected && outcome.reason != Some(Refusal::ExpectFailed)
 }
 
 /// Applies `batch` in order, moving `state` along. A delete or a file op is applied alone:
@@ -343,10 +342,12 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
     for msg in batch {
         // A delete gets a batch of its own: it is written by a separate, rarer path.
         // A file op too: its few rows are written by a statement of their own.
-        let alone = msg
-            .request
-            .as_ref()
-            .is_ok_and(|r| matches!(r.op, Op::Delete | Op::FilePut | Op::FileDelete | Op::FileSwept));
+        let alone = msg.request.as_ref().is_ok_and(|r| {
+            matches!(
+                r.op,
+                AppendOp::Delete | AppendOp::FilePut { .. } | AppendOp::FileDelete | AppendOp::FileSwept
+            )
+        });
         if alone && fx.consumed > 0 {
             break;
         }
@@ -354,8 +355,8 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
         fx.last_stream_seq = msg.stream_seq;
         let req = match &msg.request {
             Ok(r) => r,
-            Err(refusal) => {
-                dead_letter(&mut fx, msg, None, refusal.clone());
+            Err(rejection) => {
+                dead_letter(&mut fx, msg, None, rejection.clone());
                 continue;
             }
         };
@@ -378,25 +379,25 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
                 request_id: req.request_id,
                 status: if rejected.is_some() { OutcomeStatus::Rejected } else { OutcomeStatus::Committed },
                 seq,
-                reason: rejected.map(str::to_owned),
+                reason: rejected,
             },
-            Err(refusal) => {
-                let reason = refusal.reason;
-                dead_letter(&mut fx, msg, known, refusal);
+            Err(rejection) => {
+                let reason = rejection.reason.clone();
+                dead_letter(&mut fx, msg, known, rejection);
                 Outcome {
                     request_id: req.request_id,
                     status: OutcomeStatus::Rejected,
                     seq: None,
-                    reason: Some(reason.into()),
+                    reason: Some(reason),
                 }
             }
         };
         if outcome.status == OutcomeStatus::Committed {
             match req.op {
-                Op::Create => created.push(req.session_id),
-                Op::Delete => fx.deleted = Some(req.session_id),
-                Op::Append | Op::Update => touched.push(req.session_id),
-                Op::FilePut | Op::FileDelete | Op::FileSwept => {}
+                AppendOp::Create { .. } => created.push(req.session_id),
+                AppendOp::Delete => fx.deleted = Some(req.session_id),
+                AppendOp::Append { .. } | AppendOp::Update { .. } => touched.push(req.session_id),
+                AppendOp::FilePut { .. } | AppendOp::FileDelete | AppendOp::FileSwept => {}
             }
         }
         state.outcomes.insert(req.request_id, (outcome.clone(), Some(req.session_id)));
@@ -431,7 +432,11 @@ pub fn apply_batch(batch: &[Incoming], state: &mut LoadedState) -> BatchEffects 
 struct Applied {
     seq: Option<i64>,
     /// A reason when the request was valid but its condition failed (no dead letter).
-    rejected: Option<&'static str>,
+    rejected: Option<Refusal>,
+}
+
+impl Applied {
+    const DONE: Applied = Applied { seq: None, rejected: None };
 }
 
 fn apply_one(
@@ -439,115 +444,118 @@ fn apply_one(
     msg: &Incoming,
     state: &mut LoadedState,
     fx: &mut BatchEffects,
-) -> Result<Applied, Refusal> {
+) -> Result<Applied, Rejection> {
     if let Some(why) = &msg.unstorable {
-        return Err(refuse(UNSTORABLE, why.clone()));
+        return Err(refuse(Refusal::Unstorable, why.clone()));
     }
     if msg.subject_session != Some(req.session_id) {
-        return Err(refuse("wrong_subject", "the request's session_id is not the one its subject names"));
+        return Err(refuse(
+            Refusal::WrongSubject,
+            "the request's session_id is not the one its subject names",
+        ));
     }
-    let owner = Owner::parse(&req.owner).map_err(|e| refuse("bad_request", e.to_string()))?;
-    for text in [&req.title, &req.title_if_empty].into_iter().flatten() {
-        if text.contains('\0') {
-            return Err(refuse("unstorable_text", "title contains a NUL character"));
-        }
+    let owner = Owner::parse(&req.owner).map_err(|e| refuse(Refusal::BadRequest, e.to_string()))?;
+    let (titles, metadata) = match &req.op {
+        AppendOp::Create { title, metadata, .. } => ([title, &None], metadata),
+        AppendOp::Update { title, title_if_empty, metadata, .. } => ([title, title_if_empty], metadata),
+        _ => ([&None, &None], &None),
+    };
+    if titles.into_iter().flatten().any(|text| text.contains('\0')) {
+        return Err(refuse(Refusal::UnstorableText, "title contains a NUL character"));
     }
-    if let Some(why) = req.metadata.as_ref().and_then(metadata_error) {
-        return Err(refuse("bad_request", why));
+    if let Some(why) = metadata.as_ref().and_then(metadata_error) {
+        return Err(refuse(Refusal::BadRequest, why));
     }
     let now = msg.published;
 
-    match req.op {
-        Op::FilePut => {
-            let meta: FileMeta = req
-                .payload
-                .clone()
-                .and_then(|p| serde_json::from_value(p).ok())
-                .ok_or_else(|| refuse("bad_payload", "file_put needs a file's metadata"))?;
+    match &req.op {
+        AppendOp::FilePut { payload } => {
+            let meta = FileMeta::deserialize(payload)
+                .map_err(|_| refuse(Refusal::BadPayload, "file_put needs a file's metadata"))?;
             if let Some(why) = meta.invalid() {
-                return Err(refuse("bad_payload", why));
+                return Err(refuse(Refusal::BadPayload, why));
             }
             fx.file = Some(FileWrite::Put(Box::new(FileRow::new(req.session_id.0, &owner, &meta, now))));
-            return Ok(Applied { seq: None, rejected: None });
+            return Ok(Applied::DONE);
         }
-        Op::FileDelete => {
+        AppendOp::FileDelete => {
             fx.file = Some(FileWrite::Delete { id: req.session_id.0, owner: owner.to_string(), at: now });
-            return Ok(Applied { seq: None, rejected: None });
+            return Ok(Applied::DONE);
         }
-        Op::FileSwept => {
+        AppendOp::FileSwept => {
             fx.file = Some(FileWrite::Swept { id: req.session_id.0, owner: owner.to_string(), at: now });
-            return Ok(Applied { seq: None, rejected: None });
+            return Ok(Applied::DONE);
         }
-        _ => {}
-    }
-
-    if req.op == Op::Create {
-        if state.sessions.contains_key(&req.session_id) {
-            return Err(refuse("session_exists", "create for a session that already exists"));
+        AppendOp::Create { title, forked_from, metadata } => {
+            if state.sessions.contains_key(&req.session_id) {
+                return Err(refuse(Refusal::SessionExists, "create for a session that already exists"));
+            }
+            let mut row = SessionRow::new(req.session_id, owner, title.clone(), now);
+            if let Some(m) = metadata {
+                row.metadata = m.clone();
+            }
+            if let Some(from) = *forked_from {
+                fork_row(state, &mut row, from)?;
+            }
+            let started = SessionStarted { title: title.clone(), forked_from: *forked_from };
+            if !row.lineage.is_empty() {
+                state.add_inheritor(&row);
+            }
+            state.sessions.insert(req.session_id, row);
+            let payload = EventBody::SessionStarted(started).to_payload();
+            let seq = push_event(&mut state.sessions, fx, req, msg, EventKind::SessionStarted, payload, 0);
+            return Ok(Applied { seq: Some(seq), rejected: None });
         }
-        let mut row = SessionRow::new(req.session_id, owner, req.title.clone(), now);
-        if let Some(m) = &req.metadata {
-            row.metadata = m.clone();
-        }
-        if let Some(from) = req.forked_from {
-            fork_row(state, &mut row, from)?;
-        }
-        let started = SessionStarted { title: req.title.clone(), forked_from: req.forked_from };
-        if !row.lineage.is_empty() {
-            state.add_inheritor(&row);
-        }
-        state.sessions.insert(req.session_id, row);
-        let payload = EventBody::SessionStarted(started).to_payload();
-        let seq = push_event(&mut state.sessions, fx, req, msg, EventKind::SessionStarted, payload, 0);
-        return Ok(Applied { seq: Some(seq), rejected: None });
+        AppendOp::Delete | AppendOp::Update { .. } | AppendOp::Append { .. } => {}
     }
 
     let Some(session) = state.sessions.get_mut(&req.session_id).filter(|s| s.hidden_seq.is_none()) else {
-        return Err(refuse("unknown_session", format!("no session {}", req.session_id)));
+        return Err(refuse(Refusal::UnknownSession, format!("no session {}", req.session_id)));
     };
     if *session.owner != *req.owner {
         return Err(refuse(
-            "owner_mismatch",
+            Refusal::OwnerMismatch,
             format!("session belongs to another owner than {:?}", req.owner),
         ));
     }
 
-    match req.op {
+    match &req.op {
         // (create and file ops returned above)
-        Op::Create | Op::FilePut | Op::FileDelete | Op::FileSwept => {
-            Ok(Applied { seq: None, rejected: None })
+        AppendOp::Create { .. } | AppendOp::FilePut { .. } | AppendOp::FileDelete | AppendOp::FileSwept => {
+            Ok(Applied::DONE)
         }
-        Op::Delete => {
+        AppendOp::Delete => {
             let at = i64::try_from(msg.stream_seq).unwrap_or(i64::MAX);
             fx.removals = plan_delete(state, req.session_id, at, now);
-            Ok(Applied { seq: None, rejected: None })
+            Ok(Applied::DONE)
         }
-        Op::Update => {
-            if let Some(t) = &req.title {
+        AppendOp::Update { title, archived, title_if_empty, metadata } => {
+            if let Some(t) = title {
                 session.title = Some(t.clone());
             }
-            if let Some(t) = &req.title_if_empty {
+            if let Some(t) = title_if_empty {
                 if session.title.as_deref().is_none_or(|s| s.trim().is_empty()) {
                     session.title = Some(t.clone());
                 }
             }
-            if let Some(a) = req.archived {
+            if let Some(a) = *archived {
                 session.archived = a;
             }
-            if let Some(m) = &req.metadata {
+            if let Some(m) = metadata {
                 session.metadata = m.clone();
             }
-            Ok(Applied { seq: None, rejected: None })
+            Ok(Applied::DONE)
         }
-        Op::Append => {
+        AppendOp::Append { payload, expect, .. } => {
             let NewEvent { kind, body, tokens } = match &msg.event {
                 Some(Ok(event)) => event,
-                Some(Err(refusal)) => return Err(refusal.clone()),
-                None => return Err(refuse("bad_request", "append needs kind and payload")),
+                Some(Err(rejection)) => return Err(rejection.clone()),
+                // `Incoming::new` reads every append's event.
+                None => return Err(refuse(Refusal::BadRequest, "the append's event was not read")),
             };
-            if let Some(expect) = req.expect {
-                if expect.compacted_through != session.compacted_through {
-                    return Ok(Applied { seq: None, rejected: Some(EXPECT_FAILED) });
+            if let Some(Expect { compacted_through }) = *expect {
+                if compacted_through != session.compacted_through {
+                    return Ok(Applied { seq: None, rejected: Some(Refusal::ExpectFailed) });
                 }
             }
             let seq = session.last_seq + 1;
@@ -559,7 +567,7 @@ fn apply_one(
                     let after_previous = session.compacted_through.is_none_or(|b| c.replaces_through_seq > b);
                     if c.replaces_through_seq < 1 || c.replaces_through_seq >= seq || !after_previous {
                         return Err(refuse(
-                            "bad_payload",
+                            Refusal::BadPayload,
                             format!(
                                 "replaces_through_seq {} is outside the live log",
                                 c.replaces_through_seq
@@ -582,7 +590,7 @@ fn apply_one(
                 }
                 _ => {}
             }
-            let payload = req.payload.clone().unwrap_or_default();
+            let payload = payload.clone();
             let seq = push_event(&mut state.sessions, fx, req, msg, *kind, payload, *tokens);
             Ok(Applied { seq: Some(seq), rejected: None })
         }
@@ -593,28 +601,28 @@ fn apply_one(
 /// live session of the same owner on the same partition, the fork point is in its branch
 /// log, forks nest at most [`MAX_FORK_DEPTH`] deep. The fork inherits the parent's branch
 /// log through the fork point, and the newest compaction in it.
-fn fork_row(state: &LoadedState, row: &mut SessionRow, from: ForkPoint) -> Result<(), Refusal> {
+fn fork_row(state: &LoadedState, row: &mut SessionRow, from: ForkPoint) -> Result<(), Rejection> {
     let Some(parent) = state.sessions.get(&from.session_id).filter(|p| p.hidden_seq.is_none()) else {
-        return Err(refuse("unknown_session", format!("no session {} to fork", from.session_id)));
+        return Err(refuse(Refusal::UnknownSession, format!("no session {} to fork", from.session_id)));
     };
     if parent.owner != row.owner {
-        return Err(refuse("owner_mismatch", "a fork's parent belongs to another owner"));
+        return Err(refuse(Refusal::OwnerMismatch, "a fork's parent belongs to another owner"));
     }
     if partition_of(from.session_id, state.partitions) != partition_of(row.id, state.partitions) {
         return Err(refuse(
-            "wrong_partition",
+            Refusal::WrongPartition,
             format!("fork {} does not hash to its parent {}'s partition", row.id, from.session_id),
         ));
     }
     if from.through_seq < 1 || from.through_seq > parent.last_seq {
         return Err(refuse(
-            "bad_fork_point",
+            Refusal::BadForkPoint,
             format!("through_seq {} is not in the parent's log (1..={})", from.through_seq, parent.last_seq),
         ));
     }
     let lineage = fork_lineage(parent.id, &parent.lineage(), from.through_seq);
     if lineage.len() > MAX_FORK_DEPTH {
-        return Err(refuse("too_deep", format!("forks nest at most {MAX_FORK_DEPTH} deep")));
+        return Err(refuse(Refusal::TooDeep, format!("forks nest at most {MAX_FORK_DEPTH} deep")));
     }
     let (compacted_through, compaction_seq) = match parent.compaction_seq {
         Some(seq) if seq <= from.through_seq => (parent.compacted_through, Some(seq)),
@@ -740,12 +748,12 @@ fn active_at(kind: EventKind, payload: &Value, published: DateTime<Utc>) -> Opti
     Some(original.filter(|t| turnlog_core::storable::YEARS.contains(&t.year())).unwrap_or(published))
 }
 
-fn dead_letter(fx: &mut BatchEffects, msg: &Incoming, session: Option<SessionId>, refusal: Refusal) {
+fn dead_letter(fx: &mut BatchEffects, msg: &Incoming, session: Option<SessionId>, rejection: Rejection) {
     fx.dead.push((
         session,
         DeadLetter {
-            reason: refusal.reason.to_owned(),
-            detail: refusal.detail,
+            reason: rejection.reason.as_str().to_owned(),
+            detail: rejection.detail,
             stream_seq: Some(msg.stream_seq),
             request: String::from_utf8_lossy(&msg.body).into_owned(),
         },

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::message::PublishMessage;
 use sqlx::{PgConnection, PgPool};
 use turnlog_core::ids::SessionId;
-use turnlog_runtime::bus::{Bus, Op, Outcome};
+use turnlog_runtime::bus::{AppendOp, Bus, Outcome};
 use uuid::Uuid;
 
 use crate::apply::{apply_batch, EventRow, Incoming, LoadedState, SessionRow};
@@ -131,13 +131,16 @@ pub(crate) async fn apply_and_commit(
 fn fork_parents_and_delete(batch: &[Incoming]) -> (Vec<Uuid>, Option<SessionId>) {
     let mut parents: Vec<Uuid> = batch
         .iter()
-        .filter_map(|m| m.request().and_then(|r| r.forked_from))
+        .filter_map(|m| match m.request()?.op {
+            AppendOp::Create { forked_from, .. } => forked_from,
+            _ => None,
+        })
         .map(|f| f.session_id.0)
         .collect();
     parents.sort_unstable();
     parents.dedup();
     let deleted =
-        batch.first().and_then(Incoming::request).filter(|r| r.op == Op::Delete).map(|r| r.session_id);
+        batch.first().and_then(Incoming::request).filter(|r| r.op == AppendOp::Delete).map(|r| r.session_id);
     (parents, deleted)
 }
 

@@ -14,9 +14,9 @@ use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsum
 use async_nats::jetstream::stream::RawMessageErrorKind;
 use futures::StreamExt as _;
 use sqlx::PgPool;
-use turnlog_runtime::bus::{Bus, DeadLetter, OutcomeStatus};
+use turnlog_runtime::bus::{Bus, DeadLetter, OutcomeStatus, Refusal};
 
-use crate::apply::{apply_batch, BatchEffects, Incoming, LoadedState, UNSTORABLE};
+use crate::apply::{apply_batch, BatchEffects, Incoming, LoadedState};
 use crate::bulk;
 use crate::read_ahead::incoming;
 
@@ -294,7 +294,7 @@ async fn read_partition(
 async fn unstorable_requests(bus: &Bus) -> anyhow::Result<HashMap<u64, String>> {
     let name = bus.names.dead_stream();
     let stream = bus.js.get_stream_no_info(&name).await.with_context(|| format!("opening {name}"))?;
-    let filter = format!("{}.dead.{UNSTORABLE}.*", bus.names.prefix());
+    let filter = format!("{}.dead.{}.*", bus.names.prefix(), Refusal::Unstorable);
     let (mut next, mut found) = (1, HashMap::new());
     loop {
         let m = match stream.get_first_raw_message_by_subject(&filter, next).await {

@@ -8,7 +8,7 @@ use std::sync::LazyLock;
 use sqlx::{Connection as _, PgConnection, PgPool};
 use turnlog_core::events::UnknownKind;
 use turnlog_core::ids::{EventId, Owner, SessionId};
-use turnlog_runtime::bus::{CommittedEvent, Outcome, OutcomeStatus};
+use turnlog_runtime::bus::{CommittedEvent, Outcome, OutcomeStatus, Refusal};
 use uuid::Uuid;
 
 use turnlog_runtime::read::SESSION_COLUMNS;
@@ -137,7 +137,7 @@ pub async fn positions(pool: &PgPool, partition: i32) -> Result<(i64, i64), sqlx
 }
 
 /// request_id, session_id, status, seq, reason.
-type OutcomeRow = (Uuid, Option<Uuid>, String, Option<i64>, Option<String>);
+type OutcomeRow = (Uuid, Option<Uuid>, String, Option<i64>, Option<Refusal>);
 
 /// The sessions (those not cached) and prior outcomes a batch refers to. Usually no round
 /// trip: the writer caches the sessions it has seen, and most requests cannot have an

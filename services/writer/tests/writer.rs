@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use turnlog_core::events::*;
 use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::{
-    append_and_wait, AppendRequest, Bus, CommittedEvent, DeadLetter, Expect, OutcomeStatus,
+    append_and_wait, AppendOp, AppendRequest, Bus, CommittedEvent, DeadLetter, Expect, OutcomeStatus, Refusal,
 };
 use turnlog_runtime::lease::TurnLeases;
 use turnlog_runtime::read::{self, Cursor, ListQuery};
@@ -211,7 +211,9 @@ async fn same_request_id_twice_is_one_event_with_one_seq() {
 /// id), then one more append: the log keeps the first copy and the repeat takes no seq.
 async fn repeat_then_append(h: &Harness, session: SessionId, first: &AppendRequest) {
     let mut other = first.clone();
-    other.payload = Some(json!({"text": "different"}));
+    if let AppendOp::Append { payload, .. } = &mut other.op {
+        *payload = json!({"text": "different"});
+    }
     let raw = serde_json::to_vec(&other).unwrap();
     h.bus.publish_append_raw(session, &Uuid::now_v7().to_string(), Bytes::from(raw), None).await.unwrap();
     h.user(session, "alice", "after").await;
@@ -231,9 +233,8 @@ async fn racing_compactions_with_the_same_expectation_apply_once() {
             replaces_through_seq: through,
             facts_extracted: vec![],
         });
-        let mut r = AppendRequest::append(s, "alice", Uuid::now_v7(), &body);
-        r.expect = Some(Expect { compacted_through: None });
-        r
+        AppendRequest::append(s, "alice", Uuid::now_v7(), &body)
+            .with_expect(Some(Expect { compacted_through: None }))
     };
     let (c4, c5) = (compaction(4), compaction(5));
     let (a, b) = tokio::join!(h.send(&c4), h.send(&c5));
@@ -576,12 +577,11 @@ async fn updates_set_title_archive_and_category() {
         ..Default::default()
     });
     h.send(&AppendRequest::append(s, "alice", Uuid::now_v7(), &body)).await;
-    let mut u = AppendRequest::update(s, "alice");
-    u.title_if_empty = Some("First title".into());
+    let u = AppendRequest::update(s, "alice").with_title_if_empty(Some("First title".into()));
     h.send(&u).await;
-    let mut u = AppendRequest::update(s, "alice");
-    u.title_if_empty = Some("Ignored".into());
-    u.archived = Some(true);
+    let u = AppendRequest::update(s, "alice")
+        .with_title_if_empty(Some("Ignored".into()))
+        .with_archived(Some(true));
     h.send(&u).await;
     let got = read::get_session(&h.env.pool, "alice", s).await.unwrap().unwrap();
     assert_eq!(
@@ -725,21 +725,18 @@ async fn a_raw_repeat_never_replaces_the_first_outcome() {
     let s = SessionId::new();
     let create = AppendRequest::create(s, "alice", Some("first".into()));
     assert_eq!(h.send(&create).await.status, OutcomeStatus::Committed);
-    let mut update = AppendRequest::update(s, "alice");
-    update.title = Some("one".into());
+    let update = AppendRequest::update(s, "alice").with_title(Some("one".into()));
     assert_eq!(h.send(&update).await.status, OutcomeStatus::Committed);
     let body = EventBody::UserMessage(UserMessage { text: "guarded".into(), ..Default::default() });
-    let mut guarded = AppendRequest::append(s, "alice", Uuid::now_v7(), &body);
-    guarded.expect = Some(Expect { compacted_through: Some(5) });
+    let guarded = AppendRequest::append(s, "alice", Uuid::now_v7(), &body)
+        .with_expect(Some(Expect { compacted_through: Some(5) }));
     let rejected = h.send(&guarded).await;
     assert_eq!(rejected.reason.as_deref(), Some("expect_failed"));
 
-    let mut update_again = update.clone();
-    update_again.title = Some("two".into());
-    let mut unguarded = guarded.clone();
-    unguarded.expect = None;
+    let update_again = update.clone().with_title(Some("two".into()));
+    let unguarded = guarded.clone().with_expect(None);
     for (first, repeat) in [(&create, &create), (&update, &update_again), (&guarded, &unguarded)] {
-        let before: (String, Option<i64>, Option<String>) =
+        let before: (String, Option<i64>, Option<Refusal>) =
             sqlx::query_as("SELECT status, seq, reason FROM request_outcomes WHERE request_id = $1")
                 .bind(first.request_id)
                 .fetch_one(&h.env.pool)
@@ -753,7 +750,7 @@ async fn a_raw_repeat_never_replaces_the_first_outcome() {
         let reply: turnlog_runtime::bus::Outcome = serde_json::from_slice(&reply.payload).unwrap();
         assert_eq!(reply.status, OutcomeStatus::Duplicate, "{:?}: {reply:?}", first.op);
         assert_eq!((reply.seq, reply.reason.clone()), (before.1, before.2.clone()), "{:?}", first.op);
-        let after: (String, Option<i64>, Option<String>) =
+        let after: (String, Option<i64>, Option<Refusal>) =
             sqlx::query_as("SELECT status, seq, reason FROM request_outcomes WHERE request_id = $1")
                 .bind(first.request_id)
                 .fetch_one(&h.env.pool)

@@ -34,7 +34,7 @@ use turnlog_core::import::{self, Conversation, FileError, Format, PlannedSession
 use uuid::Uuid;
 
 use crate::bus::{
-    append_and_wait, metadata_error, partition_of, AppendRequest, Bus, Op, RequestKind, MAX_EVENT_BYTES,
+    append_and_wait, metadata_error, partition_of, AppendOp, AppendRequest, Bus, RequestKind, MAX_EVENT_BYTES,
 };
 
 /// Most appends imports keep in flight on one partition.
@@ -383,9 +383,9 @@ impl Importer {
             let mut create = match fork {
                 None => AppendRequest::create(id, owner, s.title.clone()),
                 Some(from) => AppendRequest::fork(id, owner, s.title.clone(), from),
-            };
+            }
+            .with_metadata(s.metadata.clone());
             create.request_id = name(&format!("{id}\ncreate"));
-            create.metadata.clone_from(&s.metadata);
             self.send(&create).await?;
             done.sessions += 1;
         }
@@ -412,9 +412,8 @@ impl Importer {
             done.messages += usize::from(matches!(e.kind, EventKind::UserMessage | EventKind::AssistantTurn));
         }
         if s.archived && !hidden {
-            let mut archive = AppendRequest::update(id, owner);
+            let mut archive = AppendRequest::update(id, owner).with_archived(Some(true));
             archive.request_id = name(&format!("{id}\narchive"));
-            archive.archived = Some(true);
             self.send(&archive).await?;
         }
         Ok(Placed { id, lineage, seqs, hidden })
@@ -500,9 +499,9 @@ fn event_id(owner: &str, session: SessionId, source_id: &str) -> Uuid {
 }
 
 fn describe(req: &AppendRequest) -> String {
-    match (&req.op, &req.kind) {
-        (Op::Append, Some(RequestKind::Known(kind))) => kind.as_str().replace('_', " "),
-        (op, _) => format!("{op:?}").to_lowercase(),
+    match &req.op {
+        AppendOp::Append { kind: RequestKind::Known(kind), .. } => kind.as_str().replace('_', " "),
+        op => op.name().replace('_', " "),
     }
 }
 

@@ -212,9 +212,9 @@ impl History {
         let turn_seq = self.append(s, Uuid::now_v7(), &EventBody::AssistantTurn(assistant));
         if turn == 0 && !i.is_multiple_of(3) {
             // The distiller's title for an untitled session, under the id it derives.
-            let mut title = AppendRequest::update(s, OWNER);
+            let mut title =
+                AppendRequest::update(s, OWNER).with_title_if_empty(Some(format!("Invoices of session {i}")));
             title.request_id = EventId::derived(s, turn_seq, "title").0;
-            title.title_if_empty = Some(format!("Invoices of session {i}"));
             self.push(s, &title);
         }
         // The workers' outputs, under the ids they derive (so their replays add nothing).
@@ -250,8 +250,8 @@ impl History {
                     replaces_through_seq: through,
                     facts_extracted: vec![],
                 });
-                let mut req = AppendRequest::append(s, OWNER, Uuid::now_v7(), &body);
-                req.expect = Some(Expect { compacted_through: previous });
+                let req = AppendRequest::append(s, OWNER, Uuid::now_v7(), &body)
+                    .with_expect(Some(Expect { compacted_through: previous }));
                 self.push(s, &req);
                 *self.last_seqs.get_mut(&s).expect("known session") += 1;
                 compacted.insert(s, Some(through));
@@ -264,21 +264,19 @@ impl History {
         let [a, b, c, d, e, ..] = sessions else { panic!("an awkward history needs five sessions or more") };
         let (a, b, c, d, e) = (*a, *b, *c, *d, *e);
         // Title, archive and a title the user's wins over.
-        let mut update = AppendRequest::update(a, OWNER);
-        update.title = Some("Renamed by the user".into());
+        let update = AppendRequest::update(a, OWNER).with_title(Some("Renamed by the user".into()));
         self.push(a, &update);
-        let mut update = AppendRequest::update(b, OWNER);
-        update.archived = Some(true);
+        let update = AppendRequest::update(b, OWNER).with_archived(Some(true));
         self.push(b, &update);
         // Metadata (the OpenAI surface's conversation metadata), set and replaced whole.
-        let mut update = AppendRequest::update(b, OWNER);
-        update.metadata = Some(serde_json::json!({"topic": "lisbon", "tier": "gold"}));
+        let update = AppendRequest::update(b, OWNER)
+            .with_metadata(Some(serde_json::json!({"topic": "lisbon", "tier": "gold"})));
         self.push(b, &update);
-        let mut update = AppendRequest::update(b, OWNER);
-        update.metadata = Some(serde_json::json!({"topic": "porto"}));
+        let update =
+            AppendRequest::update(b, OWNER).with_metadata(Some(serde_json::json!({"topic": "porto"})));
         self.push(b, &update);
-        let mut update = AppendRequest::update(c, OWNER);
-        update.title_if_empty = Some("Named by the distiller".into());
+        let update =
+            AppendRequest::update(c, OWNER).with_title_if_empty(Some("Named by the distiller".into()));
         self.push(c, &update);
 
         // A session made, used and deleted: its requests are purged from the stream.
@@ -296,7 +294,7 @@ impl History {
         let first = self.messages.iter().rev().find(|m| m.subject_session == d).map(|m| m.body.clone());
         if let Some(body) = first {
             let req: AppendRequest = serde_json::from_slice(&body).expect("decodes");
-            if req.op == turnlog_runtime::bus::Op::Append {
+            if matches!(req.op, turnlog_runtime::bus::AppendOp::Append { .. }) {
                 self.push_raw(d, body.to_vec());
             }
         }
@@ -333,8 +331,8 @@ impl History {
             replaces_through_seq: 2,
             facts_extracted: vec![],
         });
-        let mut stale = AppendRequest::append(e, OWNER, Uuid::now_v7(), &stale);
-        stale.expect = Some(Expect { compacted_through: Some(999) });
+        let stale = AppendRequest::append(e, OWNER, Uuid::now_v7(), &stale)
+            .with_expect(Some(Expect { compacted_through: Some(999) }));
         self.rejected.push(stale.request_id);
         self.push(e, &stale);
     }

@@ -284,9 +284,7 @@ pub async fn patch(
     }
     let title = body.title.map(validate::title).transpose()?;
     owned_session(&app, &caller, id).await?;
-    let mut req = AppendRequest::update(id, caller.as_str());
-    req.title = title;
-    req.archived = body.archived;
+    let req = AppendRequest::update(id, caller.as_str()).with_title(title).with_archived(body.archived);
     submit(&app, &req).await?;
     Ok(Json(owned_session(&app, &caller, id).await?.into()))
 }

@@ -11,17 +11,8 @@ use sqlx::PgPool;
 
 use turnlog_core::ids::SessionId;
 
-use super::{js_err, AppendRequest, Bus, BusError, Op, REPLY_HEADER};
-use crate::outcome::{purge_pending, recorded_outcome, Outcome, OutcomeStatus};
-
-/// The reason `append_and_wait` reports for a request applied once and then deleted with
-/// its session, when the same request id is sent again within the duplicate window.
-/// JetStream drops the copy as a duplicate, so the writer never sees it, and the first
-/// copy's outcome went with the session: without this the producer could only wait for an
-/// outcome that never comes (a 503 forever). It is an answer, not a write — the database
-/// stays a function of the APPEND stream. After the window the same request is applied
-/// anew (a create makes the session again), as a rebuild would apply it.
-pub const SESSION_DELETED: &str = "session_deleted";
+use super::{js_err, AppendOp, AppendRequest, Bus, BusError, REPLY_HEADER};
+use crate::outcome::{purge_pending, recorded_outcome, Outcome, OutcomeStatus, Refusal};
 
 impl Bus {
     /// Publishes a request to TURNLOG_APPEND and waits for JetStream's PubAck.
@@ -164,12 +155,12 @@ pub async fn append_and_wait(
         }
     }
     // The reply went to an earlier sender (duplicate) or was lost: the database knows —
-    // unless the request's session was deleted since ([`SESSION_DELETED`]).
+    // unless the request's session was deleted since ([`Refusal::SessionDeleted`]).
     loop {
         match recorded_outcome(pool, req.request_id).await {
             // A delete is answered once its session's messages are gone (as the writer's
             // reply is), so that nothing of the session is left behind it.
-            Ok(Some(outcome)) if req.op == Op::Delete => {
+            Ok(Some(outcome)) if req.op == AppendOp::Delete => {
                 if let Ok(false) = purge_pending(pool, req.session_id).await {
                     return Ok(outcome);
                 }
@@ -180,7 +171,7 @@ pub async fn append_and_wait(
                     request_id: req.request_id,
                     status: OutcomeStatus::Rejected,
                     seq: None,
-                    reason: Some(SESSION_DELETED.to_owned()),
+                    reason: Some(Refusal::SessionDeleted),
                 });
             }
             Ok(None) | Err(_) => {}

@@ -16,8 +16,8 @@ use async_nats::jetstream;
 
 use turnlog_core::ids::SessionId;
 
-pub use crate::outcome::{Outcome, OutcomeStatus};
-pub use append::{append_and_wait, append_message, AppendError, SESSION_DELETED};
+pub use crate::outcome::{Outcome, OutcomeStatus, Refusal, SESSION_DELETED};
+pub use append::{append_and_wait, append_message, AppendError};
 pub use names::{partition_of, BusNames};
 pub use topology::{ReplicaChange, STREAM_REPLICAS};
 pub use turnlog_core::limits::{
@@ -25,7 +25,7 @@ pub use turnlog_core::limits::{
 };
 pub use turnlog_core::storable::has_nul;
 pub use wire::{
-    AppendRequest, CommittedEvent, CompactReply, CompactRequest, CompactStatus, DeadLetter, Expect, Op,
+    AppendOp, AppendRequest, CommittedEvent, CompactReply, CompactRequest, CompactStatus, DeadLetter, Expect,
     RequestKind, REPLY_HEADER,
 };
 

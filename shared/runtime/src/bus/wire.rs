@@ -2,6 +2,8 @@
 //! events, dead letters, and the compaction check's request and reply. Their shapes are a
 //! contract: kinds are added, new fields are optional, old messages always decode.
 
+use std::borrow::Cow;
+
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -12,22 +14,6 @@ use turnlog_core::ids::{EventId, Owner, SessionId};
 
 /// Header naming the core NATS subject the writer answers a request's outcome on.
 pub const REPLY_HEADER: &str = "Turnlog-Reply-To";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Op {
-    Create,
-    Append,
-    Update,
-    Delete,
-    /// A file's metadata (DESIGN §12): `session_id` is the file's id, `payload` its
-    /// [`crate::files::FileMeta`].
-    FilePut,
-    /// Marks a file deleted (its blobs go later, when no stored message refers to them).
-    FileDelete,
-    /// Records that a deleted file's blobs are gone (the sweep's, after it removed them).
-    FileSwept,
-}
 
 /// `expect` of a conditional append; `compacted_through` null means "no compaction yet".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -66,41 +52,139 @@ impl<'de> Deserialize<'de> for RequestKind {
     }
 }
 
-/// A request to the writer, the body of a TURNLOG_APPEND message.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// A request to the writer, the body of a TURNLOG_APPEND message. On the wire it is one
+/// flat object (DESIGN §6: `op` names the op, whose fields sit beside it), read and written
+/// through `WireAppendRequest`; here each op carries exactly its own fields.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(try_from = "WireAppendRequest<'static>")]
 pub struct AppendRequest {
-    /// Equals the event's `event_id` when `op` is append.
+    /// Equals the event's `event_id` when the op is an append.
     pub request_id: Uuid,
-    pub op: Op,
+    /// A file op's file id (its subject and partition are the file's).
     pub session_id: SessionId,
+    /// As sent: the writer refuses one that is not an [`Owner`] (`bad_request`), with an
+    /// outcome the producer hears of, rather than as a request that does not decode.
     pub owner: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kind: Option<RequestKind>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub payload: Option<Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub expect: Option<Expect>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub title: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub archived: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub title_if_empty: Option<String>,
-    /// On a `create`: the session is a fork of this branch point (DESIGN §10).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub forked_from: Option<ForkPoint>,
-    /// On a `create` or an `update`: the session's metadata, replaced whole.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub metadata: Option<Value>,
+    pub op: AppendOp,
 }
 
-impl AppendRequest {
-    fn base(op: Op, session_id: SessionId, owner: &str) -> Self {
-        Self {
-            request_id: Uuid::now_v7(),
-            op,
-            session_id,
-            owner: owner.to_owned(),
+/// What a request does, with the fields of its op.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AppendOp {
+    /// Inserts the session and its `session_started` event: a fork of `forked_from` when
+    /// given (DESIGN §10); `metadata` is the session's, whole (§13).
+    Create {
+        title: Option<String>,
+        forked_from: Option<ForkPoint>,
+        metadata: Option<Value>,
+    },
+    /// Appends an event; with `expect`, only if the session's compaction is as expected.
+    Append {
+        kind: RequestKind,
+        payload: Value,
+        expect: Option<Expect>,
+    },
+    /// Changes what is given: `title_if_empty` names a session that has no title yet;
+    /// `metadata` replaces the session's whole.
+    Update {
+        title: Option<String>,
+        archived: Option<bool>,
+        title_if_empty: Option<String>,
+        metadata: Option<Value>,
+    },
+    Delete,
+    /// A file's metadata (DESIGN §12), a [`crate::files::FileMeta`] (null when missing: the
+    /// writer refuses it as `bad_payload`).
+    FilePut {
+        payload: Value,
+    },
+    /// Marks a file deleted (its blobs go later, when no stored message refers to them).
+    FileDelete,
+    /// Records that a deleted file's blobs are gone (the sweep's, after it removed them).
+    FileSwept,
+}
+
+impl AppendOp {
+    /// The op's name on the wire, for logs and metrics.
+    pub fn name(&self) -> &'static str {
+        OpName::of(self).as_str()
+    }
+}
+
+/// The op's name on the wire.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum OpName {
+    Create,
+    Append,
+    Update,
+    Delete,
+    FilePut,
+    FileDelete,
+    FileSwept,
+}
+
+impl OpName {
+    fn of(op: &AppendOp) -> Self {
+        match op {
+            AppendOp::Create { .. } => Self::Create,
+            AppendOp::Append { .. } => Self::Append,
+            AppendOp::Update { .. } => Self::Update,
+            AppendOp::Delete => Self::Delete,
+            AppendOp::FilePut { .. } => Self::FilePut,
+            AppendOp::FileDelete => Self::FileDelete,
+            AppendOp::FileSwept => Self::FileSwept,
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Create => "create",
+            Self::Append => "append",
+            Self::Update => "update",
+            Self::Delete => "delete",
+            Self::FilePut => "file_put",
+            Self::FileDelete => "file_delete",
+            Self::FileSwept => "file_swept",
+        }
+    }
+}
+
+/// An [`AppendRequest`] as it is on the wire: every op's fields, optional, in the order
+/// they have always been written. Written borrowing the request's fields; read owned and
+/// checked into an [`AppendOp`] in one pass (no `flatten` or tagged enum, which would
+/// buffer every append the writer reads). Fields an op does not use are ignored.
+#[derive(Serialize, Deserialize)]
+struct WireAppendRequest<'a> {
+    request_id: Uuid,
+    op: OpName,
+    session_id: SessionId,
+    owner: Cow<'a, str>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    kind: Option<Cow<'a, RequestKind>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    payload: Option<Cow<'a, Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    expect: Option<Expect>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    title: Option<Cow<'a, str>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    archived: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    title_if_empty: Option<Cow<'a, str>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    forked_from: Option<ForkPoint>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    metadata: Option<Cow<'a, Value>>,
+}
+
+impl Serialize for AppendRequest {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut wire = WireAppendRequest {
+            request_id: self.request_id,
+            op: OpName::of(&self.op),
+            session_id: self.session_id,
+            owner: Cow::Borrowed(&self.owner),
             kind: None,
             payload: None,
             expect: None,
@@ -109,15 +193,88 @@ impl AppendRequest {
             title_if_empty: None,
             forked_from: None,
             metadata: None,
+        };
+        match &self.op {
+            AppendOp::Create { title, forked_from, metadata } => {
+                wire.title = title.as_deref().map(Cow::Borrowed);
+                wire.forked_from = *forked_from;
+                wire.metadata = metadata.as_ref().map(Cow::Borrowed);
+            }
+            AppendOp::Append { kind, payload, expect } => {
+                wire.kind = Some(Cow::Borrowed(kind));
+                wire.payload = Some(Cow::Borrowed(payload));
+                wire.expect = *expect;
+            }
+            AppendOp::Update { title, archived, title_if_empty, metadata } => {
+                wire.title = title.as_deref().map(Cow::Borrowed);
+                wire.archived = *archived;
+                wire.title_if_empty = title_if_empty.as_deref().map(Cow::Borrowed);
+                wire.metadata = metadata.as_ref().map(Cow::Borrowed);
+            }
+            // Null and missing are one on the wire (an `Option` reads null as missing).
+            AppendOp::FilePut { payload } => {
+                wire.payload = Some(payload).filter(|p| !p.is_null()).map(Cow::Borrowed)
+            }
+            AppendOp::Delete | AppendOp::FileDelete | AppendOp::FileSwept => {}
         }
+        wire.serialize(serializer)
+    }
+}
+
+impl TryFrom<WireAppendRequest<'static>> for AppendRequest {
+    type Error = &'static str;
+
+    /// Refuses only an append without its kind or payload: the writer then refuses it as
+    /// `bad_request`, as it always has.
+    fn try_from(wire: WireAppendRequest<'static>) -> Result<Self, Self::Error> {
+        let text = |t: Option<Cow<'static, str>>| t.map(Cow::into_owned);
+        let op = match wire.op {
+            OpName::Create => AppendOp::Create {
+                title: text(wire.title),
+                forked_from: wire.forked_from,
+                metadata: wire.metadata.map(Cow::into_owned),
+            },
+            OpName::Append => match (wire.kind, wire.payload) {
+                (Some(kind), Some(payload)) => AppendOp::Append {
+                    kind: kind.into_owned(),
+                    payload: payload.into_owned(),
+                    expect: wire.expect,
+                },
+                _ => return Err("append needs kind and payload"),
+            },
+            OpName::Update => AppendOp::Update {
+                title: text(wire.title),
+                archived: wire.archived,
+                title_if_empty: text(wire.title_if_empty),
+                metadata: wire.metadata.map(Cow::into_owned),
+            },
+            OpName::Delete => AppendOp::Delete,
+            OpName::FilePut => {
+                AppendOp::FilePut { payload: wire.payload.map_or(Value::Null, Cow::into_owned) }
+            }
+            OpName::FileDelete => AppendOp::FileDelete,
+            OpName::FileSwept => AppendOp::FileSwept,
+        };
+        Ok(Self {
+            request_id: wire.request_id,
+            session_id: wire.session_id,
+            owner: wire.owner.into_owned(),
+            op,
+        })
+    }
+}
+
+impl AppendRequest {
+    fn new(op: AppendOp, session_id: SessionId, owner: &str) -> Self {
+        Self { request_id: Uuid::now_v7(), session_id, owner: owner.to_owned(), op }
     }
     pub fn create(session_id: SessionId, owner: &str, title: Option<String>) -> Self {
-        Self { title, ..Self::base(Op::Create, session_id, owner) }
+        Self::new(AppendOp::Create { title, forked_from: None, metadata: None }, session_id, owner)
     }
     /// A `create` of `session_id` as a fork of `from`; its id must hash to the parent's
     /// partition ([`partition_of`](super::partition_of)), or the writer dead-letters it.
     pub fn fork(session_id: SessionId, owner: &str, title: Option<String>, from: ForkPoint) -> Self {
-        Self { title, forked_from: Some(from), ..Self::base(Op::Create, session_id, owner) }
+        Self::new(AppendOp::Create { title, forked_from: Some(from), metadata: None }, session_id, owner)
     }
     /// An append of `body`, with `event_id` as the request id.
     pub fn append(
@@ -126,12 +283,7 @@ impl AppendRequest {
         event_id: Uuid,
         body: &turnlog_core::EventBody,
     ) -> Self {
-        Self {
-            request_id: event_id,
-            kind: Some(RequestKind::Known(body.kind())),
-            payload: Some(body.to_payload()),
-            ..Self::base(Op::Append, session_id, owner)
-        }
+        Self::append_payload(session_id, owner, event_id, body.kind(), body.to_payload())
     }
     /// An append of a payload as it is (an import's: fields this build does not know kept).
     pub fn append_payload(
@@ -141,28 +293,63 @@ impl AppendRequest {
         kind: EventKind,
         payload: Value,
     ) -> Self {
-        Self {
-            request_id: event_id,
-            kind: Some(RequestKind::Known(kind)),
-            payload: Some(payload),
-            ..Self::base(Op::Append, session_id, owner)
-        }
+        let op = AppendOp::Append { kind: RequestKind::Known(kind), payload, expect: None };
+        Self { request_id: event_id, ..Self::new(op, session_id, owner) }
     }
+    /// An update that changes nothing yet: see the `with_` methods.
     pub fn update(session_id: SessionId, owner: &str) -> Self {
-        Self::base(Op::Update, session_id, owner)
+        let op = AppendOp::Update { title: None, archived: None, title_if_empty: None, metadata: None };
+        Self::new(op, session_id, owner)
     }
     pub fn delete(session_id: SessionId, owner: &str) -> Self {
-        Self::base(Op::Delete, session_id, owner)
+        Self::new(AppendOp::Delete, session_id, owner)
     }
     /// A file's metadata; the file id stands in the session's place (subject and partition).
     pub fn file_put(file: Uuid, owner: &str, meta: &crate::files::FileMeta) -> Self {
-        Self { payload: serde_json::to_value(meta).ok(), ..Self::base(Op::FilePut, SessionId(file), owner) }
+        let payload = serde_json::to_value(meta).unwrap_or_default();
+        Self::new(AppendOp::FilePut { payload }, SessionId(file), owner)
     }
     pub fn file_delete(file: Uuid, owner: &str) -> Self {
-        Self::base(Op::FileDelete, SessionId(file), owner)
+        Self::new(AppendOp::FileDelete, SessionId(file), owner)
     }
     pub fn file_swept(file: Uuid, owner: &str) -> Self {
-        Self::base(Op::FileSwept, SessionId(file), owner)
+        Self::new(AppendOp::FileSwept, SessionId(file), owner)
+    }
+
+    /// An append's condition (no other op has one).
+    pub fn with_expect(mut self, expect: Option<Expect>) -> Self {
+        if let AppendOp::Append { expect: e, .. } = &mut self.op {
+            *e = expect;
+        }
+        self
+    }
+    /// A create's or an update's title.
+    pub fn with_title(mut self, title: Option<String>) -> Self {
+        if let AppendOp::Create { title: t, .. } | AppendOp::Update { title: t, .. } = &mut self.op {
+            *t = title;
+        }
+        self
+    }
+    /// A create's or an update's metadata, the session's whole.
+    pub fn with_metadata(mut self, metadata: Option<Value>) -> Self {
+        if let AppendOp::Create { metadata: m, .. } | AppendOp::Update { metadata: m, .. } = &mut self.op {
+            *m = metadata;
+        }
+        self
+    }
+    /// An update's archived flag.
+    pub fn with_archived(mut self, archived: Option<bool>) -> Self {
+        if let AppendOp::Update { archived: a, .. } = &mut self.op {
+            *a = archived;
+        }
+        self
+    }
+    /// An update's title for a session that has none yet.
+    pub fn with_title_if_empty(mut self, title: Option<String>) -> Self {
+        if let AppendOp::Update { title_if_empty: t, .. } = &mut self.op {
+            *t = title;
+        }
+        self
     }
 }
 
@@ -327,13 +514,13 @@ mod tests {
     #[test]
     fn request_wire_shape() {
         let s = SessionId::new();
-        let mut r = AppendRequest::append(
+        let r = AppendRequest::append(
             s,
             "alice",
             Uuid::nil(),
             &turnlog_core::EventBody::TurnFailed(turnlog_core::events::TurnFailed::default()),
-        );
-        r.expect = Some(Expect { compacted_through: None });
+        )
+        .with_expect(Some(Expect { compacted_through: None }));
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["op"], "append");
         assert_eq!(v["kind"], "turn_failed");

@@ -62,7 +62,7 @@ pub async fn create(
     };
     let metadata = metadata_of(&params)?;
     let id = SessionId::new();
-    submit(&app, &AppendRequest { metadata, ..AppendRequest::create(id, caller.as_str(), None) }).await?;
+    submit(&app, &AppendRequest::create(id, caller.as_str(), None).with_metadata(metadata)).await?;
     let row = read::get_session(&app.pool, caller.as_str(), id).await?.ok_or_else(|| {
         OaiError(crate::error::ApiError::internal(anyhow::anyhow!("session {id} committed but not readable")))
     })?;
@@ -251,11 +251,7 @@ pub async fn update(
     let row = owned(&app, &caller, &id).await?;
     let params = json_body(&body)?;
     let metadata = metadata_of(&params)?.ok_or_else(|| OaiError::bad_request("metadata is required"))?;
-    submit(
-        &app,
-        &AppendRequest { metadata: Some(metadata), ..AppendRequest::update(row.id, caller.as_str()) },
-    )
-    .await?;
+    submit(&app, &AppendRequest::update(row.id, caller.as_str()).with_metadata(Some(metadata))).await?;
     Ok(Json(conversation(&owned(&app, &caller, &id).await?)))
 }
 
