@@ -25,16 +25,16 @@ pub(crate) fn metrics() -> &'static CompactorMetrics {
 }
 
 impl CompactorMetrics {
-    pub fn compacted(&self, summary_tokens: u32) {
+    pub(crate) fn compacted(&self, summary_tokens: u32) {
         self.compactions.fetch_add(1, Ordering::Relaxed);
         self.summary_tokens.fetch_add(u64::from(summary_tokens), Ordering::Relaxed);
     }
 
-    pub fn lost_race(&self) {
+    pub(crate) fn lost_race(&self) {
         self.lost_races.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn refused(&self, why: &'static str) {
+    pub(crate) fn refused(&self, why: &'static str) {
         *self.refusals.lock().unwrap_or_else(PoisonError::into_inner).entry(why).or_default() += 1;
     }
 

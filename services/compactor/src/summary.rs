@@ -21,7 +21,7 @@ pub fn max_summary_tokens(budget: u32) -> u32 {
     (budget / 4).clamp(1, 3_000)
 }
 
-pub fn request(model: &str, plan: &CompactionPlan, budget: u32) -> ChatRequest {
+pub(crate) fn request(model: &str, plan: &CompactionPlan, budget: u32) -> ChatRequest {
     ChatRequest {
         model: model.to_owned(),
         messages: vec![
@@ -72,7 +72,7 @@ fn shown(message: &ChatMessage) -> String {
 }
 
 /// Why a summary cannot be stored, or None when it can.
-pub fn refusal(completion: &Completion) -> Option<&'static str> {
+pub(crate) fn refusal(completion: &Completion) -> Option<&'static str> {
     if completion.finish_reason.as_deref() == Some("length") {
         Some("truncated at the output cap")
     } else if completion.text.trim().is_empty() {

@@ -9,7 +9,7 @@ use turnlog_core::tokens;
 use crate::directives::strip_directives;
 
 #[derive(Debug, Clone, Deserialize)]
-pub struct WireMessage {
+pub(crate) struct WireMessage {
     pub role: String,
     #[serde(default)]
     pub content: Value,
@@ -17,7 +17,7 @@ pub struct WireMessage {
 
 impl WireMessage {
     /// The message's text: the string, or its text parts joined by newlines.
-    pub fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         match &self.content {
             Value::String(s) => s.clone(),
             Value::Array(parts) => parts
@@ -31,7 +31,7 @@ impl WireMessage {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Task {
+pub(crate) enum Task {
     Chat,
     Distill,
     Memory,
@@ -46,7 +46,7 @@ const MARKERS: [(&str, Task); 4] = [
     ("[turnlog:title]", Task::Title),
 ];
 
-pub fn task(messages: &[WireMessage]) -> Task {
+pub(crate) fn task(messages: &[WireMessage]) -> Task {
     let system: Vec<String> = messages.iter().filter(|m| m.role == "system").map(WireMessage::text).collect();
     MARKERS
         .iter()
@@ -56,7 +56,7 @@ pub fn task(messages: &[WireMessage]) -> Task {
 
 /// The question being answered: the last user message that is not turnlog's per-turn
 /// extras (which ride after the history).
-pub fn last_user_text(messages: &[WireMessage]) -> String {
+pub(crate) fn last_user_text(messages: &[WireMessage]) -> String {
     messages
         .iter()
         .rev()
@@ -70,7 +70,12 @@ pub fn last_user_text(messages: &[WireMessage]) -> String {
 const DEFAULT_MAX_TOKENS: u32 = 3_000;
 
 /// The answer's text for `task`; `words` and `max_tokens` matter only to some tasks.
-pub fn answer_text(task: Task, messages: &[WireMessage], words: usize, max_tokens: Option<u32>) -> String {
+pub(crate) fn answer_text(
+    task: Task,
+    messages: &[WireMessage],
+    words: usize,
+    max_tokens: Option<u32>,
+) -> String {
     match task {
         Task::Chat => chat_reply(&strip_directives(&last_user_text(messages)), words),
         Task::Distill => distill(&conversation(messages, |_| true)).to_string(),
@@ -83,7 +88,7 @@ pub fn answer_text(task: Task, messages: &[WireMessage], words: usize, max_token
 }
 
 /// `n` reasoning steps, numbered so a test can count them.
-pub fn reasoning_steps(n: usize) -> Vec<String> {
+pub(crate) fn reasoning_steps(n: usize) -> Vec<String> {
     (1..=n).map(|i| format!("Step {i}: weighing the question. ")).collect()
 }
 
@@ -280,7 +285,7 @@ fn is_path(word: &str) -> bool {
 }
 
 /// FNV-1a: a hash that, unlike std's, is promised to stay the same across Rust versions.
-pub fn fnv1a(bytes: &[u8]) -> u64 {
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
 }
 

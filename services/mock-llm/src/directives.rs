@@ -48,12 +48,12 @@ impl Default for Knobs {
 
 const OPEN: &str = "[mock";
 /// Most line breaks between two words.
-pub const MAX_BREAKS: usize = 64;
+pub(crate) const MAX_BREAKS: usize = 64;
 /// The most `words=N` may ask for (~65,000 tokens, twice what a turnlog turn lets an
 /// answer have): the reply is built in memory before it is streamed.
-pub const MAX_WORDS: usize = 50_000;
+pub(crate) const MAX_WORDS: usize = 50_000;
 /// The most `reasoning=N` may ask for (each step is about eight tokens).
-pub const MAX_REASONING: usize = 10_000;
+pub(crate) const MAX_REASONING: usize = 10_000;
 
 impl Knobs {
     /// These knobs with every directive in `text` applied; an unknown key or bad value is
@@ -130,7 +130,7 @@ fn directives(text: &str) -> impl Iterator<Item = &str> {
 }
 
 /// `text` without its directives, so they never leak into replies, titles or summaries.
-pub fn strip_directives(text: &str) -> String {
+pub(crate) fn strip_directives(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
     while let Some(start) = rest.find(OPEN) {

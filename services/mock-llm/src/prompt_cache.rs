@@ -9,26 +9,26 @@ use turnlog_core::tokens;
 use crate::answers::{fnv1a, WireMessage};
 
 /// Shorter prefixes are never cached, as with OpenAI.
-pub const MIN_CACHED: usize = 1_024;
+pub(crate) const MIN_CACHED: usize = 1_024;
 /// Cached prefixes grow in steps of this many tokens.
-pub const STEP: usize = 128;
+pub(crate) const STEP: usize = 128;
 
 #[derive(Default)]
-pub struct PromptCache {
+pub(crate) struct PromptCache {
     /// Hashes of the token prefixes seen, one per step boundary.
     seen: HashSet<u64>,
 }
 
 /// What the mock bills a request: its prompt tokens and how many of them were cached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PromptUsage {
+pub(crate) struct PromptUsage {
     pub prompt_tokens: u32,
     pub cached_tokens: u32,
 }
 
 impl PromptCache {
     /// Looks the request's prefixes up, then remembers them for later requests.
-    pub fn observe(&mut self, messages: &[WireMessage]) -> PromptUsage {
+    pub(crate) fn observe(&mut self, messages: &[WireMessage]) -> PromptUsage {
         let tokens = tokens::encode(&canonical(messages));
         let mut hash = 0xcbf2_9ce4_8422_2325_u64;
         let mut boundaries = Vec::new();

@@ -24,7 +24,7 @@ const CREATED: u64 = 1_700_000_000;
 const MAX_DELTA_CHARS: usize = 16;
 
 /// An answer cut into the deltas it is streamed as.
-pub struct Answer {
+pub(crate) struct Answer {
     id: String,
     model: String,
     reasoning: Vec<String>,
@@ -37,7 +37,7 @@ pub struct Answer {
 impl Answer {
     /// Cuts `text` into deltas after `reasoning`, stopping with `length` where the next
     /// delta would pass `max_tokens`, as a provider truncates.
-    pub fn new(
+    pub(crate) fn new(
         id: String,
         model: String,
         reasoning: Vec<String>,
@@ -128,7 +128,12 @@ struct Frame {
     is_delta: bool,
 }
 
-pub fn streamed(answer: Answer, knobs: Knobs, include_usage: bool, shutdown: CancellationToken) -> Response {
+pub(crate) fn streamed(
+    answer: Answer,
+    knobs: Knobs,
+    include_usage: bool,
+    shutdown: CancellationToken,
+) -> Response {
     let mut frames = vec![Frame {
         data: answer.delta(json!({"role": "assistant", "content": ""}), None),
         is_delta: false,
@@ -161,7 +166,7 @@ pub fn streamed(answer: Answer, knobs: Knobs, include_usage: bool, shutdown: Can
 type Sender = mpsc::Sender<Result<Bytes, io::Error>>;
 
 /// What a `stamp`ed answer's words are, replaced by the send time as each delta goes out.
-pub const STAMP: &str = "@stamp@ ";
+pub(crate) const STAMP: &str = "@stamp@ ";
 
 pub(crate) fn unix_us() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
@@ -226,7 +231,7 @@ async fn drop_connection(tx: &Sender) {
 
 /// The whole answer as one body. A stall never answers; `fail_after` breaks the body after
 /// the headers; the delay is paid for every delta at once.
-pub async fn whole(answer: Answer, knobs: Knobs, shutdown: CancellationToken) -> Response {
+pub(crate) async fn whole(answer: Answer, knobs: Knobs, shutdown: CancellationToken) -> Response {
     if knobs.stall_after.is_some() {
         shutdown.cancelled().await;
         return error(503, "mock server shutting down");
@@ -266,7 +271,7 @@ pub async fn whole(answer: Answer, knobs: Knobs, shutdown: CancellationToken) ->
 }
 
 /// An OpenAI-style error body with `status`.
-pub fn error(status: u16, message: &str) -> Response {
+pub(crate) fn error(status: u16, message: &str) -> Response {
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let kind = if status.is_client_error() { "invalid_request_error" } else { "server_error" };
     let body = json!({"error": {

@@ -21,7 +21,7 @@ const WORKER_APPEND_TIMEOUT: Duration = Duration::from_secs(15);
 
 #[derive(Parser)]
 #[command(name = "turnlog", version, about = "Append-only chat sessions over HTTP/SSE")]
-pub struct Cli {
+pub(crate) struct Cli {
     /// Log lines as readable text (`pretty`) or one JSON object each (`json`); RUST_LOG
     /// filters them (default `info`).
     #[arg(long, global = true, env = "TURNLOG_LOG_FORMAT", value_enum, default_value_t = LogFormat::Pretty)]
@@ -31,13 +31,13 @@ pub struct Cli {
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
-pub enum LogFormat {
+pub(crate) enum LogFormat {
     Pretty,
     Json,
 }
 
 #[derive(Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// Apply append requests to Postgres: the only process that writes it.
     Writer {
         #[command(flatten)]
@@ -178,7 +178,7 @@ pub enum Command {
 
 /// The workers (`turnlog_dev::Worker`), by the name of their subcommand.
 #[derive(Clone, Copy, clap::ValueEnum)]
-pub enum WorkerKind {
+pub(crate) enum WorkerKind {
     Distiller,
     Memory,
     Compactor,
@@ -186,9 +186,11 @@ pub enum WorkerKind {
 
 impl Command {
     /// The worker a worker's subcommand runs, and where it serves its metrics.
-    pub fn worker(&self) -> Option<(anyhow::Result<Worker>, &MetricsArgs)> {
+    pub(crate) fn worker(&self) -> Option<(anyhow::Result<Worker>, &MetricsArgs)> {
         match self {
-            Command::Distiller { worker, metrics } => Some((worker.distiller().map(Worker::Distiller), metrics)),
+            Command::Distiller { worker, metrics } => {
+                Some((worker.distiller().map(Worker::Distiller), metrics))
+            }
             Command::Memory { worker, metrics } => Some((worker.memory().map(Worker::Memory), metrics)),
             Command::Compactor { worker, compactor, metrics } => {
                 Some((worker.compactor(compactor).map(Worker::Compactor), metrics))
@@ -198,7 +200,7 @@ impl Command {
     }
 
     /// The name the process's spans carry (`service.name`), unless OTEL_SERVICE_NAME says.
-    pub fn service_name(&self) -> &'static str {
+    pub(crate) fn service_name(&self) -> &'static str {
         match self {
             Command::Writer { .. } => "turnlog-writer",
             Command::Distiller { .. } => "turnlog-distiller",
@@ -213,7 +215,7 @@ impl Command {
 
 /// Where a writer or worker serves its metrics.
 #[derive(clap::Args, Clone)]
-pub struct MetricsArgs {
+pub(crate) struct MetricsArgs {
     /// Serve Prometheus metrics (/metrics), /healthz and /readyz on this address, e.g.
     /// 0.0.0.0:9464. Unset: none (the ingress serves its own on its API port).
     #[arg(long, env = "TURNLOG_METRICS_LISTEN")]
@@ -221,7 +223,7 @@ pub struct MetricsArgs {
 }
 
 #[derive(Subcommand)]
-pub enum DeadCommand {
+pub(crate) enum DeadCommand {
     /// Every dead letter, oldest first: sequence, time, reason, session, detail.
     List,
     /// One dead letter whole, with how to redo it.
@@ -240,7 +242,7 @@ pub enum DeadCommand {
 
 /// Where the log and the bus are: shared by every subcommand that reaches them.
 #[derive(clap::Args, Clone)]
-pub struct BackboneArgs {
+pub(crate) struct BackboneArgs {
     /// Postgres, e.g. postgres://user:password@host:5432/turnlog.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Secret,
@@ -256,7 +258,7 @@ pub struct BackboneArgs {
 /// How the services that only read Postgres (the ingress and the workers) bound their
 /// queries. The writer's commits and `turnlog rebuild` / `verify` are not bounded.
 #[derive(clap::Args, Clone)]
-pub struct ReadArgs {
+pub(crate) struct ReadArgs {
     /// Longest run of one read query (e.g. 5s, 800ms): past it Postgres cancels the query,
     /// a client gets 503 with Retry-After and a worker retries the event later.
     #[arg(long, env = "TURNLOG_STATEMENT_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
@@ -265,7 +267,7 @@ pub struct ReadArgs {
 
 /// How the bus is laid out on the NATS server.
 #[derive(clap::Args, Clone)]
-pub struct BusArgs {
+pub(crate) struct BusArgs {
     /// Prefix of every stream and subject name, so deployments can share a NATS server.
     #[arg(long, env = "TURNLOG_BUS_PREFIX", default_value = "turnlog")]
     pub bus_prefix: String,
@@ -285,7 +287,7 @@ pub struct BusArgs {
 impl BusArgs {
     /// The bus at `nats_url` laid out by these flags (prefix, partitions, replicas), for the
     /// operator commands that take NATS_URL on its own.
-    pub async fn connect(
+    pub(crate) async fn connect(
         &self,
         nats_url: &str,
     ) -> Result<turnlog_runtime::bus::Bus, turnlog_runtime::bus::BusError> {
@@ -297,7 +299,7 @@ impl BusArgs {
 
 /// A worker's flags: where the log is, its models and its tuning.
 #[derive(clap::Args, Clone)]
-pub struct WorkerArgs {
+pub(crate) struct WorkerArgs {
     #[command(flatten)]
     pub backbone: BackboneArgs,
     #[command(flatten)]
@@ -308,7 +310,7 @@ pub struct WorkerArgs {
 
 /// The model gateway and the models the workers call.
 #[derive(clap::Args, Clone)]
-pub struct WorkerModels {
+pub(crate) struct WorkerModels {
     /// Base URL of the OpenAI-compatible gateway, ending in /v1.
     #[arg(long, env = "TURNLOG_LLM_URL")]
     pub llm_url: String,
@@ -332,7 +334,7 @@ pub struct WorkerModels {
 
 /// The models of the workers' own calls, when they differ from the chat model.
 #[derive(clap::Args, Clone)]
-pub struct TaskModels {
+pub(crate) struct TaskModels {
     /// Distillation, memory extraction and titles (default: TURNLOG_MODEL).
     #[arg(long, env = "TURNLOG_MINI_MODEL")]
     pub mini_model: Option<String>,
@@ -343,7 +345,7 @@ pub struct TaskModels {
 
 /// How a worker consumes the committed-event feed.
 #[derive(clap::Args, Clone)]
-pub struct WorkerTuning {
+pub(crate) struct WorkerTuning {
     /// Events one copy of the worker handles at once.
     #[arg(long, env = "TURNLOG_WORKER_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub worker_concurrency: u32,
@@ -361,7 +363,7 @@ pub struct WorkerTuning {
 
 /// The compactor's own settings.
 #[derive(clap::Args, Clone)]
-pub struct CompactorArgs {
+pub(crate) struct CompactorArgs {
     /// Longest wait for the extracted facts of the turns a summary replaces.
     #[arg(long, env = "TURNLOG_FACTS_WAIT", default_value = "5s", value_parser = parse_duration)]
     pub facts_wait: Duration,
@@ -369,7 +371,7 @@ pub struct CompactorArgs {
 
 /// Flags of `turnlog ingress` beyond the backbone (database, NATS, bus prefix, partitions).
 #[derive(clap::Args, Clone)]
-pub struct IngressArgs {
+pub(crate) struct IngressArgs {
     /// Address to serve HTTP on. Without API tokens only a loopback address is accepted.
     #[arg(long, env = "TURNLOG_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
@@ -450,7 +452,7 @@ pub struct IngressArgs {
 /// The flags of `turnlog dev`: where its private servers live, the servers to use instead,
 /// and every service's settings.
 #[derive(clap::Args, Clone)]
-pub struct DevArgs {
+pub(crate) struct DevArgs {
     /// Where the private Postgres and nats-server keep their data and recorded ports.
     #[arg(long, env = "TURNLOG_DATA_DIR", default_value = ".turnlog")]
     pub data_dir: PathBuf,
@@ -475,7 +477,7 @@ pub struct DevArgs {
 }
 
 impl BackboneArgs {
-    pub fn backbone(&self) -> Backbone {
+    pub(crate) fn backbone(&self) -> Backbone {
         Backbone {
             database_url: self.database_url.clone(),
             nats_url: self.nats_url.clone(),
@@ -487,18 +489,18 @@ impl BackboneArgs {
         }
     }
 
-    pub fn writer(&self) -> turnlog_writer::WriterConfig {
+    pub(crate) fn writer(&self) -> turnlog_writer::WriterConfig {
         turnlog_writer::WriterConfig { backbone: self.backbone() }
     }
 
-    pub fn ingress(&self, args: IngressArgs) -> anyhow::Result<IngressConfig> {
+    pub(crate) fn ingress(&self, args: IngressArgs) -> anyhow::Result<IngressConfig> {
         ingress_config(self.backbone(), args)
     }
 }
 
 impl WorkerArgs {
     /// The worker `kind` on these flags (and the compactor's own).
-    pub fn worker(&self, kind: WorkerKind, compactor: &CompactorArgs) -> anyhow::Result<Worker> {
+    pub(crate) fn worker(&self, kind: WorkerKind, compactor: &CompactorArgs) -> anyhow::Result<Worker> {
         Ok(match kind {
             WorkerKind::Distiller => Worker::Distiller(self.distiller()?),
             WorkerKind::Memory => Worker::Memory(self.memory()?),
@@ -506,11 +508,11 @@ impl WorkerArgs {
         })
     }
 
-    pub fn distiller(&self) -> anyhow::Result<turnlog_distiller::DistillerConfig> {
+    pub(crate) fn distiller(&self) -> anyhow::Result<turnlog_distiller::DistillerConfig> {
         self.turn_worker()
     }
 
-    pub fn memory(&self) -> anyhow::Result<turnlog_memory::MemoryConfig> {
+    pub(crate) fn memory(&self) -> anyhow::Result<turnlog_memory::MemoryConfig> {
         self.turn_worker()
     }
 
@@ -527,7 +529,10 @@ impl WorkerArgs {
         })
     }
 
-    pub fn compactor(&self, compactor: &CompactorArgs) -> anyhow::Result<turnlog_compactor::CompactorConfig> {
+    pub(crate) fn compactor(
+        &self,
+        compactor: &CompactorArgs,
+    ) -> anyhow::Result<turnlog_compactor::CompactorConfig> {
         let models = &self.models;
         Ok(turnlog_compactor::CompactorConfig {
             backbone: self.backbone.backbone(),
@@ -546,7 +551,7 @@ impl WorkerArgs {
 impl WorkerModels {
     /// The workers' models on the gateway the ingress is given, so `turnlog dev` configures
     /// the gateway once for every service.
-    pub fn from_ingress(args: &IngressArgs, llm_url: String, tasks: TaskModels) -> Self {
+    pub(crate) fn from_ingress(args: &IngressArgs, llm_url: String, tasks: TaskModels) -> Self {
         Self {
             llm_url,
             llm_api_key: args.llm_api_key.clone(),
@@ -581,7 +586,7 @@ impl WorkerModels {
 }
 
 impl WorkerTuning {
-    pub fn settings(&self) -> turnlog_runtime::worker::ConsumerSettings {
+    pub(crate) fn settings(&self) -> turnlog_runtime::worker::ConsumerSettings {
         turnlog_runtime::worker::ConsumerSettings {
             concurrency: usize::try_from(self.worker_concurrency).unwrap_or(1),
             max_deliver: self.worker_max_deliver,
@@ -678,7 +683,7 @@ impl DevArgs {
     /// `turnlog dev`'s config, checked before anything starts: each service's config is
     /// built by the code that builds it for the other subcommands, against stand-in
     /// servers and gateway that `turnlog dev` replaces with the real ones.
-    pub fn config(mut self) -> anyhow::Result<turnlog_dev::DevConfig> {
+    pub(crate) fn config(mut self) -> anyhow::Result<turnlog_dev::DevConfig> {
         // An empty variable (`DATABASE_URL=`) means "not set", as a shell user expects.
         self.database_url = self.database_url.filter(|u| !u.expose().trim().is_empty());
         self.nats_url = self.nats_url.filter(|u| !u.trim().is_empty());
@@ -720,7 +725,7 @@ impl DevArgs {
 /// Parses the command line and environment into `P`, or exits: clap's own message, plus
 /// (clap names only the flag, `--partitions <PARTITIONS>`) which environment variable
 /// carried a bad value, when one did.
-pub fn parse_or_exit<P: clap::Parser>() -> P {
+pub(crate) fn parse_or_exit<P: clap::Parser>() -> P {
     match P::try_parse() {
         Ok(parsed) => parsed,
         Err(e) => {

@@ -146,7 +146,7 @@ fn new_event(kind: &RequestKind, payload: &Value, body_len: usize) -> Result<New
 }
 
 /// A session's row as the batch sees and changes it.
-pub use turnlog_runtime::read::SessionRow;
+pub(crate) use turnlog_runtime::read::SessionRow;
 
 #[derive(Debug, Clone)]
 pub struct EventRow {
@@ -300,7 +300,7 @@ impl LoadedState {
 
 /// Whether a hidden session keeping its events through `kept` keeps this outcome: that of
 /// one of those events.
-pub fn kept_outcome(outcome: &Outcome, kept: i64) -> bool {
+pub(crate) fn kept_outcome(outcome: &Outcome, kept: i64) -> bool {
     outcome.status == OutcomeStatus::Committed && outcome.seq.is_some_and(|seq| seq <= kept)
 }
 
@@ -311,7 +311,11 @@ pub fn kept_outcome(outcome: &Outcome, kept: i64) -> bool {
 /// stream took less than half the window after that moment is the first (the other half
 /// allows for clocks apart between the producer and nats-server). Other ids (derived ones,
 /// idempotency keys) are always looked up, as are redrives.
-pub fn first_copy(request_id: Uuid, published: DateTime<Utc>, duplicate_window: std::time::Duration) -> bool {
+pub(crate) fn first_copy(
+    request_id: Uuid,
+    published: DateTime<Utc>,
+    duplicate_window: std::time::Duration,
+) -> bool {
     if request_id.get_version() != Some(uuid::Version::SortRand) {
         return false;
     }

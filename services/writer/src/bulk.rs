@@ -22,7 +22,7 @@ use crate::store::{
 const SESSIONS_PER_UPDATE: usize = 5_000;
 
 /// Whether a database holds nothing the writer writes (a rebuild's target must not).
-pub async fn is_empty(pool: &PgPool) -> Result<bool, sqlx::Error> {
+pub(crate) async fn is_empty(pool: &PgPool) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar(
         "SELECT NOT (EXISTS (SELECT 1 FROM sessions) OR EXISTS (SELECT 1 FROM session_events)
                   OR EXISTS (SELECT 1 FROM request_outcomes) OR EXISTS (SELECT 1 FROM memories)
@@ -37,7 +37,7 @@ pub async fn is_empty(pool: &PgPool) -> Result<bool, sqlx::Error> {
 /// that make them again: indexes first (each may be built beside the others), then the
 /// constraints (a unique one adopts its index, built among the first).
 #[derive(Debug)]
-pub struct SetAside {
+pub(crate) struct SetAside {
     indexes: Vec<String>,
     constraints: Vec<String>,
 }
@@ -47,7 +47,7 @@ pub struct SetAside {
 /// maintaining it row by row. A rebuild that stops before [`restore`] leaves a database
 /// without them — one to drop, as any unfinished rebuild's; a target found without them
 /// is refused.
-pub async fn set_aside(conn: &mut PgConnection) -> anyhow::Result<SetAside> {
+pub(crate) async fn set_aside(conn: &mut PgConnection) -> anyhow::Result<SetAside> {
     let mut tx = conn.begin().await?;
     // (name, definition, the index of a unique constraint)
     let constraints: Vec<(String, String, Option<String>)> = sqlx::query_as(
@@ -101,7 +101,7 @@ pub async fn set_aside(conn: &mut PgConnection) -> anyhow::Result<SetAside> {
 
 /// Makes again what [`set_aside`] dropped — the indexes two at a time, on two connections,
 /// since a build uses one core — then gathers the planner's statistics of the loaded tables.
-pub async fn restore(pool: &PgPool, set_aside: SetAside) -> Result<(), sqlx::Error> {
+pub(crate) async fn restore(pool: &PgPool, set_aside: SetAside) -> Result<(), sqlx::Error> {
     let build = |statements: Vec<String>| async move {
         let mut conn = pool.acquire().await?;
         for statement in &statements {
@@ -136,7 +136,7 @@ fn quoted(identifier: &str) -> String {
 
 /// One applied batch in one transaction: its new sessions, its events, its memories — or,
 /// for a delete, the session's rows and a pending purge, as the live writer leaves them.
-pub async fn write_batch(conn: &mut PgConnection, fx: &BatchEffects) -> Result<(), sqlx::Error> {
+pub(crate) async fn write_batch(conn: &mut PgConnection, fx: &BatchEffects) -> Result<(), sqlx::Error> {
     let mut tx = conn.begin().await?;
     if let Some(file) = &fx.file {
         rebuild_file(&mut tx, file).await?;
@@ -196,7 +196,7 @@ pub async fn write_batch(conn: &mut PgConnection, fx: &BatchEffects) -> Result<(
 
 /// The end of a partition's rebuild: every session's final row, every outcome, and the
 /// position (applied and published: those events reached the feed when first applied).
-pub async fn write_final(
+pub(crate) async fn write_final(
     conn: &mut PgConnection,
     partition: i32,
     position: i64,

@@ -22,13 +22,13 @@ const MERGE_AFTER_ROWS: usize = 4_000;
 
 /// Rows the writer committed since the last merge.
 #[derive(Default)]
-pub struct PendingRows {
+pub(crate) struct PendingRows {
     rows: AtomicUsize,
     wake: Notify,
 }
 
 impl PendingRows {
-    pub fn add(&self, rows: usize) {
+    pub(crate) fn add(&self, rows: usize) {
         if rows > 0 && self.rows.fetch_add(rows, Ordering::Relaxed) + rows >= MERGE_AFTER_ROWS {
             self.wake.notify_one();
         }
@@ -38,7 +38,7 @@ impl PendingRows {
 /// Merges the pending lists of every GIN index in the writer's schema whenever rows were
 /// written, until `shutdown`. Stops (leaving merges to the inserts and autovacuum) if the
 /// database user may not: merging needs the index's owner, as VACUUM does.
-pub async fn merge_pending_lists(
+pub(crate) async fn merge_pending_lists(
     pool: PgPool,
     pending: std::sync::Arc<PendingRows>,
     shutdown: CancellationToken,

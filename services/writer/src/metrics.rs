@@ -45,29 +45,29 @@ impl WriterMetrics {
         f(self.partitions.lock().unwrap_or_else(PoisonError::into_inner).entry(partition).or_default());
     }
 
-    pub fn committed(&self, partition: u32, requests: usize, seconds: f64, applied: i64) {
+    pub(crate) fn committed(&self, partition: u32, requests: usize, seconds: f64, applied: i64) {
         self.batch.observe(requests as f64);
         self.commit.observe(seconds);
         self.partition(partition, |p| p.applied = applied);
     }
 
-    pub fn published(&self, partition: u32, through: i64) {
+    pub(crate) fn published(&self, partition: u32, through: i64) {
         self.partition(partition, |p| p.published = through);
     }
 
-    pub fn indexed(&self, partition: u32, through: i64) {
+    pub(crate) fn indexed(&self, partition: u32, through: i64) {
         self.partition(partition, |p| p.indexed = through);
     }
 
-    pub fn unread(&self, partition: u32, pending: u64) {
+    pub(crate) fn unread(&self, partition: u32, pending: u64) {
         self.partition(partition, |p| p.unread = pending);
     }
 
-    pub fn held(&self, partition: u32, held: bool) {
+    pub(crate) fn held(&self, partition: u32, held: bool) {
         self.partition(partition, |p| p.held = held);
     }
 
-    pub fn dead_letter(&self, reason: &str) {
+    pub(crate) fn dead_letter(&self, reason: &str) {
         *self
             .dead_letters
             .lock()
@@ -76,11 +76,11 @@ impl WriterMetrics {
             .or_default() += 1;
     }
 
-    pub fn search_skipped(&self) {
+    pub(crate) fn search_skipped(&self) {
         self.search_skipped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
-    pub fn render(&self, out: &mut String) {
+    pub(crate) fn render(&self, out: &mut String) {
         family(out, "turnlog_writer_batch_requests", "histogram", "Requests applied per commit");
         histogram(out, "turnlog_writer_batch_requests", &[], &self.batch);
         family(out, "turnlog_writer_commit_seconds", "histogram", "Time to load, apply and commit one batch");

@@ -17,22 +17,22 @@ use crate::apply::EventRow;
 use crate::commit::data_error;
 
 /// How long committed events wait to be indexed together.
-pub const INDEX_EVERY: Duration = Duration::from_millis(200);
+pub(crate) const INDEX_EVERY: Duration = Duration::from_millis(200);
 /// Events indexed in one transaction at most.
 const INDEX_BATCH: usize = 5_000;
 /// Class of the transaction-level advisory lock an index write and a delete of the same
 /// partition take, so that a delete never leaves behind rows indexed meanwhile ("TLSX").
-pub const LOCK_CLASS: i32 = 0x544C_5358;
+pub(crate) const LOCK_CLASS: i32 = 0x544C_5358;
 
 /// What a batch of commits leaves to index: the events that are found by search, and the
 /// APPEND sequence the index is then complete through.
-pub struct Committed {
+pub(crate) struct Committed {
     pub events: Vec<(SessionId, i64)>,
     pub through: i64,
 }
 
 impl Committed {
-    pub fn of<'a>(events: impl IntoIterator<Item = &'a EventRow>, through: i64) -> Self {
+    pub(crate) fn of<'a>(events: impl IntoIterator<Item = &'a EventRow>, through: i64) -> Self {
         let events = events
             .into_iter()
             .filter(|e| searchable(e.event.kind))
@@ -49,7 +49,7 @@ fn searchable(kind: EventKind) -> bool {
 /// Indexes partition `partition`'s committed events: first those committed before its
 /// position (a previous writer's, up to `applied`), then whatever `commits` brings, until
 /// it closes. An error ends it; the next writer catches up from the position.
-pub async fn indexer(
+pub(crate) async fn indexer(
     pool: PgPool,
     partition: i32,
     partitions: u32,
@@ -208,7 +208,7 @@ const INDEX_EVENTS: &str = "INSERT INTO search_entries (session_id, seq, owner, 
 
 /// The whole index recomputed from the stored events, and every partition's position set
 /// to the writer's: the end of `turnlog rebuild`.
-pub async fn reindex_all(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+pub(crate) async fn reindex_all(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
     sqlx::query("DELETE FROM search_entries").execute(&mut *conn).await?;
     sqlx::query(
         "INSERT INTO search_entries (session_id, seq, owner, kind, body, created_at)

@@ -20,15 +20,15 @@ use sqlx::{Connection as _, PgConnection};
 use tokio_util::sync::CancellationToken;
 
 /// Most writer processes on one database.
-pub const MAX_WRITERS: i64 = 64;
+pub(crate) const MAX_WRITERS: i64 = 64;
 /// Base of the member advisory-lock keys ("TLWM").
 const MEMBER_BASE: i64 = 0x544C_574D_0000;
 /// How often the members are counted and shares worked out.
-pub const SETTLE_TICK: Duration = Duration::from_secs(1);
+pub(crate) const SETTLE_TICK: Duration = Duration::from_secs(1);
 
 /// This process's view of its share, used by its partition tasks.
 #[derive(Debug, Default)]
-pub struct Share {
+pub(crate) struct Share {
     state: Mutex<State>,
     /// Woken when the share changes (joining, a writer coming or going).
     changed: tokio::sync::Notify,
@@ -51,7 +51,7 @@ impl Share {
     /// tries the partition's lock, and calls [`release`](Self::release) when it does not
     /// get it or stops serving. The token (a child of `shutdown`) is cancelled when the
     /// partition is to be handed back.
-    pub fn claim(&self, partition: u32, shutdown: &CancellationToken) -> Option<CancellationToken> {
+    pub(crate) fn claim(&self, partition: u32, shutdown: &CancellationToken) -> Option<CancellationToken> {
         let mut state = self.state();
         let target = state.target?;
         if state.held.len() >= target || state.held.contains_key(&partition) {
@@ -64,12 +64,12 @@ impl Share {
 
     /// Resolves at the next change of the share. Enable it before trying
     /// [`claim`](Self::claim), so a change in between is not missed.
-    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+    pub(crate) fn changed(&self) -> tokio::sync::futures::Notified<'_> {
         self.changed.notified()
     }
 
     /// Whether this writer has joined the members (and so reached Postgres).
-    pub fn joined(&self) -> bool {
+    pub(crate) fn joined(&self) -> bool {
         self.state().target.is_some()
     }
 
@@ -80,7 +80,7 @@ impl Share {
     /// Gives `partition`'s room back. It wakes no one: a task that fails to take a lock held
     /// elsewhere releases its room and would wake itself, again and again; the room is taken
     /// at the next poll.
-    pub fn release(&self, partition: u32) {
+    pub(crate) fn release(&self, partition: u32) {
         self.state().held.remove(&partition);
     }
 
@@ -104,14 +104,14 @@ impl Share {
 }
 
 /// The share of the member of rank `rank` among `members`, of `partitions`.
-pub fn target(partitions: u32, members: usize, rank: usize) -> usize {
+pub(crate) fn target(partitions: u32, members: usize, rank: usize) -> usize {
     let (p, w) = (partitions as usize, members.max(1));
     p / w + usize::from(rank < p % w)
 }
 
 /// Joins as a member and keeps `share` up to date until `shutdown`; takes a member slot
 /// again after losing its connection.
-pub async fn run(url: String, partitions: u32, share: Arc<Share>, shutdown: CancellationToken) {
+pub(crate) async fn run(url: String, partitions: u32, share: Arc<Share>, shutdown: CancellationToken) {
     let mut backoff = Duration::from_millis(200);
     while !shutdown.is_cancelled() {
         match membership(&url, partitions, &share, &shutdown).await {
@@ -219,7 +219,7 @@ pub async fn holders(pool: &sqlx::PgPool, partitions: u32) -> Result<Vec<(u32, S
 
 /// The `application_name` of a writer's connections: `pg_stat_activity` then tells which
 /// process holds which partition (`turnlog status`, the tests).
-pub fn application_name() -> String {
+pub(crate) fn application_name() -> String {
     format!("turnlog-writer pid={}", std::process::id())
 }
 

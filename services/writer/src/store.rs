@@ -16,7 +16,7 @@ use turnlog_runtime::read::SESSION_COLUMNS;
 use crate::apply::{BatchEffects, EventRow, FileWrite, LoadedState, SessionRow};
 
 #[derive(Debug, thiserror::Error)]
-pub enum StoreError {
+pub(crate) enum StoreError {
     #[error(transparent)]
     Sql(#[from] sqlx::Error),
     /// Another writer moved this partition's position: this one must step down.
@@ -125,7 +125,7 @@ pub(crate) fn int8_array(values: &[i64]) -> String {
 }
 
 /// (applied, published) stream sequences of a partition, creating its row at 0.
-pub async fn positions(pool: &PgPool, partition: i32) -> Result<(i64, i64), sqlx::Error> {
+pub(crate) async fn positions(pool: &PgPool, partition: i32) -> Result<(i64, i64), sqlx::Error> {
     sqlx::query("INSERT INTO writer_positions (partition) VALUES ($1) ON CONFLICT DO NOTHING")
         .bind(partition)
         .execute(pool)
@@ -142,7 +142,7 @@ type OutcomeRow = (Uuid, Option<Uuid>, String, Option<i64>, Option<Refusal>);
 /// The sessions (those not cached) and prior outcomes a batch refers to. Usually no round
 /// trip: the writer caches the sessions it has seen, and most requests cannot have an
 /// earlier outcome ([`crate::apply::first_copy`]).
-pub async fn load_state(
+pub(crate) async fn load_state(
     pool: &PgPool,
     sessions: &[Uuid],
     requests: &[Uuid],
@@ -185,7 +185,7 @@ pub async fn load_state(
 /// for each fork, its parent's row and the compactions of every session its branch log
 /// reads (its inherited compaction point is found among them); for a delete, the deleted
 /// session's ancestors and every session that inherits from it or from any of them.
-pub async fn load_family(
+pub(crate) async fn load_family(
     pool: &PgPool,
     state: &mut LoadedState,
     parents: &[Uuid],
@@ -232,7 +232,7 @@ pub async fn load_family(
 
 /// Writes a batch (a delete through [`write_delete`], anything else through
 /// [`write_effects`]) with the partition's new position.
-pub async fn commit(
+pub(crate) async fn commit(
     conn: &mut PgConnection,
     partition: i32,
     expected: i64,
@@ -543,7 +543,7 @@ type CommittedRow = (
 );
 
 /// Events committed from APPEND messages in `(after, through]`, in commit order.
-pub async fn committed_between(
+pub(crate) async fn committed_between(
     pool: &PgPool,
     after: i64,
     through: i64,
@@ -597,7 +597,7 @@ pub async fn committed_between(
 /// Moves `published_seq`. Committed without waiting for the WAL flush: it is a hint, and
 /// losing the latest value in a crash only makes the next writer republish events the feed
 /// then drops as duplicates. Waiting would cost a second fsync per batch at low load.
-pub async fn mark_published(pool: &PgPool, partition: i32, through: i64) -> Result<(), sqlx::Error> {
+pub(crate) async fn mark_published(pool: &PgPool, partition: i32, through: i64) -> Result<(), sqlx::Error> {
     sqlx::query(
         "UPDATE writer_positions SET published_seq = $2
            FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit
@@ -612,7 +612,7 @@ pub async fn mark_published(pool: &PgPool, partition: i32, through: i64) -> Resu
 
 /// Deleted sessions whose stream messages are still to be removed, each with the APPEND
 /// sequence of its delete (None when recorded before deletes named it).
-pub async fn pending_purges(pool: &PgPool) -> Result<Vec<(SessionId, Option<i64>)>, sqlx::Error> {
+pub(crate) async fn pending_purges(pool: &PgPool) -> Result<Vec<(SessionId, Option<i64>)>, sqlx::Error> {
     let rows: Vec<(Uuid, Option<i64>)> =
         sqlx::query_as("SELECT session_id, stream_seq FROM pending_purges").fetch_all(pool).await?;
     Ok(rows.into_iter().map(|(id, through)| (SessionId(id), through)).collect())
@@ -621,7 +621,7 @@ pub async fn pending_purges(pool: &PgPool) -> Result<Vec<(SessionId, Option<i64>
 /// The APPEND sequences of a session's messages a purge keeps: those of the events still
 /// stored (a hidden session's inherited prefix) and of the delete that hid it. Empty for a
 /// session that is gone.
-pub async fn kept_messages(pool: &PgPool, session: SessionId) -> Result<HashSet<u64>, sqlx::Error> {
+pub(crate) async fn kept_messages(pool: &PgPool, session: SessionId) -> Result<HashSet<u64>, sqlx::Error> {
     let seqs: Vec<i64> = sqlx::query_scalar(
         "SELECT stream_seq FROM session_events WHERE session_id = $1
          UNION SELECT hidden_seq FROM sessions WHERE id = $1 AND hidden_seq IS NOT NULL",
@@ -634,7 +634,7 @@ pub async fn kept_messages(pool: &PgPool, session: SessionId) -> Result<HashSet<
 
 /// Clears a purge record once its messages through `through` are removed (not one a later
 /// delete of the same id has moved further meanwhile).
-pub async fn purge_done(pool: &PgPool, session: SessionId, through: i64) -> Result<(), sqlx::Error> {
+pub(crate) async fn purge_done(pool: &PgPool, session: SessionId, through: i64) -> Result<(), sqlx::Error> {
     sqlx::query(
         "DELETE FROM pending_purges WHERE session_id = $1 AND (stream_seq IS NULL OR stream_seq <= $2)",
     )

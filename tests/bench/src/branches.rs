@@ -24,7 +24,7 @@ const OWNER: &str = "bench";
 const FORKS: usize = 200;
 
 /// Figures for the context bench's RESULT line.
-pub struct Figures {
+pub(crate) struct Figures {
     pub fork_ns: u128,
     pub fork_small_ns: u128,
     pub branch_tail_ns: u128,
@@ -175,7 +175,7 @@ async fn tail_time(env: &TestEnv, session: SessionId) -> anyhow::Result<(Duratio
     Ok((started.elapsed() / reads, events))
 }
 
-pub async fn run() -> anyhow::Result<Figures> {
+pub(crate) async fn run() -> anyhow::Result<Figures> {
     let env = test_env().await;
     let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await?;
     bus.ensure_topology(None).await?;

@@ -52,7 +52,7 @@ async fn answer_of(resp: reqwest::Response) -> anyhow::Result<String> {
     Ok(text)
 }
 
-pub async fn run() -> anyhow::Result<()> {
+pub(crate) async fn run() -> anyhow::Result<()> {
     // Through turnlog.
     let sys = System::start(Settings {
         model: "mock",

@@ -64,7 +64,7 @@ pub(crate) fn time_per_call<T>(min: Duration, mut f: impl FnMut() -> T) -> Durat
     start.elapsed() / calls
 }
 
-pub fn run() -> anyhow::Result<()> {
+pub(crate) fn run() -> anyhow::Result<()> {
     let t = Instant::now();
     tokens::warm_up();
     println!("tokenizer load: {:?}", t.elapsed());

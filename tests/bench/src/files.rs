@@ -96,7 +96,7 @@ async fn turn(sys: &System, text: &str, images: &[String]) -> anyhow::Result<f64
     Ok(received.saturating_sub(sent) as f64 / 1e3)
 }
 
-pub async fn run() -> anyhow::Result<()> {
+pub(crate) async fn run() -> anyhow::Result<()> {
     let sys = System::start(Settings {
         model: "mock",
         windows: vec![],

@@ -60,7 +60,7 @@ fn conversation(c: usize) -> Value {
            "create_time": t0, "current_node": format!("m{}", MESSAGES - 1), "mapping": mapping})
 }
 
-pub async fn run() -> anyhow::Result<()> {
+pub(crate) async fn run() -> anyhow::Result<()> {
     turnlog_core::tokens::warm_up();
     let path = std::env::temp_dir().join(format!("turnlog-bench-import-{}.json", uuid::Uuid::now_v7()));
     {

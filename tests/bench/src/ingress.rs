@@ -212,7 +212,7 @@ async fn burst(sys: &System, round: usize, directive: &str) -> anyhow::Result<Ve
     futures::future::join_all(runs).await.into_iter().collect()
 }
 
-pub async fn run() -> anyhow::Result<()> {
+pub(crate) async fn run() -> anyhow::Result<()> {
     let sys = System::start(Settings {
         model: "mock",
         windows: vec![],

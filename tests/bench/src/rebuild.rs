@@ -19,7 +19,7 @@ use turnlog_testkit::test_env;
 const SHAPE: history::Shape = history::Shape { sessions: 2_000, turns: 19, awkward: false };
 const TARGET_REBUILD_PER_S: f64 = 30_000.0;
 
-pub async fn run() -> anyhow::Result<()> {
+pub(crate) async fn run() -> anyhow::Result<()> {
     turnlog_core::tokens::warm_up();
     let env = test_env().await;
     let settings: Vec<(String, String)> = sqlx::query_as(

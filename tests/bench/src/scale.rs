@@ -34,7 +34,7 @@ struct Row {
     cpu: [f64; 3],
 }
 
-pub async fn run() -> anyhow::Result<()> {
+pub(crate) async fn run() -> anyhow::Result<()> {
     let bin = crate::soak::turnlog_binary()?;
     let single = private_nats(free_port()).await;
     let cluster = private_nats_cluster().await;

@@ -10,7 +10,7 @@ use std::process::Command;
 use anyhow::Context as _;
 use turnlog_testkit::soak::{self, FaultKind, SoakConfig};
 
-pub async fn run(args: &[String]) -> anyhow::Result<()> {
+pub(crate) async fn run(args: &[String]) -> anyhow::Result<()> {
     let mut minutes = 3.0;
     let mut clients = None;
     let mut seed = None;

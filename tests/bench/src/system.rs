@@ -12,7 +12,7 @@ use turnlog_runtime::upstream::UpstreamConfig;
 use turnlog_runtime::worker::ConsumerSettings;
 use turnlog_testkit::{test_env, TestEnv};
 
-pub struct System {
+pub(crate) struct System {
     pub env: TestEnv,
     pub mock: MockHandle,
     pub base: String,
@@ -22,7 +22,7 @@ pub struct System {
     stack: Stack,
 }
 
-pub struct Settings {
+pub(crate) struct Settings {
     pub model: &'static str,
     /// `TURNLOG_MODEL_WINDOWS` entries, applied to every service.
     pub windows: Vec<(&'static str, u32)>,
@@ -33,7 +33,7 @@ pub struct Settings {
 }
 
 impl System {
-    pub async fn start(settings: Settings) -> anyhow::Result<Self> {
+    pub(crate) async fn start(settings: Settings) -> anyhow::Result<Self> {
         let env = test_env().await;
         let mock = turnlog_mock_llm::spawn(MockConfig::default()).await?;
         let upstream = UpstreamConfig {
@@ -57,7 +57,7 @@ impl System {
         Ok(Self { env, mock, base, http, files_dir, stack })
     }
 
-    pub async fn create_session(&self) -> anyhow::Result<String> {
+    pub(crate) async fn create_session(&self) -> anyhow::Result<String> {
         let r: serde_json::Value = self
             .http
             .post(format!("{}/v1/sessions", self.base))
@@ -69,7 +69,7 @@ impl System {
         r["id"].as_str().map(str::to_owned).ok_or_else(|| anyhow::anyhow!("no session id: {r}"))
     }
 
-    pub async fn stop(self) -> anyhow::Result<()> {
+    pub(crate) async fn stop(self) -> anyhow::Result<()> {
         self.stack.stop().await?;
         self.env.cleanup().await;
         let _ = std::fs::remove_dir_all(&self.files_dir);

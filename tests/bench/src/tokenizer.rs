@@ -262,7 +262,7 @@ fn mb_s(bytes: usize, per_call: Duration) -> f64 {
     bytes as f64 / per_call.as_secs_f64() / 1e6
 }
 
-pub fn fixture() -> anyhow::Result<Vec<(String, String, Vec<u32>)>> {
+pub(crate) fn fixture() -> anyhow::Result<Vec<(String, String, Vec<u32>)>> {
     let fixture: serde_json::Value =
         serde_json::from_str(include_str!("../../../shared/core/tests/fixtures/token_counts.json"))?;
     anyhow::ensure!(fixture["encoding"] == "o200k_base", "fixture is not o200k_base");
@@ -285,11 +285,11 @@ fn first_difference(a: &[u32], b: &[u32]) -> usize {
 }
 
 /// Random strings checked against each other by [`run`]; the test checks fewer.
-pub const RANDOM_CASES: usize = 200_000;
+pub(crate) const RANDOM_CASES: usize = 200_000;
 
 /// `cases` seeded random strings (and the same number of random slices of a synthetic
 /// text) on which the two crates must give the same ids.
-pub fn check_random(cases: usize, seed: u64) -> anyhow::Result<usize> {
+pub(crate) fn check_random(cases: usize, seed: u64) -> anyhow::Result<usize> {
     let mut rng = Rng(seed);
     let text = synthetic(200_000, seed ^ 0x5eed);
     let mut bytes = 0;
@@ -355,7 +355,7 @@ fn load(which: &str) -> anyhow::Result<(Duration, u64, u64)> {
     Ok(runs[1])
 }
 
-pub fn run(args: &[String]) -> anyhow::Result<()> {
+pub(crate) fn run(args: &[String]) -> anyhow::Result<()> {
     if let [flag, which] = args {
         if flag == "--load" {
             let rss = rss_kb();

@@ -373,7 +373,7 @@ fn percentile_ms(samples: &[Duration], q: f64) -> f64 {
     sorted[((last as f64) * q).round() as usize].as_secs_f64() * 1e3
 }
 
-pub async fn run() -> anyhow::Result<()> {
+pub(crate) async fn run() -> anyhow::Result<()> {
     turnlog_core::tokens::warm_up();
     let mut rig = Rig::new().await?;
     let settings: Vec<(String, String)> = sqlx::query_as(

@@ -49,7 +49,7 @@ pub fn conversation(v: &Value) -> Result<Conversation, Rejected> {
     if mapping.len() > MAX_NODES {
         return Err(reject(format!("it has more than {MAX_NODES} nodes")));
     }
-    let mut nodes: HashMap<&str, Node> = mapping
+    let mut nodes: HashMap<&str, Node<'_>> = mapping
         .iter()
         .map(|(key, n)| {
             let parent = n.get("parent").and_then(Value::as_str).filter(|p| mapping.contains_key(*p));

@@ -296,7 +296,7 @@ impl Head {
     }
 
     /// A string it names under `key`.
-    pub fn get(&self, key: &str) -> Option<&str> {
+    pub(crate) fn get(&self, key: &str) -> Option<&str> {
         self.skeleton.get(key).and_then(Value::as_str)
     }
 }
@@ -306,7 +306,7 @@ struct HeadVisitor<'a>(&'a mut Head);
 impl<'de> Visitor<'de> for HeadVisitor<'_> {
     type Value = ();
 
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("an object")
     }
 

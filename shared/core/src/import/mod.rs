@@ -664,7 +664,7 @@ mod tests {
     type Exported<'a> = (&'a str, Option<(&'a str, i64)>, Vec<(&'a str, Value)>);
 
     /// A turnlog export of one family; why it cannot be imported, if so.
-    fn family_problem(sessions: &[Exported]) -> Option<String> {
+    fn family_problem(sessions: &[Exported<'_>]) -> Option<String> {
         let mut text = String::new();
         for (id, from, events) in sessions {
             let forked = from.map(|(p, t)| json!({"session_id": p, "through_seq": t}));
@@ -777,7 +777,7 @@ mod tests {
             assert!(problem.contains(says), "{problem:?} should say {says:?}");
         }
         // More sessions than a conversation may make.
-        let mut many: Vec<Exported> = vec![(ROOT, None, vec![user()])];
+        let mut many: Vec<Exported<'_>> = vec![(ROOT, None, vec![user()])];
         let ids: Vec<String> =
             (0..MAX_SESSIONS).map(|i| format!("0190a0e4-3b1c-7cc1-9a2b-{i:012}")).collect();
         many.extend(ids.iter().map(|id| (id.as_str(), Some((ROOT, 2)), vec![])));

@@ -86,7 +86,7 @@ impl TurnRecord {
         TurnRecord { client, purpose, session, text: text.to_owned(), started: now_s(), ..Default::default() }
     }
 
-    pub fn status(&self) -> Option<&str> {
+    pub(crate) fn status(&self) -> Option<&str> {
         self.end.as_ref().and_then(|e| e.get("status")).and_then(Value::as_str)
     }
 
@@ -242,7 +242,7 @@ pub(crate) struct Client {
 }
 
 impl Client {
-    pub fn new(id: usize, cluster: &Cluster, shared: &Arc<Shared>) -> Client {
+    pub(super) fn new(id: usize, cluster: &Cluster, shared: &Arc<Shared>) -> Client {
         Client {
             id,
             rng: Rng::new(shared.config.seed ^ (id as u64).wrapping_mul(0x9e37_79b9)),
@@ -259,7 +259,7 @@ impl Client {
 
     /// Sends, leaves, stops, retries and errs until `stop_at`, then returns after the
     /// operation in hand (each bounded by its own deadline).
-    pub async fn run(mut self, stop_at: Instant) {
+    pub(super) async fn run(mut self, stop_at: Instant) {
         // Clients start spread over a second, not in one burst.
         tokio::time::sleep(Duration::from_millis(self.rng.range(0, 1000))).await;
         while Instant::now() < stop_at {

@@ -33,7 +33,7 @@ pub(crate) enum Role {
 }
 
 impl Role {
-    pub fn name(self) -> &'static str {
+    pub(super) fn name(self) -> &'static str {
         match self {
             Role::Ingress => "ingress",
             Role::Writer => "writer",
@@ -52,7 +52,7 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    pub fn label(&self) -> String {
+    pub(super) fn label(&self) -> String {
         format!("{}#{}", self.role.name(), self.copy)
     }
 }
@@ -94,7 +94,7 @@ pub(crate) struct Cluster {
 }
 
 impl Cluster {
-    pub async fn start(config: &SoakConfig) -> anyhow::Result<Cluster> {
+    pub(super) async fn start(config: &SoakConfig) -> anyhow::Result<Cluster> {
         let nats = if config.cluster {
             Nats::Three(private_nats_cluster().await)
         } else {
@@ -189,7 +189,7 @@ impl Cluster {
     }
 
     /// What the soak runs on, for its first line.
-    pub fn topology(&self) -> String {
+    pub(super) fn topology(&self) -> String {
         format!(
             "{} with {} partition(s) over 2 writers",
             if self.env.nats_url.contains(',') {
@@ -203,7 +203,7 @@ impl Cluster {
 
     /// Stops every process gracefully (SIGTERM, so logs end cleanly), ingress first and
     /// the writers last, as `turnlog dev` does; the servers go when the cluster is dropped.
-    pub async fn shutdown(&self) {
+    pub(super) async fn shutdown(&self) {
         let mut slots = self.slots.lock().await;
         slots.sort_by_key(|s| match s.role {
             Role::Ingress => 0,

@@ -124,7 +124,7 @@ pub(crate) struct Probes {
 }
 
 impl Probes {
-    pub async fn create(cluster: &Cluster) -> anyhow::Result<Probes> {
+    pub(super) async fn create(cluster: &Cluster) -> anyhow::Result<Probes> {
         let mut ids = Vec::new();
         for i in 0..6 {
             let id = SessionId::new();

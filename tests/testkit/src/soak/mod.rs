@@ -227,7 +227,7 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
-    pub fn add(counter: &AtomicUsize) {
+    pub(crate) fn add(counter: &AtomicUsize) {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -253,25 +253,25 @@ impl Shared {
     }
 
     /// Records a violation found now.
-    pub fn violation(&self, kind: ViolationKind, detail: String) {
+    pub(crate) fn violation(&self, kind: ViolationKind, detail: String) {
         self.violation_at(kind, detail, now_s());
     }
 
     /// Records a violation about something that happened at `at` (Unix seconds), which
     /// decides the fault it is reported under.
-    pub fn violation_at(&self, kind: ViolationKind, detail: String, at: f64) {
+    pub(crate) fn violation_at(&self, kind: ViolationKind, detail: String, at: f64) {
         if self.config.progress {
             eprintln!("[{:>6.1}s] VIOLATION {kind:?}: {detail}", self.elapsed());
         }
         lock(&self.violations).push(report::Violation { kind, detail, at });
     }
 
-    pub fn elapsed(&self) -> f64 {
+    pub(crate) fn elapsed(&self) -> f64 {
         self.started.elapsed().as_secs_f64()
     }
 
     /// A progress line (stderr; shown by the benchmark, captured in CI).
-    pub fn say(&self, line: &str) {
+    pub(crate) fn say(&self, line: &str) {
         eprintln!("[{:>6.1}s] {line}", self.elapsed());
     }
 }
@@ -300,11 +300,11 @@ pub(crate) fn now_s() -> f64 {
 pub(crate) struct Rng(u64);
 
 impl Rng {
-    pub fn new(seed: u64) -> Rng {
+    pub(crate) fn new(seed: u64) -> Rng {
         Rng(seed)
     }
 
-    pub fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -313,18 +313,18 @@ impl Rng {
     }
 
     /// Uniform in `lo..hi` (`lo` when the range is empty).
-    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+    pub(crate) fn range(&mut self, lo: u64, hi: u64) -> u64 {
         if hi <= lo {
             return lo;
         }
         lo + self.next() % (hi - lo)
     }
 
-    pub fn percent(&mut self, p: u64) -> bool {
+    pub(crate) fn percent(&mut self, p: u64) -> bool {
         self.range(0, 100) < p
     }
 
-    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+    pub(crate) fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
         &items[self.range(0, items.len() as u64) as usize]
     }
 }
