@@ -106,7 +106,7 @@ impl Incoming {
     }
 
     /// Whether the writer may apply this request without looking up an earlier outcome
-    /// (see [`first_copy`]): only a fresh append, whose repeat would collide on its event id.
+    /// (see `first_copy`): only a fresh append, whose repeat would collide on its event id.
     /// Creates, updates and deletes are few and their repeats would not collide with an
     /// event, so they are always looked up (a repeat is then answered, never applied or
     /// dead-lettered again); so are redrives.

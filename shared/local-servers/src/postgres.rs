@@ -1,5 +1,5 @@
 //! Running PostgreSQL of our own: the server binaries (Debian keeps them in
-//! /usr/lib/postgresql/<v>/bin), the user to run them as (Postgres refuses root, so as root
+//! `/usr/lib/postgresql/<v>/bin`), the user to run them as (Postgres refuses root, so as root
 //! it runs as `postgres`, in a directory that user owns and can reach), and a [`Cluster`]:
 //! initdb, `pg_ctl start`/`stop`, the postmaster of a server already running.
 

@@ -69,7 +69,7 @@ pub fn is_query_canceled(e: &sqlx::Error) -> bool {
 /// plans): for statements whose plan cannot depend on them, such as the writer's commit of
 /// arrays (planning it afresh took 3 ms of a 37 ms batch of 500). JIT is off as in the pool.
 ///
-/// The writer holds its partition locks on these connections: with [`KEEPALIVE`] and
+/// The writer holds its partition locks on these connections: with `KEEPALIVE` and
 /// `tcp_user_timeout` (6 s of unacknowledged data, for a host lost mid-commit) a lost writer
 /// host frees its partitions within about 6 s. (Not on the pools: a reader that stops
 /// reading a large result for 6 s would lose its connection.)
