@@ -1,11 +1,15 @@
-//! Turns in flight. A turn runs in its own task, detached from the HTTP request that
-//! started it (a closed client does not cancel it); every event it emits is kept in order
-//! so any number of clients can follow it from any point, on this copy directly and on
-//! other copies through core NATS (`live`, `turn` snapshots, `control` for stop).
+//! Turns: starting one (`start`: the checks, the caps, the lease and the durable user
+//! message), running it (`runner`) and following it (`follow`). A turn runs in its own
+//! task, detached from the HTTP request that started it (a closed client does not cancel
+//! it); every event it emits is kept in order so any number of clients can follow it from
+//! any point, on this copy directly and on other copies through core NATS (`remote`:
+//! `live`, `turn` snapshots, `control` for stop).
 
+mod follow;
 mod remote;
 mod runner;
 mod slots;
+mod start;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -16,9 +20,14 @@ use tokio_util::task::TaskTracker;
 use turnlog_core::events::PendingReason;
 use turnlog_core::ids::{Owner, SessionId};
 
+pub use follow::{attach, follow_local};
 pub use remote::{remote_attempt, remote_stop, remote_stream};
 pub use runner::{start_turn, TurnOptions, TurnStart};
 pub use slots::{CapReached, TurnLimits, TurnSlot};
+pub use start::{
+    begin_turn, chat_session, edit_fork, prepared, ready_for_turns, regenerate, regenerate_fork, retry_last,
+    take_slot, NewMessage,
+};
 pub use turnlog_core::stream::{StreamEvent, TurnEvent};
 
 /// A turn this copy runs: its events so far and the means to stop it.

@@ -28,10 +28,9 @@ use super::conversations::{append_items, NewItem};
 use super::{OaiBody, OaiError};
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::routes::forks::fork_request;
-use crate::routes::turns::{
-    begin_turn, derived, prepared, ready_for_turns, retry_last, take_slot, SendMessage,
-};
+use crate::idempotency::derived;
+use crate::sessions::fork_request;
+use crate::turn::{begin_turn, prepared, ready_for_turns, retry_last, take_slot, NewMessage};
 use crate::turn::{StreamEvent, TurnOptions};
 use crate::validate::MAX_CHAT_BODY_BYTES;
 use crate::writes::submit;
@@ -425,13 +424,12 @@ async fn run(
         }
         stored.push(ids);
     }
-    let message = SendMessage {
+    let message = NewMessage {
         text: last.clone(),
         category: None,
         model,
         images: stored.pop().unwrap_or_default(),
         documents: Vec::new(),
-        edit_of: None,
     };
     let message = prepared(app, owner, &message).await?;
     let mut items: Vec<NewItem> = Vec::with_capacity(earlier.len());

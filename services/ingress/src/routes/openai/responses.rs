@@ -29,9 +29,8 @@ use super::{conversation_id, list_page, parse_conversation, parse_response, user
 use super::{OaiBody, OaiError, OaiPath, OaiQuery};
 use crate::auth::Caller;
 
-use crate::routes::forks::fork_request;
-use crate::routes::sessions::owned_session;
-use crate::routes::turns::{begin_turn, follow_local, prepared, ready_for_turns, take_slot, SendMessage};
+use crate::sessions::{fork_request, owned_session};
+use crate::turn::{begin_turn, follow_local, prepared, ready_for_turns, take_slot, NewMessage};
 use crate::turn::{remote_attempt, remote_stop, remote_stream, StreamEvent, TurnOptions, TurnSlot};
 use crate::AppState;
 use translate::{from_log, replay_finished, Echo, Translator};
@@ -190,13 +189,12 @@ pub async fn create(
         )));
     }
     let input = user_input(&req.input)?;
-    let message = SendMessage {
+    let message = NewMessage {
         text: input.text,
         category: None,
         model: req.model.clone(),
         images: input.images,
         documents: input.documents,
-        edit_of: None,
     };
     let message = prepared(&app, caller.as_str(), &message).await?;
     let (session, create) = target(&app, &caller, &req).await?;

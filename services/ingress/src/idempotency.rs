@@ -1,0 +1,27 @@
+//! `Idempotency-Key` (DESIGN §5, §10): the header a client resends a POST with, and the ids
+//! derived from it, so a resend names the same message, session or fork as its first try.
+
+use axum::http::HeaderMap;
+use uuid::Uuid;
+
+use crate::error::ApiError;
+
+const IDEMPOTENCY_HEADER: &str = "idempotency-key";
+const MAX_IDEMPOTENCY_KEY: usize = 200;
+/// Namespace of ids derived from an `Idempotency-Key`.
+const IDEMPOTENCY_NS: Uuid = Uuid::from_u128(0x2b7e_1516_28ae_d2a6_abf7_1588_09cf_4f3c);
+
+/// The request's `Idempotency-Key`, if it sends one: 1 to 200 visible ASCII characters.
+pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(v) = headers.get(IDEMPOTENCY_HEADER) else { return Ok(None) };
+    let key = v.to_str().map_err(|_| ApiError::bad_request("Idempotency-Key must be visible ASCII"))?;
+    if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY {
+        return Err(ApiError::bad_request(format!("Idempotency-Key is 1-{MAX_IDEMPOTENCY_KEY} characters")));
+    }
+    Ok(Some(key.to_owned()))
+}
+
+/// An id derived from an `Idempotency-Key` for one purpose, so a resend names the same thing.
+pub fn derived(owner: &str, purpose: &str, key: &str) -> Uuid {
+    Uuid::new_v5(&IDEMPOTENCY_NS, format!("{owner}\n{purpose}\n{key}").as_bytes())
+}
