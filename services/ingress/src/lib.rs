@@ -11,7 +11,9 @@ pub mod files;
 pub mod guard;
 pub mod idempotency;
 pub mod metrics;
+pub mod openai;
 pub mod openapi;
+pub mod passthrough;
 pub mod routes;
 pub mod sessions;
 pub mod sse;
@@ -66,7 +68,7 @@ pub struct Ingress {
     /// Names this copy as a turn-lease holder.
     pub instance_id: String,
     /// The hash chains of the branches Chat Completions requests met (DESIGN §13).
-    pub chains: routes::openai::branches::Chains,
+    pub chains: openai::branches::Chains,
     /// The blob store of uploaded files; None when TURNLOG_FILES_URL is not set.
     pub files: Option<files::Blobs>,
     /// Uploads converted at once (decoding an image or a PDF takes memory and CPU).

@@ -1,12 +1,16 @@
 //! Sessions as the handlers use them: the caller's session (another owner's is 404, as
-//! DESIGN §7 says) and forks (§10) — a fork's `create` after the checks the ingress can
-//! make, its id on the parent's partition, and the fork read back once committed. Edits,
-//! regenerates and Responses' `previous_response_id` are forks followed by a turn.
+//! DESIGN §7 says), a session as the native API shows it, and forks (§10) — a fork's
+//! `create` after the checks the ingress can make, its id on the parent's partition, and
+//! the fork read back once committed. Edits, regenerates, Responses'
+//! `previous_response_id` and Chat Completions' branches are forks followed by a turn.
 
+use chrono::{DateTime, Utc};
+use serde::Serialize;
 use turnlog_core::events::ForkPoint;
 use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::{partition_of, AppendRequest};
 use turnlog_runtime::read::{self, SessionRow};
+use utoipa::ToSchema;
 use uuid::Uuid;
 
 use crate::auth::Caller;
@@ -15,7 +19,45 @@ use crate::idempotency::derived;
 use crate::writes::submit;
 use crate::{Ingress, BUS_READ_TIMEOUT};
 
-pub use crate::routes::sessions::{owned_session, SessionView};
+/// A session as clients see it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SessionView {
+    pub id: Uuid,
+    pub title: Option<String>,
+    pub archived: bool,
+    /// Category of the newest user message that named one.
+    pub last_category: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    /// When the session was last active, what the list is ordered by: the time of its newest
+    /// message (its creation before one), or, for a message brought in by an import, that
+    /// message's original time.
+    pub active_at: DateTime<Utc>,
+    /// Set on a fork: the session and seq it branched from (DESIGN §10).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub forked_from: Option<ForkPoint>,
+}
+
+impl From<SessionRow> for SessionView {
+    fn from(s: SessionRow) -> Self {
+        Self {
+            forked_from: s.fork_point(),
+            id: s.id.0,
+            title: s.title,
+            archived: s.archived,
+            last_category: s.last_category,
+            created_at: s.created_at,
+            updated_at: s.updated_at,
+            active_at: s.active_at,
+        }
+    }
+}
+
+/// The caller's session, or 404 (also when it is another owner's).
+pub async fn owned_session(app: &Ingress, caller: &Caller, id: SessionId) -> Result<SessionRow, ApiError> {
+    read::get_session(&app.pool, caller.as_str(), id).await?.ok_or_else(ApiError::session_not_found)
+}
 
 /// The `create` of a fork of `parent` through `through`, after the checks the route can
 /// make (the writer makes them again): the fork point is in the parent's log and not

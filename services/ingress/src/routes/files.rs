@@ -203,6 +203,7 @@ async fn file_field(body: Bytes, boundary: String, limit: usize) -> Result<(Stri
     get, path = "/v1/files", tag = "files", security(("bearer" = [])), params(ListParams),
     responses((status = 200, body = FileList), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody))
 )]
+#[tracing::instrument(skip_all, fields(owner = %caller.owner()), err(Display, level = "debug"))]
 pub async fn list(
     State(app): State<AppState>,
     caller: Caller,
@@ -241,6 +242,7 @@ fn file_not_found() -> ApiError {
     params(("id" = Uuid, Path, description = "File id")),
     responses((status = 200, body = FileView), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody))
 )]
+#[tracing::instrument(skip_all, fields(file_id = %id), err(Display, level = "debug"))]
 pub async fn get(
     State(app): State<AppState>,
     caller: Caller,
@@ -258,6 +260,7 @@ pub async fn get(
     params(("id" = Uuid, Path, description = "File id")),
     responses((status = 200, description = "The file's bytes"), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody))
 )]
+#[tracing::instrument(skip_all, fields(file_id = %id), err(Display, level = "debug"))]
 pub async fn content(
     State(app): State<AppState>,
     caller: Caller,
@@ -300,6 +303,7 @@ fn percent_encode(name: &str) -> String {
     params(("id" = Uuid, Path, description = "File id")),
     responses((status = 204), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody))
 )]
+#[tracing::instrument(skip_all, fields(file_id = %id), err(Display, level = "debug"))]
 pub async fn delete(
     State(app): State<AppState>,
     caller: Caller,

@@ -7,19 +7,19 @@ use axum::http::StatusCode;
 use axum::Json;
 use chrono::{DateTime, Timelike as _, Utc};
 use serde::{Deserialize, Serialize};
-use turnlog_core::events::ForkPoint;
 use turnlog_core::ids::SessionId;
 use turnlog_core::ui_transcript::{transcript_item, TranscriptItem};
 use turnlog_runtime::bus::AppendRequest;
-use turnlog_runtime::read::{self, Cursor, ForkSummary, ListQuery, SessionRow, StoredEvent};
+use turnlog_runtime::read::{self, Cursor, ForkSummary, ListQuery, StoredEvent};
 use utoipa::{IntoParams, ToSchema};
 use uuid::Uuid;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath, ApiQuery};
+use crate::sessions::{owned_session, SessionView};
 use crate::writes::submit;
-use crate::{validate, AppState, Ingress, BUS_READ_TIMEOUT};
+use crate::{validate, AppState, BUS_READ_TIMEOUT};
 
 const LIST_DEFAULT: i64 = 50;
 const LIST_MAX: i64 = 200;
@@ -27,46 +27,6 @@ const EVENTS_DEFAULT: i64 = 100;
 const EVENTS_MAX: i64 = 1000;
 const TRANSCRIPT_DEFAULT: i64 = 200;
 const TRANSCRIPT_MAX: i64 = 1000;
-
-/// A session as clients see it.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct SessionView {
-    pub id: Uuid,
-    pub title: Option<String>,
-    pub archived: bool,
-    /// Category of the newest user message that named one.
-    pub last_category: Option<String>,
-    pub created_at: DateTime<Utc>,
-    pub updated_at: DateTime<Utc>,
-    /// When the session was last active, what the list is ordered by: the time of its newest
-    /// message (its creation before one), or, for a message brought in by an import, that
-    /// message's original time.
-    pub active_at: DateTime<Utc>,
-    /// Set on a fork: the session and seq it branched from (DESIGN §10).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = Option<Object>)]
-    pub forked_from: Option<ForkPoint>,
-}
-
-impl From<SessionRow> for SessionView {
-    fn from(s: SessionRow) -> Self {
-        Self {
-            forked_from: s.fork_point(),
-            id: s.id.0,
-            title: s.title,
-            archived: s.archived,
-            last_category: s.last_category,
-            created_at: s.created_at,
-            updated_at: s.updated_at,
-            active_at: s.active_at,
-        }
-    }
-}
-
-/// The caller's session, or 404 (also when it is another owner's).
-pub async fn owned_session(app: &Ingress, caller: &Caller, id: SessionId) -> Result<SessionRow, ApiError> {
-    read::get_session(&app.pool, caller.as_str(), id).await?.ok_or_else(ApiError::session_not_found)
-}
 
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -1,6 +1,6 @@
 //! A response as OpenAI's objects and `response.*` events, from a turn's native events
 //! (live) or from its outcome in the log (finished): pure translation, no I/O. Which
-//! events a response is made of, and where its stored outcome is read, is the routes'.
+//! events a response is made of, and where its stored outcome is read, is `stream`'s.
 
 use serde_json::{json, Value};
 use turnlog_core::events::{BlockType, EventBody};
@@ -9,13 +9,11 @@ use turnlog_core::stream::{turn_end_from_log, Text, TurnEnd, TurnEvent, TurnStat
 use turnlog_runtime::read::StoredEvent;
 use uuid::Uuid;
 
-use crate::routes::openai::{
-    conversation_id, message_id, output_message, reasoning_id, reasoning_item, response_id,
-};
+use crate::openai::{conversation_id, message_id, output_message, reasoning_id, reasoning_item, response_id};
 
 /// What a created response's object repeats of its request.
 #[derive(Debug, Clone)]
-pub(super) struct Echo {
+pub struct Echo {
     pub instructions: Option<String>,
     pub previous_response_id: Option<String>,
     pub max_output_tokens: Option<u32>,
@@ -41,7 +39,7 @@ impl Default for Echo {
 
 /// A response's object read from its attempt's newest event; how it ended is the log's
 /// word ([`turn_end_from_log`]).
-pub(super) fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
+pub fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
     let session = SessionId(event.session_id);
     let mut r = Snapshot::new(session, echo.clone());
     let unreadable = || Status::Failed("the response could not be read".into());
@@ -77,7 +75,7 @@ pub(super) fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
 }
 
 /// The events of a finished response, as a re-attach replays them.
-pub(super) fn replay_finished(response: Value) -> Vec<Value> {
+pub fn replay_finished(response: Value) -> Vec<Value> {
     let mut events = vec![
         json!({"type": "response.created", "response": in_progress(&response)}),
         json!({"type": "response.in_progress", "response": in_progress(&response)}),

@@ -1,0 +1,243 @@
+//! A turn as Chat Completions (DESIGN §13): a pure fold of its native events into
+//! `chat.completion.chunk`s and the `chat.completion`, streamed or answered whole.
+
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::stream::BoxStream;
+use futures::StreamExt as _;
+use serde_json::{json, Value};
+use turnlog_core::stream::{StreamEvent, TurnEnd, TurnEvent, TurnStatus};
+use uuid::Uuid;
+
+use crate::error::ApiError;
+use crate::openai::OaiError;
+use crate::sse;
+
+/// What a turn's native events add up to: a pure fold of its [`TurnEvent`]s into Chat
+/// Completions chunks and the completion.
+#[derive(Default)]
+pub struct Answer {
+    id: String,
+    created: i64,
+    model: String,
+    text: String,
+    reasoning: String,
+    error: Option<String>,
+    end: Option<TurnEnd>,
+}
+
+impl Answer {
+    /// Takes in a native event; the chunk it streams as, if any.
+    fn on(&mut self, e: &TurnEvent) -> Option<Value> {
+        match e {
+            TurnEvent::Meta(m) => {
+                let attempt =
+                    m.attempt_id.as_deref().and_then(|a| Uuid::parse_str(a).ok()).unwrap_or_default();
+                self.id = format!("chatcmpl-{}", attempt.simple());
+                self.created = attempt.get_timestamp().map_or(0, |t| t.to_unix().0 as i64);
+                self.model = m.model.clone().unwrap_or_default();
+                Some(self.chunk(json!({"role": "assistant", "content": ""}), None))
+            }
+            TurnEvent::Delta(t) => {
+                self.text.push_str(&t.text);
+                Some(self.chunk(json!({"content": t.text}), None))
+            }
+            TurnEvent::Reasoning(t) => {
+                self.reasoning.push_str(&t.text);
+                Some(self.chunk(json!({"reasoning_content": t.text}), None))
+            }
+            TurnEvent::Error(e) => {
+                self.error = Some(e.message.clone());
+                None
+            }
+            TurnEvent::End(end) => {
+                self.end = Some(end.clone());
+                None
+            }
+        }
+    }
+
+    fn chunk(&self, delta: Value, finish_reason: Option<&str>) -> Value {
+        json!({
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish_reason}],
+        })
+    }
+
+    /// `stop` or `length` when the turn ended with an answer (stopped ones included); else
+    /// the failure's message.
+    fn finish_reason(&self) -> Result<&'static str, String> {
+        let failed = || Err(self.error.clone().unwrap_or_else(|| "the answer failed".into()));
+        let Some(end) = &self.end else { return failed() };
+        match end.status {
+            TurnStatus::Completed if end.hit_length() => Ok("length"),
+            TurnStatus::Completed | TurnStatus::Stopped => Ok("stop"),
+            TurnStatus::Interrupted => Err(format!(
+                "the answer was interrupted; its partial text is kept in session {}",
+                end.session_id.map(|s| s.to_string()).unwrap_or_default()
+            )),
+            TurnStatus::Failed => failed(),
+        }
+    }
+
+    /// OpenAI's usage object, with the cached share of the prompt.
+    fn usage(&self) -> Value {
+        let Some(u) = self.end.as_ref().and_then(|e| e.usage) else { return Value::Null };
+        let (input, output) = (u.input_tokens, u.output_tokens);
+        json!({
+            "prompt_tokens": input, "completion_tokens": output, "total_tokens": input + output,
+            "prompt_tokens_details": {"cached_tokens": u.cached_input_tokens.unwrap_or(0)},
+        })
+    }
+}
+
+/// A streamed completion: `chat.completion.chunk`s, the finish (or an error object, as
+/// OpenAI streams one), the usage chunk when asked for, then `data: [DONE]`.
+pub fn chunks(events: BoxStream<'static, StreamEvent>, include_usage: bool) -> Response {
+    let chunks = futures::stream::unfold(
+        (events, Answer::default(), false),
+        move |(mut events, mut a, done)| async move {
+            if done {
+                return None;
+            }
+            loop {
+                let Some(e) = events.next().await else {
+                    return Some((end_chunks(&a, include_usage), (events, a, true)));
+                };
+                if let Some(chunk) = a.on(&e.event) {
+                    return Some((vec![chunk], (events, a, false)));
+                }
+                if e.is_end() {
+                    return Some((end_chunks(&a, include_usage), (events, a, true)));
+                }
+            }
+        },
+    )
+    .flat_map(futures::stream::iter)
+    .map(|chunk| (None, chunk));
+    sse::openai(chunks)
+}
+
+fn end_chunks(a: &Answer, include_usage: bool) -> Vec<Value> {
+    let mut out = vec![match a.finish_reason() {
+        Ok(reason) => a.chunk(json!({}), Some(reason)),
+        Err(message) => {
+            json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}})
+        }
+    }];
+    if include_usage {
+        let mut usage = a.chunk(json!({}), None);
+        usage["choices"] = json!([]);
+        usage["usage"] = a.usage();
+        out.push(usage);
+    }
+    out
+}
+
+/// A completion answered whole: `chat.completion`, or the turn's failure as an error.
+pub async fn completion(mut events: BoxStream<'static, StreamEvent>) -> Result<Response, OaiError> {
+    let mut a = Answer::default();
+    while let Some(e) = events.next().await {
+        a.on(&e.event);
+    }
+    let finish = a.finish_reason().map_err(|m| OaiError(ApiError::BadGateway(m)))?;
+    let mut message = json!({"role": "assistant", "content": a.text, "refusal": null});
+    if !a.reasoning.is_empty() {
+        message["reasoning_content"] = json!(a.reasoning);
+    }
+    Ok(Json(json!({
+        "id": a.id, "object": "chat.completion", "created": a.created, "model": a.model,
+        "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
+        "usage": a.usage(),
+    }))
+    .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use turnlog_core::ids::SessionId;
+    use turnlog_core::stream::{Meta, Text};
+
+    use super::*;
+
+    #[test]
+    fn a_turn_reads_as_chunks_and_a_completion() {
+        let event = |_id: u64, event: &str, data: Value| TurnEvent::from_parts(event, data).unwrap();
+        let attempt = Uuid::now_v7();
+        let mut a = Answer::default();
+        let first =
+            a.on(&event(1, "meta", json!({"attempt_id": attempt.to_string(), "model": "m"}))).unwrap();
+        assert_eq!(first["id"], format!("chatcmpl-{}", attempt.simple()));
+        assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+        assert_eq!(
+            a.on(&event(2, "delta", json!({"text": "Hel"}))).unwrap()["choices"][0]["delta"]["content"],
+            "Hel"
+        );
+        a.on(&event(3, "delta", json!({"text": "lo"})));
+        let usage = json!({"input_tokens": 10, "output_tokens": 2, "cached_input_tokens": 8});
+        assert!(a
+            .on(&event(4, "end", json!({"status": "completed", "finish_reason": "length", "usage": usage})))
+            .is_none());
+        assert_eq!((a.text.as_str(), a.finish_reason()), ("Hello", Ok("length")));
+        assert_eq!(a.usage()["prompt_tokens_details"]["cached_tokens"], 8);
+        let ends = end_chunks(&a, true);
+        assert_eq!(ends[0]["choices"][0]["finish_reason"], "length");
+        assert_eq!(
+            (ends[1]["choices"].as_array().map(Vec::len), &ends[1]["usage"]["total_tokens"]),
+            (Some(0), &json!(12))
+        );
+        let mut failed = Answer::default();
+        failed.on(&event(
+            1,
+            "error",
+            json!({"code": "upstream_error", "message": "the model gateway answered 500"}),
+        ));
+        failed.on(&event(2, "end", json!({"status": "failed"})));
+        assert_eq!(end_chunks(&failed, false)[0]["error"]["message"], "the model gateway answered 500");
+    }
+
+    #[test]
+    fn how_a_turn_ended_is_how_its_completion_finishes() {
+        let session = SessionId::new();
+        let attempt = Uuid::now_v7();
+        let meta =
+            Meta { attempt_id: Some(attempt.to_string()), model: Some("m".into()), ..Default::default() };
+        let text = |t: &str| Text { text: t.into() };
+        let fold = |ending: Option<TurnStatus>| {
+            let mut events = vec![
+                TurnEvent::Meta(meta.clone()),
+                TurnEvent::Reasoning(text("hm")),
+                TurnEvent::Delta(text("Hi")),
+            ];
+            events.extend(ending.map(|status| TurnEvent::End(TurnEnd::new(Some(session), status))));
+            let mut a = Answer::default();
+            let chunks: Vec<Value> = events.iter().filter_map(|e| a.on(e)).collect();
+            (a, chunks)
+        };
+        let (stopped, chunks) = fold(Some(TurnStatus::Stopped));
+        let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+        assert_eq!(
+            deltas,
+            [
+                &json!({"role": "assistant", "content": ""}),
+                &json!({"reasoning_content": "hm"}),
+                &json!({"content": "Hi"})
+            ]
+        );
+        assert!(chunks
+            .iter()
+            .all(|c| c["id"] == format!("chatcmpl-{}", attempt.simple()) && c["model"] == "m"));
+        // A stopped answer is an answer: it finishes as `stop`, without usage when none came.
+        let ends = end_chunks(&stopped, true);
+        assert_eq!(ends[0]["choices"][0]["finish_reason"], "stop");
+        assert_eq!(ends[1]["usage"], Value::Null);
+        let (interrupted, _) = fold(Some(TurnStatus::Interrupted));
+        let message = end_chunks(&interrupted, false)[0]["error"]["message"].clone();
+        assert_eq!(
+            message,
+            format!("the answer was interrupted; its partial text is kept in session {session}")
+        );
+        let (cut, _) = fold(None);
+        assert_eq!(end_chunks(&cut, false)[0]["error"]["message"], "the answer failed");
+    }
+}

@@ -1,0 +1,323 @@
+//! The requests of `POST /v1/chat/completions` (DESIGN §13): the fields of OpenAI's
+//! `ChatCompletionCreateParams` turnlog reads, the session header, and what a stored
+//! request becomes — its conversation (system text, messages, images) and its turn options.
+
+use axum::http::HeaderMap;
+use serde::Deserialize;
+use serde_json::Value;
+use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
+
+use crate::openai::OaiError;
+use crate::turn::TurnOptions;
+use crate::{validate, Ingress};
+
+/// Longest session header value.
+const MAX_SESSION_HEADER: usize = 200;
+
+/// The fields of OpenAI's `ChatCompletionCreateParams` turnlog reads; the rest are ignored
+/// (and forwarded untouched by the pass-through).
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub messages: Vec<WireMessage>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    #[serde(default)]
+    pub presence_penalty: Option<f64>,
+    #[serde(default)]
+    pub frequency_penalty: Option<f64>,
+    #[serde(default)]
+    pub seed: Option<i64>,
+    #[serde(default)]
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub reasoning_effort: Option<String>,
+    #[serde(default)]
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub tools: Option<Vec<Value>>,
+    #[serde(default)]
+    pub functions: Option<Vec<Value>>,
+}
+
+/// `stop`: one sequence or up to four.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Most stop sequences, and the longest reasoning effort name, a request may give.
+const MAX_STOP: usize = 4;
+const MAX_PARAM_CHARS: usize = 64;
+
+#[derive(Debug, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct WireMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Value>,
+    #[serde(default)]
+    pub tool_calls: Option<Value>,
+}
+
+/// A request's conversation: its system text, and its other messages as (is_user, text).
+pub struct Conversation {
+    pub system: Option<String>,
+    pub messages: Vec<(bool, String)>,
+    /// Each message's images, as the `data:` URLs the client sent (aligned with `messages`).
+    pub images: Vec<Vec<String>>,
+}
+
+impl CompletionRequest {
+    /// The request, or a 400; the body must be a JSON object.
+    pub fn parse(body: &[u8]) -> Result<Self, OaiError> {
+        // (serde would read an array as the request's fields in order.)
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(OaiError::bad_request("the request body must be a JSON object"));
+        }
+        serde_json::from_slice(body).map_err(|e| {
+            OaiError::bad_request(format!("the request body is not a valid chat completion request: {e}"))
+        })
+    }
+
+    /// What a stored turn cannot do: more than one answer, or tools.
+    pub fn check_stored(&self) -> Result<(), OaiError> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(OaiError::bad_request("n must be 1: a session stores one answer per turn"));
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty())
+            || self.functions.as_ref().is_some_and(|f| !f.is_empty())
+        {
+            return Err(OaiError::bad_request("tools are not supported: turnlog does not run tools yet"));
+        }
+        Ok(())
+    }
+}
+
+/// The value of the first session header the request carries, if any.
+pub fn session_header(app: &Ingress, headers: &HeaderMap) -> Result<Option<String>, OaiError> {
+    for name in &app.config.compat_session_headers {
+        let Some(v) = headers.get(name.as_str()) else { continue };
+        let value =
+            v.to_str().map_err(|_| OaiError::bad_request(format!("{name} must be visible ASCII")))?.trim();
+        if value.is_empty() {
+            continue;
+        }
+        if value.len() > MAX_SESSION_HEADER {
+            return Err(OaiError::bad_request(format!("{name} is at most {MAX_SESSION_HEADER} characters")));
+        }
+        return Ok(Some(value.to_owned()));
+    }
+    Ok(None)
+}
+
+/// Most image parts a request may carry in all (the history's included), so a body of tiny
+/// images is refused before anything else is done with it.
+const MAX_IMAGE_PARTS: usize = 1_000;
+
+/// Checks a request's messages and reads them as a [`Conversation`].
+pub fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> {
+    let mut system = Vec::new();
+    let mut rest = Vec::new();
+    let mut images = Vec::new();
+    for m in messages {
+        if m.tool_calls.as_ref().is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty())) {
+            return Err(OaiError::bad_request(
+                "tool calls are not supported: turnlog does not run tools yet",
+            ));
+        }
+        let user = match m.role.as_str() {
+            "system" | "developer" => {
+                let (text, urls) = content(m.content.as_ref())?;
+                if !urls.is_empty() {
+                    return Err(OaiError::bad_request("a system message cannot carry images"));
+                }
+                system.push(text);
+                continue;
+            }
+            "user" => true,
+            "assistant" => false,
+            "tool" | "function" => {
+                return Err(OaiError::bad_request(
+                    "tool messages are not supported: turnlog does not run tools yet",
+                ))
+            }
+            other => return Err(OaiError::bad_request(format!("unknown message role {other:?}"))),
+        };
+        let (text, urls) = content(m.content.as_ref())?;
+        if !user && !urls.is_empty() {
+            return Err(OaiError::bad_request("an assistant message cannot carry images"));
+        }
+        // A branch's conversation has no empty messages either (a failed answer, say).
+        if !text.trim().is_empty() {
+            rest.push((user, text));
+            images.push(urls);
+        } else if !urls.is_empty() {
+            return Err(OaiError::bad_request("a message with images needs text too"));
+        }
+    }
+    match rest.last() {
+        None => return Err(OaiError::bad_request("messages need a user message with text")),
+        Some((false, _)) => {
+            return Err(OaiError::bad_request(
+                "the last message must be a user message (continuing an answer is not supported)",
+            ))
+        }
+        Some(_) => {}
+    }
+    let system = system.join("\n\n");
+    if system.len() > MAX_SYSTEM_PROMPT_BYTES {
+        return Err(OaiError::bad_request(format!(
+            "the system messages take more than {MAX_SYSTEM_PROMPT_BYTES} bytes"
+        )));
+    }
+    if images.iter().map(Vec::len).sum::<usize>() > MAX_IMAGE_PARTS {
+        return Err(OaiError::bad_request(format!("a request carries at most {MAX_IMAGE_PARTS} images")));
+    }
+    Ok(Conversation { system: (!system.is_empty()).then_some(system), messages: rest, images })
+}
+
+/// A message's text (a string, or its text parts joined) and its images' URLs (`image_url`
+/// parts, stored as files when the message is).
+fn content(content: Option<&Value>) -> Result<(String, Vec<String>), OaiError> {
+    let parts = match content {
+        Some(Value::String(t)) => return Ok((t.clone(), Vec::new())),
+        Some(Value::Array(parts)) => parts,
+        None | Some(Value::Null) => return Ok((String::new(), Vec::new())),
+        Some(_) => {
+            return Err(OaiError::bad_request("a message's content must be a string or an array of parts"))
+        }
+    };
+    let (mut text, mut urls) = (String::new(), Vec::new());
+    for p in parts {
+        let url = p.get("image_url").and_then(|i| i.get("url").or(Some(i))).and_then(Value::as_str);
+        match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str), url) {
+            (Some("text"), Some(t), _) => text.push_str(t),
+            (Some("image_url"), _, Some(url)) => urls.push(url.to_owned()),
+            (kind, _, _) => {
+                return Err(OaiError::bad_request(format!(
+                    "content parts of type {} cannot be stored; send text and image_url parts (or no \
+                     session header)",
+                    kind.unwrap_or("(none)")
+                )))
+            }
+        }
+    }
+    Ok((text, urls))
+}
+
+/// The turn options of a request: its system text and the sampling parameters it sets.
+pub fn options(req: &CompletionRequest, system: Option<String>) -> Result<TurnOptions, OaiError> {
+    let stop = match &req.stop {
+        None => None,
+        Some(Stop::One(s)) => Some(vec![s.clone()]),
+        Some(Stop::Many(v)) => Some(v.clone()),
+    };
+    let too_long = |s: &String| s.is_empty() || s.chars().count() > MAX_PARAM_CHARS;
+    if stop.as_ref().is_some_and(|s| s.len() > MAX_STOP || s.iter().any(too_long)) {
+        return Err(OaiError::bad_request(format!(
+            "stop is at most {MAX_STOP} sequences of 1-{MAX_PARAM_CHARS} characters"
+        )));
+    }
+    if req.reasoning_effort.as_ref().is_some_and(too_long) {
+        return Err(OaiError::bad_request(format!("reasoning_effort is 1-{MAX_PARAM_CHARS} characters")));
+    }
+    let options = TurnOptions {
+        system,
+        max_tokens: req.max_completion_tokens.or(req.max_tokens),
+        temperature: req.temperature,
+        top_p: req.top_p,
+        presence_penalty: req.presence_penalty,
+        frequency_penalty: req.frequency_penalty,
+        seed: req.seed,
+        stop,
+        reasoning_effort: req.reasoning_effort.clone(),
+    };
+    // Before the request's earlier messages are added to its session.
+    validate::turn_options(&options)?;
+    Ok(options)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn messages(v: Value) -> Vec<WireMessage> {
+        serde_json::from_value::<Vec<Value>>(v)
+            .unwrap()
+            .into_iter()
+            .map(|m| WireMessage {
+                role: m["role"].as_str().unwrap_or_default().to_owned(),
+                content: m.get("content").cloned(),
+                tool_calls: m.get("tool_calls").cloned(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_conversation_keeps_system_text_apart_and_drops_empty_messages() {
+        let c = conversation(&messages(json!([
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": ""},
+            {"role": "developer", "content": "Use metric units."},
+            {"role": "user", "content": "Weather?"},
+        ])))
+        .unwrap();
+        assert_eq!(c.system.as_deref(), Some("Be brief.\n\nUse metric units."));
+        assert_eq!(c.messages, vec![(true, "Hi there".to_owned()), (true, "Weather?".to_owned())]);
+    }
+
+    #[test]
+    fn image_parts_ride_beside_their_message() {
+        let c = conversation(&messages(json!([
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "auto"}},
+            ]},
+        ])))
+        .unwrap();
+        assert_eq!(c.messages.last(), Some(&(true, "What is this?".to_owned())));
+        assert_eq!(c.images, vec![vec![], vec![], vec!["data:image/png;base64,AAAA".to_owned()]]);
+    }
+
+    #[test]
+    fn what_a_session_cannot_hold_is_refused() {
+        for refused in [
+            json!([]),
+            json!([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]),
+            json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]),
+            json!([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}, {"role": "user", "content": "x"}]),
+            json!([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}, {"type": "text", "text": "x"}]}]),
+            json!([{"role": "assistant", "content": null, "tool_calls": [{"id": "c"}]}, {"role": "user", "content": "x"}]),
+            json!([{"role": "tool", "content": "42"}, {"role": "user", "content": "x"}]),
+            json!([{"role": "narrator", "content": "x"}]),
+            json!([{"role": "user", "content": 7}]),
+            json!([{"role": "system", "content": "x".repeat(MAX_SYSTEM_PROMPT_BYTES + 1)}, {"role": "user", "content": "x"}]),
+        ] {
+            assert!(conversation(&messages(refused.clone())).is_err(), "{refused}");
+        }
+    }
+}
