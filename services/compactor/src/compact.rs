@@ -11,7 +11,7 @@ use sqlx::PgPool;
 use turnlog_core::branch::{first_own_seq, owner_of_seq, Segment};
 use turnlog_core::budget::{budget_for, history_tokens, request_size};
 use turnlog_core::compaction::{plan_compaction_shrunk, CompactionPlan};
-use turnlog_core::events::{CompactionApplied, EventBody};
+use turnlog_core::events::{CompactionApplied, EventBody, EventKind};
 use turnlog_core::ids::{EventId, SessionId};
 use turnlog_runtime::bus::{append_and_wait, AppendError, AppendRequest, Bus, Expect, Refusal};
 use turnlog_runtime::read::{live_tail, ReadError};
@@ -310,7 +310,8 @@ fn memory_ids(payload: &Value) -> Vec<Uuid> {
 /// newer boundary, is a new request rather than a repeat of the refused one.
 pub fn compaction_event_id(session: SessionId, plan: &CompactionPlan) -> EventId {
     let expect = plan.expect_compacted_through.map_or_else(|| "none".to_owned(), |b| b.to_string());
-    EventId::derived(session, plan.through_seq, &format!("compaction_applied:{expect}"))
+    let salt = format!("{}:{expect}", EventKind::CompactionApplied.as_str());
+    EventId::derived(session, plan.through_seq, &salt)
 }
 
 #[cfg(test)]

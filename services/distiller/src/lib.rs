@@ -5,7 +5,7 @@
 
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::events::{EventBody, Failure, TurnMemory};
+use turnlog_core::events::{EventBody, EventKind, Failure, TurnMemory};
 use turnlog_core::ids::{EventId, SessionId};
 use turnlog_core::message::{ChatMessage, Role};
 use turnlog_runtime::bus::{AppendRequest, CommittedEvent, Outcome};
@@ -72,7 +72,7 @@ impl TurnTask for Distiller {
 
 #[tracing::instrument(skip_all, fields(session_id = %turn.session_id, turn_seq = turn.seq), err)]
 async fn distill_turn(w: &TurnWorker, turn: &CommittedEvent) -> Result<(), HandleError> {
-    let event_id = EventId::derived(turn.session_id, turn.seq, "turn_memory");
+    let event_id = EventId::derived(turn.session_id, turn.seq, EventKind::TurnMemory.as_str());
     let Some(material) = w.material_to(turn, event_id, "distill").await? else { return Ok(()) };
     let residue: Residue = w
         .ask_json(DISTILL_PROMPT, &material, Residue::validated)
@@ -86,7 +86,7 @@ async fn distill_turn(w: &TurnWorker, turn: &CommittedEvent) -> Result<(), Handl
     let body = EventBody::TurnMemory(memory);
     let request = AppendRequest::append(turn.session_id, &turn.owner, event_id.0, &body);
     let outcome = w.append(&request).await?;
-    log_unapplied(&outcome, "turn_memory");
+    log_unapplied(&outcome, EventKind::TurnMemory.as_str());
     Ok(())
 }
 
@@ -164,8 +164,8 @@ pub struct Residue {
 
 impl Residue {
     /// Trims, drops blanks and repeats, and caps lengths, so a chatty model cannot bloat
-    /// every later request.
-    pub fn validated(self) -> Result<Self, String> {
+    /// every later request. Never refuses: every residue, even an empty one, is kept.
+    pub fn validated(self) -> Result<Self, std::convert::Infallible> {
         let failures: Vec<Failure> = self
             .failures
             .into_iter()

@@ -5,11 +5,12 @@
 
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
-use turnlog_core::events::{EventBody, ExtractedMemory, MemoryExtracted};
+use turnlog_core::events::{EventBody, EventKind, ExtractedMemory, MemoryExtracted};
 use turnlog_core::ids::EventId;
 use turnlog_core::turn::TurnMaterial;
 use turnlog_runtime::bus::{AppendRequest, CommittedEvent};
 use turnlog_runtime::turn_worker::{TurnTask, TurnWorker, TurnWorkerConfig};
+use turnlog_runtime::upstream::JsonAnswerError;
 use turnlog_runtime::worker::{Delivery, HandleError};
 use uuid::Uuid;
 
@@ -109,7 +110,7 @@ impl TurnTask for Extractor {
         if !self.0.takes(&turn) {
             return Ok(());
         }
-        let event_id = EventId::derived(turn.session_id, turn.seq, "memory_extracted");
+        let event_id = EventId::derived(turn.session_id, turn.seq, EventKind::MemoryExtracted.as_str());
         let Some(material) = w.material_to(&turn, event_id, "extract").await? else { return Ok(()) };
         let extracted = match extract(w, &material).await {
             Ok(texts) => MemoryExtracted {
@@ -121,15 +122,20 @@ impl TurnTask for Extractor {
                     .collect(),
                 error: None,
             },
-            Err(e) if !delivery.is_last() => return Err(HandleError::retry("memory_failed", e)),
+            // The details stay in the log (`extract`); the retry's and the event's `error` get
+            // the short public message.
+            Err(e) if !delivery.is_last() => {
+                return Err(HandleError::retry("memory_failed", e.public_message()));
+            }
             // Out of retries: the turn still gets its one event, so whoever waits for it
             // (the compactor) knows extraction is over.
             Err(e) => {
-                tracing::warn!(error = %e, "memory extraction gave up");
+                let why = e.public_message();
+                tracing::warn!(error = %why, "memory extraction gave up");
                 MemoryExtracted {
                     turn_seq: turn.seq,
                     memories: vec![],
-                    error: Some(e.chars().take(MAX_ERROR_CHARS).collect()),
+                    error: Some(why.chars().take(MAX_ERROR_CHARS).collect()),
                 }
             }
         };
@@ -143,13 +149,12 @@ impl TurnTask for Extractor {
     }
 }
 
-/// The turn's facts, or why the model gave none.
-async fn extract(w: &TurnWorker, material: &TurnMaterial) -> Result<Vec<String>, String> {
-    let answer: Memories = w.ask_json(MEMORY_PROMPT, material, Memories::validated).await.map_err(|e| {
-        // The details stay in this log; `memory_extracted.error` gets the short message.
-        tracing::info!(error = %e, "no memories from the model");
-        e.public_message()
-    })?;
+/// The turn's facts, or why the model gave none (logged here with its details).
+async fn extract(w: &TurnWorker, material: &TurnMaterial) -> Result<Vec<String>, JsonAnswerError> {
+    let answer: Memories =
+        w.ask_json(MEMORY_PROMPT, material, Memories::validated).await.inspect_err(|e| {
+            tracing::info!(error = %e, "no memories from the model");
+        })?;
     Ok(answer.memories.into_iter().map(|m| m.text).collect())
 }
 
@@ -164,8 +169,9 @@ pub struct MemoryText {
 }
 
 impl Memories {
-    /// Trimmed, without blanks or repeats, capped in number and length.
-    pub fn validated(self) -> Result<Self, String> {
+    /// Trimmed, without blanks or repeats, capped in number and length. Never refuses: no
+    /// memories is an answer too.
+    pub fn validated(self) -> Result<Self, std::convert::Infallible> {
         let mut kept: Vec<MemoryText> = Vec::new();
         for m in self.memories {
             let text = m.text.trim();

@@ -12,7 +12,7 @@ pub mod transfer;
 mod verify;
 
 pub use rebuild::rebuild;
-pub use replay::{parse_since, replay, ReplaySummary};
+pub use replay::{parse_since, replay, ReplaySummary, SinceError};
 pub use turnlog_runtime::worker::{Replay, ReplayFrom};
 pub use turnlog_writer::RebuildSummary;
 pub use verify::{verify, Verdict};

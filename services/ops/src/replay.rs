@@ -97,14 +97,23 @@ where
     Ok(summary)
 }
 
+/// A `--since` that names no start, as the flag parser shows it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SinceError {
+    #[error("{0:?} is neither an RFC 3339 time nor a duration like 90m or 2d")]
+    Neither(String),
+    #[error("{given:?}: {source}")]
+    TooLong { given: String, source: chrono::OutOfRangeError },
+}
+
 /// `--since`: an RFC 3339 time (`2026-05-01T12:00:00Z`) or a duration ago (`90m`, `2d`).
-pub fn parse_since(s: &str) -> Result<DateTime<Utc>, String> {
+pub fn parse_since(s: &str) -> Result<DateTime<Utc>, SinceError> {
     if let Ok(t) = DateTime::parse_from_rfc3339(s.trim()) {
         return Ok(t.with_timezone(&Utc));
     }
-    let ago = turnlog_runtime::settings::parse_duration(s)
-        .map_err(|_| format!("{s:?} is neither an RFC 3339 time nor a duration like 90m or 2d"))?;
-    let ago = chrono::Duration::from_std(ago).map_err(|e| format!("{s:?}: {e}"))?;
+    let ago = turnlog_runtime::settings::parse_duration(s).map_err(|_| SinceError::Neither(s.to_owned()))?;
+    let ago = chrono::Duration::from_std(ago)
+        .map_err(|source| SinceError::TooLong { given: s.to_owned(), source })?;
     Ok(Utc::now() - ago)
 }
 

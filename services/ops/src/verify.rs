@@ -59,23 +59,23 @@ pub async fn verify(url_a: &str, url_b: &str) -> anyhow::Result<Verdict> {
     let verdict = async {
         let sessions = match compare::<SessionRow>(&mut a, &mut b).await? {
             Ok(n) => n,
-            Err(d) => return anyhow::Ok(Verdict::Different(d)),
+            Err(d) => return anyhow::Ok(Verdict::Different(d.to_string())),
         };
         let events = match compare::<EventRow>(&mut a, &mut b).await? {
             Ok(n) => n,
-            Err(d) => return Ok(Verdict::Different(d)),
+            Err(d) => return Ok(Verdict::Different(d.to_string())),
         };
         let memories = match compare::<MemoryRow>(&mut a, &mut b).await? {
             Ok(n) => n,
-            Err(d) => return Ok(Verdict::Different(d)),
+            Err(d) => return Ok(Verdict::Different(d.to_string())),
         };
         let search = match compare::<SearchRow>(&mut a, &mut b).await? {
             Ok(n) => n,
-            Err(d) => return Ok(Verdict::Different(d)),
+            Err(d) => return Ok(Verdict::Different(d.to_string())),
         };
         let files = match compare::<FileRow>(&mut a, &mut b).await? {
             Ok(n) => n,
-            Err(d) => return Ok(Verdict::Different(d)),
+            Err(d) => return Ok(Verdict::Different(d.to_string())),
         };
         Ok(Verdict::Identical { sessions, events, memories, search, files })
     }
@@ -101,11 +101,22 @@ trait Compared: for<'r> sqlx::FromRow<'r, PgRow> + Send + Unpin + 'static {
     fn first_difference(&self, other: &Self) -> Option<String>;
 }
 
+/// The first difference between the two sides' rows of a kind, in words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum Difference {
+    #[error("{0} only in A")]
+    OnlyInA(String),
+    #[error("{0} only in B")]
+    OnlyInB(String),
+    #[error("{key}: {what}")]
+    Differs { key: String, what: String },
+}
+
 /// Ok(rows compared) when identical, else the first difference.
 async fn compare<R: Compared>(
     a: &mut PgConnection,
     b: &mut PgConnection,
-) -> anyhow::Result<Result<u64, String>> {
+) -> anyhow::Result<Result<u64, Difference>> {
     let mut rows_a = sqlx::query_as::<_, R>(R::QUERY).fetch(a);
     let mut rows_b = sqlx::query_as::<_, R>(R::QUERY).fetch(b);
     let mut count = 0u64;
@@ -113,20 +124,20 @@ async fn compare<R: Compared>(
         let (x, y) = tokio::try_join!(rows_a.try_next(), rows_b.try_next())?;
         let (x, y) = match (x, y) {
             (None, None) => return Ok(Ok(count)),
-            (Some(x), None) => return Ok(Err(format!("{} only in A", x.key()))),
-            (None, Some(y)) => return Ok(Err(format!("{} only in B", y.key()))),
+            (Some(x), None) => return Ok(Err(Difference::OnlyInA(x.key().to_string()))),
+            (None, Some(y)) => return Ok(Err(Difference::OnlyInB(y.key().to_string()))),
             (Some(x), Some(y)) => (x, y),
         };
         let (kx, ky) = (x.key(), y.key());
         // Both sides come in key order: the smaller key is the one the other side lacks.
         if kx < ky {
-            return Ok(Err(format!("{kx} only in A")));
+            return Ok(Err(Difference::OnlyInA(kx.to_string())));
         }
         if ky < kx {
-            return Ok(Err(format!("{ky} only in B")));
+            return Ok(Err(Difference::OnlyInB(ky.to_string())));
         }
-        if let Some(difference) = x.first_difference(&y) {
-            return Ok(Err(format!("{kx}: {difference}")));
+        if let Some(what) = x.first_difference(&y) {
+            return Ok(Err(Difference::Differs { key: kx.to_string(), what }));
         }
         count += 1;
     }

@@ -34,7 +34,8 @@ use turnlog_core::import::{self, Conversation, FileError, Format, PlannedSession
 use uuid::Uuid;
 
 use crate::bus::{
-    append_and_wait, metadata_error, partition_of, AppendOp, AppendRequest, Bus, RequestKind, MAX_EVENT_BYTES,
+    append_and_wait, metadata_error, partition_of, AppendError, AppendOp, AppendRequest, Bus, Refusal,
+    RequestKind, MAX_EVENT_BYTES,
 };
 
 /// Most appends imports keep in flight on one partition.
@@ -287,7 +288,7 @@ impl Importer {
     /// earlier import of it, then its sessions in order (a parent before its forks), each
     /// session's missing events in order, then the deletes.
     async fn conversation(&self, c: &Conversation) -> Result<Done, Rejected> {
-        let reject = |reason: String| Rejected { conversation: c.label(), reason };
+        let reject = |why: NotImported| Rejected { conversation: c.label(), reason: why.to_string() };
         checked(c).map_err(reject)?;
         let targets = self.targets(c).await.map_err(reject)?;
         let mut done = Done::default();
@@ -297,7 +298,7 @@ impl Importer {
             let session = self
                 .session(s, target, &placed, &index, &mut done)
                 .await
-                .map_err(|e| reject(format!("{e} (session {} of the conversation)", i + 1)))?;
+                .map_err(|why| reject(why.in_session(i)))?;
             index.insert(session.id, i);
             placed.push(session);
         }
@@ -314,7 +315,7 @@ impl Importer {
     /// Where each session of `c` goes and what the log holds of it already, read (and found
     /// to be a start of the plan) before anything is appended: a conversation changed or
     /// deleted since it was imported fails whole.
-    async fn targets(&self, c: &Conversation) -> Result<Vec<Target>, String> {
+    async fn targets(&self, c: &Conversation) -> Result<Vec<Target>, NotImported> {
         let owner = self.owner.as_str();
         let mut targets: Vec<Target> = Vec::with_capacity(c.sessions.len());
         for (i, s) in c.sessions.iter().enumerate() {
@@ -323,11 +324,9 @@ impl Importer {
                 None => self.root_id(c.format, &c.source_id),
                 Some(p) => self.fork_id(p.id, &s.key),
             };
-            let at = |e: String| format!("{e} (session {} of the conversation)", i + 1);
-            let existing = existing(&self.pool, owner, id)
-                .await
-                .map_err(|e| at(format!("reading the log failed: {e}")))?;
-            let deleted = || at("it was deleted since it was imported".into());
+            let existing =
+                existing(&self.pool, owner, id).await.map_err(|e| NotImported::Read(e).in_session(i))?;
+            let deleted = || NotImported::Deleted.in_session(i);
             let Some(existing) = existing else {
                 // The writer forks only a live parent.
                 if parent.is_some_and(|p| p.existing.as_ref().is_some_and(|e| e.hidden)) {
@@ -340,9 +339,7 @@ impl Importer {
             for e in &s.events {
                 let stored = existing.events.contains_key(&event_id(owner, id, &e.source_id));
                 if stored && missing {
-                    return Err(at("the conversation changed since it was imported (run it into a new \
-                                   account, or delete the imported sessions first)"
-                        .into()));
+                    return Err(NotImported::Changed.in_session(i));
                 }
                 missing |= !stored;
             }
@@ -363,7 +360,7 @@ impl Importer {
         placed: &[Placed],
         index: &HashMap<SessionId, usize>,
         done: &mut Done,
-    ) -> Result<Placed, String> {
+    ) -> Result<Placed, NotImported> {
         let owner = self.owner.as_str();
         let Target { id, existing } = target;
         // Its branch log: the planned seqs it reads from each ancestor, and the target seq
@@ -373,7 +370,7 @@ impl Importer {
             Some(f) => {
                 let p = &placed[f.parent];
                 let through_seq = seq_in(placed, index, &p.lineage, &p.seqs, f.through_seq)
-                    .ok_or("its fork point is not in its parent")?;
+                    .ok_or(NotImported::ForkPointMissing)?;
                 let lineage = fork_lineage(p.id, &p.lineage, f.through_seq);
                 (Some(ForkPoint { session_id: p.id, through_seq }), lineage)
             }
@@ -407,7 +404,7 @@ impl Importer {
             );
             let append = AppendRequest::append_payload(id, owner, event_id, e.kind, payload);
             let seq = self.send(&append).await?;
-            seqs.insert(e.seq, seq.ok_or("the writer named no seq")?);
+            seqs.insert(e.seq, seq.ok_or(NotImported::NoSeq)?);
             done.events += 1;
             done.messages += usize::from(matches!(e.kind, EventKind::UserMessage | EventKind::AssistantTurn));
         }
@@ -421,17 +418,16 @@ impl Importer {
 
     /// Sends one request on its partition's lane and waits for its outcome; the seq it
     /// committed at (or committed at before, for a repeat).
-    async fn send(&self, req: &AppendRequest) -> Result<Option<i64>, String> {
+    async fn send(&self, req: &AppendRequest) -> Result<Option<i64>, NotImported> {
         let lane = self.lanes.lane(partition_of(req.session_id, self.bus.partitions));
-        let _permit = lane.acquire().await.map_err(|_| "shutting down".to_owned())?;
+        let _permit = lane.acquire().await.map_err(|_| NotImported::ShuttingDown)?;
         let outcome = append_and_wait(&self.bus, &self.pool, req, self.append_timeout)
             .await
-            .map_err(|e| format!("interrupted ({e}); importing the file again completes it"))?;
+            .map_err(NotImported::Interrupted)?;
         if outcome.is_applied() {
             Ok(outcome.seq)
         } else {
-            let reason = outcome.reason.as_deref().unwrap_or("rejected");
-            Err(format!("the log refused a {} ({reason})", describe(req)))
+            Err(NotImported::Refused { request: describe(req), reason: outcome.reason })
         }
     }
 
@@ -506,29 +502,68 @@ fn describe(req: &AppendRequest) -> String {
 }
 
 /// What the writer would refuse, found before the first append.
-fn checked(c: &Conversation) -> Result<(), String> {
+fn checked(c: &Conversation) -> Result<(), NotImported> {
     for (i, s) in c.sessions.iter().enumerate() {
         for e in &s.events {
             let at = || format!("{} {} of session {}", e.kind.as_str().replace('_', " "), e.source_id, i + 1);
             if e.payload.json_len() > MAX_EVENT_BYTES {
-                return Err(format!(
-                    "the {} is larger than the log accepts ({} KiB)",
-                    at(),
-                    MAX_EVENT_BYTES / 1024
-                ));
+                return Err(NotImported::TooLarge { event: at() });
             }
             if let Some(why) = turnlog_core::storable::payload_problem(e.kind, &e.payload.value()) {
-                return Err(format!("the {}: {why}", at()));
+                return Err(NotImported::Unstorable { event: at(), why });
             }
         }
         if s.title.as_deref().is_some_and(|t| t.contains('\0')) {
-            return Err("its title contains NUL characters".into());
+            return Err(NotImported::NulTitle);
         }
         if let Some(why) = s.metadata.as_ref().and_then(metadata_error) {
-            return Err(format!("session {}: {why}", i + 1));
+            return Err(NotImported::Metadata { session: i + 1, why });
         }
     }
     Ok(())
+}
+
+/// Why a conversation was not imported, or not completely: the `reason` its summary gives.
+#[derive(Debug, thiserror::Error)]
+enum NotImported {
+    #[error("the {event} is larger than the log accepts ({} KiB)", MAX_EVENT_BYTES / 1024)]
+    TooLarge { event: String },
+    #[error("the {event}: {why}")]
+    Unstorable { event: String, why: String },
+    #[error("its title contains NUL characters")]
+    NulTitle,
+    #[error("session {session}: {why}")]
+    Metadata { session: usize, why: String },
+    #[error("reading the log failed: {0}")]
+    Read(sqlx::Error),
+    #[error("it was deleted since it was imported")]
+    Deleted,
+    #[error(
+        "the conversation changed since it was imported (run it into a new account, or delete the \
+         imported sessions first)"
+    )]
+    Changed,
+    #[error("its fork point is not in its parent")]
+    ForkPointMissing,
+    #[error("the writer named no seq")]
+    NoSeq,
+    #[error("shutting down")]
+    ShuttingDown,
+    #[error("interrupted ({0}); importing the file again completes it")]
+    Interrupted(AppendError),
+    /// The writer refused a request (`request` names it: its kind, or its op).
+    #[error("the log refused a {request} ({})", .reason.as_deref().unwrap_or("rejected"))]
+    Refused { request: String, reason: Option<Refusal> },
+    /// Any of the above, about the conversation's `session`-th session (from 1).
+    #[error("{why} (session {session} of the conversation)")]
+    InSession { session: usize, why: Box<NotImported> },
+}
+
+impl NotImported {
+    /// This, about the session at `index` of the conversation.
+    fn in_session(self, index: usize) -> Self {
+        Self::InSession { session: index + 1, why: Box::new(self) }
+    }
 }
 
 /// A session already in the log: whether it is hidden (deleted, kept for its forks), and

@@ -67,31 +67,43 @@ impl Backbone {
     }
 }
 
+/// A setting's value that does not parse, as the flag parser shows it after the setting.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SettingError {
+    #[error("{0:?}: stream replicas are 1, 3 or 5")]
+    Replicas(String),
+    #[error("{0:?} is not a duration like 500ms, 90s, 15m, 12h or 30d")]
+    NotADuration(String),
+    #[error("{value:?}: unknown unit {unit:?} (use ms, s, m, h or d)")]
+    UnknownUnit { value: String, unit: String },
+    #[error("{0:?}: a duration here cannot be zero")]
+    ZeroDuration(String),
+}
+
 /// `TURNLOG_STREAM_REPLICAS`: 1, 3 or 5 ([`crate::bus::STREAM_REPLICAS`]).
-pub fn parse_replicas(s: &str) -> Result<usize, String> {
+pub fn parse_replicas(s: &str) -> Result<usize, SettingError> {
     match s.trim().parse::<usize>() {
         Ok(n) if crate::bus::STREAM_REPLICAS.contains(&n) => Ok(n),
-        _ => Err(format!("{s:?}: stream replicas are 1, 3 or 5")),
+        _ => Err(SettingError::Replicas(s.to_owned())),
     }
 }
 
 /// `500ms`, `90s`, `15m`, `12h`, `30d`, or plain seconds; never zero.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+pub fn parse_duration(s: &str) -> Result<Duration, SettingError> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (n, unit) = s.split_at(split);
-    let n: u64 =
-        n.parse().map_err(|_| format!("{s:?} is not a duration like 500ms, 90s, 15m, 12h or 30d"))?;
+    let n: u64 = n.parse().map_err(|_| SettingError::NotADuration(s.to_owned()))?;
     let d = match unit {
         "ms" => Duration::from_millis(n),
         "" | "s" => Duration::from_secs(n),
         "m" => Duration::from_secs(n.saturating_mul(60)),
         "h" => Duration::from_secs(n.saturating_mul(3600)),
         "d" => Duration::from_secs(n.saturating_mul(86_400)),
-        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m, h or d)")),
+        _ => return Err(SettingError::UnknownUnit { value: s.to_owned(), unit: unit.to_owned() }),
     };
     if d.is_zero() {
-        return Err(format!("{s:?}: a duration here cannot be zero"));
+        return Err(SettingError::ZeroDuration(s.to_owned()));
     }
     Ok(d)
 }

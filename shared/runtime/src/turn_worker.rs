@@ -98,7 +98,7 @@ impl TurnWorker {
     }
 
     /// The mini model's JSON answer to `prompt` about the turn, checked by `validate`.
-    pub async fn ask_json<T, F>(
+    pub async fn ask_json<T, F, E>(
         &self,
         prompt: &str,
         material: &TurnMaterial,
@@ -106,7 +106,8 @@ impl TurnWorker {
     ) -> Result<T, JsonAnswerError>
     where
         T: serde::de::DeserializeOwned,
-        F: Fn(T) -> Result<T, String>,
+        F: Fn(T) -> Result<T, E>,
+        E: std::fmt::Display,
     {
         let request = ChatRequest {
             model: self.model.clone(),

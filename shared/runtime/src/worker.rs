@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::message::{AckKind, PublishMessage};
-use async_nats::jetstream::Message;
+use async_nats::jetstream::{self, Message};
 use futures::StreamExt;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
@@ -304,9 +304,9 @@ impl ReplayProgress {
         self.error.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
     }
 
-    fn finish(&self, result: Result<(), String>) {
+    fn finish(&self, result: Result<(), ConsumeError>) {
         if let Err(e) = result {
-            *self.error.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(e);
+            *self.error.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(e.to_string());
         }
         self.finished.store(true, Ordering::Release);
     }
@@ -408,10 +408,12 @@ impl Worker {
         tracing::info!(worker = %self.name, stats = ?stats.snapshot(), "worker stopped");
     }
 
-    async fn consumer(&self, bus: &Bus) -> Result<PullConsumer, String> {
-        let stream = bus.js.get_stream(bus.names.events_stream()).await.map_err(|e| {
-            format!("cannot open {} (is the writer running?): {e}", bus.names.events_stream())
-        })?;
+    async fn consumer(&self, bus: &Bus) -> Result<PullConsumer, ConsumeError> {
+        let stream = bus
+            .js
+            .get_stream(bus.names.events_stream())
+            .await
+            .map_err(|source| ConsumeError::NoFeed { stream: bus.names.events_stream(), source })?;
         let name = self.consumer_name(bus);
         let config = pull::Config {
             durable_name: Some(name.clone()),
@@ -425,7 +427,10 @@ impl Worker {
             filter_subject: self.filter_subject(bus),
             ..Default::default()
         };
-        stream.get_or_create_consumer(&name, config).await.map_err(|e| format!("consumer {name}: {e}"))
+        stream
+            .get_or_create_consumer(&name, config)
+            .await
+            .map_err(|source| ConsumeError::Consumer { name, source })
     }
 
     /// Replays history on a temporary consumer (see [`Replay`]) until through, stopped by
@@ -436,11 +441,17 @@ impl Worker {
         handler: &Arc<H>,
         replay: &Replay,
         shutdown: impl Future<Output = ()> + Send + 'static,
-    ) -> Result<(), String> {
+    ) -> Result<(), ConsumeError> {
         let events = bus.names.events_stream();
-        let mut stream =
-            bus.js.get_stream(&events).await.map_err(|e| format!("cannot open {events}: {e}"))?;
-        let through = stream.info().await.map_err(|e| format!("{events}: {e}"))?.state.last_sequence;
+        let mut stream = bus
+            .js
+            .get_stream(&events)
+            .await
+            .map_err(|source| ConsumeError::NoReplayFeed { stream: events.clone(), source })?;
+        let through = match stream.info().await {
+            Ok(info) => info.state.last_sequence,
+            Err(source) => return Err(ConsumeError::FeedInfo { stream: events, source }),
+        };
         let progress = &replay.progress;
         progress.through_seq.store(through, Ordering::Relaxed);
         let deliver_policy = match replay.from {
@@ -463,7 +474,7 @@ impl Worker {
             ..Default::default()
         };
         let consumer: PullConsumer =
-            stream.create_consumer(config).await.map_err(|e| format!("creating the replay consumer: {e}"))?;
+            stream.create_consumer(config).await.map_err(ConsumeError::ReplayConsumer)?;
         let name = consumer.cached_info().name.clone();
         progress.total.store(consumer.cached_info().num_pending, Ordering::Relaxed);
         tracing::info!(worker = %self.name, consumer = %name, from = ?replay.from, session = ?replay.session,
@@ -518,7 +529,7 @@ impl Worker {
         in_hand: &mut JoinSet<()>,
         mut stop: watch::Receiver<bool>,
         until: Option<u64>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ConsumeError> {
         let lag = tokio::spawn(watch_lag(self.name.clone(), consumer.clone(), stats.clone(), stop.clone()));
         let _lag = AbortOnDrop(lag);
         // One inbox for every pull request of this run, each request answered on a subject
@@ -527,17 +538,14 @@ impl Worker {
         // or hands it back; an inbox per request, dropped by then, would leave the event
         // to its ack wait.
         let inbox = bus.client.new_inbox();
-        let mut replies = bus
-            .client
-            .subscribe(format!("{inbox}.*"))
-            .await
-            .map_err(|e| format!("subscribing to the pull replies failed: {e}"))?;
+        let mut replies =
+            bus.client.subscribe(format!("{inbox}.*")).await.map_err(ConsumeError::Subscribe)?;
         let mut requests: u64 = 0;
         loop {
             let first = tokio::select! {
                 biased;
                 _ = stop.wait_for(|s| *s) => return Ok(()),
-                p = permits.clone().acquire_owned() => Ok(p.map_err(|e| e.to_string())?),
+                p = permits.clone().acquire_owned() => Ok(p.map_err(ConsumeError::Permits)?),
                 m = replies.next() => Err(pull_reply(m, &bus.js, None)?),
             };
             let first = match first {
@@ -560,10 +568,7 @@ impl Worker {
             let reply = format!("{inbox}.{requests}");
             let request =
                 pull::BatchConfig { batch: free.len(), expires: Some(PULL_EXPIRES), ..Default::default() };
-            consumer
-                .request_batch(request, reply.clone().into())
-                .await
-                .map_err(|e| format!("pull request failed: {e}"))?;
+            consumer.request_batch(request, reply.clone().into()).await.map_err(ConsumeError::Pull)?;
             let lost_at = tokio::time::Instant::now() + PULL_LOST_AFTER;
             let (mut wanted, mut stopping) = (free.len(), false);
             // Until the request is answered in full, ends, or is given up for lost.
@@ -610,6 +615,32 @@ impl Worker {
     }
 }
 
+/// Why a consumer stopped before it was told to (the worker reconnects), or a replay failed.
+#[derive(Debug, thiserror::Error)]
+enum ConsumeError {
+    #[error("cannot open {stream} (is the writer running?): {source}")]
+    NoFeed { stream: String, source: jetstream::context::GetStreamError },
+    #[error("consumer {name}: {source}")]
+    Consumer { name: String, source: jetstream::stream::ConsumerError },
+    #[error("cannot open {stream}: {source}")]
+    NoReplayFeed { stream: String, source: jetstream::context::GetStreamError },
+    #[error("{stream}: {source}")]
+    FeedInfo { stream: String, source: jetstream::stream::InfoError },
+    #[error("creating the replay consumer: {0}")]
+    ReplayConsumer(jetstream::stream::ConsumerError),
+    #[error("subscribing to the pull replies failed: {0}")]
+    Subscribe(async_nats::SubscribeError),
+    #[error("{0}")]
+    Permits(tokio::sync::AcquireError),
+    #[error("pull request failed: {0}")]
+    Pull(pull::BatchRequestError),
+    #[error("the pull requests' inbox was closed")]
+    InboxClosed,
+    /// A status the consumer cannot go on after.
+    #[error("pulling events failed: {status} {description}")]
+    PullStatus { status: async_nats::StatusCode, description: String },
+}
+
 /// What arrived on the pull requests' inbox.
 enum PullReply {
     Event(Box<Message>),
@@ -627,9 +658,9 @@ fn pull_reply(
     message: Option<async_nats::Message>,
     js: &async_nats::jetstream::Context,
     open: Option<&str>,
-) -> Result<PullReply, String> {
+) -> Result<PullReply, ConsumeError> {
     use async_nats::StatusCode;
-    let message = message.ok_or("the pull requests' inbox was closed")?;
+    let message = message.ok_or(ConsumeError::InboxClosed)?;
     let Some(status) = message.status.filter(|s| *s != StatusCode::OK) else {
         return Ok(PullReply::Event(Box::new(Message { message, context: js.clone() })));
     };
@@ -638,12 +669,12 @@ fn pull_reply(
     match status {
         StatusCode::IDLE_HEARTBEAT => Ok(PullReply::Other),
         StatusCode::REQUEST_TERMINATED if why.contains("Consumer Deleted") || why.contains("push based") => {
-            Err(format!("pulling events failed: {status} {why}"))
+            Err(ConsumeError::PullStatus { status, description: why.to_owned() })
         }
         StatusCode::TIMEOUT | StatusCode::NOT_FOUND | StatusCode::REQUEST_TERMINATED if ours => {
             Ok(PullReply::End)
         }
-        _ if ours => Err(format!("pulling events failed: {status} {why}")),
+        _ if ours => Err(ConsumeError::PullStatus { status, description: why.to_owned() }),
         _ => Ok(PullReply::Other),
     }
 }
@@ -835,10 +866,10 @@ impl<H: Handler> Job<H> {
         // One dead letter per worker and event, however often this runs.
         let msg_id = format!("dead:{}:{}", self.worker.name, delivery.stream_seq);
         let published = async {
-            let body = serde_json::to_vec(&letter).map_err(|e| e.to_string())?;
+            let body = serde_json::to_vec(&letter)?;
             let msg = PublishMessage::build().payload(body.into()).message_id(msg_id);
-            let ack = self.bus.js.send_publish(subject, msg).await.map_err(|e| e.to_string())?;
-            ack.await.map_err(|e| e.to_string())
+            let ack = self.bus.js.send_publish(subject, msg).await?;
+            Ok::<_, async_nats::Error>(ack.await?)
         };
         match published.await {
             Ok(_) => {

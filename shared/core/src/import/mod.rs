@@ -374,7 +374,7 @@ fn finish(c: Result<Conversation, Rejected>) -> Result<Conversation, Rejected> {
         s.title = tidy_title(s.title.take());
     }
     if let Err(why) = check_plan(&c) {
-        return Err(Rejected::new(c.title.as_deref(), &c.source_id, why));
+        return Err(Rejected::new(c.title.as_deref(), &c.source_id, why.to_string()));
     }
     Ok(c)
 }
@@ -385,17 +385,17 @@ fn finish(c: Result<Conversation, Rejected>) -> Result<Conversation, Rejected> {
 /// gapless, an event named twice in a session, and every seq a payload names
 /// (`replaces_through_seq` after the previous compaction and before its own seq,
 /// `turn_seq` and a request's `through_seq` before its own seq).
-fn check_plan(c: &Conversation) -> Result<(), String> {
+fn check_plan(c: &Conversation) -> Result<(), PlanError> {
     use crate::branch::{fork_lineage, Segment, MAX_FORK_DEPTH};
     use crate::ids::SessionId;
     use std::collections::HashSet;
 
     if c.sessions.len() > MAX_SESSIONS {
-        return Err(format!("it has more than {MAX_SESSIONS} sessions"));
+        return Err(PlanError::TooManySessions);
     }
     let mut keys = HashSet::with_capacity(c.sessions.len());
     if let Some(twice) = c.sessions.iter().find(|s| !keys.insert(s.key.as_str())) {
-        return Err(format!("it names session {} twice", twice.key));
+        return Err(PlanError::SessionTwice(twice.key.clone()));
     }
     // Per session: its lineage, last seq, and compactions as (seq, replaces_through_seq).
     let mut lineages: Vec<Vec<Segment>> = Vec::with_capacity(c.sessions.len());
@@ -409,18 +409,15 @@ fn check_plan(c: &Conversation) -> Result<(), String> {
             None => Vec::new(),
             Some(f) => {
                 if f.parent >= i {
-                    return Err(format!("session {n} forks from a session after it"));
+                    return Err(PlanError::ForkOfLater { session: n });
                 }
                 let end = last_seqs[f.parent];
                 if f.through_seq < 1 || f.through_seq > end {
-                    return Err(format!(
-                        "session {n} forks through seq {}, which its parent's log (1..={end}) does not hold",
-                        f.through_seq
-                    ));
+                    return Err(PlanError::ForkPastEnd { session: n, through_seq: f.through_seq, end });
                 }
                 let lineage = fork_lineage(id_of(f.parent), &lineages[f.parent], f.through_seq);
                 if lineage.len() > MAX_FORK_DEPTH {
-                    return Err(format!("its forks nest more than {MAX_FORK_DEPTH} deep"));
+                    return Err(PlanError::TooDeep);
                 }
                 lineage
             }
@@ -444,36 +441,28 @@ fn check_plan(c: &Conversation) -> Result<(), String> {
         let mut ids = HashSet::with_capacity(s.events.len());
         let mut expected = s.first_seq() + 1;
         for e in &s.events {
-            let at = || format!("the {} at seq {} of session {n}", e.kind.as_str().replace('_', " "), e.seq);
+            let at = || PlannedAt { kind: e.kind, seq: e.seq, session: n };
             if e.seq != expected {
-                return Err(format!("session {n} skips from seq {} to {}", expected - 1, e.seq));
+                return Err(PlanError::SeqGap { session: n, after: expected - 1, seq: e.seq });
             }
             expected += 1;
             if !ids.insert(e.source_id.as_str()) {
-                return Err(format!("session {n} has event {} twice", e.source_id));
+                return Err(PlanError::EventTwice { session: n, event: e.source_id.clone() });
             }
             match e.refers {
                 None => {}
                 Some(SeqRef::Compacts(through)) => {
                     let previous = boundary_at(e.seq, &own).unwrap_or(0);
                     if through <= previous || through >= e.seq {
-                        return Err(format!(
-                            "{} has replaces_through_seq {through}, outside its live log ({}..{})",
-                            at(),
-                            previous + 1,
-                            e.seq
-                        ));
+                        return Err(PlanError::OutsideLiveLog { event: at(), through, from: previous + 1 });
                     }
                     own.push((e.seq, through));
                 }
                 Some(SeqRef::Turn(seq)) if seq < 1 || seq >= e.seq => {
-                    return Err(format!("{} names turn_seq {seq}, which is not before it", at()));
+                    return Err(PlanError::TurnNotBefore { event: at(), seq });
                 }
                 Some(SeqRef::Request(seq)) if seq < 1 || seq >= e.seq => {
-                    return Err(format!(
-                        "{} records a request through_seq {seq}, which is not before it",
-                        at()
-                    ));
+                    return Err(PlanError::RequestNotBefore { event: at(), seq });
                 }
                 Some(SeqRef::Turn(_) | SeqRef::Request(_)) => {}
             }
@@ -483,6 +472,49 @@ fn check_plan(c: &Conversation) -> Result<(), String> {
         compactions.push(own);
     }
     Ok(())
+}
+
+/// What [`check_plan`] finds the writer would refuse: a conversation's `Rejected` reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum PlanError {
+    #[error("it has more than {} sessions", MAX_SESSIONS)]
+    TooManySessions,
+    #[error("it names session {0} twice")]
+    SessionTwice(String),
+    #[error("session {session} forks from a session after it")]
+    ForkOfLater { session: usize },
+    #[error(
+        "session {session} forks through seq {through_seq}, which its parent's log (1..={end}) does not hold"
+    )]
+    ForkPastEnd { session: usize, through_seq: i64, end: i64 },
+    #[error("its forks nest more than {} deep", crate::branch::MAX_FORK_DEPTH)]
+    TooDeep,
+    #[error("session {session} skips from seq {after} to {seq}")]
+    SeqGap { session: usize, after: i64, seq: i64 },
+    #[error("session {session} has event {event} twice")]
+    EventTwice { session: usize, event: String },
+    #[error("{event} has replaces_through_seq {through}, outside its live log ({from}..{})", .event.seq)]
+    OutsideLiveLog { event: PlannedAt, through: i64, from: i64 },
+    #[error("{event} names turn_seq {seq}, which is not before it")]
+    TurnNotBefore { event: PlannedAt, seq: i64 },
+    #[error("{event} records a request through_seq {seq}, which is not before it")]
+    RequestNotBefore { event: PlannedAt, seq: i64 },
+}
+
+/// An event of a plan as [`PlanError`] names it: "the user message at seq 4 of session 2".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PlannedAt {
+    kind: EventKind,
+    seq: i64,
+    /// The session's place in the conversation, from 1.
+    session: usize,
+}
+
+impl std::fmt::Display for PlannedAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = self.kind.as_str().replace('_', " ");
+        write!(f, "the {kind} at seq {} of session {}", self.seq, self.session)
+    }
 }
 
 /// The first element must be of the format asked for: a file of another format fails as a

@@ -56,7 +56,27 @@ struct Block {
     expected: i64,
     events: Vec<PlannedEvent>,
     /// The first thing wrong with its event lines.
-    error: Option<String>,
+    error: Option<LineError>,
+}
+
+/// What is wrong with an event line of a session's block: its family's `Rejected` reason,
+/// after the session's id.
+#[derive(Debug, thiserror::Error)]
+enum LineError {
+    #[error("an event line has no seq")]
+    NoSeq,
+    #[error("its events skip from seq {after} to {seq}")]
+    SeqGap { after: i64, seq: i64 },
+    #[error("seq {seq}: {source}")]
+    UnknownKind { seq: i64, source: crate::events::UnknownKind },
+    #[error("seq {seq} should be its session_started, not {kind}")]
+    NotStarted { seq: i64, kind: EventKind },
+    #[error("seq {seq} has no event_id")]
+    NoEventId { seq: i64 },
+    #[error("seq {seq}: its payload is not a JSON object")]
+    NotAnObject { seq: i64 },
+    #[error("seq {seq}: {source}")]
+    Payload { seq: i64, source: crate::events::DecodeError },
 }
 
 impl Block {
@@ -83,32 +103,32 @@ impl Block {
     /// them) are its parent's and skipped; the rest must be gapless from its
     /// `session_started` (which the importer's create makes), each payload an object its
     /// kind decodes.
-    fn event(&mut self, line: &Value) -> Result<(), String> {
+    fn event(&mut self, line: &Value) -> Result<(), LineError> {
         let Some(first_seq) = self.first_seq else { return Ok(()) };
-        let seq = line.get("seq").and_then(Value::as_i64).ok_or("an event line has no seq")?;
+        let seq = line.get("seq").and_then(Value::as_i64).ok_or(LineError::NoSeq)?;
         if seq < first_seq {
             return Ok(());
         }
         if seq != self.expected {
-            return Err(format!("its events skip from seq {} to {seq}", self.expected - 1));
+            return Err(LineError::SeqGap { after: self.expected - 1, seq });
         }
         self.expected += 1;
         let kind_name = line.get("kind").and_then(Value::as_str).unwrap_or("");
-        let kind: EventKind = kind_name.parse().map_err(|e| format!("seq {seq}: {e}"))?;
+        let kind: EventKind = kind_name.parse().map_err(|source| LineError::UnknownKind { seq, source })?;
         if seq == first_seq {
             if kind != EventKind::SessionStarted {
-                return Err(format!("seq {seq} should be its session_started, not {kind_name}"));
+                return Err(LineError::NotStarted { seq, kind });
             }
             return Ok(());
         }
-        let event_id =
-            line.get("event_id").and_then(Value::as_str).ok_or(format!("seq {seq} has no event_id"))?;
+        let event_id = line.get("event_id").and_then(Value::as_str).ok_or(LineError::NoEventId { seq })?;
         // An array decodes as the struct whose fields it lists, but is no payload.
         let Some(Value::Object(fields)) = line.get("payload") else {
-            return Err(format!("seq {seq}: its payload is not a JSON object"));
+            return Err(LineError::NotAnObject { seq });
         };
         let mut payload = Value::Object(fields.clone());
-        let body = EventBody::decode(kind, &payload, seq).map_err(|e| format!("seq {seq}: {e}"))?;
+        let body =
+            EventBody::decode(kind, &payload, seq).map_err(|source| LineError::Payload { seq, source })?;
         if matches!(kind, EventKind::UserMessage | EventKind::AssistantTurn) {
             // Always `turnlog` (the export brought the turn's memory events along, so
             // extraction skips it), with the original time: an earlier import's if it had one.

@@ -49,8 +49,8 @@ impl Bus {
         req: &AppendRequest,
         reply_to: Option<&str>,
         deadline: tokio::time::Instant,
-    ) -> Result<jetstream::publish::PublishAck, String> {
-        let body = Bytes::from(serde_json::to_vec(req).map_err(|e| e.to_string())?);
+    ) -> Result<jetstream::publish::PublishAck, Unacknowledged> {
+        let body = Bytes::from(serde_json::to_vec(req).map_err(Unacknowledged::Encode)?);
         let subject = self.names.append_subject(self.partition_of(req.session_id), req.session_id);
         let msg_id = req.request_id.to_string();
         let traceparent = crate::trace::current_traceparent();
@@ -68,15 +68,15 @@ impl Bus {
                     }
                     return Ok(ack);
                 }
-                Ok(Err(e)) if is_transient(e.kind()) => e.to_string(),
-                Ok(Err(e)) => return Err(e.to_string()),
-                Err(_) => "no PubAck before the deadline".to_owned(),
+                Ok(Err(e)) if is_transient(e.kind()) => Unacknowledged::Publish(e),
+                Ok(Err(e)) => return Err(Unacknowledged::Publish(e)),
+                Err(_) => Unacknowledged::NoAck,
             };
             if tokio::time::Instant::now() + REPUBLISH_EVERY >= deadline {
                 return Err(error);
             }
             if republished == 0 {
-                tracing::warn!(request_id = %req.request_id, error, "append not acknowledged; republishing until the deadline");
+                tracing::warn!(request_id = %req.request_id, %error, "append not acknowledged; republishing until the deadline");
             }
             republished += 1;
             tokio::time::sleep(REPUBLISH_EVERY).await;
@@ -100,6 +100,18 @@ pub fn append_message(
         msg = msg.header(crate::trace::TRACEPARENT, t);
     }
     msg
+}
+
+/// Why an append was not acknowledged by its deadline.
+#[derive(Debug, thiserror::Error)]
+enum Unacknowledged {
+    #[error("{0}")]
+    Encode(serde_json::Error),
+    /// The last publish failed (only a failure that does not pass by itself ends it early).
+    #[error("{0}")]
+    Publish(jetstream::context::PublishError),
+    #[error("no PubAck before the deadline")]
+    NoAck,
 }
 
 /// How often a producer republishes an unacknowledged append.

@@ -31,10 +31,22 @@ impl JsonAnswerError {
     }
 }
 
+/// Why one answer was refused: what the model is shown when it is asked again.
+#[derive(Debug, thiserror::Error)]
+enum Refused<E> {
+    #[error("no JSON object in the answer")]
+    NoObject,
+    #[error("{0}")]
+    Shape(serde_json::Error),
+    /// The caller's `validate` refused it.
+    #[error("{0}")]
+    Invalid(E),
+}
+
 /// Asks the model for a JSON object of shape `T` and checks it with `validate`; when the
 /// answer does not parse or validate, asks once more, showing the model its answer and
 /// why it was refused. `deadline` bounds both calls together.
-pub async fn ask_for_json<T, F>(
+pub async fn ask_for_json<T, F, E>(
     upstream: &UpstreamClient,
     request: ChatRequest,
     deadline: Duration,
@@ -42,12 +54,13 @@ pub async fn ask_for_json<T, F>(
 ) -> Result<T, JsonAnswerError>
 where
     T: serde::de::DeserializeOwned,
-    F: Fn(T) -> Result<T, String>,
+    F: Fn(T) -> Result<T, E>,
+    E: std::fmt::Display,
 {
     let ends = tokio::time::Instant::now() + deadline;
-    let parse = |text: &str| -> Result<T, String> {
-        let object = json_object(text).ok_or("no JSON object in the answer")?;
-        validate(serde_json::from_str::<T>(object).map_err(|e| e.to_string())?)
+    let parse = |text: &str| -> Result<T, Refused<E>> {
+        let object = json_object(text).ok_or(Refused::NoObject)?;
+        validate(serde_json::from_str::<T>(object).map_err(Refused::Shape)?).map_err(Refused::Invalid)
     };
     let call = |request: ChatRequest| async move {
         let left = ends.saturating_duration_since(tokio::time::Instant::now());
@@ -69,5 +82,5 @@ where
         format!("that answer was refused ({why}); answer again with only the json object, nothing else."),
     ));
     let second = call(again).await?;
-    parse(&second.text).map_err(JsonAnswerError::Invalid)
+    parse(&second.text).map_err(|why| JsonAnswerError::Invalid(why.to_string()))
 }

@@ -23,7 +23,7 @@ pub use crate::secret::{gateway_host, redacted_url};
 
 pub use json::{ask_for_json, JsonAnswerError};
 pub use stream::{ChatStream, StreamItem};
-pub use windows::{parse_model_windows, MODELS_CACHE_TTL};
+pub use windows::{parse_model_windows, ModelWindowsError, MODELS_CACHE_TTL};
 pub use wire::Usage;
 
 /// Turns an image reference (`id`, `mime`) into a `data:` URL, or `None` when the image is

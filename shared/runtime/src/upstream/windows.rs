@@ -15,24 +15,37 @@ pub const MODELS_CACHE_TTL: Duration = Duration::from_secs(30);
 /// gateways, OpenRouter, vLLM, LiteLLM.
 const WINDOW_FIELDS: [&str; 4] = ["context_window", "context_length", "max_model_len", "max_input_tokens"];
 
+/// An entry of `TURNLOG_MODEL_WINDOWS` that is not `model=tokens`, named as it was given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelWindowsError {
+    #[error("`{0}` is not model=tokens")]
+    NotAPair(String),
+    #[error("`{0}` names no model")]
+    NoModel(String),
+    #[error("`{entry}`: `{tokens}` is not a token count")]
+    NotACount { entry: String, tokens: String },
+    #[error("`{0}`: a context window cannot be 0")]
+    Zero(String),
+}
+
 /// Parses `TURNLOG_MODEL_WINDOWS`: `model=tokens,...`, blanks ignored.
-pub fn parse_model_windows(spec: &str) -> Result<HashMap<String, u32>, String> {
+pub fn parse_model_windows(spec: &str) -> Result<HashMap<String, u32>, ModelWindowsError> {
     let mut windows = HashMap::new();
     for entry in spec.split(',').map(str::trim).filter(|e| !e.is_empty()) {
         // Split at the last `=` so a model name may itself contain one.
         let Some((model, tokens)) = entry.rsplit_once('=') else {
-            return Err(format!("`{entry}` is not model=tokens"));
+            return Err(ModelWindowsError::NotAPair(entry.to_owned()));
         };
         let model = model.trim();
         if model.is_empty() {
-            return Err(format!("`{entry}` names no model"));
+            return Err(ModelWindowsError::NoModel(entry.to_owned()));
         }
-        let tokens: u32 = tokens
-            .trim()
-            .parse()
-            .map_err(|_| format!("`{entry}`: `{}` is not a token count", tokens.trim()))?;
+        let tokens: u32 = tokens.trim().parse().map_err(|_| ModelWindowsError::NotACount {
+            entry: entry.to_owned(),
+            tokens: tokens.trim().to_owned(),
+        })?;
         if tokens == 0 {
-            return Err(format!("`{entry}`: a context window cannot be 0"));
+            return Err(ModelWindowsError::Zero(entry.to_owned()));
         }
         windows.insert(model.to_owned(), tokens);
     }
