@@ -19,7 +19,7 @@ const LOOPBACK_NAMES: [&str; 3] = ["localhost", "127.0.0.1", "[::1]"];
 #[derive(Debug, Clone, Copy)]
 pub struct LocalMode(pub bool);
 
-/// The middleware: refuses what [`admit`] refuses, before a handler reads anything.
+/// The middleware: refuses what `admit` refuses, before a handler reads anything.
 pub async fn check(State(LocalMode(local)): State<LocalMode>, req: Request, next: Next) -> Response {
     // The routes that take other types (DESIGN §12, imports); they check their own.
     let multipart =

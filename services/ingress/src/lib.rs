@@ -1,7 +1,10 @@
 //! turnlog's ingress: the only HTTP face (DESIGN.md §7). It reads Postgres and never
 //! writes it — every change goes to the writer as an append request through
-//! `append_and_wait`. This crate serves the session API; the streamed turn routes live in
-//! their own modules beside `routes/` and share [`Ingress`] as their state.
+//! `append_and_wait`. `routes/` holds the handlers only (no route module imports another);
+//! what they share is the application layer beside it: `turn` (starting, running and
+//! following a turn), `sessions` (the caller's sessions, forks), `openai` (the
+//! OpenAI-compatible translation), `passthrough`, `sse` (every event stream), `files`,
+//! `writes`. [`Ingress`] is their shared state.
 
 pub mod auth;
 pub mod config;

@@ -126,7 +126,7 @@ struct Relay {
 }
 
 /// A client's own Chat Completions `body` to the gateway (with the default model when it
-/// names none), after [`forwarded_fields`]' checks; the gateway's answer back as it came,
+/// names none), after `forwarded_fields`' checks; the gateway's answer back as it came,
 /// its status and content type included. `slot` is given back when the answer is relayed.
 pub async fn forward(
     app: &Ingress,

@@ -135,7 +135,7 @@ fn text(bytes: &[u8]) -> Option<&str> {
 
 /// An image as stored: its size, and the bytes the model is sent (with their type) when
 /// they are not the upload's own: it was larger than [`MAX_IMAGE_EDGE`], or heavier than
-/// [`MAX_SENT_IMAGE_BYTES`].
+/// `MAX_SENT_IMAGE_BYTES`.
 #[derive(Debug)]
 pub struct Image {
     pub width: u32,

@@ -21,7 +21,7 @@ use crate::{sse, AppState};
 /// `sequence_number`, which [`numbered`] numbers: a pure function of the native events, so
 /// a re-attach from the turn's first event numbers them alike). Ends with the terminal
 /// event, whose response is read back from the log (usage included) when the `end` names
-/// the turn's outcome: the one read here; the rest is [`Translator`]'s.
+/// the turn's outcome: the one read here; the rest is `Translator`'s.
 pub fn translate(
     app: AppState,
     owner: String,
