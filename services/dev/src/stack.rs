@@ -81,10 +81,8 @@ impl Stack {
         let (ended_tx, ended) = mpsc::unbounded_channel();
         let ServiceConfigs { writer, ingress, workers } = configs;
         let writer = writer.map(|c| Service::spawn("writer", &all, &ended_tx, |t| turnlog_writer::run(c, t)));
-        let workers = workers
-            .into_iter()
-            .map(|w| Service::spawn(w.name(), &all, &ended_tx, |t| w.run(t)))
-            .collect();
+        let workers =
+            workers.into_iter().map(|w| Service::spawn(w.name(), &all, &ended_tx, |t| w.run(t))).collect();
         let ingress =
             Service::spawn("ingress", &all, &ended_tx, |t| turnlog_ingress::run(ingress, listener, t));
         Ok(Stack {

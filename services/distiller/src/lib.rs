@@ -209,7 +209,7 @@ fn entries(items: Vec<String>, max: usize) -> Vec<String> {
 }
 
 /// The first line of the model's answer without quotes or trailing punctuation, at most
-/// [`MAX_TITLE_CHARS`]; None when nothing is left.
+/// `MAX_TITLE_CHARS`; None when nothing is left.
 pub fn clean_title(text: &str) -> Option<String> {
     let line = text.lines().map(str::trim).find(|l| !l.is_empty())?;
     let line = line.strip_prefix("Title:").unwrap_or(line).trim();

@@ -8,7 +8,7 @@ pub struct Knobs {
     /// `words=N`: words in a chat reply.
     pub words: usize,
     /// `breaks=N`: line breaks between the words of a chat reply instead of a space (an
-    /// escape-heavy answer: each takes two bytes as JSON). At most [`MAX_BREAKS`].
+    /// escape-heavy answer: each takes two bytes as JSON). At most `MAX_BREAKS`.
     pub breaks: usize,
     /// `delay_ms=N`: pause before every delta.
     pub delay_ms: u64,

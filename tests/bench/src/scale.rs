@@ -219,7 +219,7 @@ fn postgres_pids() -> Vec<u32> {
         .collect()
 }
 
-/// CPU seconds (user + system) the processes have used, by /proc/<pid>/stat.
+/// CPU seconds (user + system) the processes have used, by `/proc/<pid>/stat`.
 fn cpu_of(pids: &[u32]) -> f64 {
     let ticks = 100.0; // USER_HZ on Linux
     pids.iter()

@@ -34,7 +34,11 @@ async fn a_long_conversation_stays_within_budget_and_keeps_turn_one_facts() {
         compactor.consumer = consumer.clone();
     }
     let memory = config::memory(&env, &mock.base_url());
-    configs.workers.push(Worker::Memory(turnlog_memory::MemoryConfig { mini_model: "mock".into(), consumer, ..memory }));
+    configs.workers.push(Worker::Memory(turnlog_memory::MemoryConfig {
+        mini_model: "mock".into(),
+        consumer,
+        ..memory
+    }));
     let stack = turnlog_e2e::serve(configs, Duration::from_secs(30)).await.unwrap();
     let base = stack.base_url().to_owned();
     let http = reqwest::Client::new();

@@ -67,7 +67,7 @@ pub async fn attach(
 
 /// A resent request (same `Idempotency-Key`): its turn's events if it still runs, else its
 /// outcome from the log.
-pub async fn resent_events(
+pub(super) async fn resent_events(
     app: &AppState,
     caller: &Caller,
     session: SessionId,

@@ -42,14 +42,14 @@ struct Control {
 }
 
 /// Sends a turn event to followers on other copies (best effort: they resync by snapshot).
-pub async fn publish_live(app: &Ingress, session: SessionId, e: &StreamEvent) {
+pub(super) async fn publish_live(app: &Ingress, session: SessionId, e: &StreamEvent) {
     if let Ok(body) = serde_json::to_vec(e) {
         let _ = app.bus.client.publish(app.bus.names.live_subject(session), body.into()).await;
     }
 }
 
 /// Answers snapshot and stop requests for `turn` while it runs.
-pub async fn serve(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>) -> Option<tokio::task::JoinHandle<()>> {
+pub(super) async fn serve(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>) -> Option<tokio::task::JoinHandle<()>> {
     let names = &app.bus.names;
     let client = app.bus.client.clone();
     let mut snapshots = client.subscribe(names.turn_subject(turn.session)).await.ok()?;

@@ -28,7 +28,7 @@ use super::{remote, ActiveTurn, TurnSlot};
 use crate::Ingress;
 
 /// The whole partial is checkpointed this often while an answer streams.
-pub const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
+pub(super) const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
 /// The lease is renewed this often (it expires after ~10 s).
 const LEASE_RENEW_EVERY: Duration = Duration::from_secs(3);
 /// Deadline of each durability write at the end of a turn (its own, not the request's).

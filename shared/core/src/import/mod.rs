@@ -214,7 +214,7 @@ impl Payload {
 }
 
 /// A seq of its branch log that an event's payload names, which the importer maps to the
-/// target log's ([`turnlog::rewrite`]) and [`check_plan`] checks.
+/// target log's ([`turnlog::rewrite`]) and `check_plan` checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqRef {
     /// A compaction's `replaces_through_seq`.

@@ -392,7 +392,7 @@ async fn bad_files_import_nothing_of_what_is_wrong() {
 type Exported<'a> = (uuid::Uuid, Option<(uuid::Uuid, i64)>, Vec<(&'a str, Value)>);
 
 /// A turnlog export of `sessions`, as JSON lines.
-fn turnlog_file(sessions: &[Exported]) -> Vec<u8> {
+fn turnlog_file(sessions: &[Exported<'_>]) -> Vec<u8> {
     let mut text = String::new();
     for (id, from, events) in sessions {
         let forked = from.map(|(p, t)| json!({"session_id": p, "through_seq": t}));

@@ -46,7 +46,11 @@ fn configs(env: &TestEnv, mock: &MockHandle, system_prompt: &str) -> ServiceConf
         compactor.consumer = consumer.clone();
     }
     let memory = config::memory(env, &mock.base_url());
-    configs.workers.push(Worker::Memory(turnlog_memory::MemoryConfig { mini_model: "mock".into(), consumer, ..memory }));
+    configs.workers.push(Worker::Memory(turnlog_memory::MemoryConfig {
+        mini_model: "mock".into(),
+        consumer,
+        ..memory
+    }));
     configs
 }
 
