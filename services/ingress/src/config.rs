@@ -113,6 +113,18 @@ pub struct IngressConfig {
     pub upload_min_rate: u64,
 }
 
+/// An entry of `TURNLOG_CATEGORY_MODELS` that is not `category=model` of an allowed model,
+/// named as it was given.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CategoryModelsError {
+    #[error("`{0}` is not category=model")]
+    NotAPair(String),
+    #[error("`{0}` names no category or no model")]
+    Missing(String),
+    #[error("`{entry}`: {model:?} is not in TURNLOG_ALLOWED_MODELS")]
+    NotAllowed { entry: String, model: String },
+}
+
 impl IngressConfig {
     /// Defaults for everything but where the log and the bus are: loopback, no tokens,
     /// no model gateway. Tests start from this and change what they need.
@@ -166,18 +178,21 @@ impl IngressConfig {
     pub fn parse_category_models(
         spec: &str,
         allowed: Option<&[String]>,
-    ) -> Result<HashMap<String, String>, String> {
+    ) -> Result<HashMap<String, String>, CategoryModelsError> {
         let mut models = HashMap::new();
         for entry in spec.split(',').map(str::trim).filter(|e| !e.is_empty()) {
             let Some((category, model)) = entry.split_once('=') else {
-                return Err(format!("`{entry}` is not category=model"));
+                return Err(CategoryModelsError::NotAPair(entry.to_owned()));
             };
             let (category, model) = (category.trim(), model.trim());
             if category.is_empty() || model.is_empty() {
-                return Err(format!("`{entry}` names no category or no model"));
+                return Err(CategoryModelsError::Missing(entry.to_owned()));
             }
             if allowed.is_some_and(|a| !a.iter().any(|m| m == model)) {
-                return Err(format!("`{entry}`: {model:?} is not in TURNLOG_ALLOWED_MODELS"));
+                return Err(CategoryModelsError::NotAllowed {
+                    entry: entry.to_owned(),
+                    model: model.to_owned(),
+                });
             }
             models.insert(category.to_owned(), model.to_owned());
         }

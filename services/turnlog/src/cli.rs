@@ -627,7 +627,6 @@ fn ingress_config(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Ingre
     }
     let category_models =
         IngressConfig::parse_category_models(&args.category_models, allowed_models.as_deref())
-            .map_err(anyhow::Error::msg)
             .context("TURNLOG_CATEGORY_MODELS")?;
     let config = IngressConfig {
         listen: args.listen,

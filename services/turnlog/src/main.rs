@@ -121,7 +121,7 @@ async fn serve(command: Command) -> anyhow::Result<()> {
         }
         Command::Import { owner, format, file, backbone } => {
             let owner = Owner::parse(&owner)?;
-            let format = format.as_deref().map(str::parse).transpose().map_err(anyhow::Error::msg)?;
+            let format = format.as_deref().map(str::parse).transpose()?;
             let summary =
                 turnlog_ops::transfer::import(&backbone.backbone(), &owner, format, &file, true).await?;
             if !summary.failed.is_empty() {
@@ -131,7 +131,7 @@ async fn serve(command: Command) -> anyhow::Result<()> {
         }
         Command::Export { owner, format, backbone } => {
             let owner = Owner::parse(&owner)?;
-            let format = format.parse().map_err(anyhow::Error::msg)?;
+            let format = format.parse()?;
             let n = turnlog_ops::transfer::export(&backbone.backbone(), &owner, format).await?;
             eprintln!("exported {n} sessions");
             Ok(())

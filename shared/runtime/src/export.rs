@@ -34,18 +34,20 @@ impl ExportFormat {
     }
 }
 
+/// A format name that is none of [`ExportFormat`]'s, shown up to 40 characters.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("format must be turnlog, markdown, openai or sharegpt, not {0:?}")]
+pub struct UnknownExportFormat(String);
+
 impl std::str::FromStr for ExportFormat {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownExportFormat;
+    fn from_str(s: &str) -> Result<Self, UnknownExportFormat> {
         match s {
             "turnlog" => Ok(Self::Turnlog),
             "markdown" => Ok(Self::Markdown),
             "openai" => Ok(Self::OpenAi),
             "sharegpt" => Ok(Self::ShareGpt),
-            other => {
-                let shown: String = other.chars().take(40).collect();
-                Err(format!("format must be turnlog, markdown, openai or sharegpt, not {shown:?}"))
-            }
+            other => Err(UnknownExportFormat(other.chars().take(40).collect())),
         }
     }
 }

@@ -556,26 +556,42 @@ pub fn html_child() -> i32 {
 
 /// [`html_to_markdown`] on a thread with room for [`MAX_HTML_DEPTH`] levels of recursion;
 /// an error when the converter could not run or panicked (its message is on stderr).
-fn html_on_a_large_stack(html: Vec<u8>) -> Result<Result<String, String>, String> {
+fn html_on_a_large_stack(html: Vec<u8>) -> Result<Result<String, HtmlRefused>, ConverterFailed> {
     std::thread::Builder::new()
         .name("html-to-markdown".into())
         .stack_size(HTML_STACK_BYTES)
         .spawn(move || html_to_markdown(&String::from_utf8_lossy(&html)))
-        .map_err(|e| format!("starting the converter's thread: {e}"))?
+        .map_err(ConverterFailed::Thread)?
         .join()
-        .map_err(|_| "the converter panicked".to_owned())
+        .map_err(|_| ConverterFailed::Panicked)
+}
+
+/// Why the converter did not run to its end (a process error, not a refused document).
+#[derive(Debug, thiserror::Error)]
+enum ConverterFailed {
+    #[error("starting the converter's thread: {0}")]
+    Thread(std::io::Error),
+    #[error("the converter panicked")]
+    Panicked,
+}
+
+/// Why an HTML document is refused: what `convert-html` writes on its stderr.
+#[derive(Debug, thiserror::Error)]
+pub enum HtmlRefused {
+    #[error("the HTML document cannot be read: {0}")]
+    Unreadable(std::io::Error),
+    #[error("the HTML document nests {0} elements deep; at most {MAX_HTML_DEPTH} are read")]
+    TooDeep(usize),
 }
 
 /// HTML as markdown by `htmd` (scripts, styles and the head dropped), or why not: the tree
 /// the parser built is measured before the converter, which recurses once a level, walks it.
-pub fn html_to_markdown(html: &str) -> Result<String, String> {
+pub fn html_to_markdown(html: &str) -> Result<String, HtmlRefused> {
     let converter = htmd::HtmlToMarkdown::builder().skip_tags(HTML_SKIPPED.to_vec()).build();
-    let tree = converter.html_to_tree(html).map_err(|e| format!("the HTML document cannot be read: {e}"))?;
+    let tree = converter.html_to_tree(html).map_err(HtmlRefused::Unreadable)?;
     let depth = tree_depth(&tree);
     if depth > MAX_HTML_DEPTH {
-        return Err(format!(
-            "the HTML document nests {depth} elements deep; at most {MAX_HTML_DEPTH} are read"
-        ));
+        return Err(HtmlRefused::TooDeep(depth));
     }
     Ok(converter.tree_to_markdown(&tree))
 }
@@ -753,10 +769,10 @@ mod tests {
         // A table's implied body, row and cell nest four deep for each `<table><td>`.
         let tables = format!("<html><body>{}x</body></html>", "<table><td>".repeat(600));
         assert!(nesting_depth(&tables, MAX_HTML_DEPTH) <= MAX_HTML_DEPTH, "the quick count passes it");
-        let err = html_on_a_large_stack(tables.into_bytes()).unwrap().unwrap_err();
+        let err = html_on_a_large_stack(tables.into_bytes()).unwrap().unwrap_err().to_string();
         assert!(err.contains("nests 240"), "{err}");
         let deep = format!("<html><body>{}</body></html>", "<span/>".repeat(5_000));
-        let err = html_on_a_large_stack(deep.into_bytes()).unwrap().unwrap_err();
+        let err = html_on_a_large_stack(deep.into_bytes()).unwrap().unwrap_err().to_string();
         assert!(err.contains("nests 5001"), "{err}");
         // As deep as is taken converts (on the converter's own large stack).
         let ok = format!("<html><body>{}x</body></html>", "<span>".repeat(MAX_HTML_DEPTH - 2));

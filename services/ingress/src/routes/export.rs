@@ -41,8 +41,12 @@ pub async fn export(
     ApiPath(id): ApiPath<SessionId>,
     ApiQuery(params): ApiQuery<ExportParams>,
 ) -> Result<Response, ApiError> {
-    let format: ExportFormat =
-        params.format.as_deref().unwrap_or("turnlog").parse().map_err(ApiError::bad_request)?;
+    let format: ExportFormat = params
+        .format
+        .as_deref()
+        .unwrap_or("turnlog")
+        .parse::<ExportFormat>()
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
     let body = export::session(&app.pool, caller.as_str(), id, format)
         .await?
         .ok_or_else(ApiError::session_not_found)?;

@@ -178,7 +178,7 @@ pub async fn import(
 }
 
 fn parse_format(s: &str) -> Result<Format, ApiError> {
-    s.parse().map_err(ApiError::bad_request)
+    s.parse::<Format>().map_err(|e| ApiError::bad_request(e.to_string()))
 }
 
 fn too_large(limit: usize) -> ApiError {

@@ -16,8 +16,8 @@ use turnlog_core::stream::{
     FailureCode, Meta, OutcomeEvent, StreamError, Text, TurnEnd, TurnEvent, TurnStatus, STOPPED_BEFORE_TEXT,
 };
 use turnlog_runtime::bus::{
-    append_and_wait, json_len, AppendRequest, CompactReply, CompactRequest, CompactStatus, Outcome,
-    MAX_EVENT_BYTES,
+    append_and_wait, json_len, AppendError, AppendRequest, CompactReply, CompactRequest, CompactStatus,
+    Outcome, MAX_EVENT_BYTES,
 };
 use turnlog_runtime::lease::Lease;
 use turnlog_runtime::read;
@@ -671,7 +671,7 @@ impl Turn<'_> {
 
     /// Appends the outcome, resending the same event id until the writer answers or the
     /// deadline passes.
-    async fn store(&self, body: &EventBody) -> Result<i64, String> {
+    async fn store(&self, body: &EventBody) -> Result<i64, NotStored> {
         let app = self.app;
         let req = AppendRequest::append(self.start.session, self.start.owner.as_str(), Uuid::now_v7(), body);
         let deadline = Instant::now() + PERSIST_TIMEOUT;
@@ -679,12 +679,21 @@ impl Turn<'_> {
             let left = deadline.saturating_duration_since(Instant::now());
             match append_and_wait(&app.bus, &app.pool, &req, left.max(Duration::from_millis(100))).await {
                 Ok(Outcome { seq: Some(seq), .. }) => return Ok(seq),
-                Ok(o) => return Err(format!("the writer refused it: {o:?}")),
-                Err(e) if Instant::now() >= deadline => return Err(e.to_string()),
+                Ok(o) => return Err(NotStored::Refused(o)),
+                Err(e) if Instant::now() >= deadline => return Err(NotStored::Unavailable(e)),
                 Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
             }
         }
     }
+}
+
+/// Why a turn's outcome is not in the log.
+#[derive(Debug, thiserror::Error)]
+enum NotStored {
+    #[error("the writer refused it: {0:?}")]
+    Refused(Outcome),
+    #[error(transparent)]
+    Unavailable(AppendError),
 }
 
 #[cfg(test)]

@@ -55,17 +55,19 @@ impl Format {
     }
 }
 
+/// A format name that is none of [`Format`]'s, shown up to 40 characters.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("format must be chatgpt, sharegpt or turnlog, not {0:?}")]
+pub struct UnknownFormat(String);
+
 impl std::str::FromStr for Format {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownFormat;
+    fn from_str(s: &str) -> Result<Self, UnknownFormat> {
         match s {
             "chatgpt" => Ok(Format::ChatGpt),
             "sharegpt" => Ok(Format::ShareGpt),
             "turnlog" => Ok(Format::Turnlog),
-            other => {
-                let shown: String = other.chars().take(40).collect();
-                Err(format!("format must be chatgpt, sharegpt or turnlog, not {shown:?}"))
-            }
+            other => Err(UnknownFormat(other.chars().take(40).collect())),
         }
     }
 }

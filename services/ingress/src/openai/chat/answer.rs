@@ -6,6 +6,7 @@ use axum::Json;
 use futures::stream::BoxStream;
 use futures::StreamExt as _;
 use serde_json::{json, Value};
+use turnlog_core::ids::SessionId;
 use turnlog_core::stream::{StreamEvent, TurnEnd, TurnEvent, TurnStatus};
 use uuid::Uuid;
 
@@ -66,16 +67,14 @@ impl Answer {
 
     /// `stop` or `length` when the turn ended with an answer (stopped ones included); else
     /// the failure's message.
-    fn finish_reason(&self) -> Result<&'static str, String> {
-        let failed = || Err(self.error.clone().unwrap_or_else(|| "the answer failed".into()));
+    fn finish_reason(&self) -> Result<&'static str, NoAnswer> {
+        let failed =
+            || Err(NoAnswer::Failed(self.error.clone().unwrap_or_else(|| "the answer failed".into())));
         let Some(end) = &self.end else { return failed() };
         match end.status {
             TurnStatus::Completed if end.hit_length() => Ok("length"),
             TurnStatus::Completed | TurnStatus::Stopped => Ok("stop"),
-            TurnStatus::Interrupted => Err(format!(
-                "the answer was interrupted; its partial text is kept in session {}",
-                end.session_id.map(|s| s.to_string()).unwrap_or_default()
-            )),
+            TurnStatus::Interrupted => Err(NoAnswer::Interrupted(end.session_id)),
             TurnStatus::Failed => failed(),
         }
     }
@@ -118,11 +117,24 @@ pub fn chunks(events: BoxStream<'static, StreamEvent>, include_usage: bool) -> R
     sse::openai(chunks)
 }
 
+/// Why a turn gives no completion: its failure's message (or that it failed, when none
+/// came), or that it was interrupted, its partial text kept in its session.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+enum NoAnswer {
+    #[error("{0}")]
+    Failed(String),
+    #[error(
+        "the answer was interrupted; its partial text is kept in session {}",
+        .0.map(|s| s.to_string()).unwrap_or_default()
+    )]
+    Interrupted(Option<SessionId>),
+}
+
 fn end_chunks(a: &Answer, include_usage: bool) -> Vec<Value> {
     let mut out = vec![match a.finish_reason() {
         Ok(reason) => a.chunk(json!({}), Some(reason)),
-        Err(message) => {
-            json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}})
+        Err(e) => {
+            json!({"error": {"message": e.to_string(), "type": "server_error", "param": null, "code": null}})
         }
     }];
     if include_usage {
@@ -140,7 +152,7 @@ pub async fn completion(mut events: BoxStream<'static, StreamEvent>) -> Result<R
     while let Some(e) = events.next().await {
         a.on(&e.event);
     }
-    let finish = a.finish_reason().map_err(|m| OaiError(ApiError::BadGateway(m)))?;
+    let finish = a.finish_reason().map_err(|e| OaiError(ApiError::BadGateway(e.to_string())))?;
     let mut message = json!({"role": "assistant", "content": a.text, "refusal": null});
     if !a.reasoning.is_empty() {
         message["reasoning_content"] = json!(a.reasoning);
