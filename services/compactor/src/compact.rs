@@ -12,7 +12,7 @@ use turnlog_core::branch::{first_own_seq, owner_of_seq, Segment};
 use turnlog_core::budget::{budget_for, history_tokens, request_size};
 use turnlog_core::compaction::{plan_compaction_shrunk, CompactionPlan};
 use turnlog_core::events::{CompactionApplied, EventBody, EventKind};
-use turnlog_core::ids::{EventId, SessionId};
+use turnlog_core::ids::{EventId, Owner, SessionId};
 use turnlog_runtime::bus::{append_and_wait, AppendError, AppendRequest, Bus, Expect, Refusal};
 use turnlog_runtime::read::{live_tail, ReadError};
 use turnlog_runtime::upstream::{UpstreamClient, UpstreamError};
@@ -119,7 +119,7 @@ impl Compactor {
     pub async fn ensure_within_budget(
         &self,
         session: SessionId,
-        owner: &str,
+        owner: &Owner,
         model: Option<&str>,
         reserve_tokens: u32,
     ) -> Result<Checked, CompactError> {
@@ -200,7 +200,7 @@ impl Compactor {
     async fn compact(
         &self,
         (session, lineage): (SessionId, &[Segment]),
-        owner: &str,
+        owner: &Owner,
         plan: &CompactionPlan,
         budget: u32,
         facts_deadline: tokio::time::Instant,

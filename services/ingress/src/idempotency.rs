@@ -2,6 +2,7 @@
 //! derived from it, so a resend names the same message, session or fork as its first try.
 
 use axum::http::HeaderMap;
+use turnlog_core::ids::Owner;
 use uuid::Uuid;
 
 use crate::error::ApiError;
@@ -22,6 +23,6 @@ pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> 
 }
 
 /// An id derived from an `Idempotency-Key` for one purpose, so a resend names the same thing.
-pub fn derived(owner: &str, purpose: &str, key: &str) -> Uuid {
+pub fn derived(owner: &Owner, purpose: &str, key: &str) -> Uuid {
     Uuid::new_v5(&IDEMPOTENCY_NS, format!("{owner}\n{purpose}\n{key}").as_bytes())
 }

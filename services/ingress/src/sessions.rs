@@ -7,7 +7,7 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use turnlog_core::events::ForkPoint;
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_runtime::bus::{partition_of, AppendRequest};
 use turnlog_runtime::read::{self, SessionRow};
 use utoipa::ToSchema;
@@ -56,7 +56,7 @@ impl From<SessionRow> for SessionView {
 
 /// The caller's session, or 404 (also when it is another owner's).
 pub async fn owned_session(app: &Ingress, caller: &Caller, id: SessionId) -> Result<SessionRow, ApiError> {
-    read::get_session(&app.pool, caller.as_str(), id).await?.ok_or_else(ApiError::session_not_found)
+    read::get_session(&app.pool, caller.owner(), id).await?.ok_or_else(ApiError::session_not_found)
 }
 
 /// The `create` of a fork of `parent` through `through`, after the checks the route can
@@ -81,7 +81,7 @@ pub async fn fork_request(
         .await
         .map_err(|_| ApiError::Unavailable("turn lease lookup timed out".into()))??;
     if running {
-        let owner = caller.as_str();
+        let owner = caller.owner();
         if let Some((user_seq, _, false)) = read::last_user_message(&app.pool, owner, parent.id).await? {
             if through > user_seq {
                 return Err(ApiError::Conflict(format!(
@@ -90,7 +90,7 @@ pub async fn fork_request(
             }
         }
     }
-    let owner = caller.as_str();
+    let owner = caller.owner();
     let id = fork_id(app, owner, parent.id, key.map(|k| (purpose, k)));
     let from = ForkPoint { session_id: parent.id, through_seq: through };
     let mut create = AppendRequest::fork(id, owner, parent.title.clone(), from);
@@ -109,7 +109,7 @@ pub async fn create_fork(
 ) -> Result<SessionRow, ApiError> {
     submit(app, create).await?;
     let id = create.session_id;
-    read::get_session(&app.pool, caller.as_str(), id)
+    read::get_session(&app.pool, caller.owner(), id)
         .await?
         .ok_or_else(|| ApiError::internal(anyhow::anyhow!("fork {id} committed but not readable")))
 }
@@ -117,7 +117,7 @@ pub async fn create_fork(
 /// A fork's id: one that hashes to its parent's partition, so the writer that applies the
 /// parent applies the fork (DESIGN §10). Drawn at random, or derived from an idempotency
 /// key with a counter; with P partitions about P draws.
-fn fork_id(app: &Ingress, owner: &str, parent: SessionId, key: Option<(&str, &str)>) -> SessionId {
+fn fork_id(app: &Ingress, owner: &Owner, parent: SessionId, key: Option<(&str, &str)>) -> SessionId {
     let partitions = app.bus.partitions;
     let target = partition_of(parent, partitions);
     (0u64..)

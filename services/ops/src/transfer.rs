@@ -82,7 +82,7 @@ fn more(unlisted: usize) {
 pub async fn export(backbone: &Backbone, owner: &Owner, format: ExportFormat) -> anyhow::Result<usize> {
     let pool = backbone.connect_reads(2).await.context("connecting to Postgres")?;
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-    let n = turnlog_runtime::export::owner(&pool, owner.as_str(), format, &mut out).await?;
+    let n = turnlog_runtime::export::owner(&pool, owner, format, &mut out).await?;
     std::io::Write::flush(&mut out).context("writing the export")?;
     Ok(n)
 }

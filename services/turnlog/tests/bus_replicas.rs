@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use turnlog_core::events::EventKind;
 
 use turnlog_core::events::{EventBody, UserMessage};
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, BusNames, CommittedEvent};
 use turnlog_runtime::lease::TurnLeases;
 use turnlog_runtime::worker::{ConsumerSettings, Delivery, HandleError, Handler, Worker};
@@ -177,13 +177,13 @@ async fn a_writer_keeps_applying_through_migrate_bus() {
     let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
     bus.ensure_topology(None).await.unwrap();
     let mut writer = TurnlogProcess::start(BIN, &env, &["writer"], &[("RUST_LOG", "info")]);
-    let session = SessionId::new();
-    let create = AppendRequest::create(session, "alice", None);
+    let (session, alice) = (SessionId::new(), Owner::parse("alice").unwrap());
+    let create = AppendRequest::create(session, &alice, None);
     let o = append_and_wait(&bus, &env.pool, &create, Duration::from_secs(30)).await.unwrap();
     assert!(o.is_applied());
     let append = |i: usize| {
         let body = EventBody::UserMessage(UserMessage { text: format!("message {i}"), ..Default::default() });
-        AppendRequest::append(session, "alice", uuid::Uuid::now_v7(), &body)
+        AppendRequest::append(session, &alice, uuid::Uuid::now_v7(), &body)
     };
     let o = append_and_wait(&bus, &env.pool, &append(0), Duration::from_secs(30)).await.unwrap();
     assert_eq!(o.seq, Some(2));

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
-use turnlog_e2e::rig::{self, filler, Rig, OWNER};
+use turnlog_e2e::rig::{self, filler, owner, Rig, OWNER};
 use turnlog_runtime::bus::{append_and_wait, AppendRequest};
 use uuid::Uuid;
 
@@ -38,7 +38,7 @@ async fn dead_rebuild_verify_and_replay_from_the_command_line() {
     rig.turn(s, "Book the venue for Ada on May 3.", &filler(10, 1)).await;
     let early = SessionId::new();
     let body = EventBody::UserMessage(UserMessage { text: "too early".into(), ..Default::default() });
-    let request = AppendRequest::append(early, OWNER, Uuid::now_v7(), &body);
+    let request = AppendRequest::append(early, &owner(OWNER), Uuid::now_v7(), &body);
     append_and_wait(&rig.bus, &rig.env.pool, &request, rig::WAIT).await.unwrap();
 
     let listed = turnlog(&rig, &["dead", "list"]).await;
@@ -50,7 +50,7 @@ async fn dead_rebuild_verify_and_replay_from_the_command_line() {
     assert!(stdout(&shown).contains(&format!("turnlog dead redrive {seq}")), "{}", stdout(&shown));
     let refused = turnlog(&rig, &["dead", "redrive", &seq, "--timeout", "5s"]).await;
     assert!(!refused.status.success(), "the session still does not exist");
-    rig.send(&AppendRequest::create(early, OWNER, None)).await;
+    rig.send(&AppendRequest::create(early, &owner(OWNER), None)).await;
     let redriven = turnlog(&rig, &["dead", "redrive", &seq]).await;
     assert!(redriven.status.success());
     assert!(stdout(&redriven).contains("committed at seq 2"), "{}", stdout(&redriven));

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus};
 use turnlog_testkit::checker::{check_log, produce, Acked};
 use turnlog_testkit::{
@@ -25,19 +25,19 @@ type Producers = Vec<(SessionId, tokio::task::JoinHandle<(usize, Vec<(uuid::Uuid
 async fn start_load(env: &TestEnv) -> (Bus, Producers) {
     let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
     bus.ensure_topology(None).await.unwrap();
-    let mut producers = Vec::new();
+    let (mut producers, alice) = (Vec::new(), Owner::parse("alice").unwrap());
     for _ in 0..SESSIONS {
         let s = SessionId::new();
         let o = append_and_wait(
             &bus,
             &env.pool,
-            &AppendRequest::create(s, "alice", None),
+            &AppendRequest::create(s, &alice, None),
             Duration::from_secs(30),
         )
         .await
         .unwrap();
         assert!(o.is_applied());
-        let task = tokio::spawn(produce(bus.clone(), env.pool.clone(), "alice".into(), s, PER_SESSION));
+        let task = tokio::spawn(produce(bus.clone(), env.pool.clone(), alice.clone(), s, PER_SESSION));
         producers.push((s, task));
     }
     // Let load flow before the fault.

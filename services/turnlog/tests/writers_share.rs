@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus};
 use turnlog_testkit::checker::{check_log, produce_while, Acked};
 use turnlog_testkit::{
@@ -83,15 +83,15 @@ impl Load {
                 sessions.push(s);
             }
         }
-        let mut producers = Vec::new();
+        let (mut producers, alice) = (Vec::new(), Owner::parse("alice").unwrap());
         for s in &sessions {
-            let create = AppendRequest::create(*s, "alice", None);
+            let create = AppendRequest::create(*s, &alice, None);
             assert!(append_and_wait(bus, &env.pool, &create, Duration::from_secs(30))
                 .await
                 .unwrap()
                 .is_applied());
             let stop = stop.clone();
-            let task = produce_while(bus.clone(), env.pool.clone(), "alice".into(), *s, move |_| {
+            let task = produce_while(bus.clone(), env.pool.clone(), alice.clone(), *s, move |_| {
                 !stop.load(Ordering::Relaxed)
             });
             producers.push((*s, tokio::spawn(task)));

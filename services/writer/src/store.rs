@@ -311,7 +311,7 @@ pub(crate) fn bind_file<'q, O>(
     match file {
         FileWrite::Put(f) => query
             .bind(f.id)
-            .bind(&f.owner)
+            .bind(f.owner.as_str())
             .bind(&f.name)
             .bind(&f.mime)
             .bind(&f.kind)

@@ -13,7 +13,7 @@ use futures::StreamExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::events::*;
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_runtime::bus::{
     append_and_wait, AppendOp, AppendRequest, Bus, CommittedEvent, DeadLetter, Expect, OutcomeStatus, Refusal,
 };
@@ -24,6 +24,10 @@ use turnlog_writer::WriterConfig;
 use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(10);
+
+fn owner(name: &str) -> Owner {
+    Owner::parse(name).unwrap()
+}
 
 struct Harness {
     env: TestEnv,
@@ -49,7 +53,7 @@ impl Harness {
 
     async fn create(&self, owner: &str) -> SessionId {
         let id = SessionId::new();
-        let o = self.send(&AppendRequest::create(id, owner, None)).await;
+        let o = self.send(&AppendRequest::create(id, &Owner::parse(owner).unwrap(), None)).await;
         assert_eq!((o.status, o.seq), (OutcomeStatus::Committed, Some(1)));
         id
     }
@@ -60,7 +64,7 @@ impl Harness {
 
     async fn user(&self, session: SessionId, owner: &str, text: &str) -> turnlog_runtime::bus::Outcome {
         let body = EventBody::UserMessage(UserMessage { text: text.into(), ..Default::default() });
-        self.send(&AppendRequest::append(session, owner, Uuid::now_v7(), &body)).await
+        self.send(&AppendRequest::append(session, &Owner::parse(owner).unwrap(), Uuid::now_v7(), &body)).await
     }
 
     async fn seqs(&self, session: SessionId) -> Vec<(i64, String)> {
@@ -125,7 +129,7 @@ async fn concurrent_producers_get_gapless_ordered_seqs() {
             for i in 0..per_producer {
                 let body =
                     EventBody::UserMessage(UserMessage { text: format!("p{p}-{i}"), ..Default::default() });
-                let req = AppendRequest::append(session, "alice", Uuid::now_v7(), &body);
+                let req = AppendRequest::append(session, &owner("alice"), Uuid::now_v7(), &body);
                 let o = append_and_wait(&bus, &pool, &req, WAIT).await.unwrap();
                 assert_eq!(o.status, OutcomeStatus::Committed);
                 seqs.push(o.seq.unwrap());
@@ -184,7 +188,7 @@ async fn same_request_id_twice_is_one_event_with_one_seq() {
     let h = Harness::start().await;
     let s = h.create("alice").await;
     let body = EventBody::UserMessage(UserMessage { text: "once".into(), ..Default::default() });
-    let req = AppendRequest::append(s, "alice", Uuid::now_v7(), &body);
+    let req = AppendRequest::append(s, &owner("alice"), Uuid::now_v7(), &body);
     let (a, b) = tokio::join!(h.send(&req), h.send(&req));
     assert_eq!(a.seq, b.seq);
     assert!(a.is_applied() && b.is_applied());
@@ -201,7 +205,7 @@ async fn same_request_id_twice_is_one_event_with_one_seq() {
     let s2 = h.create("alice").await;
     let ten_minutes_ago = (chrono::Utc::now() - chrono::TimeDelta::minutes(10)).timestamp() as u64;
     let old_id = Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, ten_minutes_ago, 0));
-    let old = AppendRequest::append(s2, "alice", old_id, &body);
+    let old = AppendRequest::append(s2, &owner("alice"), old_id, &body);
     assert!(h.send(&old).await.is_applied());
     repeat_then_append(&h, s2, &old).await;
     h.stop().await;
@@ -233,7 +237,7 @@ async fn racing_compactions_with_the_same_expectation_apply_once() {
             replaces_through_seq: through,
             facts_extracted: vec![],
         });
-        AppendRequest::append(s, "alice", Uuid::now_v7(), &body)
+        AppendRequest::append(s, &owner("alice"), Uuid::now_v7(), &body)
             .with_expect(Some(Expect { compacted_through: None }))
     };
     let (c4, c5) = (compaction(4), compaction(5));
@@ -253,7 +257,7 @@ async fn racing_compactions_with_the_same_expectation_apply_once() {
     .await
     .unwrap();
     assert_eq!(n, 1);
-    let tail = read::live_tail(&h.env.pool, "alice", s).await.unwrap().unwrap();
+    let tail = read::live_tail(&h.env.pool, &owner("alice"), s).await.unwrap().unwrap();
     assert!(tail.state.compacted_through.is_some());
     assert!(tail
         .events
@@ -275,7 +279,7 @@ async fn poison_requests_are_dead_lettered_and_do_not_block() {
     let valid = |text: &str| {
         AppendRequest::append(
             s,
-            "alice",
+            &owner("alice"),
             Uuid::now_v7(),
             &EventBody::UserMessage(UserMessage { text: text.into(), ..Default::default() }),
         )
@@ -292,7 +296,7 @@ async fn poison_requests_are_dead_lettered_and_do_not_block() {
     let huge = valid(&"x".repeat(800 * 1024));
     let unknown_session = AppendRequest::append(
         SessionId::new(),
-        "alice",
+        &owner("alice"),
         Uuid::now_v7(),
         &EventBody::UserMessage(UserMessage::default()),
     );
@@ -346,10 +350,10 @@ async fn delete_removes_rows_memories_and_stream_messages_of_that_session_only()
             memories: vec![ExtractedMemory { id: Uuid::now_v7(), text: "likes Zanzibar".into() }],
             error: None,
         });
-        h.send(&AppendRequest::append(s, "alice", Uuid::now_v7(), &memory)).await;
+        h.send(&AppendRequest::append(s, &owner("alice"), Uuid::now_v7(), &memory)).await;
         let mut bad = AppendRequest::append(
             s,
-            "alice",
+            &owner("alice"),
             Uuid::now_v7(),
             &EventBody::UserMessage(UserMessage::default()),
         );
@@ -357,7 +361,7 @@ async fn delete_removes_rows_memories_and_stream_messages_of_that_session_only()
         h.bus.publish_append(&bad, None).await.unwrap();
     }
     h.user(kept, "alice", "sync").await;
-    let o = h.send(&AppendRequest::delete(doomed, "alice")).await;
+    let o = h.send(&AppendRequest::delete(doomed, &owner("alice"))).await;
     assert_eq!(o.status, OutcomeStatus::Committed);
 
     let count = |sql: &'static str, s: SessionId| {
@@ -407,11 +411,11 @@ async fn a_delete_ahead_of_a_queue_of_requests_skips_none_of_them() {
     // The delete, then a queue the writer reads only after it has purged the session. (A
     // purge by subject on nats-server before 2.9.15 moved the writer's consumer past all
     // of them.)
-    bus.publish_append(&AppendRequest::delete(doomed, "alice"), None).await.unwrap();
+    bus.publish_append(&AppendRequest::delete(doomed, &owner("alice")), None).await.unwrap();
     let mut acks = Vec::new();
     for i in 0..2_000 {
         let body = EventBody::UserMessage(UserMessage { text: format!("q{i}"), ..Default::default() });
-        let req = AppendRequest::append(kept, "alice", Uuid::now_v7(), &body);
+        let req = AppendRequest::append(kept, &owner("alice"), Uuid::now_v7(), &body);
         let msg = async_nats::jetstream::message::PublishMessage::build()
             .payload(Bytes::from(serde_json::to_vec(&req).unwrap()))
             .message_id(req.request_id.to_string());
@@ -498,7 +502,7 @@ async fn a_writer_whose_position_moved_steps_down_and_resumes_from_the_new_posit
             text: format!("owned by the other writer {i}"),
             ..Default::default()
         });
-        let req = AppendRequest::append(s, "alice", Uuid::now_v7(), &body);
+        let req = AppendRequest::append(s, &owner("alice"), Uuid::now_v7(), &body);
         h.bus.publish_append(&req, None).await.unwrap();
         skipped.push(req.request_id);
     }
@@ -550,7 +554,7 @@ async fn the_writer_merges_full_text_pending_lists_outside_its_commits() {
         .map(|i| {
             let text = format!("note {i}: the Lisbon figures for quarter {} look fine", i % 4);
             let body = EventBody::UserMessage(UserMessage { text, ..Default::default() });
-            AppendRequest::append(s, "alice", Uuid::now_v7(), &body)
+            AppendRequest::append(s, &owner("alice"), Uuid::now_v7(), &body)
         })
         .collect();
     for o in futures::future::join_all(requests.iter().map(|r| h.send(r))).await {
@@ -562,7 +566,7 @@ async fn the_writer_merges_full_text_pending_lists_outside_its_commits() {
     };
     eventually(WAIT, || async { (indexed().await == 300 && pending_pages().await == 0).then_some(()) }).await;
     let query = ListQuery { limit: 10, q: Some("Lisbon".into()), archived: false, before: None };
-    let (found, _) = read::list_sessions(pool, "alice", &query).await.unwrap();
+    let (found, _) = read::list_sessions(pool, &owner("alice"), &query).await.unwrap();
     assert_eq!(found.iter().map(|f| f.id).collect::<Vec<_>>(), vec![s]);
     h.stop().await;
 }
@@ -576,19 +580,19 @@ async fn updates_set_title_archive_and_category() {
         category: Some("code".into()),
         ..Default::default()
     });
-    h.send(&AppendRequest::append(s, "alice", Uuid::now_v7(), &body)).await;
-    let u = AppendRequest::update(s, "alice").with_title_if_empty(Some("First title".into()));
+    h.send(&AppendRequest::append(s, &owner("alice"), Uuid::now_v7(), &body)).await;
+    let u = AppendRequest::update(s, &owner("alice")).with_title_if_empty(Some("First title".into()));
     h.send(&u).await;
-    let u = AppendRequest::update(s, "alice")
+    let u = AppendRequest::update(s, &owner("alice"))
         .with_title_if_empty(Some("Ignored".into()))
         .with_archived(Some(true));
     h.send(&u).await;
-    let got = read::get_session(&h.env.pool, "alice", s).await.unwrap().unwrap();
+    let got = read::get_session(&h.env.pool, &owner("alice"), s).await.unwrap().unwrap();
     assert_eq!(
         (got.title.as_deref(), got.archived, got.last_category.as_deref()),
         (Some("First title"), true, Some("code"))
     );
-    assert!(read::get_session(&h.env.pool, "bob", s).await.unwrap().is_none(), "owner-scoped");
+    assert!(read::get_session(&h.env.pool, &owner("bob"), s).await.unwrap().is_none(), "owner-scoped");
     h.stop().await;
 }
 
@@ -613,18 +617,18 @@ async fn an_imported_message_sets_active_at_to_its_original_time() {
         imported: from("m2", "2023-03-01T10:00:05Z").map(Box::new),
         ..Default::default()
     });
-    let o = h.send(&AppendRequest::append(imported, "alice", Uuid::now_v7(), &question)).await;
+    let o = h.send(&AppendRequest::append(imported, &owner("alice"), Uuid::now_v7(), &question)).await;
     assert_eq!(o.status, OutcomeStatus::Committed);
-    let row = read::get_session(&h.env.pool, "alice", imported).await.unwrap().unwrap();
+    let row = read::get_session(&h.env.pool, &owner("alice"), imported).await.unwrap().unwrap();
     assert_eq!(row.active_at, at("2023-03-01T10:00:00Z"));
-    let o = h.send(&AppendRequest::append(imported, "alice", Uuid::now_v7(), &answer)).await;
+    let o = h.send(&AppendRequest::append(imported, &owner("alice"), Uuid::now_v7(), &answer)).await;
     assert_eq!(o.status, OutcomeStatus::Committed);
     // The memory worker's extraction from the imported answer.
     let extracted = EventBody::MemoryExtracted(MemoryExtracted { turn_seq: 3, ..Default::default() });
-    let o = h.send(&AppendRequest::append(imported, "alice", Uuid::now_v7(), &extracted)).await;
+    let o = h.send(&AppendRequest::append(imported, &owner("alice"), Uuid::now_v7(), &extracted)).await;
     assert_eq!((o.status, o.seq), (OutcomeStatus::Committed, Some(4)));
 
-    let row = read::get_session(&h.env.pool, "alice", imported).await.unwrap().unwrap();
+    let row = read::get_session(&h.env.pool, &owner("alice"), imported).await.unwrap().unwrap();
     assert_eq!(row.active_at, at("2023-03-01T10:00:05Z"), "each message sets it, nothing else");
     let newest: chrono::DateTime<chrono::Utc> =
         sqlx::query_scalar("SELECT max(created_at) FROM session_events WHERE session_id = $1")
@@ -637,14 +641,14 @@ async fn an_imported_message_sets_active_at_to_its_original_time() {
     // Listed by its original time: after the session created before it.
     let list = || async {
         let q = ListQuery { limit: 10, ..Default::default() };
-        let (page, _) = read::list_sessions(&h.env.pool, "alice", &q).await.unwrap();
+        let (page, _) = read::list_sessions(&h.env.pool, &owner("alice"), &q).await.unwrap();
         page.iter().map(|s| s.id).collect::<Vec<_>>()
     };
     assert_eq!(list().await, [live, imported]);
 
     // A live message makes it active at the stream time again.
     h.user(imported, "alice", "a new question").await;
-    let row = read::get_session(&h.env.pool, "alice", imported).await.unwrap().unwrap();
+    let row = read::get_session(&h.env.pool, &owner("alice"), imported).await.unwrap().unwrap();
     assert!(row.updated_at > newest);
     assert_eq!(row.active_at, row.updated_at);
     assert_eq!(list().await, [imported, live]);
@@ -659,7 +663,7 @@ async fn paging_over_tied_timestamps_loses_and_repeats_nothing() {
     let mut ids = Vec::new();
     for _ in 0..500 {
         let id = SessionId::new();
-        h.bus.publish_append(&AppendRequest::create(id, "alice", None), None).await.unwrap();
+        h.bus.publish_append(&AppendRequest::create(id, &owner("alice"), None), None).await.unwrap();
         ids.push(id);
     }
     h.create("alice").await;
@@ -672,7 +676,7 @@ async fn paging_over_tied_timestamps_loses_and_repeats_nothing() {
     let mut cursor: Option<Cursor> = None;
     loop {
         let q = ListQuery { limit: 37, before: cursor, ..Default::default() };
-        let (page, next) = read::list_sessions(&h.env.pool, "alice", &q).await.unwrap();
+        let (page, next) = read::list_sessions(&h.env.pool, &owner("alice"), &q).await.unwrap();
         seen.extend(page.iter().map(|s| s.id));
         match next {
             Some(c) => {
@@ -723,12 +727,12 @@ async fn turn_lease_is_exclusive_compare_and_set_and_expires() {
 async fn a_raw_repeat_never_replaces_the_first_outcome() {
     let h = Harness::start().await;
     let s = SessionId::new();
-    let create = AppendRequest::create(s, "alice", Some("first".into()));
+    let create = AppendRequest::create(s, &owner("alice"), Some("first".into()));
     assert_eq!(h.send(&create).await.status, OutcomeStatus::Committed);
-    let update = AppendRequest::update(s, "alice").with_title(Some("one".into()));
+    let update = AppendRequest::update(s, &owner("alice")).with_title(Some("one".into()));
     assert_eq!(h.send(&update).await.status, OutcomeStatus::Committed);
     let body = EventBody::UserMessage(UserMessage { text: "guarded".into(), ..Default::default() });
-    let guarded = AppendRequest::append(s, "alice", Uuid::now_v7(), &body)
+    let guarded = AppendRequest::append(s, &owner("alice"), Uuid::now_v7(), &body)
         .with_expect(Some(Expect { compacted_through: Some(5) }));
     let rejected = h.send(&guarded).await;
     assert_eq!(rejected.reason.as_deref(), Some("expect_failed"));
@@ -800,7 +804,7 @@ async fn a_delete_removes_only_messages_up_to_itself_and_moves_no_consumer() {
         h.user(s, "alice", "first life").await;
         let mut bad = AppendRequest::append(
             s,
-            "alice",
+            &owner("alice"),
             Uuid::now_v7(),
             &EventBody::UserMessage(UserMessage::default()),
         );
@@ -830,14 +834,17 @@ async fn a_delete_removes_only_messages_up_to_itself_and_moves_no_consumer() {
     let Harness { env, bus, shutdown, writer } = h;
     shutdown.cancel();
     writer.await.unwrap().unwrap();
-    let delete = bus.publish_append(&AppendRequest::delete(doomed, "alice"), None).await.unwrap().sequence;
-    let again = AppendRequest::create(doomed, "alice", Some("second life".into()));
+    let delete =
+        bus.publish_append(&AppendRequest::delete(doomed, &owner("alice")), None).await.unwrap().sequence;
+    let again = AppendRequest::create(doomed, &owner("alice"), Some("second life".into()));
     bus.publish_append(&again, None).await.unwrap();
     let second = EventBody::UserMessage(UserMessage { text: "second life".into(), ..Default::default() });
-    let second = AppendRequest::append(doomed, "alice", Uuid::now_v7(), &second);
+    let second = AppendRequest::append(doomed, &owner("alice"), Uuid::now_v7(), &second);
     bus.publish_append(&second, None).await.unwrap();
     let later = EventBody::UserMessage(UserMessage { text: "later".into(), ..Default::default() });
-    bus.publish_append(&AppendRequest::append(kept, "alice", Uuid::now_v7(), &later), None).await.unwrap();
+    bus.publish_append(&AppendRequest::append(kept, &owner("alice"), Uuid::now_v7(), &later), None)
+        .await
+        .unwrap();
     let (shutdown, writer) = spawn_writer(&env);
     let h = Harness { env, bus, shutdown, writer };
     let pool = h.env.pool.clone();
@@ -920,11 +927,11 @@ async fn a_create_resent_after_its_session_was_deleted_is_answered_session_delet
     // Ids derived from a key, as the ingress derives them from an Idempotency-Key.
     let key = Uuid::now_v7();
     let id = SessionId(Uuid::new_v5(&key, b"chat"));
-    let mut create = AppendRequest::create(id, "alice", None);
+    let mut create = AppendRequest::create(id, &owner("alice"), None);
     create.request_id = Uuid::new_v5(&key, b"create");
     assert_eq!(h.send(&create).await.status, OutcomeStatus::Committed);
     let message = h.user(id, "alice", "hello").await;
-    assert_eq!(h.send(&AppendRequest::delete(id, "alice")).await.status, OutcomeStatus::Committed);
+    assert_eq!(h.send(&AppendRequest::delete(id, &owner("alice"))).await.status, OutcomeStatus::Committed);
 
     let started = std::time::Instant::now();
     let again = h.send(&create).await;
@@ -933,7 +940,7 @@ async fn a_create_resent_after_its_session_was_deleted_is_answered_session_delet
         (OutcomeStatus::Rejected, None, Some(turnlog_runtime::bus::SESSION_DELETED))
     );
     assert!(started.elapsed() < Duration::from_secs(5), "answered after {:?}", started.elapsed());
-    assert!(read::get_session(&h.env.pool, "alice", id).await.unwrap().is_none(), "nothing written");
+    assert!(read::get_session(&h.env.pool, &owner("alice"), id).await.unwrap().is_none(), "nothing written");
     let recorded = turnlog_runtime::read::recorded_outcome(&h.env.pool, create.request_id).await.unwrap();
     assert!(recorded.is_none(), "an answer, not a write: the database stays a function of the APPEND stream");
     assert!(message.is_applied());
@@ -1008,7 +1015,7 @@ async fn deleting_200_sessions_scans_by_index_and_never_stalls_a_steady_appender
                         text: format!("steady {i}"),
                         ..Default::default()
                     });
-                    let req = AppendRequest::append(steady, "alice", Uuid::now_v7(), &body);
+                    let req = AppendRequest::append(steady, &owner("alice"), Uuid::now_v7(), &body);
                     let t = std::time::Instant::now();
                     assert!(append_and_wait(&bus, &pool, &req, WAIT).await.unwrap().is_applied());
                     (t, t.elapsed())
@@ -1055,7 +1062,8 @@ async fn deleting_200_sessions_scans_by_index_and_never_stalls_a_steady_appender
     let mut deletes = Vec::new();
     for s in doomed.drain(..) {
         let t = std::time::Instant::now();
-        let o = append_and_wait(&h.bus, pool, &AppendRequest::delete(s, "alice"), WAIT).await.unwrap();
+        let o =
+            append_and_wait(&h.bus, pool, &AppendRequest::delete(s, &owner("alice")), WAIT).await.unwrap();
         assert_eq!(o.status, OutcomeStatus::Committed);
         deletes.push((t, t.elapsed()));
     }

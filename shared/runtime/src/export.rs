@@ -7,7 +7,7 @@ use std::io::Write;
 use chrono::{DateTime, Utc};
 use serde_json::{json, Value};
 use sqlx::PgPool;
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_core::import::turnlog::VERSION;
 use turnlog_core::ui_transcript::{ui_transcript, ItemKind, TranscriptItem};
 use uuid::Uuid;
@@ -57,7 +57,7 @@ impl std::str::FromStr for ExportFormat {
 /// holds every branch); the others its branch log, as the user sees it.
 pub async fn session(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     id: SessionId,
     format: ExportFormat,
 ) -> Result<Option<Vec<u8>>, ReadError> {
@@ -84,7 +84,7 @@ pub async fn session(
 /// Returns how many sessions it wrote.
 pub async fn owner(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     format: ExportFormat,
     out: &mut impl Write,
 ) -> Result<usize, ReadError> {
@@ -93,7 +93,7 @@ pub async fn owner(
         let roots: Vec<(Uuid,)> = sqlx::query_as(
             "SELECT id FROM sessions WHERE owner = $1 AND forked_from IS NULL ORDER BY created_at, id",
         )
-        .bind(owner)
+        .bind(owner.as_str())
         .fetch_all(pool)
         .await?;
         for (root,) in roots {
@@ -106,7 +106,7 @@ pub async fn owner(
     let ids: Vec<(Uuid,)> = sqlx::query_as(
         "SELECT id FROM sessions WHERE owner = $1 AND hidden_seq IS NULL ORDER BY created_at, id",
     )
-    .bind(owner)
+    .bind(owner.as_str())
     .fetch_all(pool)
     .await?;
     if format == ExportFormat::ShareGpt {
@@ -141,14 +141,19 @@ fn io(e: std::io::Error) -> ReadError {
 /// The family of `root` in turnlog lines: each session (a parent before its forks) as a
 /// header line and its own events. A session deleted while forks inherit its prefix is
 /// written with `deleted: true` and that prefix, so an import rebuilds the same family.
-async fn family(pool: &PgPool, owner: &str, root: SessionId, out: &mut Vec<u8>) -> Result<usize, ReadError> {
+async fn family(
+    pool: &PgPool,
+    owner: &Owner,
+    root: SessionId,
+    out: &mut Vec<u8>,
+) -> Result<usize, ReadError> {
     let sessions: Vec<SessionRow> = sqlx::query_as(&format!(
         "SELECT {SESSION_COLUMNS} FROM sessions
           WHERE owner = $2 AND (id = $1 OR lineage && ARRAY[$1]::uuid[])
           ORDER BY cardinality(lineage), created_at, id"
     ))
     .bind(root.0)
-    .bind(owner)
+    .bind(owner.as_str())
     .fetch_all(pool)
     .await?;
     for s in &sessions {

@@ -4,6 +4,7 @@
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
+use turnlog_core::ids::Owner;
 use uuid::Uuid;
 
 /// Longest file name kept (longer ones are cut at upload).
@@ -79,7 +80,8 @@ impl FileMeta {
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
 pub struct FileRow {
     pub id: Uuid,
-    pub owner: String,
+    #[sqlx(try_from = "String")]
+    pub owner: Owner,
     pub name: String,
     pub mime: String,
     pub kind: String,
@@ -96,10 +98,10 @@ pub struct FileRow {
 }
 
 impl FileRow {
-    pub fn new(id: Uuid, owner: &str, meta: &FileMeta, at: DateTime<Utc>) -> Self {
+    pub fn new(id: Uuid, owner: &Owner, meta: &FileMeta, at: DateTime<Utc>) -> Self {
         Self {
             id,
-            owner: owner.to_owned(),
+            owner: owner.clone(),
             name: meta.name.clone(),
             mime: meta.mime.clone(),
             kind: meta.kind.as_str().to_owned(),
@@ -126,21 +128,21 @@ pub const FILE_COLUMNS: &str =
                                 sent_mime, created_at, deleted_at, swept_at";
 
 /// The owner's file `id`, deleted or not; None when it is another owner's or unknown.
-pub async fn owned_file(pool: &PgPool, owner: &str, id: Uuid) -> Result<Option<FileRow>, sqlx::Error> {
+pub async fn owned_file(pool: &PgPool, owner: &Owner, id: Uuid) -> Result<Option<FileRow>, sqlx::Error> {
     sqlx::query_as(&format!("SELECT {FILE_COLUMNS} FROM files WHERE id = $1 AND owner = $2"))
         .bind(id)
-        .bind(owner)
+        .bind(owner.as_str())
         .fetch_optional(pool)
         .await
 }
 
 /// Those of `ids` that are the owner's live (not deleted) files.
-pub async fn live_files(pool: &PgPool, owner: &str, ids: &[Uuid]) -> Result<Vec<FileRow>, sqlx::Error> {
+pub async fn live_files(pool: &PgPool, owner: &Owner, ids: &[Uuid]) -> Result<Vec<FileRow>, sqlx::Error> {
     sqlx::query_as(&format!(
         "SELECT {FILE_COLUMNS} FROM files WHERE id = ANY($1) AND owner = $2 AND deleted_at IS NULL"
     ))
     .bind(ids)
-    .bind(owner)
+    .bind(owner.as_str())
     .fetch_all(pool)
     .await
 }
@@ -148,14 +150,14 @@ pub async fn live_files(pool: &PgPool, owner: &str, ids: &[Uuid]) -> Result<Vec<
 /// The owner's live file of these bytes, if any (the newest).
 pub async fn live_by_sha256(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     sha256: &str,
 ) -> Result<Option<FileRow>, sqlx::Error> {
     sqlx::query_as(&format!(
         "SELECT {FILE_COLUMNS} FROM files WHERE owner = $1 AND sha256 = $2 AND deleted_at IS NULL
           ORDER BY created_at DESC LIMIT 1"
     ))
-    .bind(owner)
+    .bind(owner.as_str())
     .bind(sha256)
     .fetch_optional(pool)
     .await
@@ -164,7 +166,7 @@ pub async fn live_by_sha256(
 /// The owner's live files, newest first; `before` pages on (created_at, id).
 pub async fn list_files(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     before: Option<(DateTime<Utc>, Uuid)>,
     limit: i64,
 ) -> Result<Vec<FileRow>, sqlx::Error> {
@@ -175,7 +177,7 @@ pub async fn list_files(
             AND ($2::timestamptz IS NULL OR (created_at, id) < ($2, $3))
           ORDER BY created_at DESC, id DESC LIMIT $4"
     ))
-    .bind(owner)
+    .bind(owner.as_str())
     .bind(at)
     .bind(id)
     .bind(limit)

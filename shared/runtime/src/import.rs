@@ -304,7 +304,7 @@ impl Importer {
         }
         for (s, p) in c.sessions.iter().zip(&placed) {
             if s.deleted && !p.hidden {
-                let mut delete = AppendRequest::delete(p.id, self.owner.as_str());
+                let mut delete = AppendRequest::delete(p.id, &self.owner);
                 delete.request_id = name(&format!("{}\ndelete", p.id));
                 self.send(&delete).await.map_err(reject)?;
             }
@@ -316,7 +316,7 @@ impl Importer {
     /// to be a start of the plan) before anything is appended: a conversation changed or
     /// deleted since it was imported fails whole.
     async fn targets(&self, c: &Conversation) -> Result<Vec<Target>, NotImported> {
-        let owner = self.owner.as_str();
+        let owner = &self.owner;
         let mut targets: Vec<Target> = Vec::with_capacity(c.sessions.len());
         for (i, s) in c.sessions.iter().enumerate() {
             let parent = s.fork.map(|f| &targets[f.parent]);
@@ -361,7 +361,7 @@ impl Importer {
         index: &HashMap<SessionId, usize>,
         done: &mut Done,
     ) -> Result<Placed, NotImported> {
-        let owner = self.owner.as_str();
+        let owner = &self.owner;
         let Target { id, existing } = target;
         // Its branch log: the planned seqs it reads from each ancestor, and the target seq
         // of each planned one (an ancestor's from the ancestor).
@@ -490,7 +490,7 @@ fn name(text: &str) -> Uuid {
 }
 
 /// An imported event's id: from the owner, its session and its id in the export.
-fn event_id(owner: &str, session: SessionId, source_id: &str) -> Uuid {
+fn event_id(owner: &Owner, session: SessionId, source_id: &str) -> Uuid {
     name(&format!("{owner}\n{session}\n{source_id}"))
 }
 
@@ -573,11 +573,11 @@ struct Existing {
     events: HashMap<Uuid, i64>,
 }
 
-async fn existing(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<Existing>, sqlx::Error> {
+async fn existing(pool: &PgPool, owner: &Owner, id: SessionId) -> Result<Option<Existing>, sqlx::Error> {
     let row: Option<(bool,)> =
         sqlx::query_as("SELECT hidden_seq IS NOT NULL FROM sessions WHERE id = $1 AND owner = $2")
             .bind(id.0)
-            .bind(owner)
+            .bind(owner.as_str())
             .fetch_optional(pool)
             .await?;
     let Some((hidden,)) = row else { return Ok(None) };

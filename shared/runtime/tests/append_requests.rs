@@ -4,7 +4,7 @@
 
 use serde_json::{json, Value};
 use turnlog_core::events::{EventKind, ForkPoint};
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_runtime::bus::{AppendOp, AppendRequest, Expect, RequestKind};
 use turnlog_runtime::files::{FileKind, FileMeta};
 use uuid::Uuid;
@@ -18,7 +18,9 @@ fn id(n: u128) -> Uuid {
     Uuid::from_u128(0x0190_0000_0000_7000_8000_0000_0000_0000 | n)
 }
 
-const OWNER: &str = "alice";
+fn owner() -> Owner {
+    Owner::parse("alice").expect("a valid owner")
+}
 
 fn session() -> SessionId {
     SessionId(id(1))
@@ -54,42 +56,42 @@ fn numbered(n: u128, r: AppendRequest) -> AppendRequest {
 /// The recorded requests as the constructors make them now, in the fixture's order.
 fn expected() -> Vec<AppendRequest> {
     let (s, file) = (session(), id(3));
-    let append = |kind, payload| AppendRequest::append_payload(s, OWNER, id(0), kind, payload);
+    let append = |kind, payload| AppendRequest::append_payload(s, &owner(), id(0), kind, payload);
     let with_kind = |r: AppendRequest, kind| match r.op {
         AppendOp::Append { payload, expect, .. } => {
             AppendRequest { op: AppendOp::Append { kind, payload, expect }, ..r }
         }
         _ => r,
     };
-    let mut no_metadata = AppendRequest::file_put(file, OWNER, &meta(false));
+    let mut no_metadata = AppendRequest::file_put(file, &owner(), &meta(false));
     no_metadata.op = AppendOp::FilePut { payload: Value::Null };
     let compaction = json!({"summary": "so far", "replaces_through_seq": 4});
     let future = append(EventKind::UserMessage, json!({"x": [1, 2.5, null, true]}));
     [
-        AppendRequest::create(s, OWNER, None),
-        AppendRequest::create(s, OWNER, Some("A title".into()))
+        AppendRequest::create(s, &owner(), None),
+        AppendRequest::create(s, &owner(), Some("A title".into()))
             .with_metadata(Some(json!({"topic": "lisbon", "tier": "gold"}))),
-        AppendRequest::fork(s, OWNER, Some("Forked".into()), parent(7))
+        AppendRequest::fork(s, &owner(), Some("Forked".into()), parent(7))
             .with_metadata(Some(json!({"topic": "porto"}))),
-        AppendRequest::fork(s, OWNER, None, parent(1)),
+        AppendRequest::fork(s, &owner(), None, parent(1)),
         append(EventKind::UserMessage, greeting()),
         append(EventKind::CompactionApplied, compaction)
             .with_expect(Some(Expect { compacted_through: None })),
         append(EventKind::UserMessage, greeting()).with_expect(Some(Expect { compacted_through: Some(5) })),
         with_kind(future, RequestKind::Unknown("a_future_kind".into())),
-        AppendRequest::update(s, OWNER),
-        AppendRequest::update(s, OWNER)
+        AppendRequest::update(s, &owner()),
+        AppendRequest::update(s, &owner())
             .with_title(Some("Renamed".into()))
             .with_archived(Some(true))
             .with_title_if_empty(Some("Named by the distiller".into()))
             .with_metadata(Some(json!({}))),
-        AppendRequest::update(s, OWNER).with_archived(Some(false)),
-        AppendRequest::delete(s, OWNER),
-        AppendRequest::file_put(file, OWNER, &meta(true)),
-        AppendRequest::file_put(file, OWNER, &meta(false)),
+        AppendRequest::update(s, &owner()).with_archived(Some(false)),
+        AppendRequest::delete(s, &owner()),
+        AppendRequest::file_put(file, &owner(), &meta(true)),
+        AppendRequest::file_put(file, &owner(), &meta(false)),
         no_metadata,
-        AppendRequest::file_delete(file, OWNER),
-        AppendRequest::file_swept(file, OWNER),
+        AppendRequest::file_delete(file, &owner()),
+        AppendRequest::file_swept(file, &owner()),
     ]
     .into_iter()
     .zip(101..)
@@ -116,18 +118,19 @@ fn fields_an_op_does_not_use_are_ignored() {
     let stray = Some("stray title".to_owned());
     let (s, file) = (session(), id(3));
     let expected = [
-        AppendRequest::fork(s, OWNER, stray.clone(), parent(2)).with_metadata(Some(json!({"stray": "yes"}))),
-        AppendRequest::append_payload(s, OWNER, id(0), EventKind::UserMessage, greeting())
+        AppendRequest::fork(s, &owner(), stray.clone(), parent(2))
+            .with_metadata(Some(json!({"stray": "yes"}))),
+        AppendRequest::append_payload(s, &owner(), id(0), EventKind::UserMessage, greeting())
             .with_expect(Some(Expect { compacted_through: Some(3) })),
-        AppendRequest::update(s, OWNER)
+        AppendRequest::update(s, &owner())
             .with_title(stray)
             .with_archived(Some(true))
             .with_title_if_empty(Some("stray title_if_empty".into()))
             .with_metadata(Some(json!({"stray": "yes"}))),
-        AppendRequest::delete(s, OWNER),
-        AppendRequest::file_put(file, OWNER, &meta(false)),
-        AppendRequest::file_delete(file, OWNER),
-        AppendRequest::file_swept(file, OWNER),
+        AppendRequest::delete(s, &owner()),
+        AppendRequest::file_put(file, &owner(), &meta(false)),
+        AppendRequest::file_delete(file, &owner()),
+        AppendRequest::file_swept(file, &owner()),
     ];
     let lines: Vec<&str> = EVERY_FIELD.lines().collect();
     assert_eq!(lines.len(), expected.len());
@@ -141,7 +144,7 @@ fn fields_an_op_does_not_use_are_ignored() {
 fn a_request_missing_what_its_op_needs_does_not_decode() {
     let append = serde_json::to_value(AppendRequest::append_payload(
         session(),
-        OWNER,
+        &owner(),
         id(0),
         EventKind::UserMessage,
         greeting(),

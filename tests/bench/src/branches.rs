@@ -11,7 +11,7 @@ use anyhow::Context as _;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::audit::{rebuild_from_log, system_prompt_record, turn_body, RecordedRequest};
 use turnlog_core::events::{AssistantTurn, Event, EventBody, ForkPoint};
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_core::request::Extras;
 use turnlog_core::request_body::RequestParams;
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus};
@@ -20,6 +20,10 @@ use turnlog_testkit::{test_env, TestEnv};
 use uuid::Uuid;
 
 const OWNER: &str = "bench";
+
+fn owner() -> Owner {
+    Owner::parse(OWNER).expect("OWNER is a valid owner")
+}
 /// Forks timed per parent.
 const FORKS: usize = 200;
 
@@ -95,7 +99,7 @@ async fn fork_time(env: &TestEnv, bus: &Bus, parent: SessionId, through: i64) ->
     let from = ForkPoint { session_id: parent, through_seq: through };
     let started = Instant::now();
     for _ in 0..FORKS {
-        let req = AppendRequest::fork(SessionId::new(), OWNER, None, from);
+        let req = AppendRequest::fork(SessionId::new(), &owner(), None, from);
         let outcome = append_and_wait(bus, &env.pool, &req, Duration::from_secs(30)).await?;
         anyhow::ensure!(outcome.is_applied(), "fork refused: {outcome:?}");
     }
@@ -149,9 +153,10 @@ async fn rebuild_time(env: &TestEnv, session: SessionId, seq: i64) -> anyhow::Re
     let mut rebuilds = 0u32;
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(1) || rebuilds < 20 {
-        let event = read::event_at(&env.pool, OWNER, session, seq).await?.context("no answer")?.decode()?;
+        let event =
+            read::event_at(&env.pool, &owner(), session, seq).await?.context("no answer")?.decode()?;
         let recorded = event.body.recorded_request().context("no request")?;
-        let events = read::tail_through(&env.pool, OWNER, session, recorded.through_seq)
+        let events = read::tail_through(&env.pool, &owner(), session, recorded.through_seq)
             .await?
             .context("no session")?;
         let body = rebuild_from_log(&events, recorded, None)?;
@@ -168,7 +173,7 @@ async fn tail_time(env: &TestEnv, session: SessionId) -> anyhow::Result<(Duratio
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(1) || reads < 20 {
         let tail =
-            read::live_tail(&env.pool, OWNER, session).await?.ok_or_else(|| anyhow::anyhow!("no tail"))?;
+            read::live_tail(&env.pool, &owner(), session).await?.ok_or_else(|| anyhow::anyhow!("no tail"))?;
         events = tail.events.len();
         reads += 1;
     }
@@ -225,7 +230,7 @@ pub(crate) async fn run() -> anyhow::Result<Figures> {
     // An audited answer at the end of a 10,000-event session (compacted at 10,000).
     let audited = SessionId::new();
     let last = store(&env, audited, &[], 10_000).await?;
-    let tail = read::live_tail(&env.pool, OWNER, audited).await?.context("no tail")?;
+    let tail = read::live_tail(&env.pool, &owner(), audited).await?.context("no tail")?;
     let answer = answer_with_request(&env, audited, &tail.events, last).await?;
     let rebuild = rebuild_time(&env, audited, answer).await?;
     println!(

@@ -19,7 +19,7 @@ use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::AppendRequest;
 use uuid::Uuid;
 
-use crate::writer::{message, sessions_on, OWNER};
+use crate::writer::{message, owner, sessions_on};
 
 /// Appends per configuration.
 const APPENDS: usize = 60_000;
@@ -156,7 +156,7 @@ async fn applied_load(
             let mut acks = futures::stream::FuturesUnordered::new();
             for i in 0..n {
                 let session = mine[i % mine.len()];
-                let req = AppendRequest::append(session, OWNER, Uuid::now_v7(), &message(i));
+                let req = AppendRequest::append(session, &owner(), Uuid::now_v7(), &message(i));
                 let subject = bus.names.append_subject(bus.partition_of(session), session);
                 let msg = async_nats::jetstream::message::PublishMessage::build()
                     .payload(Bytes::from(serde_json::to_vec(&req)?))

@@ -12,12 +12,17 @@ use bytes::Bytes;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::events::{EventBody, UserMessage};
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_runtime::bus::{append_and_wait, append_message, AppendRequest, Bus};
 use turnlog_testkit::{test_env, TestEnv};
 use uuid::Uuid;
 
 pub(crate) const OWNER: &str = "bench";
+
+/// [`OWNER`], as the requests name it.
+pub(crate) fn owner() -> Owner {
+    Owner::parse(OWNER).expect("OWNER is a valid owner")
+}
 
 pub(crate) fn message(i: usize) -> EventBody {
     EventBody::UserMessage(UserMessage {
@@ -62,7 +67,7 @@ impl Rig {
 /// Creates `n` sessions through the writer.
 pub(crate) async fn sessions_on(bus: &Bus, env: &TestEnv, n: usize) -> anyhow::Result<Vec<SessionId>> {
     let ids: Vec<SessionId> = (0..n).map(|_| SessionId::new()).collect();
-    let reqs: Vec<AppendRequest> = ids.iter().map(|id| AppendRequest::create(*id, OWNER, None)).collect();
+    let reqs: Vec<AppendRequest> = ids.iter().map(|id| AppendRequest::create(*id, &owner(), None)).collect();
     let futs = reqs.iter().map(|r| append_and_wait(bus, &env.pool, r, Duration::from_secs(30)));
     for o in futures::future::join_all(futs).await {
         anyhow::ensure!(o?.is_applied(), "session create failed");
@@ -103,7 +108,7 @@ pub(crate) async fn end_to_end_traced(
             while answered < per_producer {
                 while sent < per_producer && sent - answered < WINDOW {
                     let session = mine[sent % mine.len()];
-                    let req = AppendRequest::append(session, OWNER, Uuid::now_v7(), &message(sent));
+                    let req = AppendRequest::append(session, &owner(), Uuid::now_v7(), &message(sent));
                     let subject = bus.names.append_subject(bus.partition_of(session), session);
                     let traceparent = traced
                         .then(|| turnlog_runtime::trace::traceparent(&tracing::info_span!("bench.append")))
@@ -153,7 +158,7 @@ pub(crate) async fn latency_at(
         let (bus, pool, hist) = (rig.bus.clone(), rig.env.pool.clone(), hist.clone());
         let session = sessions[i % sessions.len()];
         tasks.push(tokio::spawn(async move {
-            let req = AppendRequest::append(session, OWNER, Uuid::now_v7(), &message(i));
+            let req = AppendRequest::append(session, &owner(), Uuid::now_v7(), &message(i));
             let t = Instant::now();
             let o = append_and_wait(&bus, &pool, &req, Duration::from_secs(10)).await?;
             anyhow::ensure!(o.is_applied(), "append rejected");
@@ -179,7 +184,7 @@ async fn drain(rig: &mut Rig, sessions: &[SessionId], total: usize) -> anyhow::R
     let mut last = 0u64;
     for i in 0..total {
         let session = sessions[i % sessions.len()];
-        let req = AppendRequest::append(session, OWNER, Uuid::now_v7(), &message(i));
+        let req = AppendRequest::append(session, &owner(), Uuid::now_v7(), &message(i));
         let subject = rig.bus.names.append_subject(0, session);
         let msg = async_nats::jetstream::message::PublishMessage::build()
             .payload(Bytes::from(serde_json::to_vec(&req)?))
@@ -338,7 +343,7 @@ async fn search_lags(
         i += 1;
         let (bus, pool) = (bus.clone(), pool.clone());
         probes.push(tokio::spawn(async move {
-            let req = AppendRequest::append(probe, OWNER, Uuid::now_v7(), &message(i));
+            let req = AppendRequest::append(probe, &owner(), Uuid::now_v7(), &message(i));
             let outcome = append_and_wait(&bus, &pool, &req, Duration::from_secs(30)).await?;
             let seq = outcome.seq.context("probe not committed")?;
             let committed = Instant::now();

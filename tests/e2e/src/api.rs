@@ -9,7 +9,7 @@ use futures::StreamExt as _;
 use reqwest::Method;
 use serde_json::Value;
 use turnlog_core::events::EventBody;
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_dev::{ServiceConfigs, Stack};
 use turnlog_ingress::turn::TurnLimits;
 use turnlog_ingress::ApiTokens;
@@ -388,7 +388,7 @@ impl Api {
 
     /// Appends an event as a producer would (the tool runner, the workers).
     pub async fn append(&self, session: SessionId, owner: &str, body: &EventBody) -> i64 {
-        let req = AppendRequest::append(session, owner, Uuid::now_v7(), body);
+        let req = AppendRequest::append(session, &Owner::parse(owner).unwrap(), Uuid::now_v7(), body);
         let outcome = append_and_wait(&self.bus, &self.env.pool, &req, WAIT).await.unwrap();
         assert_eq!(outcome.status, OutcomeStatus::Committed, "{outcome:?}");
         outcome.seq.unwrap()

@@ -14,7 +14,7 @@ use turnlog_core::ids::{EventId, SessionId};
 use turnlog_runtime::bus::{AppendRequest, Bus, Expect};
 use uuid::Uuid;
 
-use crate::rig::OWNER;
+use crate::rig::{owner, OWNER};
 
 /// How big a history to make.
 #[derive(Debug, Clone, Copy)]
@@ -61,7 +61,7 @@ pub fn history(shape: Shape) -> History {
     let mut compacted: HashMap<SessionId, Option<i64>> = HashMap::new();
     for (i, s) in sessions.iter().enumerate() {
         let title = (i % 3 == 0).then(|| format!("Session {i} about the Lisbon office"));
-        h.push(*s, &AppendRequest::create(*s, OWNER, title));
+        h.push(*s, &AppendRequest::create(*s, &owner(OWNER), title));
         h.last_seqs.insert(*s, 1);
         compacted.insert(*s, None);
     }
@@ -92,7 +92,7 @@ impl History {
 
     /// Appends `body` with `id` as its event id; returns its seq.
     fn append(&mut self, s: SessionId, id: Uuid, body: &EventBody) -> i64 {
-        self.push(s, &AppendRequest::append(s, OWNER, id, body));
+        self.push(s, &AppendRequest::append(s, &owner(OWNER), id, body));
         let seq = self.last_seqs.get_mut(&s).expect("known session");
         *seq += 1;
         *seq
@@ -212,8 +212,8 @@ impl History {
         let turn_seq = self.append(s, Uuid::now_v7(), &EventBody::AssistantTurn(assistant));
         if turn == 0 && !i.is_multiple_of(3) {
             // The distiller's title for an untitled session, under the id it derives.
-            let mut title =
-                AppendRequest::update(s, OWNER).with_title_if_empty(Some(format!("Invoices of session {i}")));
+            let mut title = AppendRequest::update(s, &owner(OWNER))
+                .with_title_if_empty(Some(format!("Invoices of session {i}")));
             title.request_id = EventId::derived(s, turn_seq, "title").0;
             self.push(s, &title);
         }
@@ -250,7 +250,7 @@ impl History {
                     replaces_through_seq: through,
                     facts_extracted: vec![],
                 });
-                let req = AppendRequest::append(s, OWNER, Uuid::now_v7(), &body)
+                let req = AppendRequest::append(s, &owner(OWNER), Uuid::now_v7(), &body)
                     .with_expect(Some(Expect { compacted_through: previous }));
                 self.push(s, &req);
                 *self.last_seqs.get_mut(&s).expect("known session") += 1;
@@ -264,29 +264,29 @@ impl History {
         let [a, b, c, d, e, ..] = sessions else { panic!("an awkward history needs five sessions or more") };
         let (a, b, c, d, e) = (*a, *b, *c, *d, *e);
         // Title, archive and a title the user's wins over.
-        let update = AppendRequest::update(a, OWNER).with_title(Some("Renamed by the user".into()));
+        let update = AppendRequest::update(a, &owner(OWNER)).with_title(Some("Renamed by the user".into()));
         self.push(a, &update);
-        let update = AppendRequest::update(b, OWNER).with_archived(Some(true));
+        let update = AppendRequest::update(b, &owner(OWNER)).with_archived(Some(true));
         self.push(b, &update);
         // Metadata (the OpenAI surface's conversation metadata), set and replaced whole.
-        let update = AppendRequest::update(b, OWNER)
+        let update = AppendRequest::update(b, &owner(OWNER))
             .with_metadata(Some(serde_json::json!({"topic": "lisbon", "tier": "gold"})));
         self.push(b, &update);
-        let update =
-            AppendRequest::update(b, OWNER).with_metadata(Some(serde_json::json!({"topic": "porto"})));
+        let update = AppendRequest::update(b, &owner(OWNER))
+            .with_metadata(Some(serde_json::json!({"topic": "porto"})));
         self.push(b, &update);
-        let update =
-            AppendRequest::update(c, OWNER).with_title_if_empty(Some("Named by the distiller".into()));
+        let update = AppendRequest::update(c, &owner(OWNER))
+            .with_title_if_empty(Some("Named by the distiller".into()));
         self.push(c, &update);
 
         // A session made, used and deleted: its requests are purged from the stream.
         let doomed = SessionId::new();
-        self.push(doomed, &AppendRequest::create(doomed, OWNER, Some("doomed".into())));
+        self.push(doomed, &AppendRequest::create(doomed, &owner(OWNER), Some("doomed".into())));
         self.last_seqs.insert(doomed, 1);
         let mut none = HashMap::from([(doomed, None)]);
         self.turn(doomed, 99, 0, &mut none);
         self.turn(doomed, 99, 1, &mut none);
-        self.push(doomed, &AppendRequest::delete(doomed, OWNER));
+        self.push(doomed, &AppendRequest::delete(doomed, &owner(OWNER)));
         self.last_seqs.remove(&doomed);
         self.deleted = Some(doomed);
 
@@ -304,7 +304,7 @@ impl History {
         let plain = |s: SessionId, text: &str| {
             AppendRequest::append(
                 s,
-                OWNER,
+                &owner(OWNER),
                 Uuid::now_v7(),
                 &EventBody::UserMessage(UserMessage { text: text.into(), ..Default::default() }),
             )
@@ -331,7 +331,7 @@ impl History {
             replaces_through_seq: 2,
             facts_extracted: vec![],
         });
-        let stale = AppendRequest::append(e, OWNER, Uuid::now_v7(), &stale)
+        let stale = AppendRequest::append(e, &owner(OWNER), Uuid::now_v7(), &stale)
             .with_expect(Some(Expect { compacted_through: Some(999) }));
         self.rejected.push(stale.request_id);
         self.push(e, &stale);

@@ -15,7 +15,7 @@ use turnlog_core::budget::{history_tokens, request_size};
 use turnlog_core::events::{
     AssistantTurn, Block, BlockType, EventBody, LlmMessage, LlmPart, MessageContent, UiPart, UserMessage,
 };
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_mock_llm::{MockConfig, MockHandle};
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, DeadLetter, OutcomeStatus};
 use turnlog_runtime::upstream::UpstreamConfig;
@@ -25,6 +25,11 @@ use uuid::Uuid;
 use crate::config;
 
 pub const OWNER: &str = "alice";
+
+/// An owner as the requests on the bus and the reads name it: `owner(OWNER)`.
+pub fn owner(name: &str) -> Owner {
+    Owner::parse(name).unwrap()
+}
 /// The longest any wait in these suites may take before the test fails.
 pub const WAIT: Duration = Duration::from_secs(60);
 
@@ -129,14 +134,14 @@ impl Rig {
 
     pub async fn create_session(&self) -> SessionId {
         let id = SessionId::new();
-        let outcome = self.send(&AppendRequest::create(id, OWNER, None)).await;
+        let outcome = self.send(&AppendRequest::create(id, &owner(OWNER), None)).await;
         assert_eq!(outcome.status, OutcomeStatus::Committed);
         id
     }
 
     pub async fn user(&self, session: SessionId, text: &str) -> i64 {
         let body = EventBody::UserMessage(UserMessage { text: text.into(), ..Default::default() });
-        let outcome = self.send(&AppendRequest::append(session, OWNER, Uuid::now_v7(), &body)).await;
+        let outcome = self.send(&AppendRequest::append(session, &owner(OWNER), Uuid::now_v7(), &body)).await;
         outcome.seq.expect("seq")
     }
 
@@ -148,7 +153,7 @@ impl Rig {
             finish_reason: Some("stop".into()),
             ..Default::default()
         });
-        let outcome = self.send(&AppendRequest::append(session, OWNER, Uuid::now_v7(), &body)).await;
+        let outcome = self.send(&AppendRequest::append(session, &owner(OWNER), Uuid::now_v7(), &body)).await;
         outcome.seq.expect("seq")
     }
 
@@ -180,7 +185,7 @@ impl Rig {
 
     /// The session's next request size with no system prompt or extras.
     pub async fn next_request_tokens(&self, session: SessionId) -> u32 {
-        let tail = turnlog_runtime::read::live_tail(&self.env.pool, OWNER, session)
+        let tail = turnlog_runtime::read::live_tail(&self.env.pool, &owner(OWNER), session)
             .await
             .expect("live tail")
             .expect("session");

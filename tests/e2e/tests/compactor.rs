@@ -10,7 +10,7 @@ use turnlog_compactor::{CompactReply, CompactRequest, CompactStatus, CompactorCo
 use turnlog_core::events::{CompactionApplied, MemoryExtracted};
 use turnlog_core::ids::SessionId;
 use turnlog_e2e::config::{self, fast_consumer};
-use turnlog_e2e::rig::{failing_mock, filler, Rig, OWNER};
+use turnlog_e2e::rig::{failing_mock, filler, owner, Rig, OWNER};
 use turnlog_mock_llm::MockConfig;
 use turnlog_runtime::worker::ConsumerSettings;
 
@@ -316,7 +316,8 @@ async fn imported_answers_are_compacted_before_the_next_turn_without_waiting_for
             imported: Some(Box::new(imported)),
             ..Default::default()
         });
-        let request = turnlog_runtime::bus::AppendRequest::append(s, OWNER, uuid::Uuid::now_v7(), &body);
+        let request =
+            turnlog_runtime::bus::AppendRequest::append(s, &owner(OWNER), uuid::Uuid::now_v7(), &body);
         rig.send(&request).await;
     }
     rig.settle(&["compactor"]).await;

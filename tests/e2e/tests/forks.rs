@@ -15,7 +15,7 @@ use turnlog_core::events::{EventBody, ExtractedMemory, ForkPoint, MemoryExtracte
 use turnlog_core::ids::SessionId;
 use turnlog_e2e::api::{Api, Body, Options, ALICE, BOB};
 use turnlog_e2e::config;
-use turnlog_e2e::rig::{filler, Rig, OWNER};
+use turnlog_e2e::rig::{filler, owner, Rig, OWNER};
 use turnlog_mock_llm::{MockConfig, MockHandle};
 use turnlog_ops::Verdict;
 use turnlog_runtime::bus::{append_and_wait, partition_of, AppendRequest, OutcomeStatus};
@@ -278,13 +278,13 @@ async fn the_writer_refuses_forks_it_cannot_apply() {
     };
     let from = |through_seq| ForkPoint { session_id: parent, through_seq };
     let cases = [
-        (AppendRequest::fork(draw(false), "alice", None, from(1)), "wrong_partition"),
-        (AppendRequest::fork(draw(true), "alice", None, from(2)), "bad_fork_point"),
-        (AppendRequest::fork(draw(true), "bob", None, from(1)), "owner_mismatch"),
+        (AppendRequest::fork(draw(false), &owner("alice"), None, from(1)), "wrong_partition"),
+        (AppendRequest::fork(draw(true), &owner("alice"), None, from(2)), "bad_fork_point"),
+        (AppendRequest::fork(draw(true), &owner("bob"), None, from(1)), "owner_mismatch"),
         (
             AppendRequest::fork(
                 draw(true),
-                "alice",
+                &owner("alice"),
                 None,
                 ForkPoint { session_id: SessionId::new(), through_seq: 1 },
             ),
@@ -446,12 +446,17 @@ async fn compaction_memories_and_titles_work_across_a_fork_point() {
     // A fork between the parent's two compactions inherits the first one.
     let fork = fork_id(parent);
     let through = second_seq - 1;
-    rig.send(&AppendRequest::fork(fork, OWNER, None, ForkPoint { session_id: parent, through_seq: through }))
-        .await;
-    let row = read::get_session(&rig.env.pool, OWNER, fork).await.unwrap().unwrap();
+    rig.send(&AppendRequest::fork(
+        fork,
+        &owner(OWNER),
+        None,
+        ForkPoint { session_id: parent, through_seq: through },
+    ))
+    .await;
+    let row = read::get_session(&rig.env.pool, &owner(OWNER), fork).await.unwrap().unwrap();
     assert_eq!(row.compaction_seq, Some(first_seq));
     assert_eq!(row.compacted_through, first["replaces_through_seq"].as_i64());
-    let tail = read::live_tail(&rig.env.pool, OWNER, fork).await.unwrap().unwrap();
+    let tail = read::live_tail(&rig.env.pool, &owner(OWNER), fork).await.unwrap().unwrap();
     // The live tail: the inherited compaction and what follows the boundary it replaced.
     let seqs: Vec<i64> = tail.events.iter().map(|e| e.seq).collect();
     let boundary = first["replaces_through_seq"].as_i64().unwrap();

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use turnlog_core::events::{EventBody, UserMessage};
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, CommittedEvent};
 use uuid::Uuid;
 
@@ -23,7 +23,7 @@ pub type Acked = HashMap<Uuid, (SessionId, i64)>;
 pub async fn produce(
     bus: Bus,
     pool: sqlx::PgPool,
-    owner: String,
+    owner: Owner,
     session: SessionId,
     n: usize,
 ) -> (usize, Vec<(Uuid, i64)>) {
@@ -34,7 +34,7 @@ pub async fn produce(
 pub async fn produce_while(
     bus: Bus,
     pool: sqlx::PgPool,
-    owner: String,
+    owner: Owner,
     session: SessionId,
     more: impl Fn(usize) -> bool,
 ) -> (usize, Vec<(Uuid, i64)>) {

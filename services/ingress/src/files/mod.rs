@@ -16,6 +16,7 @@ use object_store::path::Path;
 use object_store::{GetOptions, ObjectStore, PutOptions, PutPayload};
 use tokio_util::sync::CancellationToken;
 use turnlog_core::events::{Document, Event, EventBody, ImageRef};
+use turnlog_core::ids::Owner;
 use turnlog_core::request_body::sha256_hex;
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::files::{self as meta, FileKind, FileMeta, FileRow};
@@ -84,12 +85,12 @@ impl Blobs {
 
     /// `<prefix>/<owner's hash>/<file id>/<part>`: keys prefixed by owner (an owner name may
     /// hold any character, so its SHA-256 stands for it).
-    fn key(&self, owner: &str, id: Uuid, part: Part) -> Path {
+    fn key(&self, owner: &Owner, id: Uuid, part: Part) -> Path {
         let owner = &sha256_hex(owner.as_bytes())[..32];
         self.prefix.clone().join(owner).join(id.to_string().as_str()).join(part.name())
     }
 
-    pub async fn put(&self, owner: &str, id: Uuid, part: Part, bytes: Bytes) -> Result<(), ApiError> {
+    pub async fn put(&self, owner: &Owner, id: Uuid, part: Part, bytes: Bytes) -> Result<(), ApiError> {
         let key = self.key(owner, id, part);
         self.store
             .put_opts(&key, PutPayload::from_bytes(bytes), PutOptions::default())
@@ -99,7 +100,7 @@ impl Blobs {
     }
 
     /// A part's bytes; None when it is not stored.
-    pub async fn get(&self, owner: &str, id: Uuid, part: Part) -> Result<Option<Bytes>, ApiError> {
+    pub async fn get(&self, owner: &Owner, id: Uuid, part: Part) -> Result<Option<Bytes>, ApiError> {
         let key = self.key(owner, id, part);
         match self.store.get_opts(&key, GetOptions::default()).await {
             Ok(got) => Ok(Some(got.bytes().await.map_err(|e| unavailable("reading a file", &e))?)),
@@ -109,7 +110,7 @@ impl Blobs {
     }
 
     /// Removes every part of a file (parts never stored are no error).
-    pub async fn delete(&self, owner: &str, id: Uuid) -> anyhow::Result<()> {
+    pub async fn delete(&self, owner: &Owner, id: Uuid) -> anyhow::Result<()> {
         let keys: Vec<object_store::Result<Path>> =
             Part::ALL.iter().map(|p| Ok(self.key(owner, id, *p))).collect();
         let mut results = self.store.delete_stream(futures::stream::iter(keys).boxed());
@@ -142,7 +143,7 @@ pub struct UploadBudget {
     /// The most one owner's bodies hold at once.
     per_owner: usize,
     /// What each owner's bodies hold now.
-    held: std::sync::Mutex<HashMap<String, usize>>,
+    held: std::sync::Mutex<HashMap<Owner, usize>>,
     /// Told when an owner's body gives its room back.
     released: tokio::sync::Notify,
 }
@@ -151,7 +152,7 @@ pub struct UploadBudget {
 #[derive(Debug)]
 pub struct UploadRoom<'a> {
     budget: &'a UploadBudget,
-    owner: String,
+    owner: Owner,
     bytes: usize,
     _permit: Option<tokio::sync::SemaphorePermit<'a>>,
 }
@@ -169,7 +170,7 @@ impl UploadBudget {
     }
 
     /// Room for `bytes` of `owner`'s: first in the owner's share, then in all.
-    pub async fn reserve(&self, owner: &str, bytes: usize) -> Result<UploadRoom<'_>, ApiError> {
+    pub async fn reserve(&self, owner: &Owner, bytes: usize) -> Result<UploadRoom<'_>, ApiError> {
         let bytes = bytes.min(self.per_owner);
         loop {
             // Listening before looking, so a release in between is not missed.
@@ -178,7 +179,7 @@ impl UploadBudget {
             released.as_mut().enable();
             {
                 let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                let mine = held.entry(owner.to_owned()).or_default();
+                let mine = held.entry(owner.clone()).or_default();
                 if *mine + bytes <= self.per_owner {
                     *mine += bytes;
                     break;
@@ -187,7 +188,7 @@ impl UploadBudget {
             released.await;
         }
         // Given back from here on, even when the wait below is dropped.
-        let mut room = UploadRoom { budget: self, owner: owner.to_owned(), bytes, _permit: None };
+        let mut room = UploadRoom { budget: self, owner: owner.clone(), bytes, _permit: None };
         let permits = u32::try_from(bytes).unwrap_or(u32::MAX);
         let permit = self
             .bytes
@@ -220,7 +221,7 @@ impl Drop for UploadRoom<'_> {
 /// stored. With `reuse`, the owner's live file of the same bytes is answered instead.
 pub async fn store(
     app: &Ingress,
-    owner: &str,
+    owner: &Owner,
     name: String,
     bytes: Bytes,
     reuse: bool,
@@ -288,7 +289,7 @@ pub async fn store(
 
 /// Stores the image of a `data:` URL (what chat front ends send) as one of the owner's
 /// files, or finds the one already stored with the same bytes; its id.
-pub async fn image_from_data_url(app: &Ingress, owner: &str, url: &str) -> Result<String, ApiError> {
+pub async fn image_from_data_url(app: &Ingress, owner: &Owner, url: &str) -> Result<String, ApiError> {
     let refused = || {
         ApiError::bad_request("an image must be a data URL (data:image/…;base64,…); turnlog fetches no URLs")
     };
@@ -328,7 +329,7 @@ fn not_yours(id: &str) -> ApiError {
 pub async fn attachments(
     pool: &sqlx::PgPool,
     blobs: Option<&Blobs>,
-    owner: &str,
+    owner: &Owner,
     images: &[String],
     documents: &[String],
 ) -> Result<(Vec<ImageRef>, Vec<Document>), ApiError> {
@@ -391,7 +392,7 @@ pub fn not_configured() -> ApiError {
 /// turn never goes out without an image that is only unreachable for a moment.
 pub async fn data_urls(
     blobs: &Blobs,
-    owner: &str,
+    owner: &Owner,
     events: &[Event],
 ) -> Result<HashMap<String, String>, ApiError> {
     let mut urls = HashMap::new();

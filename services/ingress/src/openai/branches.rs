@@ -19,7 +19,7 @@ use std::sync::Mutex;
 use chrono::{DateTime, Utc};
 use sha2::{Digest as _, Sha256};
 use turnlog_core::events::EventBody;
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_core::ui_transcript::{ui_transcript, ItemKind};
 use turnlog_runtime::read::{self, SessionRow, StoredEvent};
 
@@ -287,7 +287,7 @@ impl Chains {
     pub async fn links(
         &self,
         pool: &sqlx::PgPool,
-        owner: &str,
+        owner: &Owner,
         row: &SessionRow,
     ) -> Result<Vec<Link>, ApiError> {
         let (settled, through) = match self.lock().start(row) {

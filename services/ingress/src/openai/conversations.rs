@@ -29,9 +29,7 @@ pub fn conversation(row: &SessionRow) -> Value {
 /// The caller's conversation `id` (its `conv_` or its UUID form), or 404.
 pub async fn owned(app: &AppState, caller: &Caller, id: &str) -> Result<SessionRow, OaiError> {
     let id = parse_conversation(id)?;
-    read::get_session(&app.pool, caller.as_str(), id)
-        .await?
-        .ok_or_else(|| OaiError::not_found("conversation"))
+    read::get_session(&app.pool, caller.owner(), id).await?.ok_or_else(|| OaiError::not_found("conversation"))
 }
 
 /// Most items one request adds (OpenAI's limit).
@@ -133,7 +131,7 @@ pub async fn append_items(
     let lease = app.leases.acquire(session, &app.instance_id).await?.ok_or_else(|| {
         OaiError(crate::error::ApiError::Conflict("a response is running in this conversation".into()))
     })?;
-    let (app, owner) = (app.clone(), caller.as_str().to_owned());
+    let (app, owner) = (app.clone(), caller.owner().clone());
     let appending = tokio::spawn(async move {
         let mut added = Vec::new();
         let mut result = Ok(());
@@ -176,7 +174,7 @@ pub fn metadata_of(params: &Value) -> Result<Option<Value>, OaiError> {
 /// A conversation's items, oldest first.
 pub async fn all_items(app: &AppState, caller: &Caller, id: &str) -> Result<Vec<Value>, OaiError> {
     let row = owned(app, caller, id).await?;
-    let events = read::all_events(&app.pool, caller.as_str(), row.id)
+    let events = read::all_events(&app.pool, caller.owner(), row.id)
         .await?
         .ok_or_else(|| OaiError::not_found("conversation"))?;
     Ok(conversation_items(&events))

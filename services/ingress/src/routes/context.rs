@@ -56,7 +56,7 @@ pub async fn context(
     ApiPath(id): ApiPath<SessionId>,
 ) -> Result<Json<ContextView>, ApiError> {
     let tail =
-        read::live_tail(&app.pool, caller.as_str(), id).await?.ok_or_else(ApiError::session_not_found)?;
+        read::live_tail(&app.pool, caller.owner(), id).await?.ok_or_else(ApiError::session_not_found)?;
     let system = app.config.system_prompt.clone();
     // Memory recall and the date join the extras with the turn routes.
     let extras = Extras::default();

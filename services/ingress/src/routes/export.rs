@@ -47,7 +47,7 @@ pub async fn export(
         .unwrap_or("turnlog")
         .parse::<ExportFormat>()
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    let body = export::session(&app.pool, caller.as_str(), id, format)
+    let body = export::session(&app.pool, caller.owner(), id, format)
         .await?
         .ok_or_else(ApiError::session_not_found)?;
     let (content_type, extension) = format.media();

@@ -11,6 +11,7 @@ use axum::Json;
 use bytes::{Bytes, BytesMut};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+use turnlog_core::ids::Owner;
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::files::{self as meta, FileKind, FileRow, MAX_FILE_NAME_CHARS};
 use utoipa::{IntoParams, ToSchema};
@@ -133,11 +134,11 @@ pub async fn upload(State(app): State<AppState>, caller: Caller, req: Request) -
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
     let room = declared.unwrap_or(usize::MAX).min(limit + MULTIPART_OVERHEAD);
-    let _room = app.upload_bytes.reserve(caller.as_str(), room).await?;
+    let _room = app.upload_bytes.reserve(caller.owner(), room).await?;
     let (read_timeout, min_rate) = (app.config.upload_read_timeout, app.config.upload_min_rate);
     let body = read_upload(req, limit + MULTIPART_OVERHEAD, read_timeout, min_rate).await?;
     let (name, bytes) = file_field(body, boundary, limit).await?;
-    let row = crate::files::store(&app, caller.as_str(), name, bytes, false).await?;
+    let row = crate::files::store(&app, caller.owner(), name, bytes, false).await?;
     tracing::Span::current().record("file_id", tracing::field::display(row.id));
     Ok((StatusCode::CREATED, Json(FileView::from(row))).into_response())
 }
@@ -215,12 +216,12 @@ pub async fn list(
     }
     let before = match p.before {
         Some(id) => {
-            let f = owned(&app, caller.as_str(), id).await?;
+            let f = owned(&app, caller.owner(), id).await?;
             Some((f.created_at, f.id))
         }
         None => None,
     };
-    let mut files = meta::list_files(&app.pool, caller.as_str(), before, limit + 1).await?;
+    let mut files = meta::list_files(&app.pool, caller.owner(), before, limit + 1).await?;
     let more = files.len() as i64 > limit;
     files.truncate(limit as usize);
     let next_before = if more { files.last().map(|f| f.id) } else { None };
@@ -228,7 +229,7 @@ pub async fn list(
 }
 
 /// The owner's file `id` (deleted or not); another owner's, or none, is a 404.
-async fn owned(app: &Ingress, owner: &str, id: Uuid) -> Result<FileRow, ApiError> {
+async fn owned(app: &Ingress, owner: &Owner, id: Uuid) -> Result<FileRow, ApiError> {
     meta::owned_file(&app.pool, owner, id).await?.ok_or_else(file_not_found)
 }
 
@@ -248,7 +249,7 @@ pub async fn get(
     caller: Caller,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<Json<FileView>, ApiError> {
-    let f = owned(&app, caller.as_str(), id).await?;
+    let f = owned(&app, caller.owner(), id).await?;
     Ok(Json(f.into()))
 }
 
@@ -266,7 +267,7 @@ pub async fn content(
     caller: Caller,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<Response, ApiError> {
-    let owner = caller.as_str();
+    let owner = caller.owner();
     let f = owned(&app, owner, id).await?;
     let bytes = blobs(&app)?.get(owner, id, Part::Original).await?.ok_or_else(file_not_found)?;
     let mut response = Response::new(Body::from(bytes));
@@ -309,7 +310,7 @@ pub async fn delete(
     caller: Caller,
     ApiPath(id): ApiPath<Uuid>,
 ) -> Result<StatusCode, ApiError> {
-    let owner = caller.as_str();
+    let owner = caller.owner();
     let f = owned(&app, owner, id).await?;
     if f.deleted_at.is_none() {
         submit(&app, &AppendRequest::file_delete(id, owner)).await?;

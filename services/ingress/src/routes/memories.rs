@@ -71,6 +71,6 @@ pub async fn recall(
 ) -> Result<Json<MemoryList>, ApiError> {
     let limit = validate::limit(params.limit, DEFAULT_LIMIT, MAX_LIMIT)?;
     let q = validate::search_query(params.q)?;
-    let memories = read::recall_memories(&app.pool, caller.as_str(), q.as_deref(), limit).await?;
+    let memories = read::recall_memories(&app.pool, caller.owner(), q.as_deref(), limit).await?;
     Ok(Json(MemoryList { memories: memories.into_iter().map(MemoryView::from).collect() }))
 }

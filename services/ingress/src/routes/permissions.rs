@@ -81,7 +81,7 @@ pub async fn resolve(
             decision: body.decision.as_str().into(),
         });
         let event_id = EventId::derived(id, request_seq, "permission_resolved");
-        submit(&app, &AppendRequest::append(id, caller.as_str(), event_id.0, &event)).await?;
+        submit(&app, &AppendRequest::append(id, caller.owner(), event_id.0, &event)).await?;
     }
     // Whoever resolved first (this request, a retry of it, or a racing one) decided.
     let (seq, decided) = status(&app, &caller, id, &perm_id)
@@ -101,7 +101,7 @@ async fn status(
     id: SessionId,
     perm_id: &str,
 ) -> Result<read::PermissionStatus, ApiError> {
-    read::permission_status(&app.pool, caller.as_str(), id, perm_id)
+    read::permission_status(&app.pool, caller.owner(), id, perm_id)
         .await?
         .ok_or_else(ApiError::session_not_found)
 }

@@ -59,7 +59,7 @@ pub async fn request(
     if seq < 1 {
         return Err(ApiError::bad_request(format!("seq must be a positive integer, not {seq}")));
     }
-    let owner = caller.as_str();
+    let owner = caller.owner();
     let mut event = match read::event_at(&app.pool, owner, id, seq).await? {
         Some(stored) => stored.decode().map_err(ApiError::internal)?,
         None if read::get_session(&app.pool, owner, id).await?.is_none() => {

@@ -64,7 +64,7 @@ pub async fn search(
             .ok_or_else(|| ApiError::bad_request("cursor is not one this server gave"))?,
     };
     // One row more than asked tells whether another page follows.
-    let mut hits = read::search(&app.pool, caller.as_str(), &q, limit + 1, offset).await?;
+    let mut hits = read::search(&app.pool, caller.owner(), &q, limit + 1, offset).await?;
     let more = hits.len() as i64 > limit && offset + limit <= MAX_OFFSET;
     hits.truncate(limit as usize);
     Ok(Json(SearchPage { hits, next: more.then(|| (offset + limit).to_string()) }))

@@ -55,8 +55,8 @@ pub async fn create(
     let title = body.title.map(validate::title).transpose()?;
     let id = SessionId::new();
     tracing::Span::current().record("session_id", tracing::field::display(id));
-    submit(&app, &AppendRequest::create(id, caller.as_str(), title)).await?;
-    let session = read::get_session(&app.pool, caller.as_str(), id)
+    submit(&app, &AppendRequest::create(id, caller.owner(), title)).await?;
+    let session = read::get_session(&app.pool, caller.owner(), id)
         .await?
         .ok_or_else(|| ApiError::internal(anyhow::anyhow!("session {id} committed but not readable")))?;
     Ok((StatusCode::CREATED, Json(session.into())))
@@ -111,7 +111,7 @@ pub async fn list(
         archived: params.archived.unwrap_or(false),
         before: cursor(params.before.as_deref(), params.before_id)?,
     };
-    let (sessions, next) = read::list_sessions(&app.pool, caller.as_str(), &query).await?;
+    let (sessions, next) = read::list_sessions(&app.pool, caller.owner(), &query).await?;
     Ok(Json(SessionPage {
         sessions: sessions.into_iter().map(SessionView::from).collect(),
         next: next.map(|c| NextCursor { before: c.before_text(), before_id: c.before_id }),
@@ -195,13 +195,13 @@ pub async fn get(
         }
     };
     let session = owned_session(&app, &caller, id).await?;
-    let page = read::transcript_page(&app.pool, caller.as_str(), id, before, limit)
+    let page = read::transcript_page(&app.pool, caller.owner(), id, before, limit)
         .await?
         .ok_or_else(ApiError::session_not_found)?;
     let turn_active = tokio::time::timeout(BUS_READ_TIMEOUT, app.leases.is_held(id))
         .await
         .map_err(|_| ApiError::Unavailable("turn lease lookup timed out".into()))??;
-    let forks = read::forks_of(&app.pool, caller.as_str(), id).await?;
+    let forks = read::forks_of(&app.pool, caller.owner(), id).await?;
     Ok(Json(SessionDetail {
         session: session.into(),
         items: page.events.iter().filter_map(transcript_item).collect(),
@@ -244,7 +244,7 @@ pub async fn patch(
     }
     let title = body.title.map(validate::title).transpose()?;
     owned_session(&app, &caller, id).await?;
-    let req = AppendRequest::update(id, caller.as_str()).with_title(title).with_archived(body.archived);
+    let req = AppendRequest::update(id, caller.owner()).with_title(title).with_archived(body.archived);
     submit(&app, &req).await?;
     Ok(Json(owned_session(&app, &caller, id).await?.into()))
 }
@@ -267,7 +267,7 @@ pub async fn delete(
     ApiPath(id): ApiPath<SessionId>,
 ) -> Result<StatusCode, ApiError> {
     owned_session(&app, &caller, id).await?;
-    submit(&app, &AppendRequest::delete(id, caller.as_str())).await?;
+    submit(&app, &AppendRequest::delete(id, caller.owner())).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -333,7 +333,7 @@ pub async fn events(
         return Err(ApiError::bad_request("after must be 0 or more"));
     }
     // One row more than asked tells whether this page is the last.
-    let mut rows = read::events_page(&app.pool, caller.as_str(), id, after, limit + 1)
+    let mut rows = read::events_page(&app.pool, caller.owner(), id, after, limit + 1)
         .await?
         .ok_or_else(ApiError::session_not_found)?;
     let more = rows.len() as i64 > limit;

@@ -115,7 +115,7 @@ pub async fn send(
 ) -> Result<Response, ApiError> {
     let key = idempotency_key(&headers)?;
     let (message, edit_of) = body.split();
-    let message = turn::prepared(&app, caller.as_str(), &message).await?;
+    let message = turn::prepared(&app, caller.owner(), &message).await?;
     let session = owned_session(&app, &caller, id).await?;
     let (target, create) = match edit_of {
         None => (id, None),
@@ -158,7 +158,7 @@ pub async fn chat(
         documents: body.documents,
     };
     let key = idempotency_key(&headers)?;
-    let message = turn::prepared(&app, caller.as_str(), &message).await?;
+    let message = turn::prepared(&app, caller.owner(), &message).await?;
     let (id, create) = turn::chat_session(&app, &caller, body.session_id, key.as_deref()).await?;
     tracing::Span::current().record("session_id", tracing::field::display(id));
     let events = turn::begin_turn(&app, &caller, id, message, key, create, TurnOptions::default()).await?;

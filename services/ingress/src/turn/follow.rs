@@ -103,7 +103,7 @@ async fn outcome_from_log(
     session: SessionId,
     user_seq: i64,
 ) -> Result<TurnEnd, ApiError> {
-    let rows = read::events_page(&app.pool, caller.as_str(), session, user_seq, 10_000)
+    let rows = read::events_page(&app.pool, caller.owner(), session, user_seq, 10_000)
         .await?
         .ok_or_else(ApiError::session_not_found)?;
     // The turn's own events (to the next user message), those this build can read.

@@ -314,7 +314,7 @@ impl Turn<'_> {
     /// function an audit rebuilds it with, and recorded (`self.request`) before it is sent.
     async fn build_request(&mut self) -> Result<RequestBody, Ending> {
         let app = self.app;
-        let owner = self.start.owner.as_str();
+        let owner = &self.start.owner;
         let options = &self.start.options;
         let system = options.system.as_ref().unwrap_or(&app.config.system_prompt);
         if system.len() > MAX_SYSTEM_PROMPT_BYTES {
@@ -418,7 +418,7 @@ impl Turn<'_> {
 
     /// The session's live tail, or the turn's failure.
     async fn live_tail(&self) -> Result<read::LiveTail, Ending> {
-        match read::live_tail(&self.app.pool, self.start.owner.as_str(), self.start.session).await {
+        match read::live_tail(&self.app.pool, &self.start.owner, self.start.session).await {
             Ok(Some(tail)) => Ok(tail),
             Ok(None) => {
                 Err(Ending::Failed { code: FailureCode::NotFound, message: "the session is gone".into() })
@@ -502,7 +502,7 @@ impl Turn<'_> {
             reason: None,
             request,
         });
-        let req = AppendRequest::append(self.start.session, self.start.owner.as_str(), Uuid::now_v7(), &body);
+        let req = AppendRequest::append(self.start.session, &self.start.owner, Uuid::now_v7(), &body);
         match self.app.bus.publish_append(&req, None).await {
             Ok(_) => {
                 self.request_checkpointed = true;
@@ -673,7 +673,7 @@ impl Turn<'_> {
     /// deadline passes.
     async fn store(&self, body: &EventBody) -> Result<i64, NotStored> {
         let app = self.app;
-        let req = AppendRequest::append(self.start.session, self.start.owner.as_str(), Uuid::now_v7(), body);
+        let req = AppendRequest::append(self.start.session, &self.start.owner, Uuid::now_v7(), body);
         let deadline = Instant::now() + PERSIST_TIMEOUT;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());

@@ -6,7 +6,7 @@
 
 use futures::stream::BoxStream;
 use turnlog_core::events::{EventBody, EventKind, UserMessage};
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_runtime::bus::{AppendRequest, OutcomeStatus};
 use turnlog_runtime::read::{self, recorded_outcome, SessionRow};
 use uuid::Uuid;
@@ -37,7 +37,7 @@ pub struct NewMessage {
 /// The `user_message` a message becomes, checked: its text, names and model, its
 /// attachments resolved (each must be one of `owner`'s live files, DESIGN §12) and its
 /// size — all before anything is written, so a chat is refused before it creates a session.
-pub async fn prepared(app: &Ingress, owner: &str, m: &NewMessage) -> Result<UserMessage, ApiError> {
+pub async fn prepared(app: &Ingress, owner: &Owner, m: &NewMessage) -> Result<UserMessage, ApiError> {
     validate::text(&m.text)?;
     if m.images.len() + m.documents.len() > MAX_ATTACHMENTS {
         return Err(ApiError::bad_request(format!("at most {MAX_ATTACHMENTS} attachments")));
@@ -83,10 +83,10 @@ pub async fn chat_session(
         owned_session(app, caller, id).await?;
         return Ok((id, None));
     }
-    let id = key.map_or_else(SessionId::new, |k| SessionId(derived(caller.as_str(), "chat", k)));
-    let mut create = AppendRequest::create(id, caller.as_str(), None);
+    let id = key.map_or_else(SessionId::new, |k| SessionId(derived(caller.owner(), "chat", k)));
+    let mut create = AppendRequest::create(id, caller.owner(), None);
     if let Some(k) = key {
-        create.request_id = derived(caller.as_str(), "create", k);
+        create.request_id = derived(caller.owner(), "create", k);
     }
     Ok((id, Some(create)))
 }
@@ -129,7 +129,7 @@ pub async fn begin_turn(
 ) -> Result<BoxStream<'static, StreamEvent>, ApiError> {
     ready_for_turns(app)?;
     validate::turn_options(&options)?;
-    let owner = caller.as_str();
+    let owner = caller.owner();
     let event_id =
         key.as_deref().map_or_else(Uuid::now_v7, |k| derived(owner, &format!("message {session}"), k));
     if key.is_some() {
@@ -198,7 +198,7 @@ pub async fn edit_fork(
     edit_of: i64,
     key: Option<&str>,
 ) -> Result<AppendRequest, ApiError> {
-    let edited = read::event_at(&app.pool, caller.as_str(), session.id, edit_of).await?;
+    let edited = read::event_at(&app.pool, caller.owner(), session.id, edit_of).await?;
     if edited.is_none_or(|e| e.kind != "user_message") {
         return Err(ApiError::bad_request(format!(
             "edit_of must be the seq of a user message of this session; {edit_of} is not"
@@ -216,7 +216,7 @@ pub async fn regenerate_fork(
     of: i64,
     key: Option<&str>,
 ) -> Result<(AppendRequest, i64), ApiError> {
-    let answer = read::event_at(&app.pool, caller.as_str(), session.id, of).await?;
+    let answer = read::event_at(&app.pool, caller.owner(), session.id, of).await?;
     if answer.is_none_or(|e| e.kind != "assistant_turn") {
         return Err(ApiError::bad_request(format!(
             "of must be the seq of an answer of this session; {of} is not"
@@ -242,7 +242,7 @@ pub async fn regenerate(
     keyed: bool,
 ) -> Result<BoxStream<'static, StreamEvent>, ApiError> {
     let fork = create.session_id;
-    if keyed && read::get_session(&app.pool, caller.as_str(), fork).await?.is_some() {
+    if keyed && read::get_session(&app.pool, caller.owner(), fork).await?.is_some() {
         return resent_events(app, caller, fork, user_seq).await;
     }
     ready_for_turns(app)?;
@@ -275,7 +275,7 @@ async fn retried(
     options: TurnOptions,
 ) -> Result<BoxStream<'static, StreamEvent>, ApiError> {
     let lease = app.leases.acquire(id, &app.instance_id).await?.ok_or_else(turn_running)?;
-    let last = match read::last_user_message(&app.pool, caller.as_str(), id).await {
+    let last = match read::last_user_message(&app.pool, caller.owner(), id).await {
         Ok(Some((seq, message, false))) => (seq, message),
         Ok(found) => {
             let _ = app.leases.release(lease).await;

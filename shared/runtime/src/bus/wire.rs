@@ -265,21 +265,21 @@ impl TryFrom<WireAppendRequest<'static>> for AppendRequest {
 }
 
 impl AppendRequest {
-    fn new(op: AppendOp, session_id: SessionId, owner: &str) -> Self {
-        Self { request_id: Uuid::now_v7(), session_id, owner: owner.to_owned(), op }
+    fn new(op: AppendOp, session_id: SessionId, owner: &Owner) -> Self {
+        Self { request_id: Uuid::now_v7(), session_id, owner: owner.as_str().to_owned(), op }
     }
-    pub fn create(session_id: SessionId, owner: &str, title: Option<String>) -> Self {
+    pub fn create(session_id: SessionId, owner: &Owner, title: Option<String>) -> Self {
         Self::new(AppendOp::Create { title, forked_from: None, metadata: None }, session_id, owner)
     }
     /// A `create` of `session_id` as a fork of `from`; its id must hash to the parent's
     /// partition ([`partition_of`](super::partition_of)), or the writer dead-letters it.
-    pub fn fork(session_id: SessionId, owner: &str, title: Option<String>, from: ForkPoint) -> Self {
+    pub fn fork(session_id: SessionId, owner: &Owner, title: Option<String>, from: ForkPoint) -> Self {
         Self::new(AppendOp::Create { title, forked_from: Some(from), metadata: None }, session_id, owner)
     }
     /// An append of `body`, with `event_id` as the request id.
     pub fn append(
         session_id: SessionId,
-        owner: &str,
+        owner: &Owner,
         event_id: Uuid,
         body: &turnlog_core::EventBody,
     ) -> Self {
@@ -288,7 +288,7 @@ impl AppendRequest {
     /// An append of a payload as it is (an import's: fields this build does not know kept).
     pub fn append_payload(
         session_id: SessionId,
-        owner: &str,
+        owner: &Owner,
         event_id: Uuid,
         kind: EventKind,
         payload: Value,
@@ -297,22 +297,22 @@ impl AppendRequest {
         Self { request_id: event_id, ..Self::new(op, session_id, owner) }
     }
     /// An update that changes nothing yet: see the `with_` methods.
-    pub fn update(session_id: SessionId, owner: &str) -> Self {
+    pub fn update(session_id: SessionId, owner: &Owner) -> Self {
         let op = AppendOp::Update { title: None, archived: None, title_if_empty: None, metadata: None };
         Self::new(op, session_id, owner)
     }
-    pub fn delete(session_id: SessionId, owner: &str) -> Self {
+    pub fn delete(session_id: SessionId, owner: &Owner) -> Self {
         Self::new(AppendOp::Delete, session_id, owner)
     }
     /// A file's metadata; the file id stands in the session's place (subject and partition).
-    pub fn file_put(file: Uuid, owner: &str, meta: &crate::files::FileMeta) -> Self {
+    pub fn file_put(file: Uuid, owner: &Owner, meta: &crate::files::FileMeta) -> Self {
         let payload = serde_json::to_value(meta).unwrap_or_default();
         Self::new(AppendOp::FilePut { payload }, SessionId(file), owner)
     }
-    pub fn file_delete(file: Uuid, owner: &str) -> Self {
+    pub fn file_delete(file: Uuid, owner: &Owner) -> Self {
         Self::new(AppendOp::FileDelete, SessionId(file), owner)
     }
-    pub fn file_swept(file: Uuid, owner: &str) -> Self {
+    pub fn file_swept(file: Uuid, owner: &Owner) -> Self {
         Self::new(AppendOp::FileSwept, SessionId(file), owner)
     }
 
@@ -493,7 +493,7 @@ mod tests {
         assert_eq!(serde_json::from_value::<CommittedEvent>(old).unwrap().stream_seq, None);
 
         // A writer's dead letter names its APPEND sequence; a worker's holds an event that does.
-        let request = AppendRequest::delete(session, "alice");
+        let request = AppendRequest::delete(session, &Owner::parse("alice").unwrap());
         let writer_letter = DeadLetter {
             reason: "owner_mismatch".into(),
             detail: String::new(),
@@ -516,7 +516,7 @@ mod tests {
         let s = SessionId::new();
         let r = AppendRequest::append(
             s,
-            "alice",
+            &Owner::parse("alice").unwrap(),
             Uuid::nil(),
             &turnlog_core::EventBody::TurnFailed(turnlog_core::events::TurnFailed::default()),
         )

@@ -8,7 +8,7 @@ use uuid::Uuid;
 
 use turnlog_core::budget::CountedEvent;
 use turnlog_core::events::{DecodeError, Event, EventKind};
-use turnlog_core::ids::{EventId, SessionId};
+use turnlog_core::ids::{EventId, Owner, SessionId};
 
 use super::{get_session, ReadError, SessionRow};
 
@@ -58,7 +58,7 @@ pub struct LiveTail {
     pub counted: Vec<CountedEvent>,
 }
 
-pub async fn live_tail(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<LiveTail>, ReadError> {
+pub async fn live_tail(pool: &PgPool, owner: &Owner, id: SessionId) -> Result<Option<LiveTail>, ReadError> {
     let Some(state) = get_session(pool, owner, id).await? else { return Ok(None) };
     // The compaction itself comes after the boundary it replaces (the writer checks it),
     // so one range per segment holds the whole tail.
@@ -69,7 +69,7 @@ pub async fn live_tail(pool: &PgPool, owner: &str, id: SessionId) -> Result<Opti
           ORDER BY e.seq"
     ))
     .bind(id.0)
-    .bind(owner)
+    .bind(owner.as_str())
     .bind(state.compacted_through.unwrap_or(0))
     .fetch_all(pool)
     .await?;
@@ -80,7 +80,11 @@ pub async fn live_tail(pool: &PgPool, owner: &str, id: SessionId) -> Result<Opti
 
 /// Every event of a session, decoded. Services read pages or a live tail instead; this is
 /// for tools and tests that look at a whole log.
-pub async fn all_events(pool: &PgPool, owner: &str, id: SessionId) -> Result<Option<Vec<Event>>, ReadError> {
+pub async fn all_events(
+    pool: &PgPool,
+    owner: &Owner,
+    id: SessionId,
+) -> Result<Option<Vec<Event>>, ReadError> {
     match events_page(pool, owner, id, 0, i64::MAX).await? {
         None => Ok(None),
         Some(rows) => Ok(Some(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?)),
@@ -90,7 +94,7 @@ pub async fn all_events(pool: &PgPool, owner: &str, id: SessionId) -> Result<Opt
 /// Up to `limit` raw events after `after`, or None when the session is not the owner's.
 pub async fn events_page(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     id: SessionId,
     after: i64,
     limit: i64,
@@ -106,7 +110,7 @@ pub async fn events_page(
           ORDER BY x.seq LIMIT $4"
     ))
     .bind(id.0)
-    .bind(owner)
+    .bind(owner.as_str())
     .bind(after)
     .bind(limit)
     .fetch_all(pool)
@@ -121,7 +125,7 @@ pub async fn events_page(
 /// the owner's session).
 pub async fn event_at(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     id: SessionId,
     seq: i64,
 ) -> Result<Option<StoredEvent>, sqlx::Error> {
@@ -139,7 +143,7 @@ pub async fn event_at(
 /// a body from). None when the session is not the owner's.
 pub async fn tail_through(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     id: SessionId,
     through_seq: i64,
 ) -> Result<Option<Vec<Event>>, ReadError> {
@@ -159,7 +163,7 @@ pub async fn tail_through(
           ORDER BY e.seq"
     ))
     .bind(id.0)
-    .bind(owner)
+    .bind(owner.as_str())
     .bind(through_seq)
     .fetch_all(pool)
     .await?;

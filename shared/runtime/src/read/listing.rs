@@ -3,6 +3,7 @@
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use sqlx::{FromRow as _, PgPool, Row as _};
+use turnlog_core::ids::Owner;
 use uuid::Uuid;
 
 use super::SessionRow;
@@ -67,11 +68,11 @@ const SEARCH_SESSIONS: &str = concat!(
 /// [`list_sessions`]'s statement for `query`, its parameters bound.
 fn list_statement<'q>(
     sql: &'q str,
-    owner: &'q str,
+    owner: &'q Owner,
     query: &'q ListQuery,
 ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
     sqlx::query(sql)
-        .bind(owner)
+        .bind(owner.as_str())
         .bind(query.q.as_deref())
         .bind(query.archived)
         .bind(query.before.map(|c| c.before))
@@ -90,7 +91,7 @@ fn list_sql(query: &ListQuery) -> &'static str {
 /// Newest first by `(active_at, id)`; returns the page and the cursor of the next one.
 pub async fn list_sessions(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     query: &ListQuery,
 ) -> Result<(Vec<SessionRow>, Option<Cursor>), sqlx::Error> {
     let limit = query.limit.clamp(1, 1000);
@@ -108,7 +109,7 @@ pub async fn list_sessions(
 /// an operator, or a test, sees whether a search is served by the full-text indexes.
 pub async fn explain_list_sessions(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     query: &ListQuery,
 ) -> Result<String, sqlx::Error> {
     let sql = format!("EXPLAIN {}", list_sql(query));

@@ -4,6 +4,7 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::PgPool;
+use turnlog_core::ids::Owner;
 use uuid::Uuid;
 
 /// A long-term memory as recall returns it.
@@ -20,7 +21,7 @@ pub struct Memory {
 /// `memories_fts` index is built), newest first; without `q`, the newest.
 pub async fn recall_memories(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     q: Option<&str>,
     limit: i64,
 ) -> Result<Vec<Memory>, sqlx::Error> {
@@ -31,7 +32,7 @@ pub async fn recall_memories(
           ORDER BY created_at DESC, id DESC
           LIMIT $3",
     )
-    .bind(owner)
+    .bind(owner.as_str())
     .bind(q)
     .bind(limit.max(1))
     .fetch_all(pool)
@@ -42,7 +43,7 @@ pub async fn recall_memories(
 /// what a turn recalls into its extras.
 pub async fn recall_relevant(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     text: &str,
     limit: i64,
 ) -> Result<Vec<Memory>, sqlx::Error> {
@@ -56,7 +57,7 @@ pub async fn recall_relevant(
           ORDER BY ts_rank(to_tsvector('simple', m.text), q.q) DESC, m.created_at DESC, m.id DESC
           LIMIT $3",
     )
-    .bind(owner)
+    .bind(owner.as_str())
     .bind(text)
     .bind(limit)
     .fetch_all(pool)

@@ -4,6 +4,7 @@
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::PgPool;
+use turnlog_core::ids::Owner;
 use uuid::Uuid;
 
 /// One hit of `GET /v1/search`: a user message, an answer or a title that matches.
@@ -28,7 +29,7 @@ pub struct SearchHit {
 /// included, hidden ones are not.
 pub async fn search(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     q: &str,
     limit: i64,
     offset: i64,
@@ -59,7 +60,7 @@ pub async fn search(
           ORDER BY h.rank DESC, h.created_at DESC, h.session_id, h.seq NULLS FIRST
           LIMIT $3 OFFSET $4",
     )
-    .bind(owner)
+    .bind(owner.as_str())
     .bind(q)
     .bind(limit)
     .bind(offset)

@@ -101,14 +101,14 @@ pub const SESSION_COLUMNS: &str = session_columns!();
 /// The owner's session `id`; None when it does not exist, is another owner's or hidden.
 pub async fn get_session(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     id: SessionId,
 ) -> Result<Option<SessionRow>, sqlx::Error> {
     sqlx::query_as(&format!(
         "SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1 AND owner = $2 AND hidden_seq IS NULL"
     ))
     .bind(id.0)
-    .bind(owner)
+    .bind(owner.as_str())
     .fetch_optional(pool)
     .await
 }
@@ -123,14 +123,14 @@ pub struct ForkSummary {
 }
 
 /// The owner's live forks of session `id`, oldest first.
-pub async fn forks_of(pool: &PgPool, owner: &str, id: SessionId) -> Result<Vec<ForkSummary>, sqlx::Error> {
+pub async fn forks_of(pool: &PgPool, owner: &Owner, id: SessionId) -> Result<Vec<ForkSummary>, sqlx::Error> {
     sqlx::query_as(
         "SELECT id, title, forked_through AS through_seq, created_at FROM sessions
           WHERE forked_from = $1 AND owner = $2 AND hidden_seq IS NULL
           ORDER BY created_at, id LIMIT 1000",
     )
     .bind(id.0)
-    .bind(owner)
+    .bind(owner.as_str())
     .fetch_all(pool)
     .await
 }
@@ -138,14 +138,14 @@ pub async fn forks_of(pool: &PgPool, owner: &str, id: SessionId) -> Result<Vec<F
 /// The owner's visible sessions of the fork tree rooted at `root` (the root itself and every
 /// session whose lineage names it): the 1,000 used last, oldest first (a parent before its
 /// forks).
-pub async fn family(pool: &PgPool, owner: &str, root: SessionId) -> Result<Vec<SessionRow>, sqlx::Error> {
+pub async fn family(pool: &PgPool, owner: &Owner, root: SessionId) -> Result<Vec<SessionRow>, sqlx::Error> {
     let mut rows: Vec<SessionRow> = sqlx::query_as(&format!(
         "SELECT {SESSION_COLUMNS} FROM sessions
           WHERE owner = $2 AND hidden_seq IS NULL AND (id = $1 OR lineage && ARRAY[$1]::uuid[])
           ORDER BY active_at DESC LIMIT 1000"
     ))
     .bind(root.0)
-    .bind(owner)
+    .bind(owner.as_str())
     .fetch_all(pool)
     .await?;
     rows.sort_by_key(|r| (r.created_at, r.id.0));

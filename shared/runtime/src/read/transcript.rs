@@ -4,7 +4,7 @@
 use sqlx::PgPool;
 
 use turnlog_core::events::Event;
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 
 use super::{get_session, ReadError, StoredEvent};
 
@@ -63,7 +63,7 @@ const TRANSCRIPT_PAGE: &str = branch_sql!(
 /// older ones, or None when the session is not the owner's.
 pub async fn transcript_page(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     id: SessionId,
     before: i64,
     limit: i64,
@@ -72,7 +72,7 @@ pub async fn transcript_page(
     // One row more than asked tells whether older items exist.
     let mut rows: Vec<StoredEvent> = sqlx::query_as(TRANSCRIPT_PAGE)
         .bind(id.0)
-        .bind(owner)
+        .bind(owner.as_str())
         .bind(before)
         .bind(limit + 1)
         .fetch_all(pool)

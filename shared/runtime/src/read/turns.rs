@@ -4,7 +4,7 @@
 use sqlx::PgPool;
 
 use turnlog_core::events::{Event, EventKind};
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 
 use super::{ReadError, StoredEvent};
 
@@ -20,7 +20,7 @@ pub struct PermissionStatus {
 /// Permission request `perm_id` of the session, or None when the session is not the owner's.
 pub async fn permission_status(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     id: SessionId,
     perm_id: &str,
 ) -> Result<Option<PermissionStatus>, sqlx::Error> {
@@ -37,7 +37,7 @@ pub async fn permission_status(
           WHERE EXISTS (SELECT 1 FROM branch)"
     ))
     .bind(id.0)
-    .bind(owner)
+    .bind(owner.as_str())
     .bind(perm_id)
     .fetch_optional(pool)
     .await?;
@@ -49,7 +49,7 @@ pub async fn permission_status(
 /// what a retry runs again.
 pub async fn last_user_message(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     id: SessionId,
 ) -> Result<Option<(i64, turnlog_core::events::UserMessage, bool)>, ReadError> {
     let row: Option<(i64, serde_json::Value, bool)> = sqlx::query_as(branch_sql!(
@@ -63,7 +63,7 @@ pub async fn last_user_message(
                   ORDER BY x.seq DESC LIMIT 1) u"
     ))
     .bind(id.0)
-    .bind(owner)
+    .bind(owner.as_str())
     .fetch_optional(pool)
     .await?;
     let Some((seq, payload, answered)) = row else { return Ok(None) };
@@ -123,7 +123,7 @@ pub async fn answered_before(pool: &PgPool, session: SessionId, before: i64) -> 
 /// owner's visible session that ran it.
 pub async fn attempt_event(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     attempt_id: &str,
 ) -> Result<Option<StoredEvent>, sqlx::Error> {
     sqlx::query_as(concat!(
@@ -135,7 +135,7 @@ pub async fn attempt_event(
           ORDER BY e.seq DESC LIMIT 1"
     ))
     .bind(attempt_id)
-    .bind(owner)
+    .bind(owner.as_str())
     .fetch_optional(pool)
     .await
 }
@@ -144,7 +144,7 @@ pub async fn attempt_event(
 /// branch log that records the attempt's request (§11), if any.
 pub async fn attempt_request(
     pool: &PgPool,
-    owner: &str,
+    owner: &Owner,
     id: SessionId,
     attempt: &str,
     before: i64,
@@ -157,7 +157,7 @@ pub async fn attempt_request(
           ORDER BY e.seq LIMIT 1"
     ))
     .bind(id.0)
-    .bind(owner)
+    .bind(owner.as_str())
     .bind(attempt)
     .bind(before)
     .fetch_optional(pool)

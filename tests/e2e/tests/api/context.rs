@@ -7,6 +7,7 @@ use turnlog_core::llm_context::{llm_messages, SUMMARY_MARKER};
 use turnlog_core::request::{assemble, Extras};
 use turnlog_core::tokens::request_tokens;
 use turnlog_e2e::api::{Api, Options, ALICE};
+use turnlog_e2e::rig::owner;
 use turnlog_runtime::read;
 
 const SYSTEM: &str = "You are turnlog's careful assistant. Keep every number the user gives you.";
@@ -68,7 +69,7 @@ async fn context_after_a_compaction_starts_with_the_summary_and_counts_exactly()
     assert_eq!(r.json["extras"], serde_json::json!({}));
 
     // The same messages as projecting the whole log, and the same size as encoding it all.
-    let events = read::all_events(&api.env.pool, "alice", id).await.unwrap().unwrap();
+    let events = read::all_events(&api.env.pool, &owner("alice"), id).await.unwrap().unwrap();
     let expected = llm_messages(&events);
     assert_eq!(r.json["messages"], serde_json::to_value(&expected).unwrap());
     assert_eq!(expected.len(), 5, "summary, user 4, assistant 5, user 7, live pending 8");

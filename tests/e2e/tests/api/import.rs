@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 use turnlog_core::events::*;
 use turnlog_core::log_builder::assistant_turn;
 use turnlog_e2e::api::{Api, Body, Options, ALICE, BOB, WAIT};
+use turnlog_e2e::rig::owner;
 
 const FIXTURE: &str = include_str!("../../fixtures/chatgpt/conversations.json");
 
@@ -219,7 +220,7 @@ async fn a_turnlog_export_of_a_family_comes_back_the_same_into_an_empty_database
     let mut export = Vec::new();
     let n = turnlog_runtime::export::owner(
         &source.env.pool,
-        "alice",
+        &owner("alice"),
         turnlog_runtime::export::ExportFormat::Turnlog,
         &mut export,
     )

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_e2e::api::{Api, Options, ALICE};
+use turnlog_e2e::rig::owner;
 use turnlog_runtime::read::{self, ListQuery};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -129,7 +130,7 @@ async fn search_uses_the_full_text_indexes_and_finds_what_a_scan_would() {
 
     for q in [topic.as_str(), "2024"] {
         let query = ListQuery { limit: 50, q: Some(q.to_owned()), archived: false, before: None };
-        let plan = read::explain_list_sessions(pool, "alice", &query).await.unwrap();
+        let plan = read::explain_list_sessions(pool, &owner("alice"), &query).await.unwrap();
         assert!(
             plan.contains("search_entries_fts") && plan.contains("sessions_title_fts"),
             "search for {q:?} does not use the full-text indexes:\n{plan}"

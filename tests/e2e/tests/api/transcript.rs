@@ -10,6 +10,7 @@ use turnlog_core::ids::{EventId, SessionId};
 use turnlog_core::log_builder::{assistant_turn, permission_request, LogBuilder};
 use turnlog_core::ui_transcript::{transcript_item, ui_transcript};
 use turnlog_e2e::api::{Api, Body, ALICE};
+use turnlog_e2e::rig::owner;
 use turnlog_runtime::read;
 
 fn pending(partial: &str, attempt: Option<&str>, reason: Option<PendingReason>) -> EventBody {
@@ -87,7 +88,7 @@ fn tricky_log() -> Vec<EventBody> {
 
 /// The whole log's transcript as JSON, from the log itself.
 async fn whole_transcript(api: &Api, id: SessionId) -> Vec<Value> {
-    let events = read::all_events(&api.env.pool, "alice", id).await.unwrap().unwrap();
+    let events = read::all_events(&api.env.pool, &owner("alice"), id).await.unwrap().unwrap();
     ui_transcript(&events).iter().map(|i| serde_json::to_value(i).unwrap()).collect()
 }
 
@@ -270,7 +271,10 @@ async fn every_page_of_random_logs_is_the_slice_of_the_whole_transcript() {
         for _ in 0..6 {
             let before = 1 + rng.below(len as u64 + 3) as i64;
             let limit = 1 + rng.below(6) as usize;
-            let page = read::transcript_page(pool, "alice", id, before, limit as i64).await.unwrap().unwrap();
+            let page = read::transcript_page(pool, &owner("alice"), id, before, limit as i64)
+                .await
+                .unwrap()
+                .unwrap();
             let items: Vec<_> = page.events.iter().filter_map(transcript_item).collect();
             assert_eq!(
                 items.len(),
@@ -327,18 +331,19 @@ async fn a_forks_reads_are_its_branch_log_and_nothing_its_ancestors_added_later(
         for _ in 0..6 {
             let before = 1 + rng.below(n as u64 + 3) as i64;
             let limit = 1 + rng.below(6) as i64;
-            let page = read::transcript_page(pool, "alice", tip, before, limit).await.unwrap().unwrap();
+            let page =
+                read::transcript_page(pool, &owner("alice"), tip, before, limit).await.unwrap().unwrap();
             let items: Vec<_> = page.events.iter().filter_map(transcript_item).collect();
             let older: Vec<_> = whole.iter().filter(|i| i.seq < before).cloned().collect();
             let expected = &older[older.len().saturating_sub(limit as usize)..];
             assert_eq!(items, expected, "seed {seed}, cuts {cuts:?}, before {before}, limit {limit}");
         }
-        let all = read::all_events(pool, "alice", tip).await.unwrap().unwrap();
+        let all = read::all_events(pool, &owner("alice"), tip).await.unwrap().unwrap();
         assert_eq!(&all, events, "seed {seed}: the raw log");
-        let tail = read::live_tail(pool, "alice", tip).await.unwrap().unwrap();
+        let tail = read::live_tail(pool, &owner("alice"), tip).await.unwrap().unwrap();
         assert_eq!(&tail.events, events, "seed {seed}: the live tail");
         let last_user = events.iter().rev().find(|e| e.kind() == EventKind::UserMessage).map(|e| e.seq);
-        let found = read::last_user_message(pool, "alice", tip).await.unwrap().map(|(seq, _, _)| seq);
+        let found = read::last_user_message(pool, &owner("alice"), tip).await.unwrap().map(|(seq, _, _)| seq);
         assert_eq!(found, last_user, "seed {seed}: the last user message");
     }
 }

@@ -8,6 +8,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::ids::SessionId;
 use turnlog_e2e::api::{Api, Body, Options, ALICE, WAIT};
+use turnlog_e2e::rig::owner;
 use turnlog_runtime::bus::{append_and_wait, AppendRequest};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -52,7 +53,7 @@ async fn no_model_call_when_the_message_cannot_be_stored() {
     let config = turnlog_e2e::config::writer(&api.env);
     let writer = tokio::spawn(turnlog_writer::run(config, stop_writer.clone()));
     let id = SessionId::new();
-    let create = AppendRequest::create(id, "alice", None);
+    let create = AppendRequest::create(id, &owner("alice"), None);
     let outcome = append_and_wait(&api.bus, &api.env.pool, &create, WAIT).await.unwrap();
     assert!(outcome.is_applied(), "{outcome:?}");
     stop_writer.cancel();

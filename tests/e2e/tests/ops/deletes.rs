@@ -10,7 +10,7 @@ use futures::StreamExt as _;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::events::{EventBody, ExtractedMemory, MemoryExtracted, UserMessage};
 use turnlog_core::ids::SessionId;
-use turnlog_e2e::rig::OWNER;
+use turnlog_e2e::rig::{owner, OWNER};
 use turnlog_ops::Verdict;
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, CommittedEvent, Outcome};
 use turnlog_testkit::{eventually, test_env, TestEnv};
@@ -38,19 +38,19 @@ async fn send(bus: &Bus, env: &TestEnv, req: &AppendRequest) -> Outcome {
 
 fn user(session: SessionId, text: &str) -> AppendRequest {
     let body = EventBody::UserMessage(UserMessage { text: text.into(), ..Default::default() });
-    AppendRequest::append(session, OWNER, Uuid::now_v7(), &body)
+    AppendRequest::append(session, &owner(OWNER), Uuid::now_v7(), &body)
 }
 
 /// A first life: created, a message, a memory extracted from it.
 async fn first_life(bus: &Bus, env: &TestEnv, session: SessionId) {
-    send(bus, env, &AppendRequest::create(session, OWNER, Some("first life".into()))).await;
+    send(bus, env, &AppendRequest::create(session, &owner(OWNER), Some("first life".into()))).await;
     send(bus, env, &user(session, "first life: remember Zanzibar")).await;
     let memory = EventBody::MemoryExtracted(MemoryExtracted {
         turn_seq: 2,
         memories: vec![ExtractedMemory { id: Uuid::now_v7(), text: "likes Zanzibar".into() }],
         error: None,
     });
-    send(bus, env, &AppendRequest::append(session, OWNER, Uuid::now_v7(), &memory)).await;
+    send(bus, env, &AppendRequest::append(session, &owner(OWNER), Uuid::now_v7(), &memory)).await;
 }
 
 /// The event ids of a session's events on the feed, in feed order.
@@ -89,16 +89,16 @@ async fn a_session_deleted_and_created_again_rebuilds_as_it_is_live() {
     // `queued`: the delete and the second life wait in the stream together, so the delete's
     // removal runs with the second life's requests already behind it.
     stop_writer(writer).await;
-    bus.publish_append(&AppendRequest::delete(queued, OWNER), None).await.expect("published");
-    let queued_again = AppendRequest::create(queued, OWNER, Some("second life".into()));
+    bus.publish_append(&AppendRequest::delete(queued, &owner(OWNER)), None).await.expect("published");
+    let queued_again = AppendRequest::create(queued, &owner(OWNER), Some("second life".into()));
     let queued_message = user(queued, "second life");
     for r in [&queued_again, &queued_message] {
         bus.publish_append(r, None).await.expect("published");
     }
     let writer = start_writer(&env);
     // `live`: deleted (answered once its messages are gone), then created again at once.
-    send(&bus, &env, &AppendRequest::delete(live, OWNER)).await;
-    let live_again = AppendRequest::create(live, OWNER, Some("second life".into()));
+    send(&bus, &env, &AppendRequest::delete(live, &owner(OWNER))).await;
+    let live_again = AppendRequest::create(live, &owner(OWNER), Some("second life".into()));
     assert_eq!(send(&bus, &env, &live_again).await.seq, Some(1));
     let live_message = user(live, "second life");
     assert_eq!(send(&bus, &env, &live_message).await.seq, Some(2));

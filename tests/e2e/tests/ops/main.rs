@@ -11,7 +11,7 @@ use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::SessionId;
 use turnlog_distiller::DISTILL_MARKER;
 use turnlog_e2e::history;
-use turnlog_e2e::rig::{filler, Rig, OWNER};
+use turnlog_e2e::rig::{filler, owner, Rig, OWNER};
 use turnlog_ops::dead::{self, DeadEntry};
 use turnlog_ops::{ReplayFrom, Verdict};
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, DeadLetter, OutcomeStatus};
@@ -230,7 +230,7 @@ fn hello(session: SessionId) -> AppendRequest {
         text: "hello before the session existed".into(),
         ..Default::default()
     });
-    AppendRequest::append(session, OWNER, Uuid::now_v7(), &body)
+    AppendRequest::append(session, &owner(OWNER), Uuid::now_v7(), &body)
 }
 
 async fn dead_letters(rig: &Rig) -> Vec<DeadEntry> {
@@ -260,7 +260,7 @@ async fn a_redriven_dead_letter_commits_once_after_its_cause_is_fixed() {
     assert_eq!(dead_letters(&rig).await.len(), 2);
 
     // The cause fixed (the session now exists), the redrive commits — once.
-    let create = AppendRequest::create(early, OWNER, None);
+    let create = AppendRequest::create(early, &owner(OWNER), None);
     assert!(append_and_wait(&rig.bus, &rig.env.pool, &create, WAIT).await.unwrap().is_applied());
     let fixed = dead::redrive(&rig.bus, Some(&rig.env.pool), letter.seq, timeout).await.unwrap();
     let o = fixed.outcome.expect("an outcome");

@@ -10,7 +10,7 @@ use turnlog_core::events::{
     AssistantTurn, EventBody, ExtractedMemory, Imported, MemoryExtracted, UserMessage,
 };
 use turnlog_core::ids::SessionId;
-use turnlog_e2e::rig::{Rig, OWNER};
+use turnlog_e2e::rig::{owner, Rig, OWNER};
 use turnlog_runtime::bus::{AppendRequest, OutcomeStatus};
 use turnlog_runtime::read::recorded_outcome;
 use uuid::Uuid;
@@ -19,7 +19,7 @@ use super::dead_letters;
 
 fn message(session: SessionId, text: &str) -> AppendRequest {
     let body = EventBody::UserMessage(UserMessage { text: text.into(), ..Default::default() });
-    AppendRequest::append(session, OWNER, Uuid::now_v7(), &body)
+    AppendRequest::append(session, &owner(OWNER), Uuid::now_v7(), &body)
 }
 
 /// About `bytes` of distinct words: a text whose tsvector is larger than the text.
@@ -88,7 +88,7 @@ async fn requests_the_database_refuses_are_dead_lettered_and_never_stop_the_part
         imported: Some(Imported { source: "chatgpt".into(), id: "m1".into(), created_at: Some(ancient) }),
         ..Default::default()
     });
-    let old = AppendRequest::append(session, OWNER, Uuid::now_v7(), &imported);
+    let old = AppendRequest::append(session, &owner(OWNER), Uuid::now_v7(), &imported);
     assert!(serde_json::to_string(&old).unwrap().contains("-20000-01-01T00:00:00Z"));
     let o = rig.send(&old).await;
     assert_eq!(o.status, OutcomeStatus::Committed);
@@ -103,7 +103,7 @@ async fn requests_the_database_refuses_are_dead_lettered_and_never_stop_the_part
     // An answer whose attempt id is too large for the attempt index.
     let answer =
         EventBody::AssistantTurn(AssistantTurn { attempt_id: Some(noise(8 * 1024)), ..Default::default() });
-    let bad = AppendRequest::append(session, OWNER, Uuid::now_v7(), &answer);
+    let bad = AppendRequest::append(session, &owner(OWNER), Uuid::now_v7(), &answer);
     refused_among_others(&rig, session, bad, "index row").await;
 
     // A memory too long for the memories' full-text index.
@@ -112,7 +112,7 @@ async fn requests_the_database_refuses_are_dead_lettered_and_never_stop_the_part
         memories: vec![ExtractedMemory { id: Uuid::new_v4(), text: distinct_words(740 * 1024) }],
         error: None,
     });
-    let bad = AppendRequest::append(session, OWNER, Uuid::now_v7(), &memory);
+    let bad = AppendRequest::append(session, &owner(OWNER), Uuid::now_v7(), &memory);
     refused_among_others(&rig, session, bad, "tsvector").await;
 
     // A message of the same size is stored (the log takes it) and found by search by its

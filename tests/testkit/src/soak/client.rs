@@ -14,7 +14,7 @@ use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::{append_and_wait, AppendRequest};
 use uuid::Uuid;
 
-use super::cluster::{Cluster, OWNER};
+use super::cluster::{owner, Cluster};
 use super::report::ViolationKind;
 use super::{lock, now_s, rel, Counters, Rng, Shared};
 
@@ -721,7 +721,7 @@ pub(crate) async fn victim_turn(
     which: usize,
 ) -> Option<tokio::task::JoinHandle<()>> {
     let session = SessionId::new();
-    let create = AppendRequest::create(session, OWNER, Some("victim".to_owned()));
+    let create = AppendRequest::create(session, &owner(), Some("victim".to_owned()));
     let created = append_and_wait(&cluster.bus, &cluster.env.pool, &create, Duration::from_secs(10)).await;
     if !created.is_ok_and(|o| o.is_applied()) {
         return None;

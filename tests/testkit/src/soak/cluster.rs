@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use tokio::sync::Mutex;
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_mock_llm::{MockConfig, MockHandle};
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus};
 
@@ -20,6 +20,11 @@ use crate::{
 
 /// The owner every request runs as (the ingress runs without tokens, on loopback).
 pub(crate) const OWNER: &str = "local";
+
+/// [`OWNER`], as the requests on the bus name it.
+pub(crate) fn owner() -> Owner {
+    Owner::parse(OWNER).expect("OWNER is a valid owner")
+}
 /// The chat model's window: small, so long sessions get compacted during the soak.
 const MODEL_WINDOWS: &str = "mock=5000";
 
@@ -224,7 +229,7 @@ impl Cluster {
 /// Waits until a writer commits (it is up, migrated and holds the partition).
 async fn wait_for_writer(env: &TestEnv, bus: &Bus) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(60);
-    let create = AppendRequest::create(SessionId::new(), OWNER, Some("writer warm-up".into()));
+    let create = AppendRequest::create(SessionId::new(), &owner(), Some("writer warm-up".into()));
     loop {
         match append_and_wait(bus, &env.pool, &create, Duration::from_secs(3)).await {
             Ok(o) if o.is_applied() => return Ok(()),

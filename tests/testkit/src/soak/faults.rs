@@ -12,12 +12,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde_json::{json, Value};
 use turnlog_core::events::{EventBody, UserMessage};
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_runtime::bus::{append_and_wait, AppendRequest, CompactReply, CompactRequest};
 use uuid::Uuid;
 
 use super::client::{probe_turn, victim_turn, Client};
-use super::cluster::{Cluster, Nats, Role, OWNER};
+use super::cluster::{owner, Cluster, Nats, Role};
 use super::report::ViolationKind;
 use super::{lock, now_s, Counters, Shared};
 
@@ -128,7 +128,7 @@ impl Probes {
         let mut ids = Vec::new();
         for i in 0..6 {
             let id = SessionId::new();
-            let create = AppendRequest::create(id, OWNER, Some(format!("probe {i}")));
+            let create = AppendRequest::create(id, &owner(), Some(format!("probe {i}")));
             let o =
                 append_and_wait(&cluster.bus, &cluster.env.pool, &create, Duration::from_secs(30)).await?;
             anyhow::ensure!(o.is_applied(), "probe session refused: {o:?}");
@@ -479,7 +479,7 @@ async fn probe_writer(
     let n = shared.elapsed();
     let body =
         EventBody::UserMessage(UserMessage { text: format!("writer probe at {n:.1}"), ..Default::default() });
-    let req = AppendRequest::append(SessionId(session), OWNER, Uuid::now_v7(), &body);
+    let req = AppendRequest::append(SessionId(session), &owner(), Uuid::now_v7(), &body);
     loop {
         if let Ok(o) = append_and_wait(&cluster.bus, &cluster.env.pool, &req, Duration::from_secs(2)).await {
             if let (true, Some(seq)) = (o.is_applied(), o.seq) {
@@ -510,7 +510,7 @@ async fn write_outage(cluster: &Cluster, shared: &Shared, session: Uuid, killed:
             text: format!("outage probe {n} at {:.1}", shared.elapsed()),
             ..Default::default()
         });
-        let req = AppendRequest::append(SessionId(session), OWNER, Uuid::now_v7(), &body);
+        let req = AppendRequest::append(SessionId(session), &owner(), Uuid::now_v7(), &body);
         loop {
             match append_and_wait(&cluster.bus, &cluster.env.pool, &req, Duration::from_secs(2)).await {
                 Ok(o) if o.is_applied() => {
@@ -605,7 +605,7 @@ async fn probe_compactor(cluster: &Cluster, session: Uuid, healed: Instant, cap:
     let bus = &cluster.bus;
     let request = CompactRequest {
         session_id: SessionId(session),
-        owner: turnlog_core::ids::Owner::parse(OWNER).ok()?,
+        owner: owner(),
         model: Some("mock".into()),
         reserve_tokens: 0,
     };
@@ -660,7 +660,7 @@ async fn poison(cluster: &Cluster, shared: &Arc<Shared>) {
     let live: Vec<Uuid> = lock(&shared.sessions).iter().rev().take(4).copied().collect();
     let target = |i: usize| SessionId(live.get(i % live.len().max(1)).copied().unwrap_or_else(Uuid::now_v7));
     let user = |text: String| EventBody::UserMessage(UserMessage { text, ..Default::default() });
-    let request = |session: SessionId, owner: &str, text: &str| {
+    let request = |session: SessionId, owner: &Owner, text: &str| {
         AppendRequest::append(session, owner, Uuid::now_v7(), &user(text.to_owned()))
     };
     let edit = |req: AppendRequest, field: &str, value: Value| {
@@ -672,13 +672,13 @@ async fn poison(cluster: &Cluster, shared: &Arc<Shared>) {
         |req: AppendRequest| (req.session_id, req.request_id, serde_json::to_vec(&req).unwrap_or_default());
     let cases: Vec<(SessionId, Uuid, Vec<u8>)> = vec![
         (target(0), Uuid::now_v7(), b"{not json".to_vec()),
-        edit(request(target(1), OWNER, "poison: unknown op"), "op", json!("frobnicate")),
-        edit(request(target(2), OWNER, "poison: unknown kind"), "kind", json!("no_such_kind")),
-        edit(request(target(3), OWNER, "poison: bad payload"), "payload", json!({"text": 5})),
-        whole(request(SessionId::new(), OWNER, "poison: unknown session")),
-        whole(request(target(0), "mallory", "poison: foreign owner")),
-        whole(request(target(1), OWNER, "poison: a\u{0}b")),
-        whole(request(target(2), OWNER, &"p".repeat(800 * 1024))),
+        edit(request(target(1), &owner(), "poison: unknown op"), "op", json!("frobnicate")),
+        edit(request(target(2), &owner(), "poison: unknown kind"), "kind", json!("no_such_kind")),
+        edit(request(target(3), &owner(), "poison: bad payload"), "payload", json!({"text": 5})),
+        whole(request(SessionId::new(), &owner(), "poison: unknown session")),
+        whole(request(target(0), &Owner::parse("mallory").expect("a valid owner"), "poison: foreign owner")),
+        whole(request(target(1), &owner(), "poison: a\u{0}b")),
+        whole(request(target(2), &owner(), &"p".repeat(800 * 1024))),
     ];
     for (session, id, body) in cases {
         let msg_id = id.to_string();

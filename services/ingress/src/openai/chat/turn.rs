@@ -51,10 +51,10 @@ pub async fn reconcile(
     let t0 = Instant::now();
     let request = request_messages(conversation.messages.iter().map(|(u, t)| (*u, t.as_str())));
     let (root, named) = family_root(app, caller, family).await?;
-    let rows = read::family(&app.pool, caller.as_str(), root).await?;
+    let rows = read::family(&app.pool, caller.owner(), root).await?;
     let mut branches = Vec::with_capacity(rows.len());
     for row in rows {
-        let links = app.chains.links(&app.pool, caller.as_str(), &row).await?;
+        let links = app.chains.links(&app.pool, caller.owner(), &row).await?;
         branches.push(Branch { named: Some(row.id) == named, row, links });
     }
     let took = t0.elapsed();
@@ -82,19 +82,19 @@ async fn family_root(
     value: &str,
 ) -> Result<(SessionId, Option<SessionId>), OaiError> {
     if let Ok(id) = Uuid::parse_str(value) {
-        if let Some(row) = read::get_session(&app.pool, caller.as_str(), SessionId(id)).await? {
+        if let Some(row) = read::get_session(&app.pool, caller.owner(), SessionId(id)).await? {
             let root = row.lineage.first().copied().map_or(row.id, SessionId);
             return Ok((root, Some(row.id)));
         }
     }
-    let root = SessionId(derived(caller.as_str(), "chat completions session", value));
+    let root = SessionId(derived(caller.owner(), "chat completions session", value));
     Ok((root, Some(root)))
 }
 
 /// The `create` of a family's first session.
 fn new_family(caller: &Caller, root: SessionId) -> AppendRequest {
-    let mut create = AppendRequest::create(root, caller.as_str(), None);
-    create.request_id = derived(caller.as_str(), "chat completions create", &root.to_string());
+    let mut create = AppendRequest::create(root, caller.owner(), None);
+    create.request_id = derived(caller.owner(), "chat completions create", &root.to_string());
     create
 }
 
@@ -134,15 +134,16 @@ pub async fn run(
                 submit(app, &create).await?;
                 create.session_id
             }
-            Target::Existing(row) => match read::last_user_message(&app.pool, caller.as_str(), row.id).await?
-            {
-                Some((seq, _, true)) => {
-                    let create = fork_request(app, caller, &row, seq, None, "chat").await?;
-                    submit(app, &create).await?;
-                    create.session_id
+            Target::Existing(row) => {
+                match read::last_user_message(&app.pool, caller.owner(), row.id).await? {
+                    Some((seq, _, true)) => {
+                        let create = fork_request(app, caller, &row, seq, None, "chat").await?;
+                        submit(app, &create).await?;
+                        create.session_id
+                    }
+                    _ => row.id,
                 }
-                _ => row.id,
-            },
+            }
         };
         return Ok((session, retry_last(app, caller, session, model, options).await?));
     };
@@ -154,7 +155,7 @@ pub async fn run(
     // The new messages' images become the owner's files (the same bytes resent on every
     // request are one file), so the log keeps references (DESIGN §12) — after every check
     // that needs no file, so a refused request stores none.
-    let owner = caller.as_str();
+    let owner = caller.owner();
     let images: usize = new_images.iter().map(Vec::len).sum();
     if images > MAX_NEW_IMAGES {
         return Err(OaiError::bad_request(format!(

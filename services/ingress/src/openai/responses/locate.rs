@@ -32,14 +32,14 @@ pub async fn target(
     }
     if let Some(previous) = &req.previous_response_id {
         let attempt = parse_response(previous)?;
-        let event = read::attempt_event(&app.pool, caller.as_str(), &attempt)
+        let event = read::attempt_event(&app.pool, caller.owner(), &attempt)
             .await?
             .ok_or_else(|| OaiError::not_found("previous response"))?;
         let session = SessionId(event.session_id);
         let row = owned_session(app, caller, session)
             .await
             .map_err(|_| OaiError::not_found("previous response"))?;
-        let later = read::last_user_message(&app.pool, caller.as_str(), session).await?;
+        let later = read::last_user_message(&app.pool, caller.owner(), session).await?;
         if later.is_some_and(|(user_seq, _, _)| user_seq > event.seq) {
             let create = fork_request(app, caller, &row, event.seq, None, "response").await?;
             return Ok((create.session_id, Some(create)));
@@ -47,7 +47,7 @@ pub async fn target(
         return Ok((session, None));
     }
     let id = SessionId::new();
-    Ok((id, Some(AppendRequest::create(id, caller.as_str(), None))))
+    Ok((id, Some(AppendRequest::create(id, caller.owner(), None))))
 }
 
 /// Where a response is: running (on this copy or another), with its session and its native
@@ -66,7 +66,7 @@ pub async fn locate(app: &AppState, caller: &Caller, attempt: &str) -> Result<Lo
         owned_session(app, caller, turn.session).await.map_err(|_| not_found())?;
         return Ok(Located::Running(turn.session, follow_local(turn, 0)));
     }
-    let stored = read::attempt_event(&app.pool, caller.as_str(), attempt).await?;
+    let stored = read::attempt_event(&app.pool, caller.owner(), attempt).await?;
     if stored.as_ref().is_some_and(is_outcome) {
         return Ok(Located::Stored(stored.ok_or_else(not_found)?));
     }

@@ -8,7 +8,7 @@ use axum::Json;
 use futures::stream::BoxStream;
 use futures::StreamExt as _;
 use serde_json::{json, Value};
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{Owner, SessionId};
 use turnlog_core::stream::{StreamEvent, TurnEnd, TurnEvent};
 use turnlog_runtime::read;
 
@@ -24,7 +24,7 @@ use crate::{sse, AppState};
 /// the turn's outcome: the one read here; the rest is `Translator`'s.
 pub fn translate(
     app: AppState,
-    owner: String,
+    owner: Owner,
     events: BoxStream<'static, StreamEvent>,
     echo: Echo,
 ) -> BoxStream<'static, Value> {
@@ -48,7 +48,7 @@ pub fn translate(
 /// request's echo; None when there is none or it cannot be read.
 async fn stored_outcome(
     app: &AppState,
-    owner: &str,
+    owner: &Owner,
     session: SessionId,
     end: &TurnEnd,
     echo: &Echo,

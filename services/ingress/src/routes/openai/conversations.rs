@@ -41,8 +41,8 @@ pub async fn create(
     let metadata = metadata_of(&params)?;
     let id = SessionId::new();
     tracing::Span::current().record("session_id", tracing::field::display(id));
-    submit(&app, &AppendRequest::create(id, caller.as_str(), None).with_metadata(metadata)).await?;
-    let row = read::get_session(&app.pool, caller.as_str(), id).await?.ok_or_else(|| {
+    submit(&app, &AppendRequest::create(id, caller.owner(), None).with_metadata(metadata)).await?;
+    let row = read::get_session(&app.pool, caller.owner(), id).await?.ok_or_else(|| {
         OaiError(crate::error::ApiError::internal(anyhow::anyhow!("session {id} committed but not readable")))
     })?;
     if !items.is_empty() {
@@ -93,7 +93,7 @@ pub async fn update(
     let row = owned(&app, &caller, &id).await?;
     let params = json_body(&body)?;
     let metadata = metadata_of(&params)?.ok_or_else(|| OaiError::bad_request("metadata is required"))?;
-    submit(&app, &AppendRequest::update(row.id, caller.as_str()).with_metadata(Some(metadata))).await?;
+    submit(&app, &AppendRequest::update(row.id, caller.owner()).with_metadata(Some(metadata))).await?;
     Ok(Json(conversation(&owned(&app, &caller, &id).await?)))
 }
 
@@ -125,7 +125,7 @@ pub async fn delete(
     OaiPath(id): OaiPath<String>,
 ) -> Result<Json<Value>, OaiError> {
     let row = owned(&app, &caller, &id).await?;
-    submit(&app, &AppendRequest::delete(row.id, caller.as_str())).await?;
+    submit(&app, &AppendRequest::delete(row.id, caller.owner())).await?;
     Ok(Json(json!({"id": conversation_id(row.id), "object": "conversation.deleted", "deleted": true})))
 }
 

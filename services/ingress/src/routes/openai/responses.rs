@@ -39,7 +39,7 @@ pub async fn create(
     OaiBody(body): OaiBody,
 ) -> Result<Response, OaiError> {
     let req = CreateResponse::parse(&body)?;
-    let owner = caller.as_str().to_owned();
+    let owner = caller.owner().clone();
     if req.store == Some(false) {
         req.check_stateless()?;
         let upstream = passthrough::gateway(&app)?;
@@ -50,7 +50,7 @@ pub async fn create(
         return answer(translate(app.clone(), owner, events, echo), req.stream, false).await;
     }
     req.check_stored()?;
-    let message = turn::prepared(&app, caller.as_str(), &req.message()?).await?;
+    let message = turn::prepared(&app, caller.owner(), &req.message()?).await?;
     let (session, create) = target(&app, &caller, &req).await?;
     tracing::Span::current().record("session_id", tracing::field::display(session));
     let events = turn::begin_turn(&app, &caller, session, message, None, create, req.options()).await?;
@@ -74,7 +74,7 @@ pub async fn retrieve(
     OaiPath(id): OaiPath<String>,
     OaiQuery(params): OaiQuery<RetrieveParams>,
 ) -> Result<Response, OaiError> {
-    let owner = caller.as_str().to_owned();
+    let owner = caller.owner().clone();
     match locate(&app, &caller, &parse_response(&id)?).await? {
         Located::Running(_, events) => {
             let translated = translate(app.clone(), owner, events, Echo::default());
@@ -109,7 +109,7 @@ pub async fn cancel(
     OaiPath(id): OaiPath<String>,
 ) -> Result<Response, OaiError> {
     let attempt = parse_response(&id)?;
-    let owner = caller.as_str().to_owned();
+    let owner = caller.owner().clone();
     if let Located::Running(session, events) = locate(&app, &caller, &attempt).await? {
         match app.turns.by_attempt(&attempt) {
             Some(turn) => turn.stop(PendingReason::Stopped),
@@ -141,7 +141,7 @@ pub async fn input_items(
     caller: Caller,
     OaiPath(id): OaiPath<String>,
 ) -> Result<Json<Value>, OaiError> {
-    let owner = caller.as_str();
+    let owner = caller.owner();
     // The session, and a seq after the turn's user message.
     let (session, after_question) = match locate(&app, &caller, &parse_response(&id)?).await? {
         Located::Running(session, mut events) => {
