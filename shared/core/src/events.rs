@@ -139,6 +139,79 @@ impl FromStr for EventKind {
     }
 }
 
+/// An event kind as another build may have written it (a stored row, an append request):
+/// one this build knows, or a newer build's name, kept as it is rather than refused. Reads
+/// and writes as the name (read as a string and looked up once, not tried variant by
+/// variant as `untagged` would).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(from = "String", into = "String")]
+pub enum KindName {
+    Known(EventKind),
+    Unknown(String),
+}
+
+impl KindName {
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::Known(kind) => kind.as_str(),
+            Self::Unknown(name) => name,
+        }
+    }
+}
+
+impl From<EventKind> for KindName {
+    fn from(kind: EventKind) -> Self {
+        Self::Known(kind)
+    }
+}
+
+/// Looked up once: a name this build does not know is kept.
+impl From<String> for KindName {
+    fn from(name: String) -> Self {
+        match name.parse() {
+            Ok(kind) => Self::Known(kind),
+            Err(_) => Self::Unknown(name),
+        }
+    }
+}
+
+impl From<&str> for KindName {
+    fn from(name: &str) -> Self {
+        name.parse().map_or_else(|_| Self::Unknown(name.to_owned()), Self::Known)
+    }
+}
+
+impl From<KindName> for String {
+    fn from(kind: KindName) -> String {
+        match kind {
+            KindName::Known(kind) => kind.as_str().to_owned(),
+            KindName::Unknown(name) => name,
+        }
+    }
+}
+
+impl TryFrom<&KindName> for EventKind {
+    type Error = UnknownKind;
+    fn try_from(kind: &KindName) -> Result<Self, UnknownKind> {
+        match kind {
+            KindName::Known(kind) => Ok(*kind),
+            KindName::Unknown(name) => Err(UnknownKind(name.chars().take(64).collect())),
+        }
+    }
+}
+
+impl PartialEq<EventKind> for KindName {
+    fn eq(&self, other: &EventKind) -> bool {
+        matches!(self, Self::Known(kind) if kind == other)
+    }
+}
+
+impl fmt::Display for KindName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Longest session title, in characters (what the API accepts; an import cuts longer ones).
 pub const MAX_TITLE_CHARS: usize = 512;
 
@@ -556,6 +629,19 @@ mod tests {
             assert_eq!(serde_json::to_value(k).unwrap(), json!(k.as_str()));
         }
         assert!("user_msg".parse::<EventKind>().is_err());
+    }
+
+    #[test]
+    fn a_kind_name_keeps_a_newer_builds_kind_as_written() {
+        for k in EventKind::ALL {
+            let name = KindName::from(k.as_str());
+            assert_eq!(name, k);
+            assert_eq!(serde_json::to_value(&name).unwrap(), json!(k.as_str()));
+        }
+        let newer: KindName = serde_json::from_value(json!("tool_call")).unwrap();
+        assert_eq!(newer, KindName::Unknown("tool_call".into()));
+        assert_eq!(serde_json::to_value(&newer).unwrap(), json!("tool_call"));
+        assert!(EventKind::try_from(&newer).is_err());
     }
 
     #[test]

@@ -530,7 +530,7 @@ mod tests {
             session_id: uuid::Uuid::nil(),
             seq,
             event_id: uuid::Uuid::now_v7(),
-            kind: body.kind().as_str().to_owned(),
+            kind: body.kind().into(),
             payload: body.to_payload(),
             tokens: 0,
             created_at: Utc::now(),

@@ -297,7 +297,7 @@ impl From<StoredEvent> for EventView {
         Self {
             session_id: e.session_id,
             seq: e.seq,
-            kind: e.kind,
+            kind: e.kind.into(),
             payload: e.payload,
             created_at: e.created_at,
         }

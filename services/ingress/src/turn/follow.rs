@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use futures::stream::BoxStream;
 use futures::StreamExt;
+use turnlog_core::events::EventKind;
 use turnlog_core::ids::SessionId;
 use turnlog_core::stream::{turn_end_from_log, Meta, TurnEnd};
 use turnlog_runtime::read;
@@ -107,7 +108,10 @@ async fn outcome_from_log(
         .await?
         .ok_or_else(ApiError::session_not_found)?;
     // The turn's own events (to the next user message), those this build can read.
-    let events: Vec<_> =
-        rows.iter().take_while(|r| r.kind != "user_message").filter_map(|r| r.decode().ok()).collect();
+    let events: Vec<_> = rows
+        .iter()
+        .take_while(|r| r.kind != EventKind::UserMessage)
+        .filter_map(|r| r.decode().ok())
+        .collect();
     Ok(turn_end_from_log(session, &events))
 }

@@ -199,7 +199,7 @@ pub async fn edit_fork(
     key: Option<&str>,
 ) -> Result<AppendRequest, ApiError> {
     let edited = read::event_at(&app.pool, caller.owner(), session.id, edit_of).await?;
-    if edited.is_none_or(|e| e.kind != "user_message") {
+    if edited.is_none_or(|e| e.kind != EventKind::UserMessage) {
         return Err(ApiError::bad_request(format!(
             "edit_of must be the seq of a user message of this session; {edit_of} is not"
         )));
@@ -217,7 +217,7 @@ pub async fn regenerate_fork(
     key: Option<&str>,
 ) -> Result<(AppendRequest, i64), ApiError> {
     let answer = read::event_at(&app.pool, caller.owner(), session.id, of).await?;
-    if answer.is_none_or(|e| e.kind != "assistant_turn") {
+    if answer.is_none_or(|e| e.kind != EventKind::AssistantTurn) {
         return Err(ApiError::bad_request(format!(
             "of must be the seq of an answer of this session; {of} is not"
         )));

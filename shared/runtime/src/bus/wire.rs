@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use uuid::Uuid;
 
-use turnlog_core::events::{EventKind, ForkPoint};
+use turnlog_core::events::{EventKind, ForkPoint, KindName};
 use turnlog_core::ids::{EventId, Owner, SessionId};
 
 /// Header naming the core NATS subject the writer answers a request's outcome on.
@@ -25,32 +25,7 @@ pub struct Expect {
 /// An append's event kind as it arrives: one this build knows, or another name — which
 /// the writer refuses as `unknown_kind` (an outcome the producer hears of), not as a
 /// request that does not decode.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RequestKind {
-    Known(EventKind),
-    Unknown(String),
-}
-
-impl Serialize for RequestKind {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        match self {
-            Self::Known(kind) => serializer.serialize_str(kind.as_str()),
-            Self::Unknown(name) => serializer.serialize_str(name),
-        }
-    }
-}
-
-/// Read as a string and looked up once (not `untagged`, which buffers the value and tries
-/// each variant in turn on every append).
-impl<'de> Deserialize<'de> for RequestKind {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let name = String::deserialize(deserializer)?;
-        Ok(match name.parse() {
-            Ok(kind) => Self::Known(kind),
-            Err(_) => Self::Unknown(name),
-        })
-    }
-}
+pub type RequestKind = KindName;
 
 /// A request to the writer, the body of a TURNLOG_APPEND message. On the wire it is one
 /// flat object (DESIGN §6: `op` names the op, whose fields sit beside it), read and written

@@ -7,12 +7,13 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use turnlog_core::budget::CountedEvent;
-use turnlog_core::events::{DecodeError, Event, EventKind};
+use turnlog_core::events::{DecodeError, Event, EventBody, EventKind, KindName};
 use turnlog_core::ids::{EventId, Owner, SessionId};
 
 use super::{get_session, ReadError, SessionRow};
 
-/// An event row as stored: kind and payload raw (the `/events` page), decodable.
+/// An event row as stored: its kind as named (a newer writer's too) and its payload raw
+/// (the `/events` page), decodable.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
 pub struct StoredEvent {
     /// The session the event belongs to: on a fork's branch log, an ancestor for the
@@ -21,7 +22,8 @@ pub struct StoredEvent {
     pub seq: i64,
     #[serde(skip)]
     pub event_id: Uuid,
-    pub kind: String,
+    #[sqlx(try_from = "String")]
+    pub kind: KindName,
     pub payload: serde_json::Value,
     #[serde(skip)]
     pub tokens: i32,
@@ -30,12 +32,13 @@ pub struct StoredEvent {
 
 impl StoredEvent {
     pub fn decode(&self) -> Result<Event, DecodeError> {
-        Event::decode(self.seq, EventId(self.event_id), &self.kind, &self.payload, self.created_at)
+        let body = EventBody::decode(EventKind::try_from(&self.kind)?, &self.payload, self.seq)?;
+        Ok(Event { seq: self.seq, event_id: EventId(self.event_id), created_at: self.created_at, body })
     }
 
     /// The budget's view, from the stored count (no re-encoding).
     pub fn counted(&self) -> Result<CountedEvent, DecodeError> {
-        let kind: EventKind = self.kind.parse()?;
+        let kind = EventKind::try_from(&self.kind)?;
         let replaces_through = match kind {
             EventKind::CompactionApplied => self.payload.get("replaces_through_seq").and_then(|v| v.as_i64()),
             _ => None,

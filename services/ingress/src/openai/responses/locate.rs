@@ -5,6 +5,7 @@
 
 use futures::stream::BoxStream;
 use futures::StreamExt as _;
+use turnlog_core::events::EventKind;
 use turnlog_core::ids::SessionId;
 use turnlog_core::stream::{StreamEvent, TurnEvent};
 use turnlog_runtime::bus::AppendRequest;
@@ -86,5 +87,5 @@ pub async fn locate(app: &AppState, caller: &Caller, attempt: &str) -> Result<Lo
 
 /// Whether an attempt's event is its outcome (a checkpoint is not).
 fn is_outcome(event: &StoredEvent) -> bool {
-    event.kind != "pending_state" || event.payload.get("reason").is_some_and(|r| !r.is_null())
+    event.kind != EventKind::PendingState || event.payload.get("reason").is_some_and(|r| !r.is_null())
 }
