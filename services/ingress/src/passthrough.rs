@@ -15,12 +15,12 @@ use futures::stream::BoxStream;
 use futures::StreamExt as _;
 use serde_json::{json, Value};
 use turnlog_core::events::Usage;
+use turnlog_core::ids::AttemptId;
 use turnlog_core::request_body::RequestBody;
 use turnlog_core::stream::{
     FailureCode, Meta, StreamError, StreamEvent, Text, TurnEnd, TurnEvent, TurnStatus,
 };
 use turnlog_runtime::upstream::{ChatStream, StreamItem, UpstreamClient};
-use uuid::Uuid;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
@@ -55,8 +55,7 @@ pub async fn relay(
         tracing::warn!(error = %e, "upstream failed (store: false)");
         ApiError::Unavailable(e.public_message())
     })?;
-    let attempt = Uuid::now_v7().hyphenated().to_string();
-    let meta = Meta { attempt_id: Some(attempt), model: Some(model), ..Default::default() };
+    let meta = Meta { attempt_id: Some(AttemptId::new()), model: Some(model), ..Default::default() };
     let state = Relay {
         chat,
         queue: [TurnEvent::Meta(meta)].into(),

@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::ids::EventId;
+use crate::ids::{AttemptId, EventId};
 use crate::request_body::RequestParams;
 
 /// The one list of event kinds. A row: the variant (of [`EventKind`] and of [`EventBody`]),
@@ -364,7 +364,7 @@ pub struct AssistantTurn {
     #[serde(default)]
     pub llm: LlmPart,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attempt_id: Option<String>,
+    pub attempt_id: Option<AttemptId>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub provider: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -460,7 +460,7 @@ pub enum PendingReason {
 pub struct PendingState {
     pub partial: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attempt_id: Option<String>,
+    pub attempt_id: Option<AttemptId>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<PendingReason>,
     /// The request of this attempt, on its first checkpoint and on a final one (§11).
@@ -491,7 +491,7 @@ pub struct TurnFailed {
     pub code: String,
     pub message: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attempt_id: Option<String>,
+    pub attempt_id: Option<AttemptId>,
     /// The request of this attempt; absent when it failed before anything was sent (§11).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub request: Option<RecordedRequest>,

@@ -54,6 +54,24 @@ macro_rules! uuid_newtype {
     };
 }
 
+/// A newtype over a `String` reads as its text: `Deref` to `str`, and `Display`.
+macro_rules! text_newtype {
+    ($name:ident) => {
+        impl std::ops::Deref for $name {
+            type Target = str;
+            fn deref(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+    };
+}
+
 uuid_newtype!(
     /// A chat session.
     SessionId
@@ -73,6 +91,62 @@ impl EventId {
 }
 
 const DERIVED_NAMESPACE: Uuid = Uuid::from_u128(0x6f1c_2a4e_8d3b_4c57_9e21_0b7a_5d4c_3f10);
+
+/// One attempt at a turn: what its checkpoints and its outcome carry (`attempt_id`), the
+/// subject the copy running it answers on, and on the OpenAI-compatible routes a response's
+/// id. This build makes them from a time-ordered UUID, hyphenated; a log may hold any other
+/// text (an import's, an older producer's), which is kept as it is.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct AttemptId(String);
+
+impl AttemptId {
+    /// A new attempt's id.
+    pub fn new() -> Self {
+        Self::from(Uuid::now_v7())
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+    /// The UUID it spells, when it is one (every id this build makes is).
+    pub fn as_uuid(&self) -> Option<Uuid> {
+        Uuid::parse_str(&self.0).ok()
+    }
+}
+
+impl Default for AttemptId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl From<Uuid> for AttemptId {
+    fn from(u: Uuid) -> Self {
+        Self(u.hyphenated().to_string())
+    }
+}
+
+/// An id as a log or a request spells it.
+impl From<String> for AttemptId {
+    fn from(s: String) -> Self {
+        Self(s)
+    }
+}
+
+impl From<&str> for AttemptId {
+    fn from(s: &str) -> Self {
+        Self(s.to_owned())
+    }
+}
+
+/// Equal to its text.
+impl PartialEq<String> for AttemptId {
+    fn eq(&self, other: &String) -> bool {
+        self.0 == *other
+    }
+}
+
+text_newtype!(AttemptId);
 
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("invalid {what}: {value:?} is not a UUID")]
@@ -126,18 +200,7 @@ impl From<Owner> for String {
     }
 }
 
-impl std::ops::Deref for Owner {
-    type Target = str;
-    fn deref(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for Owner {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
+text_newtype!(Owner);
 
 #[cfg(test)]
 mod tests {
@@ -156,6 +219,15 @@ mod tests {
         assert_eq!(EventId::derived(s, 7, "turn_memory"), EventId::derived(s, 7, "turn_memory"));
         assert_ne!(EventId::derived(s, 7, "turn_memory"), EventId::derived(s, 7, "memory_extracted"));
         assert_ne!(EventId::derived(s, 7, "turn_memory"), EventId::derived(s, 8, "turn_memory"));
+    }
+
+    #[test]
+    fn attempt_ids_are_their_text() {
+        let made = AttemptId::new();
+        assert_eq!(made.as_uuid().map(|u| u.hyphenated().to_string()).as_deref(), Some(made.as_str()));
+        assert_eq!(serde_json::to_value(&made).unwrap(), serde_json::json!(made.as_str()));
+        let odd: AttemptId = serde_json::from_str("\"att-3\"").unwrap();
+        assert_eq!((odd.as_str(), odd.as_uuid()), ("att-3", None));
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use chrono::{DateTime, TimeZone, Utc};
 
 use crate::events::*;
-use crate::ids::EventId;
+use crate::ids::{AttemptId, EventId};
 
 #[derive(Debug, Clone, Default)]
 pub struct LogBuilder {
@@ -62,7 +62,7 @@ pub fn assistant_turn(text: &str, attempt_id: Option<&str>) -> AssistantTurn {
     AssistantTurn {
         ui: UiPart { blocks: vec![Block { kind: BlockType::Text, text: Some(text.into()), meta: None }] },
         llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(text.into())) } },
-        attempt_id: attempt_id.map(str::to_owned),
+        attempt_id: attempt_id.map(AttemptId::from),
         ..Default::default()
     }
 }

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::events::{Event, EventBody, PendingReason, TurnFailed, Usage};
-use crate::ids::SessionId;
+use crate::ids::{AttemptId, SessionId};
 
 /// The message a `turn_failed` of a turn stopped by its user before any text holds.
 pub const STOPPED_BEFORE_TEXT: &str = "stopped by the user before any text arrived";
@@ -116,7 +116,7 @@ pub struct Meta {
     pub user_seq: Option<i64>,
     /// The attempt the turn runs (a response's id on the OpenAI-compatible routes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attempt_id: Option<String>,
+    pub attempt_id: Option<AttemptId>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
 }

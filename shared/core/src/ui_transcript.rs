@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::events::{
     Block, Event, EventBody, ImageRef, Imported, PendingReason, PermissionRequest, ToolExecution, Usage,
 };
+use crate::ids::AttemptId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -72,7 +73,7 @@ pub struct TranscriptItem {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attempt_id: Option<String>,
+    pub attempt_id: Option<AttemptId>,
     /// An imported message's origin, with its original time (`created_at` is the import's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub imported: Option<Imported>,

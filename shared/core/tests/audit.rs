@@ -7,6 +7,7 @@ use proptest::prelude::*;
 use serde_json::json;
 use turnlog_core::audit::{rebuild_from_log, system_prompt_record, turn_body, RecordedRequest};
 use turnlog_core::events::*;
+use turnlog_core::ids::AttemptId;
 use turnlog_core::llm_context::{llm_context, newest_compaction};
 use turnlog_core::log_builder::{assistant_turn, permission_request, LogBuilder};
 use turnlog_core::request::Extras;
@@ -186,7 +187,7 @@ fn run_attempt(log: &mut LogBuilder, a: &Attempt) -> Option<RecordedRequest> {
             })
         }
     };
-    let attempt_id = Some(format!("att{}", log.next_seq()));
+    let attempt_id = Some(AttemptId::from(format!("att{}", log.next_seq())));
     let pending = |partial: String, reason, request| {
         EventBody::PendingState(PendingState { partial, attempt_id: attempt_id.clone(), reason, request })
     };

@@ -3,6 +3,7 @@
 use proptest::prelude::*;
 use serde_json::json;
 use turnlog_core::events::*;
+use turnlog_core::ids::AttemptId;
 use turnlog_core::llm_context::{
     live_pending_seq, llm_context, llm_messages, Source, INTERRUPTED_NOTE, STOPPED_NOTE, SUMMARY_MARKER,
 };
@@ -376,7 +377,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn apply(log: &mut LogBuilder, op: &Op) {
-    let attempt = |on: bool| on.then(|| format!("att{}", log.next_seq() / 3));
+    let attempt = |on: bool| on.then(|| AttemptId::from(format!("att{}", log.next_seq() / 3)));
     let body = match op {
         Op::User(t) => EventBody::UserMessage(UserMessage { text: t.clone(), ..Default::default() }),
         Op::Assistant(t, a) => EventBody::AssistantTurn(assistant_turn(t, attempt(*a).as_deref())),

@@ -141,7 +141,7 @@ impl History {
         if turn.is_multiple_of(3) {
             let partial = PendingState {
                 partial: answer[..40].to_owned(),
-                attempt_id: Some(attempt.clone()),
+                attempt_id: Some(attempt.as_str().into()),
                 reason: None,
                 request: None,
             };
@@ -176,7 +176,7 @@ impl History {
             let failed = TurnFailed {
                 code: "upstream_error".into(),
                 message: "the model gateway answered 502".into(),
-                attempt_id: Some(format!("{attempt}-0")),
+                attempt_id: Some(format!("{attempt}-0").into()),
                 request: None,
             };
             self.append(s, Uuid::now_v7(), &EventBody::TurnFailed(failed));
@@ -194,7 +194,7 @@ impl History {
                 ],
             },
             llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(text)) } },
-            attempt_id: Some(attempt),
+            attempt_id: Some(attempt.into()),
             provider: Some("mock".into()),
             model: Some("mock-large".into()),
             usage: Some(Usage {

@@ -14,7 +14,7 @@ pub mod responses;
 
 use serde_json::{json, Value};
 use turnlog_core::events::{Event, EventBody};
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{AttemptId, SessionId};
 use turnlog_core::ui_transcript::{ui_transcript, ItemKind};
 use uuid::Uuid;
 
@@ -36,8 +36,8 @@ pub fn response_id(attempt: Uuid) -> String {
 }
 
 /// The attempt id a response id names, as the log spells it (hyphenated).
-pub fn parse_response(id: &str) -> Result<String, OaiError> {
-    prefixed(id, "resp_").map(|u| u.hyphenated().to_string()).ok_or_else(|| OaiError::not_found("response"))
+pub fn parse_response(id: &str) -> Result<AttemptId, OaiError> {
+    prefixed(id, "resp_").map(AttemptId::from).ok_or_else(|| OaiError::not_found("response"))
 }
 
 pub fn message_id(id: Uuid) -> String {
@@ -93,8 +93,8 @@ pub fn conversation_items(events: &[Event]) -> Vec<Value> {
         .filter(|i| matches!(i.kind, ItemKind::User | ItemKind::Assistant | ItemKind::Interrupted))
         .map(|i| i.seq)
         .collect();
-    let attempt_item = |attempt: &Option<String>, event: Uuid| {
-        message_id(attempt.as_deref().and_then(|a| Uuid::parse_str(a).ok()).unwrap_or(event))
+    let attempt_item = |attempt: &Option<AttemptId>, event: Uuid| {
+        message_id(attempt.as_ref().and_then(AttemptId::as_uuid).unwrap_or(event))
     };
     events
         .iter()

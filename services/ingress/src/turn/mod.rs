@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use turnlog_core::events::PendingReason;
-use turnlog_core::ids::{Owner, SessionId};
+use turnlog_core::ids::{AttemptId, Owner, SessionId};
 
 pub use follow::{attach, follow_local};
 pub use remote::{remote_attempt, remote_stop, remote_stream};
@@ -34,7 +34,7 @@ pub use turnlog_core::stream::{StreamEvent, TurnEvent};
 pub struct ActiveTurn {
     pub session: SessionId,
     /// The attempt this turn runs (a response's id on the OpenAI-compatible routes).
-    pub attempt_id: String,
+    pub attempt_id: AttemptId,
     events: Mutex<Vec<Arc<StreamEvent>>>,
     /// The number of events emitted; followers wait on it.
     count: watch::Sender<u64>,
@@ -43,7 +43,7 @@ pub struct ActiveTurn {
 }
 
 impl ActiveTurn {
-    fn new(session: SessionId, attempt_id: String) -> Arc<Self> {
+    fn new(session: SessionId, attempt_id: AttemptId) -> Arc<Self> {
         Arc::new(Self {
             session,
             attempt_id,
@@ -114,9 +114,9 @@ impl TurnHub {
     }
 
     /// The turn of `attempt_id` if this copy runs it.
-    pub fn by_attempt(&self, attempt_id: &str) -> Option<Arc<ActiveTurn>> {
+    pub fn by_attempt(&self, attempt_id: &AttemptId) -> Option<Arc<ActiveTurn>> {
         let turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
-        turns.values().find(|t| t.attempt_id == attempt_id).cloned()
+        turns.values().find(|t| t.attempt_id == *attempt_id).cloned()
     }
 
     fn insert(&self, turn: Arc<ActiveTurn>) {

@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 use turnlog_core::events::PendingReason;
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{AttemptId, SessionId};
 
 use super::{ActiveTurn, StreamEvent};
 use crate::Ingress;
@@ -116,7 +116,7 @@ fn pieces(events: Vec<Arc<StreamEvent>>, over: bool) -> Vec<SnapshotPiece> {
 
 /// The session of attempt `attempt_id` when another copy runs it (None at once when no copy
 /// does: NATS answers "no responders").
-pub async fn remote_attempt(app: &Ingress, attempt_id: &str) -> Option<SessionId> {
+pub async fn remote_attempt(app: &Ingress, attempt_id: &AttemptId) -> Option<SessionId> {
     let asked = app.bus.client.request(app.bus.names.attempt_subject(attempt_id), "".into());
     let reply = tokio::time::timeout(ASK_TIMEOUT, asked).await.ok()?.ok()?;
     let value: serde_json::Value = serde_json::from_slice(&reply.payload).ok()?;

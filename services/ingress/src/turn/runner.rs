@@ -9,7 +9,7 @@ use tracing::Instrument as _;
 use turnlog_core::audit::{system_prompt_record, turn_body, RecordedRequest, MAX_SYSTEM_PROMPT_BYTES};
 use turnlog_core::budget::{budget_for, history_tokens, request_size};
 use turnlog_core::events::*;
-use turnlog_core::ids::{Owner, SessionId};
+use turnlog_core::ids::{AttemptId, Owner, SessionId};
 use turnlog_core::request::{reserve_tokens, Extras};
 use turnlog_core::request_body::{RequestBody, RequestParams, ResolveImage, StreamOptions};
 use turnlog_core::stream::{
@@ -77,7 +77,7 @@ pub struct TurnOptions {
 
 /// Starts the turn's task and registers it; the returned handle is what clients follow.
 pub fn start_turn(app: &Arc<Ingress>, start: TurnStart) -> Arc<ActiveTurn> {
-    let turn = ActiveTurn::new(start.session, Uuid::now_v7().to_string());
+    let turn = ActiveTurn::new(start.session, AttemptId::new());
     app.turns.insert(Arc::clone(&turn));
     app.metrics.turns_active(app.turns.active());
     let turn_tasks = app.turns.tasks.clone();
@@ -204,7 +204,7 @@ struct Turn<'a> {
     app: &'a Arc<Ingress>,
     turn: &'a Arc<ActiveTurn>,
     start: &'a TurnStart,
-    attempt_id: String,
+    attempt_id: AttemptId,
     text: String,
     /// `text`'s length as stored JSON, escapes included (without the quotes).
     text_json: usize,
@@ -747,7 +747,7 @@ mod tests {
             assert!(json <= cap && json + 6 > cap, "{c:?}: {json}");
             let pending = EventBody::PendingState(PendingState {
                 partial: text.to_owned(),
-                attempt_id: Some(Uuid::now_v7().to_string()),
+                attempt_id: Some(AttemptId::new()),
                 reason: Some(PendingReason::Interrupted),
                 request: Some(request),
             });

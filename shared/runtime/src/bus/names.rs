@@ -1,7 +1,7 @@
 //! Every stream, bucket and subject name of the bus, derived from `TURNLOG_BUS_PREFIX`
 //! (DESIGN §6), and the partition a session's appends go to.
 
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{AttemptId, SessionId};
 
 use super::BusError;
 
@@ -70,7 +70,7 @@ impl BusNames {
         format!("{}.control.{session}", self.prefix)
     }
     /// Answered with its session by the ingress copy running attempt `attempt_id`.
-    pub fn attempt_subject(&self, attempt_id: &str) -> String {
+    pub fn attempt_subject(&self, attempt_id: &AttemptId) -> String {
         format!("{}.attempt.{attempt_id}", self.prefix)
     }
     /// Subjects of one session in each stream, for purging a deleted session.

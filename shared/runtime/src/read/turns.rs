@@ -4,7 +4,7 @@
 use sqlx::PgPool;
 
 use turnlog_core::events::{Event, EventKind};
-use turnlog_core::ids::{Owner, SessionId};
+use turnlog_core::ids::{AttemptId, Owner, SessionId};
 
 use super::{ReadError, StoredEvent};
 
@@ -124,7 +124,7 @@ pub async fn answered_before(pool: &PgPool, session: SessionId, before: i64) -> 
 pub async fn attempt_event(
     pool: &PgPool,
     owner: &Owner,
-    attempt_id: &str,
+    attempt_id: &AttemptId,
 ) -> Result<Option<StoredEvent>, sqlx::Error> {
     sqlx::query_as(concat!(
         "SELECT ",
@@ -134,7 +134,7 @@ pub async fn attempt_event(
             AND s.owner = $2 AND s.hidden_seq IS NULL
           ORDER BY e.seq DESC LIMIT 1"
     ))
-    .bind(attempt_id)
+    .bind(attempt_id.as_str())
     .bind(owner.as_str())
     .fetch_optional(pool)
     .await
@@ -146,7 +146,7 @@ pub async fn attempt_request(
     pool: &PgPool,
     owner: &Owner,
     id: SessionId,
-    attempt: &str,
+    attempt: &AttemptId,
     before: i64,
 ) -> Result<Option<StoredEvent>, sqlx::Error> {
     sqlx::query_as(branch_sql!(
@@ -158,7 +158,7 @@ pub async fn attempt_request(
     ))
     .bind(id.0)
     .bind(owner.as_str())
-    .bind(attempt)
+    .bind(attempt.as_str())
     .bind(before)
     .fetch_optional(pool)
     .await

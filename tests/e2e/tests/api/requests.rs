@@ -173,7 +173,7 @@ async fn every_attempt_rebuilds_to_the_exact_bytes_the_model_received() {
     .unwrap();
     let later = EventBody::PendingState(PendingState {
         partial: "a later checkpoint".into(),
-        attempt_id: Some(attempt),
+        attempt_id: Some(attempt.into()),
         ..PendingState::default()
     });
     let later = api.append(id, "alice", &later).await;

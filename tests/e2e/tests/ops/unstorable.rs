@@ -101,8 +101,10 @@ async fn requests_the_database_refuses_are_dead_lettered_and_never_stop_the_part
     assert!(active > chrono::Utc::now() - chrono::Duration::minutes(5), "{active}");
 
     // An answer whose attempt id is too large for the attempt index.
-    let answer =
-        EventBody::AssistantTurn(AssistantTurn { attempt_id: Some(noise(8 * 1024)), ..Default::default() });
+    let answer = EventBody::AssistantTurn(AssistantTurn {
+        attempt_id: Some(noise(8 * 1024).into()),
+        ..Default::default()
+    });
     let bad = AppendRequest::append(session, &owner(OWNER), Uuid::now_v7(), &answer);
     refused_among_others(&rig, session, bad, "index row").await;
 

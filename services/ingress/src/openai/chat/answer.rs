@@ -6,9 +6,8 @@ use axum::Json;
 use futures::stream::BoxStream;
 use futures::StreamExt as _;
 use serde_json::{json, Value};
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{AttemptId, SessionId};
 use turnlog_core::stream::{StreamEvent, TurnEnd, TurnEvent, TurnStatus};
-use uuid::Uuid;
 
 use crate::error::ApiError;
 use crate::openai::OaiError;
@@ -32,8 +31,7 @@ impl Answer {
     fn on(&mut self, e: &TurnEvent) -> Option<Value> {
         match e {
             TurnEvent::Meta(m) => {
-                let attempt =
-                    m.attempt_id.as_deref().and_then(|a| Uuid::parse_str(a).ok()).unwrap_or_default();
+                let attempt = m.attempt_id.as_ref().and_then(AttemptId::as_uuid).unwrap_or_default();
                 self.id = format!("chatcmpl-{}", attempt.simple());
                 self.created = attempt.get_timestamp().map_or(0, |t| t.to_unix().0 as i64);
                 self.model = m.model.clone().unwrap_or_default();
@@ -169,6 +167,7 @@ pub async fn completion(mut events: BoxStream<'static, StreamEvent>) -> Result<R
 mod tests {
     use turnlog_core::ids::SessionId;
     use turnlog_core::stream::{Meta, Text};
+    use uuid::Uuid;
 
     use super::*;
 
@@ -212,8 +211,7 @@ mod tests {
     fn how_a_turn_ended_is_how_its_completion_finishes() {
         let session = SessionId::new();
         let attempt = Uuid::now_v7();
-        let meta =
-            Meta { attempt_id: Some(attempt.to_string()), model: Some("m".into()), ..Default::default() };
+        let meta = Meta { attempt_id: Some(attempt.into()), model: Some("m".into()), ..Default::default() };
         let text = |t: &str| Text { text: t.into() };
         let fold = |ending: Option<TurnStatus>| {
             let mut events = vec![

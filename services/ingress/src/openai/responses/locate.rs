@@ -6,7 +6,7 @@
 use futures::stream::BoxStream;
 use futures::StreamExt as _;
 use turnlog_core::events::EventKind;
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{AttemptId, SessionId};
 use turnlog_core::stream::{StreamEvent, TurnEvent};
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read::{self, StoredEvent};
@@ -61,7 +61,7 @@ pub enum Located {
 /// Finds the caller's response of attempt `attempt` (DESIGN §13): this copy's running
 /// turns; the log, when it holds the attempt's outcome; another copy running it (asked on
 /// its attempt subject); else the log's latest checkpoint (a copy that died mid-answer).
-pub async fn locate(app: &AppState, caller: &Caller, attempt: &str) -> Result<Located, OaiError> {
+pub async fn locate(app: &AppState, caller: &Caller, attempt: &AttemptId) -> Result<Located, OaiError> {
     let not_found = || OaiError::not_found("response");
     if let Some(turn) = app.turns.by_attempt(attempt) {
         owned_session(app, caller, turn.session).await.map_err(|_| not_found())?;
@@ -76,7 +76,7 @@ pub async fn locate(app: &AppState, caller: &Caller, attempt: &str) -> Result<Lo
         if let Some(events) = remote_stream(app, session, 0).await {
             let mut events = events.boxed().peekable();
             let first = std::pin::Pin::new(&mut events).peek().await;
-            let ours = |e: &StreamEvent| matches!(&e.event, TurnEvent::Meta(m) if m.attempt_id.as_deref() == Some(attempt));
+            let ours = |e: &StreamEvent| matches!(&e.event, TurnEvent::Meta(m) if m.attempt_id.as_ref() == Some(attempt));
             if first.is_some_and(ours) {
                 return Ok(Located::Running(session, events.boxed()));
             }

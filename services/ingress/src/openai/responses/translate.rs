@@ -4,7 +4,7 @@
 
 use serde_json::{json, Value};
 use turnlog_core::events::{BlockType, EventBody};
-use turnlog_core::ids::SessionId;
+use turnlog_core::ids::{AttemptId, SessionId};
 use turnlog_core::stream::{turn_end_from_log, Text, TurnEnd, TurnEvent, TurnStatus};
 use turnlog_runtime::read::StoredEvent;
 use uuid::Uuid;
@@ -46,7 +46,7 @@ pub fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
     let Ok(e) = event.decode() else { return r.finish(unreadable()) };
     let (length, failure) = match &e.body {
         EventBody::AssistantTurn(a) => {
-            r.set_attempt(a.attempt_id.as_deref());
+            r.set_attempt(a.attempt_id.as_ref());
             r.model = a.model.clone().unwrap_or_default();
             for b in &a.ui.blocks {
                 if b.kind == BlockType::Reasoning {
@@ -58,13 +58,13 @@ pub fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
             (a.finish_reason.as_deref() == Some("length"), None)
         }
         EventBody::PendingState(p) => {
-            r.set_attempt(p.attempt_id.as_deref());
+            r.set_attempt(p.attempt_id.as_ref());
             r.model = p.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
             r.text = p.partial.clone();
             (false, None)
         }
         EventBody::TurnFailed(f) => {
-            r.set_attempt(f.attempt_id.as_deref());
+            r.set_attempt(f.attempt_id.as_ref());
             r.model = f.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
             (false, Some(f.message.clone()))
         }
@@ -193,8 +193,8 @@ impl Snapshot {
     }
 
     /// Names the attempt, and with it the ids of its items (made once, not per delta).
-    fn set_attempt(&mut self, attempt: Option<&str>) {
-        self.attempt = attempt.and_then(|a| Uuid::parse_str(a).ok());
+    fn set_attempt(&mut self, attempt: Option<&AttemptId>) {
+        self.attempt = attempt.and_then(AttemptId::as_uuid);
         self.message_item = message_id(self.attempt());
         self.reasoning_item = reasoning_id(self.attempt());
     }
@@ -312,7 +312,7 @@ impl Translator {
         match e {
             TurnEvent::Meta(m) => {
                 r.session = m.session_id.unwrap_or(r.session);
-                r.set_attempt(m.attempt_id.as_deref());
+                r.set_attempt(m.attempt_id.as_ref());
                 r.model = m.model.clone().unwrap_or_default();
                 let created = r.object("in_progress", Vec::new());
                 out.push(json!({"type": "response.created", "response": created}));
@@ -414,7 +414,7 @@ mod tests {
         TurnEvent::Meta(Meta {
             session_id: Some(SessionId(Uuid::nil())),
             user_seq: Some(2),
-            attempt_id: Some(attempt.to_string()),
+            attempt_id: Some(attempt.into()),
             model: Some("m".into()),
         })
     }
