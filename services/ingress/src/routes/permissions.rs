@@ -5,7 +5,7 @@
 use axum::extract::State;
 use axum::Json;
 use serde::{Deserialize, Serialize};
-use turnlog_core::events::{EventBody, PermissionResolved};
+use turnlog_core::events::{EventBody, EventKind, PermissionResolved};
 use turnlog_core::ids::{EventId, SessionId};
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read;
@@ -80,7 +80,7 @@ pub async fn resolve(
             id: perm_id.clone(),
             decision: body.decision.as_str().into(),
         });
-        let event_id = EventId::derived(id, request_seq, "permission_resolved");
+        let event_id = EventId::derived(id, request_seq, EventKind::PermissionResolved.as_str());
         submit(&app, &AppendRequest::append(id, caller.owner(), event_id.0, &event)).await?;
     }
     // Whoever resolved first (this request, a retry of it, or a racing one) decided.
