@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use crate::error::ApiError;
 use crate::validate::MAX_BODY_BYTES;
 
-/// A JSON body of at most [`MAX_BODY_BYTES`]. An empty body reads as `{}` (so
+/// A JSON object body of at most [`MAX_BODY_BYTES`]. An empty body reads as `{}` (so
 /// `POST /v1/sessions` needs none); that a body is typed JSON is checked before routing
 /// ([`crate::guard`]).
 pub struct ApiJson<T>(pub T);
@@ -27,10 +27,22 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
         let bytes = read_body(req, MAX_BODY_BYTES).await?;
         let json: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) { b"{}" } else { &bytes };
         // serde_json refuses invalid UTF-8 and escaped lone surrogates ("\ud800") itself.
-        serde_json::from_slice(json)
+        let value = serde_json::from_slice(json)
             .map(ApiJson)
-            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
+        json_object(json)?;
+        Ok(value)
     }
+}
+
+/// A JSON body must be an object: `{` first after any whitespace. Serde reads a JSON array
+/// as a struct's fields in order (and a struct whose fields are all optional from `[]`), so
+/// a body that parsed does not tell.
+pub(crate) fn json_object(body: &[u8]) -> Result<(), ApiError> {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{') {
+        return Ok(());
+    }
+    Err(ApiError::bad_request("the request body must be a JSON object"))
 }
 
 /// Most of an oversized body read (and dropped) beyond the limit before answering 413: a server that

@@ -6,7 +6,7 @@
 
 use axum::extract::{Request, State};
 use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST, ORIGIN, TRANSFER_ENCODING};
-use axum::http::{HeaderMap, HeaderValue};
+use axum::http::{HeaderMap, HeaderValue, Method};
 use axum::middleware::Next;
 use axum::response::{IntoResponse as _, Response};
 
@@ -21,12 +21,20 @@ pub struct LocalMode(pub bool);
 
 /// The middleware: refuses what `admit` refuses, before a handler reads anything.
 pub async fn check(State(LocalMode(local)): State<LocalMode>, req: Request, next: Next) -> Response {
-    // The routes that take other types (DESIGN §12, imports); they check their own.
-    let multipart =
-        req.method() == axum::http::Method::POST && matches!(req.uri().path(), "/v1/files" | "/v1/import");
-    match admit(local, multipart, req.headers()) {
+    match admit(local, takes_uploads(req.method(), req.uri().path()), req.headers()) {
         Ok(()) => next.run(req).await,
         Err(e) => e.into_response(),
+    }
+}
+
+/// The upload routes take other types than JSON (DESIGN §12, imports) and check their own.
+/// A method no route of their paths takes is the router's 405 whatever its body, as on
+/// every other path; only the file list's GET is a JSON route there.
+fn takes_uploads(method: &Method, path: &str) -> bool {
+    match path {
+        "/v1/files" => method != Method::GET && method != Method::HEAD,
+        "/v1/import" => true,
+        _ => false,
     }
 }
 
@@ -172,6 +180,18 @@ mod tests {
         }
         // With tokens, the bearer token decides instead.
         assert_eq!(code(false, &[("host", "turnlog.example"), ("origin", "null")]), None);
+    }
+
+    #[test]
+    fn only_the_upload_routes_take_other_types() {
+        for method in [Method::POST, Method::PUT, Method::PATCH, Method::DELETE, Method::TRACE] {
+            assert!(takes_uploads(&method, "/v1/files"), "{method}");
+            assert!(takes_uploads(&method, "/v1/import"), "{method}");
+            assert!(!takes_uploads(&method, "/v1/sessions"), "{method}");
+        }
+        assert!(takes_uploads(&Method::GET, "/v1/import"));
+        assert!(!takes_uploads(&Method::GET, "/v1/files"));
+        assert!(!takes_uploads(&Method::POST, "/v1/files/x"));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use axum::http::HeaderMap;
 use turnlog_core::ids::Owner;
+use utoipa::IntoParams;
 use uuid::Uuid;
 
 use crate::error::ApiError;
@@ -11,6 +12,28 @@ const IDEMPOTENCY_HEADER: &str = "idempotency-key";
 const MAX_IDEMPOTENCY_KEY: usize = 200;
 /// Namespace of ids derived from an `Idempotency-Key`.
 const IDEMPOTENCY_NS: Uuid = Uuid::from_u128(0x2b7e_1516_28ae_d2a6_abf7_1588_09cf_4f3c);
+
+/// A key as the document states it: visible ASCII, spaces and tabs only inside (HTTP trims
+/// a header's ends).
+#[cfg(test)]
+pub(crate) const IDEMPOTENCY_KEY_PATTERN: &str = r"^[!-~]([\t -~]*[!-~])?$";
+
+/// The header as the document states it, for the routes that take it.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Header)]
+pub struct IdempotencyHeader {
+    /// A resent POST with the same key answers with what its first try started: the same
+    /// turn, or the same fork (a retry's only with `of`). 1–200 visible ASCII characters
+    /// (spaces and tabs inside).
+    #[param(
+        rename = "Idempotency-Key",
+        nullable = false,
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[!-~]([\t -~]*[!-~])?$"
+    )]
+    pub key: Option<String>,
+}
 
 /// The request's `Idempotency-Key`, if it sends one: 1 to 200 visible ASCII characters.
 pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {

@@ -53,7 +53,7 @@ pub fn parse_items(items: &Value) -> Result<Vec<NewItem>, OaiError> {
 }
 
 fn parse_item(item: &Value) -> Result<NewItem, OaiError> {
-    if item.get("type").and_then(Value::as_str).is_some_and(|t| t != "message") {
+    if item.get("type").is_some_and(|t| t != "message") {
         return Err(OaiError::bad_request("only message items can be added"));
     }
     let assistant = match item.get("role").and_then(Value::as_str) {
@@ -152,12 +152,15 @@ pub async fn append_items(
     }
 }
 
-/// A request body as JSON; an empty body is `{}`.
+/// A request body as a JSON object; an empty body is `{}`.
 pub fn json_body(body: &[u8]) -> Result<Value, OaiError> {
     if body.is_empty() {
         return Ok(json!({}));
     }
-    serde_json::from_slice(body).map_err(|e| OaiError::bad_request(format!("the body is not JSON: {e}")))
+    let params = serde_json::from_slice(body)
+        .map_err(|e| OaiError::bad_request(format!("the body is not JSON: {e}")))?;
+    crate::extract::json_object(body)?;
+    Ok(params)
 }
 
 /// A request's `metadata`: absent or null, else checked as the writer checks it.

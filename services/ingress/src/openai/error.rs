@@ -5,8 +5,32 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
+use utoipa::ToSchema;
 
 use crate::error::ApiError;
+
+/// OpenAI's error shape, as [`OaiError`] answers it (for the document: the body is built as
+/// JSON below).
+#[derive(ToSchema)]
+pub struct OaiErrorBody {
+    pub error: OaiErrorDetail,
+}
+
+#[derive(ToSchema)]
+pub struct OaiErrorDetail {
+    pub message: String,
+    /// invalid_request_error, authentication_error, permission_error, not_found_error,
+    /// rate_limit_error or server_error.
+    #[schema(rename = "type")]
+    pub kind: String,
+    /// Always null.
+    #[schema(required = true)]
+    pub param: Option<String>,
+    /// turnlog's code, as in its own error shape (`bad_request`, `not_found`, ...); a
+    /// gateway's error passed through as it came may have none.
+    #[schema(required = true)]
+    pub code: Option<String>,
+}
 
 /// An error on these routes: OpenAI's shape (`{"error": {message, type, param, code}}`),
 /// and `x-should-retry: false` on a 409 or a 5xx — the SDKs retry those without an

@@ -11,6 +11,7 @@ pub mod chat;
 pub mod conversations;
 pub mod error;
 pub mod responses;
+pub mod wire;
 
 use serde_json::{json, Value};
 use turnlog_core::events::{Event, EventBody};
@@ -18,7 +19,7 @@ use turnlog_core::ids::{AttemptId, SessionId};
 use turnlog_core::ui_transcript::{ui_transcript, ItemKind};
 use uuid::Uuid;
 
-pub use error::{OaiBody, OaiError, OaiPath, OaiQuery};
+pub use error::{OaiBody, OaiError, OaiErrorBody, OaiPath, OaiQuery};
 
 /// `conv_` and the session id's 32 hex digits.
 pub fn conversation_id(s: SessionId) -> String {

@@ -7,7 +7,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use turnlog_core::ids::SessionId;
 use turnlog_runtime::export::{self, ExportFormat};
-use utoipa::IntoParams;
+use utoipa::{IntoParams, ToSchema};
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
@@ -18,7 +18,18 @@ use crate::AppState;
 #[into_params(parameter_in = Query)]
 pub struct ExportParams {
     /// `turnlog` (default), `markdown`, `openai` or `sharegpt`.
+    #[param(inline, value_type = Option<ExportFormatName>)]
     pub format: Option<String>,
+}
+
+/// The formats a session is exported in (`turnlog_runtime::export::ExportFormat`).
+#[derive(ToSchema)]
+#[schema(rename_all = "lowercase")]
+pub enum ExportFormatName {
+    Turnlog,
+    Markdown,
+    Openai,
+    Sharegpt,
 }
 
 /// A session in a format people use: `turnlog` is its whole fork family as JSON lines, each
@@ -59,4 +70,16 @@ pub async fn export(
         headers.insert(header::CONTENT_DISPOSITION, v);
     }
     Ok(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_documented_formats_are_the_ones_written() {
+        let names = crate::openapi::enum_values::<ExportFormatName>();
+        assert_eq!(names.len(), 4);
+        assert!(names.iter().all(|name| name.parse::<ExportFormat>().is_ok()), "{names:?}");
+    }
 }

@@ -84,12 +84,21 @@ pub struct FileList {
     pub next_before: Option<Uuid>,
 }
 
+/// `POST /v1/files`' multipart body, for the document (the handler reads the parts).
+#[derive(ToSchema)]
+pub struct FileUpload {
+    /// The file; its name is kept (a base name, at most 255 characters).
+    #[schema(value_type = String, format = Binary)]
+    pub file: Vec<u8>,
+}
+
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct ListParams {
     /// 1–1000, default 100.
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
-    /// A file id: list the files older than it.
+    /// A file id of the caller's (404 otherwise): list the files older than it.
     pub before: Option<Uuid>,
 }
 
@@ -101,7 +110,7 @@ fn blobs(app: &Ingress) -> Result<&Blobs, ApiError> {
 /// text), as the multipart field `file`.
 #[utoipa::path(
     post, path = "/v1/files", tag = "files", security(("bearer" = [])),
-    request_body(content_type = "multipart/form-data", description = "One field, `file` (TURNLOG_FILE_MAX_BYTES, default 20 MiB)"),
+    request_body(content = FileUpload, content_type = "multipart/form-data", description = "One field, `file` (TURNLOG_FILE_MAX_BYTES, default 20 MiB)"),
     responses(
         (status = 201, body = FileView),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
@@ -202,7 +211,10 @@ async fn file_field(body: Bytes, boundary: String, limit: usize) -> Result<(Stri
 /// The caller's files, newest first.
 #[utoipa::path(
     get, path = "/v1/files", tag = "files", security(("bearer" = [])), params(ListParams),
-    responses((status = 200, body = FileList), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody))
+    responses(
+        (status = 200, body = FileList), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 404, description = "`before` names no file of the caller's", body = ErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(owner = %caller.owner()), err(Display, level = "debug"))]
 pub async fn list(
@@ -241,7 +253,10 @@ fn file_not_found() -> ApiError {
 #[utoipa::path(
     get, path = "/v1/files/{id}", tag = "files", security(("bearer" = [])),
     params(("id" = Uuid, Path, description = "File id")),
-    responses((status = 200, body = FileView), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody))
+    responses(
+        (status = 200, body = FileView),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(file_id = %id), err(Display, level = "debug"))]
 pub async fn get(
@@ -259,7 +274,10 @@ pub async fn get(
 #[utoipa::path(
     get, path = "/v1/files/{id}/content", tag = "files", security(("bearer" = [])),
     params(("id" = Uuid, Path, description = "File id")),
-    responses((status = 200, description = "The file's bytes"), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody))
+    responses(
+        (status = 200, description = "The file's bytes"),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(file_id = %id), err(Display, level = "debug"))]
 pub async fn content(
@@ -302,7 +320,11 @@ fn percent_encode(name: &str) -> String {
 #[utoipa::path(
     delete, path = "/v1/files/{id}", tag = "files", security(("bearer" = [])),
     params(("id" = Uuid, Path, description = "File id")),
-    responses((status = 204), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody), (status = 503, body = ErrorBody))
+    responses(
+        (status = 204),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(file_id = %id), err(Display, level = "debug"))]
 pub async fn delete(

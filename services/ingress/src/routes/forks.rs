@@ -11,7 +11,7 @@ use utoipa::ToSchema;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath};
-use crate::idempotency::idempotency_key;
+use crate::idempotency::{idempotency_key, IdempotencyHeader};
 use crate::sessions::{create_fork, fork_request, owned_session, SessionView};
 use crate::AppState;
 
@@ -21,15 +21,15 @@ pub struct ForkRequest {
     /// The last seq of the parent's log the fork inherits (default: its last). Not past
     /// the user message of a turn still running.
     #[serde(default)]
+    #[schema(minimum = 1)]
     pub through_seq: Option<i64>,
 }
 
 /// Fork a session: a new session whose log is this one's through `through_seq`, then its own.
 #[utoipa::path(
     post, path = "/v1/sessions/{id}/fork", tag = "sessions", security(("bearer" = [])),
-    params(("id" = Uuid, Path, description = "Session id"),
-           ("Idempotency-Key" = Option<String>, Header, description = "A resent POST with the same key answers the same fork")),
-    request_body(content = ForkRequest, description = "`{}` or `{\"through_seq\": …}`; may be empty"),
+    params(("id" = Uuid, Path, description = "Session id"), IdempotencyHeader),
+    request_body(content = ref("#/components/schemas/ForkRequest"), content_type = "application/json", description = "`{}` or `{\"through_seq\": …}`; may be empty"),
     responses(
         (status = 201, description = "The fork, after the writer committed it", body = SessionView),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),

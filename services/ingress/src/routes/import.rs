@@ -11,7 +11,7 @@ use serde::Deserialize;
 use tokio::io::AsyncWriteExt as _;
 use turnlog_core::import::{FileError, Format};
 use turnlog_runtime::import::{Importer, Summary};
-use utoipa::IntoParams;
+use utoipa::{IntoParams, ToSchema};
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
@@ -34,7 +34,28 @@ const DRAIN_MAX_BYTES: usize = 64 * 1024 * 1024;
 #[into_params(parameter_in = Query)]
 pub struct ImportParams {
     /// `chatgpt`, `sharegpt` or `turnlog`; told from the file when absent.
+    #[param(inline, value_type = Option<ImportFormat>)]
     pub format: Option<String>,
+}
+
+/// The formats an import reads (`turnlog_core::import::Format`).
+#[derive(ToSchema)]
+#[schema(rename_all = "lowercase")]
+pub enum ImportFormat {
+    Chatgpt,
+    Sharegpt,
+    Turnlog,
+}
+
+/// `POST /v1/import`'s multipart body, for the document (the handler reads the parts).
+#[derive(ToSchema)]
+pub struct ImportUpload {
+    /// The export.
+    #[schema(value_type = String, format = Binary)]
+    pub file: Vec<u8>,
+    /// As the query's `format`; told from the file when absent.
+    #[schema(inline, nullable = false)]
+    pub format: Option<ImportFormat>,
 }
 
 /// Import conversations: ChatGPT's `conversations.json`, ShareGPT JSON or JSON lines, or a
@@ -44,7 +65,7 @@ pub struct ImportParams {
 #[utoipa::path(
     post, path = "/v1/import", tag = "sessions", security(("bearer" = [])),
     params(ImportParams),
-    request_body(content_type = "multipart/form-data", description = "The field `file` (TURNLOG_IMPORT_MAX_BYTES, default 256 MiB) and optionally `format`; or the file as an application/json body"),
+    request_body(content = ImportUpload, content_type = "multipart/form-data", description = "The field `file` (TURNLOG_IMPORT_MAX_BYTES, default 256 MiB) and optionally `format`; or the file as an application/json body"),
     responses(
         (status = 200, description = "What was imported, skipped and could not be"),
         (status = 400, description = "Not an export of the format, or cut short: nothing was imported", body = ErrorBody),
@@ -211,4 +232,16 @@ impl SpoolWriter {
 
 fn spool_error(e: std::io::Error) -> ApiError {
     ApiError::internal(anyhow::anyhow!("writing the import's temporary file: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_documented_formats_are_the_ones_read() {
+        let names = crate::openapi::enum_values::<ImportFormat>();
+        assert_eq!(names.len(), 3);
+        assert!(names.iter().all(|name| parse_format(name).is_ok_and(|f| f.as_str() == name)), "{names:?}");
+    }
 }

@@ -20,9 +20,11 @@ const MAX_LIMIT: i64 = 200;
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct MemoryParams {
-    /// Full-text query; without it, the newest memories.
+    /// Full-text query, at most 512 characters; without it (or blank), the newest memories.
+    #[param(max_length = 512, pattern = r"^[^\u0000]*$")]
     pub q: Option<String>,
     /// 1–200, default 50.
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<i64>,
 }
 

@@ -43,7 +43,7 @@ pub struct RequestView {
     get, path = "/v1/sessions/{id}/requests/{seq}", tag = "requests", security(("bearer" = [])),
     params(
         ("id" = Uuid, Path, description = "Session id"),
-        ("seq" = i64, Path, description = "Seq of an event that records its attempt's request"),
+        ("seq" = i64, Path, minimum = 1, description = "Seq of an event that records its attempt's request"),
     ),
     responses(
         (status = 200, body = RequestView),

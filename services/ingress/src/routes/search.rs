@@ -20,11 +20,20 @@ const MAX_OFFSET: i64 = 10_000;
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 pub struct SearchParams {
-    /// The words to find (Postgres full text, every word must match); 1–512 characters.
+    /// The words to find (Postgres full text, every word must match); 1–512 characters,
+    /// not blank.
+    #[param(
+        required = true,
+        min_length = 1,
+        max_length = 512,
+        pattern = r"^[^\u0000]*[^\u0000\t-\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000][^\u0000]*$"
+    )]
     pub q: Option<String>,
     /// 1–100, default 20.
+    #[param(minimum = 1, maximum = 100)]
     pub limit: Option<i64>,
-    /// `next` of the previous page, as received.
+    /// `next` of the previous page, as received: the offset of the next hit, 1–10000.
+    #[param(value_type = Option<i64>, minimum = 1, maximum = 10000)]
     pub cursor: Option<String>,
 }
 

@@ -31,15 +31,16 @@ const TRANSCRIPT_MAX: i64 = 1000;
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSession {
-    /// 1–512 characters; may be set later.
+    /// 1–512 characters, not blank; may be set later.
     #[serde(default)]
+    #[schema(schema_with = crate::openapi::title)]
     pub title: Option<String>,
 }
 
 /// Create a session (an empty body is fine).
 #[utoipa::path(
     post, path = "/v1/sessions", tag = "sessions", security(("bearer" = [])),
-    request_body(content = CreateSession, description = "`{}` or `{\"title\": …}`; may be empty"),
+    request_body(content = ref("#/components/schemas/CreateSession"), content_type = "application/json", description = "`{}` or `{\"title\": …}`; may be empty"),
     responses(
         (status = 201, description = "Created, after the writer committed it", body = SessionView),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
@@ -66,12 +67,16 @@ pub async fn create(
 #[into_params(parameter_in = Query)]
 pub struct ListParams {
     /// 1–200, default 50.
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<i64>,
-    /// Full-text search over titles and user messages; includes archived sessions.
+    /// Full-text search over titles and user messages; includes archived sessions. At
+    /// most 512 characters; blank is none.
+    #[param(max_length = 512, pattern = r"^[^\u0000]*$")]
     pub q: Option<String>,
     /// `true` lists archived sessions instead of active ones.
     pub archived: Option<bool>,
     /// `next.before` of the previous page, exactly as received (RFC 3339). Needs `before_id`.
+    #[param(format = DateTime)]
     pub before: Option<String>,
     /// `next.before_id` of the previous page. Needs `before`.
     pub before_id: Option<Uuid>,
@@ -142,8 +147,10 @@ fn parse_before(before: &str) -> Result<DateTime<Utc>, ApiError> {
 pub struct TranscriptParams {
     /// Items with a seq below this: `earlier.before` of the page after it. Default: the
     /// newest items.
+    #[param(minimum = 1)]
     pub before: Option<i64>,
     /// 1–1000, default 200.
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
 }
 
@@ -211,15 +218,24 @@ pub async fn get(
     }))
 }
 
-#[derive(Debug, Default, Deserialize, ToSchema)]
+/// `title`, `archived` or both; its schema says so ([`crate::openapi::session_patch`]).
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PatchSession {
-    /// 1–512 characters.
+    /// 1–512 characters, not blank.
     #[serde(default)]
     pub title: Option<String>,
     #[serde(default)]
     pub archived: Option<bool>,
 }
+
+impl utoipa::PartialSchema for PatchSession {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        crate::openapi::session_patch().into()
+    }
+}
+
+impl ToSchema for PatchSession {}
 
 /// Rename and/or archive a session.
 #[utoipa::path(
@@ -275,8 +291,10 @@ pub async fn delete(
 #[into_params(parameter_in = Query)]
 pub struct EventsParams {
     /// Events with a seq above this (default 0: from the start).
+    #[param(minimum = 0)]
     pub after: Option<i64>,
     /// 1–1000, default 100.
+    #[param(minimum = 1, maximum = 1000)]
     pub limit: Option<i64>,
 }
 

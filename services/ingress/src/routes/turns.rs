@@ -17,7 +17,7 @@ use uuid::Uuid;
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath};
-use crate::idempotency::idempotency_key;
+use crate::idempotency::{idempotency_key, IdempotencyHeader};
 use crate::sessions::owned_session;
 use crate::turn::{self, remote_stop, NewMessage, TurnOptions};
 use crate::{sse, AppState};
@@ -26,23 +26,29 @@ use crate::{sse, AppState};
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SendMessage {
-    /// 1 byte to 256 KiB.
+    /// Not blank; 1 byte to 256 KiB.
+    #[schema(schema_with = crate::openapi::message_text)]
     pub text: String,
     #[serde(default)]
+    #[schema(schema_with = crate::openapi::name)]
     pub category: Option<String>,
     /// The model to call (default: TURNLOG_MODEL); one of TURNLOG_ALLOWED_MODELS when that is set.
     #[serde(default)]
+    #[schema(schema_with = crate::openapi::name)]
     pub model: Option<String>,
-    /// Ids of the caller's uploaded images (`POST /v1/files`).
+    /// Ids of the caller's uploaded images (`POST /v1/files`); at most 32 attachments in all.
     #[serde(default)]
+    #[schema(max_items = 32)]
     pub images: Vec<String>,
     /// Ids of the caller's uploaded documents; their markdown (512 KiB in all) goes with
-    /// the message.
+    /// the message. At most 32 attachments in all.
     #[serde(default)]
+    #[schema(max_items = 32)]
     pub documents: Vec<String>,
     /// Edit: the seq of a user message of this session. The message is sent instead into a
     /// new fork through the seq before it (DESIGN §10); the stream's `meta` names the fork.
     #[serde(default)]
+    #[schema(minimum = 1)]
     pub edit_of: Option<i64>,
 }
 
@@ -54,6 +60,7 @@ pub struct RetryRequest {
     /// Regenerate: the seq of an answer (`assistant_turn`) of this session. Its user
     /// message runs again in a fork through that message (DESIGN §10).
     #[serde(default)]
+    #[schema(minimum = 1)]
     pub of: Option<i64>,
 }
 
@@ -63,16 +70,22 @@ pub struct RetryRequest {
 pub struct ChatMessage {
     #[serde(default)]
     pub session_id: Option<Uuid>,
+    /// Not blank; 1 byte to 256 KiB.
+    #[schema(schema_with = crate::openapi::message_text)]
     pub text: String,
     #[serde(default)]
+    #[schema(schema_with = crate::openapi::name)]
     pub category: Option<String>,
     #[serde(default)]
+    #[schema(schema_with = crate::openapi::name)]
     pub model: Option<String>,
-    /// Ids of the caller's uploaded images.
+    /// Ids of the caller's uploaded images; at most 32 attachments in all.
     #[serde(default)]
+    #[schema(max_items = 32)]
     pub images: Vec<String>,
-    /// Ids of the caller's uploaded documents.
+    /// Ids of the caller's uploaded documents; at most 32 attachments in all.
     #[serde(default)]
+    #[schema(max_items = 32)]
     pub documents: Vec<String>,
 }
 
@@ -93,8 +106,7 @@ impl SendMessage {
 /// Send a message and stream the turn.
 #[utoipa::path(
     post, path = "/v1/sessions/{id}/messages", tag = "turns", security(("bearer" = [])),
-    params(("id" = Uuid, Path, description = "Session id"),
-           ("Idempotency-Key" = Option<String>, Header, description = "A resent POST with the same key answers the same turn")),
+    params(("id" = Uuid, Path, description = "Session id"), IdempotencyHeader),
     request_body = SendMessage,
     responses(
         (status = 200, description = "text/event-stream: meta, delta*, reasoning*, error?, end", content_type = "text/event-stream"),
@@ -133,7 +145,7 @@ pub async fn send(
 /// Send a message to a session, or to a new one, and stream the turn.
 #[utoipa::path(
     post, path = "/v1/chat", tag = "turns", security(("bearer" = [])),
-    params(("Idempotency-Key" = Option<String>, Header, description = "A resent POST with the same key answers the same turn")),
+    params(IdempotencyHeader),
     request_body = ChatMessage,
     responses(
         (status = 200, description = "text/event-stream; `X-Session-Id` names the session", content_type = "text/event-stream"),
@@ -199,9 +211,8 @@ pub async fn stop(
 /// answer in a fork.
 #[utoipa::path(
     post, path = "/v1/sessions/{id}/retry", tag = "turns", security(("bearer" = [])),
-    params(("id" = Uuid, Path, description = "Session id"),
-           ("Idempotency-Key" = Option<String>, Header, description = "With `of`: a resent POST answers from the same fork")),
-    request_body(content = RetryRequest, description = "Empty, `{}`, or `{\"of\": <answer seq>}`"),
+    params(("id" = Uuid, Path, description = "Session id"), IdempotencyHeader),
+    request_body(content = ref("#/components/schemas/RetryRequest"), content_type = "application/json", description = "Empty, `{}`, or `{\"of\": <answer seq>}`"),
     responses(
         (status = 200, description = "text/event-stream, as for a message", content_type = "text/event-stream"),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
@@ -235,7 +246,7 @@ pub async fn retry(
 #[utoipa::path(
     get, path = "/v1/sessions/{id}/stream", tag = "turns", security(("bearer" = [])),
     params(("id" = Uuid, Path, description = "Session id"),
-           ("Last-Event-ID" = Option<u64>, Header, description = "The last event id the client has")),
+           ("Last-Event-ID" = Option<i64>, Header, nullable = false, minimum = 0, description = "The last event id the client has")),
     responses(
         (status = 200, description = "text/event-stream", content_type = "text/event-stream"),
         (status = 204, description = "No turn in flight"),
@@ -250,13 +261,16 @@ pub async fn reattach(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     owned_session(&app, &caller, id).await?;
-    let after =
-        match headers.get("last-event-id") {
-            None => 0,
-            Some(v) => v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok()).ok_or_else(|| {
-                ApiError::bad_request("Last-Event-ID must be a turn event id (1, 2, 3, ...)")
-            })?,
-        };
+    // An id the log's seqs could hold: 0 to i64::MAX.
+    let after = match headers.get("last-event-id") {
+        None => 0,
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse::<i64>().ok())
+            .and_then(|n| u64::try_from(n).ok())
+            .ok_or_else(|| ApiError::bad_request("Last-Event-ID must be a turn event id (1, 2, 3, ...)"))?,
+    };
     match turn::attach(&app, id, after).await {
         Some(events) => Ok(sse::turn(&app, id, events)),
         None => Ok(StatusCode::NO_CONTENT.into_response()),

@@ -26,7 +26,7 @@ pub use runner::{start_turn, TurnOptions, TurnStart};
 pub use slots::{CapReached, TurnLimits, TurnSlot};
 pub use start::{
     begin_turn, chat_session, edit_fork, prepared, ready_for_turns, regenerate, regenerate_fork, retry_last,
-    take_slot, NewMessage,
+    take_slot, NewMessage, MAX_NAME_CHARS,
 };
 pub use turnlog_core::stream::{StreamEvent, TurnEvent};
 

@@ -20,7 +20,8 @@ use crate::sessions::{create_fork, fork_request, owned_session};
 use crate::writes::submit;
 use crate::{files, validate, AppState, Ingress};
 
-const MAX_NAME_CHARS: usize = 200;
+/// Longest category or model name, in characters.
+pub const MAX_NAME_CHARS: usize = 200;
 const MAX_ATTACHMENTS: usize = 32;
 
 /// A message to send, as a route received it: its text, and optionally a category, a model

@@ -6,6 +6,7 @@ use axum::http::HeaderMap;
 use serde::Deserialize;
 use serde_json::Value;
 use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
+use utoipa::ToSchema;
 
 use crate::openai::OaiError;
 use crate::turn::TurnOptions;
@@ -16,7 +17,7 @@ const MAX_SESSION_HEADER: usize = 200;
 
 /// The fields of OpenAI's `ChatCompletionCreateParams` turnlog reads; the rest are ignored
 /// (and forwarded untouched by the pass-through).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct CompletionRequest {
     #[serde(default)]
     pub model: Option<String>,
@@ -26,8 +27,10 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
+    #[schema(value_type = Option<i64>, minimum = 0, maximum = 4_294_967_295_u64)]
     pub max_tokens: Option<u32>,
     #[serde(default)]
+    #[schema(value_type = Option<i64>, minimum = 0, maximum = 4_294_967_295_u64)]
     pub max_completion_tokens: Option<u32>,
     #[serde(default)]
     pub temperature: Option<f64>,
@@ -43,16 +46,21 @@ pub struct CompletionRequest {
     pub stop: Option<Stop>,
     #[serde(default)]
     pub reasoning_effort: Option<String>,
+    /// 1: a session stores one answer per turn.
     #[serde(default)]
+    #[schema(value_type = Option<i64>, minimum = 0, maximum = 4_294_967_295_u64)]
     pub n: Option<u32>,
+    /// Refused unless empty: turnlog does not run tools yet.
     #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
     pub tools: Option<Vec<Value>>,
     #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
     pub functions: Option<Vec<Value>>,
 }
 
 /// `stop`: one sequence or up to four.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum Stop {
     One(String),
@@ -63,18 +71,22 @@ pub enum Stop {
 const MAX_STOP: usize = 4;
 const MAX_PARAM_CHARS: usize = 64;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: Option<bool>,
 }
 
-#[derive(Debug, Deserialize)]
+/// A message: `system`, `developer`, `user` or `assistant` (tool messages are refused).
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct WireMessage {
     pub role: String,
     #[serde(default)]
+    #[schema(schema_with = crate::openai::wire::chat_content)]
     pub content: Option<Value>,
+    /// Refused: turnlog does not run tools yet.
     #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
     pub tool_calls: Option<Value>,
 }
 
@@ -89,10 +101,7 @@ pub struct Conversation {
 impl CompletionRequest {
     /// The request, or a 400; the body must be a JSON object.
     pub fn parse(body: &[u8]) -> Result<Self, OaiError> {
-        // (serde would read an array as the request's fields in order.)
-        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-            return Err(OaiError::bad_request("the request body must be a JSON object"));
-        }
+        crate::extract::json_object(body)?;
         serde_json::from_slice(body).map_err(|e| {
             OaiError::bad_request(format!("the request body is not a valid chat completion request: {e}"))
         })

@@ -8,6 +8,7 @@ use serde_json::Value;
 use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
 use turnlog_core::request_body::{request_body, RequestBody, RequestParams, StreamOptions};
 use turnlog_core::{ChatMessage, Role};
+use utoipa::{IntoParams, ToSchema};
 
 use super::translate::Echo;
 use crate::config::IngressConfig;
@@ -17,11 +18,14 @@ use crate::validate;
 
 /// The body of `POST /v1/responses`; fields OpenAI defines that turnlog does not act on
 /// are refused when they would change the answer (`tools`) and ignored otherwise.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct CreateResponse {
     #[serde(default)]
+    #[schema(schema_with = crate::openapi::name)]
     pub model: Option<String>,
+    #[schema(schema_with = crate::openai::wire::response_input)]
     pub input: Input,
+    /// The system prompt of this turn (recorded with its request).
     #[serde(default)]
     pub instructions: Option<String>,
     #[serde(default)]
@@ -35,12 +39,15 @@ pub struct CreateResponse {
     #[serde(default)]
     pub store: Option<bool>,
     #[serde(default)]
+    #[schema(value_type = Option<i64>, minimum = 0, maximum = 4_294_967_295_u64)]
     pub max_output_tokens: Option<u32>,
     #[serde(default)]
     pub temperature: Option<f64>,
     #[serde(default)]
     pub top_p: Option<f64>,
+    /// Refused unless empty: turnlog does not run tools yet.
     #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
     pub tools: Option<Vec<Value>>,
 }
 
@@ -66,7 +73,8 @@ pub enum Content {
     Parts(Vec<Value>),
 }
 
-#[derive(Debug, Deserialize)]
+/// A conversation id, or `{id}`.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum ConversationRef {
     Id(String),
@@ -79,6 +87,7 @@ impl CreateResponse {
         let req: Self = serde_json::from_slice(body).map_err(|e| {
             OaiError::bad_request(format!("the request body is not a valid response request: {e}"))
         })?;
+        crate::extract::json_object(body)?;
         if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(OaiError::bad_request("tools are not supported: turnlog does not run tools yet"));
         }
@@ -282,10 +291,24 @@ fn part_text(part: &Value) -> Result<&str, OaiError> {
     }
 }
 
-#[derive(Debug, Deserialize)]
+/// `GET /v1/responses/{id}`'s query.
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct RetrieveParams {
+    /// Re-attach as an event stream.
     #[serde(default)]
     pub stream: Option<bool>,
+    /// The last `sequence_number` the client has.
     #[serde(default)]
-    pub starting_after: Option<u64>,
+    #[param(minimum = 0)]
+    pub starting_after: Option<i64>,
+}
+
+impl RetrieveParams {
+    /// `starting_after`, a sequence number: 0 or more.
+    pub fn starting_after(&self) -> Result<Option<u64>, OaiError> {
+        self.starting_after
+            .map(|n| u64::try_from(n).map_err(|_| OaiError::bad_request("starting_after must be 0 or more")))
+            .transpose()
+    }
 }

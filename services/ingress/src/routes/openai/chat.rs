@@ -11,11 +11,14 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use crate::auth::Caller;
+use crate::error::ErrorBody;
 use crate::openai::chat::{
     chunks, completion, conversation, options, pass_through, reconcile, run, session_header,
     CompletionRequest, Reconciled, Turn,
 };
-use crate::openai::{OaiBody, OaiError};
+use crate::openai::wire::{ChatCompletion, ModelList};
+use crate::openai::{OaiBody, OaiError, OaiErrorBody};
+use crate::openapi::UNAUTHORIZED;
 use crate::validate::MAX_CHAT_BODY_BYTES;
 use crate::{validate, AppState};
 
@@ -26,14 +29,17 @@ use crate::{validate, AppState};
 #[utoipa::path(
     post, path = "/v1/chat/completions", tag = "openai", security(("bearer" = [])),
     params(("X-Session-Id" = Option<String>, Header, description = "A session id, or any string naming a family of branches")),
-    request_body(content = Object, description = "OpenAI's `ChatCompletionCreateParams`"),
+    request_body(content = CompletionRequest, description = "OpenAI's `ChatCompletionCreateParams`: the fields turnlog reads (without a session header, the body goes to the gateway as it is)"),
     responses(
-        (status = 200, description = "A `chat.completion`, or with `stream: true` text/event-stream of `chat.completion.chunk`s ending with `data: [DONE]`", body = Object),
-        (status = 400, body = Object), (status = 404, body = Object), (status = 409, body = Object),
-        (status = 413, description = "Over 16 MiB", body = Object),
-        (status = 429, body = Object),
-        (status = 502, description = "The model gateway failed the turn (its message is stored)", body = Object),
-        (status = 503, body = Object),
+        (status = 200, description = "A `chat.completion`, or with `stream: true` text/event-stream of `chat.completion.chunk`s ending with `data: [DONE]`",
+         content((ChatCompletion = "application/json"), ("text/event-stream"))),
+        (status = 400, description = "Refused; or without a session header, the gateway's refusal as it came", body = OaiErrorBody),
+        (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+        (status = 404, body = OaiErrorBody), (status = 409, body = OaiErrorBody),
+        (status = 413, description = "Over 16 MiB", body = OaiErrorBody),
+        (status = 429, body = OaiErrorBody),
+        (status = 502, description = "The model gateway failed the turn (its message is stored)", body = OaiErrorBody),
+        (status = 503, body = OaiErrorBody),
     )
 )]
 #[tracing::instrument(skip_all, fields(session_id), err(Display, level = "debug"))]
@@ -85,7 +91,10 @@ pub async fn completions(
 /// List the models a client may ask for: the gateway's (cached), those turnlog allows.
 #[utoipa::path(
     get, path = "/v1/models", tag = "openai", security(("bearer" = [])),
-    responses((status = 200, description = "OpenAI's model list", body = Object), (status = 401, body = Object))
+    responses(
+        (status = 200, description = "OpenAI's model list", body = ModelList),
+        (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+    )
 )]
 pub async fn models(State(app): State<AppState>, _caller: Caller) -> Json<Value> {
     let listed = match &app.upstream {

@@ -8,12 +8,18 @@ use serde_json::{json, Value};
 use turnlog_core::ids::SessionId;
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read;
+use utoipa::{IntoParams, ToSchema};
 
 use crate::auth::Caller;
+use crate::error::ErrorBody;
 use crate::openai::conversations::{
     all_items, append_items, conversation, json_body, metadata_of, owned, parse_items,
 };
-use crate::openai::{conversation_id, list_page, OaiBody, OaiError, OaiPath, OaiQuery};
+use crate::openai::wire::{
+    Conversation, ConversationDeleted, ConversationUpdate, ItemList, ItemsCreate, MessageItem,
+};
+use crate::openai::{conversation_id, list_page, OaiBody, OaiError, OaiErrorBody, OaiPath, OaiQuery};
+use crate::openapi::UNAUTHORIZED;
 use crate::writes::submit;
 use crate::AppState;
 
@@ -24,8 +30,12 @@ const ITEMS_MAX: usize = 100;
 /// Create a conversation (a session), with starting messages if given.
 #[utoipa::path(
     post, path = "/v1/conversations", tag = "openai", security(("bearer" = [])),
-    request_body(content = Object, description = "OpenAI's `ConversationCreateParams`"),
-    responses((status = 200, body = Object), (status = 400, body = Object))
+    request_body(content = ref("#/components/schemas/ConversationCreate"), content_type = "application/json", description = "OpenAI's `ConversationCreateParams`; may be empty"),
+    responses(
+        (status = 200, body = Conversation), (status = 400, body = OaiErrorBody),
+        (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+        (status = 413, body = OaiErrorBody), (status = 503, body = OaiErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(session_id), err(Display, level = "debug"))]
 pub async fn create(
@@ -55,9 +65,14 @@ pub async fn create(
 #[utoipa::path(
     post, path = "/v1/conversations/{id}/items", tag = "openai", security(("bearer" = [])),
     params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID")),
-    request_body(content = Object, description = "`{items: [message, ...]}`: user or assistant messages, at most 20"),
-    responses((status = 200, body = Object), (status = 400, body = Object), (status = 404, body = Object),
-              (status = 409, body = Object))
+    request_body(content = ItemsCreate, description = "`{items: [message, ...]}`: user or assistant messages, at most 20"),
+    responses(
+        (status = 200, description = "The items added", body = ItemList), (status = 400, body = OaiErrorBody),
+        (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+        (status = 404, body = OaiErrorBody),
+        (status = 409, description = "A response is running in this conversation", body = OaiErrorBody),
+        (status = 413, body = OaiErrorBody), (status = 503, body = OaiErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(conversation_id = %id), err(Display, level = "debug"))]
 pub async fn add_items(
@@ -80,8 +95,12 @@ pub async fn add_items(
 #[utoipa::path(
     post, path = "/v1/conversations/{id}", tag = "openai", security(("bearer" = [])),
     params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID")),
-    request_body(content = Object, description = "`{metadata: {key: value, ...}}`, at most 16 string pairs"),
-    responses((status = 200, body = Object), (status = 400, body = Object), (status = 404, body = Object))
+    request_body(content = ConversationUpdate, description = "`{metadata: {key: value, ...}}`, at most 16 string pairs"),
+    responses(
+        (status = 200, body = Conversation), (status = 400, body = OaiErrorBody),
+        (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+        (status = 404, body = OaiErrorBody), (status = 413, body = OaiErrorBody), (status = 503, body = OaiErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(conversation_id = %id), err(Display, level = "debug"))]
 pub async fn update(
@@ -101,7 +120,11 @@ pub async fn update(
 #[utoipa::path(
     get, path = "/v1/conversations/{id}", tag = "openai", security(("bearer" = [])),
     params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID")),
-    responses((status = 200, body = Object), (status = 404, body = Object))
+    responses(
+        (status = 200, body = Conversation),
+        (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+        (status = 404, body = OaiErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(conversation_id = %id), err(Display, level = "debug"))]
 pub async fn get(
@@ -116,7 +139,11 @@ pub async fn get(
 #[utoipa::path(
     delete, path = "/v1/conversations/{id}", tag = "openai", security(("bearer" = [])),
     params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID")),
-    responses((status = 200, body = Object), (status = 404, body = Object))
+    responses(
+        (status = 200, body = ConversationDeleted),
+        (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+        (status = 404, body = OaiErrorBody), (status = 503, body = OaiErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(conversation_id = %id), err(Display, level = "debug"))]
 pub async fn delete(
@@ -129,25 +156,40 @@ pub async fn delete(
     Ok(Json(json!({"id": conversation_id(row.id), "object": "conversation.deleted", "deleted": true})))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 pub struct ItemsParams {
+    /// An item id of this conversation (400 otherwise): the items after it.
     #[serde(default)]
     after: Option<String>,
+    /// 1–100, default 20.
     #[serde(default)]
+    #[param(minimum = 1, maximum = 100)]
     limit: Option<usize>,
+    /// `asc` or `desc` (the default).
     #[serde(default)]
+    #[param(inline, value_type = Option<Order>)]
     order: Option<String>,
+}
+
+/// The orders of a page of items.
+#[derive(ToSchema)]
+#[schema(rename_all = "lowercase")]
+pub enum Order {
+    Asc,
+    Desc,
 }
 
 /// A conversation's items: its user messages and answers, oldest first with
 /// `order=asc`, newest first by default (as OpenAI's).
 #[utoipa::path(
     get, path = "/v1/conversations/{id}/items", tag = "openai", security(("bearer" = [])),
-    params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID"),
-           ("after" = Option<String>, Query, description = "An item id: the items after it"),
-           ("limit" = Option<usize>, Query, description = "1–100, default 20"),
-           ("order" = Option<String>, Query, description = "asc or desc (default)")),
-    responses((status = 200, body = Object), (status = 400, body = Object), (status = 404, body = Object))
+    params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID"), ItemsParams),
+    responses(
+        (status = 200, body = ItemList), (status = 400, body = OaiErrorBody),
+        (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+        (status = 404, body = OaiErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(conversation_id = %id), err(Display, level = "debug"))]
 pub async fn items(
@@ -187,7 +229,11 @@ pub async fn items(
     get, path = "/v1/conversations/{id}/items/{item_id}", tag = "openai", security(("bearer" = [])),
     params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID"),
            ("item_id" = String, Path, description = "msg_<32 hex>")),
-    responses((status = 200, body = Object), (status = 404, body = Object))
+    responses(
+        (status = 200, body = MessageItem),
+        (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+        (status = 404, body = OaiErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(conversation_id = %id, item_id = %item_id), err(Display, level = "debug"))]
 pub async fn item(
@@ -204,7 +250,11 @@ pub async fn item(
     delete, path = "/v1/conversations/{id}/items/{item_id}", tag = "openai", security(("bearer" = [])),
     params(("id" = String, Path, description = "conv_<32 hex> or the session's UUID"),
            ("item_id" = String, Path, description = "msg_<32 hex>")),
-    responses((status = 400, body = Object), (status = 404, body = Object))
+    responses(
+        (status = 400, description = "Always, for a conversation of the caller's: the log is append-only", body = OaiErrorBody),
+        (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+        (status = 404, body = OaiErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(conversation_id = %id, item_id = %_item_id), err(Display, level = "debug"))]
 pub async fn delete_item(

@@ -14,22 +14,33 @@ use turnlog_core::stream::TurnEvent;
 use turnlog_runtime::read;
 
 use crate::auth::Caller;
+use crate::error::ErrorBody;
 use crate::openai::responses::stream::translate;
 use crate::openai::responses::{
     answer, created_response, from_log, last_response, locate, numbered, replay_finished, target,
     CreateResponse, Echo, Located, RetrieveParams,
 };
-use crate::openai::{list_page, parse_response, user_item, OaiBody, OaiError, OaiPath, OaiQuery};
+use crate::openai::wire::{ItemList, ResponseObject};
+use crate::openai::{
+    list_page, parse_response, user_item, OaiBody, OaiError, OaiErrorBody, OaiPath, OaiQuery,
+};
+use crate::openapi::UNAUTHORIZED;
 use crate::turn::{self, remote_stop};
 use crate::{passthrough, AppState};
 
 /// Create a model response (OpenAI's Responses API): one turn of a conversation.
 #[utoipa::path(
     post, path = "/v1/responses", tag = "openai", security(("bearer" = [])),
-    request_body(content = Object, description = "OpenAI's `ResponseCreateParams`"),
+    request_body(content = CreateResponse, description = "OpenAI's `ResponseCreateParams`: the fields turnlog reads (it ignores the others)"),
     responses(
-        (status = 200, description = "A `response` object, or with `stream: true` text/event-stream of `response.*` events ending with `data: [DONE]`", body = Object),
-        (status = 400, body = Object), (status = 404, body = Object), (status = 409, body = Object),
+        (status = 200, description = "A `response` object, or with `stream: true` text/event-stream of `response.*` events ending with `data: [DONE]`",
+         content((ResponseObject = "application/json"), ("text/event-stream"))),
+        (status = 400, body = OaiErrorBody), (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+        (status = 404, description = "No such conversation or previous response", body = OaiErrorBody),
+        (status = 409, description = "A response is running in this conversation", body = OaiErrorBody),
+        (status = 413, body = OaiErrorBody),
+        (status = 429, description = "Too many turns at once", body = OaiErrorBody),
+        (status = 503, body = OaiErrorBody),
     )
 )]
 #[tracing::instrument(skip_all, fields(session_id), err(Display, level = "debug"))]
@@ -62,10 +73,13 @@ pub async fn create(
 /// (after `starting_after`, a `sequence_number`), live while it runs.
 #[utoipa::path(
     get, path = "/v1/responses/{id}", tag = "openai", security(("bearer" = [])),
-    params(("id" = String, Path, description = "resp_<32 hex>"),
-           ("stream" = Option<bool>, Query, description = "Re-attach as an event stream"),
-           ("starting_after" = Option<u64>, Query, description = "The last sequence_number the client has")),
-    responses((status = 200, body = Object), (status = 404, body = Object))
+    params(("id" = String, Path, description = "resp_<32 hex>"), RetrieveParams),
+    responses(
+        (status = 200, description = "The `response` object, or with `stream=true` text/event-stream of its `response.*` events",
+         content((ResponseObject = "application/json"), ("text/event-stream"))),
+        (status = 400, body = OaiErrorBody), (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+        (status = 404, body = OaiErrorBody), (status = 503, body = OaiErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(response_id = %id), err(Display, level = "debug"))]
 pub async fn retrieve(
@@ -75,11 +89,12 @@ pub async fn retrieve(
     OaiQuery(params): OaiQuery<RetrieveParams>,
 ) -> Result<Response, OaiError> {
     let owner = caller.owner().clone();
+    let starting_after = params.starting_after()?;
     match locate(&app, &caller, &parse_response(&id)?).await? {
         Located::Running(_, events) => {
             let translated = translate(app.clone(), owner, events, Echo::default());
             if params.stream == Some(true) {
-                return Ok(numbered(translated, params.starting_after));
+                return Ok(numbered(translated, starting_after));
             }
             // A running response's object as it was created (status `in_progress`).
             Ok(Json(created_response(translated).await).into_response())
@@ -88,7 +103,7 @@ pub async fn retrieve(
             let response = from_log(&event, &Echo::default());
             if params.stream == Some(true) {
                 let events = replay_finished(response);
-                return Ok(numbered(futures::stream::iter(events).boxed(), params.starting_after));
+                return Ok(numbered(futures::stream::iter(events).boxed(), starting_after));
             }
             Ok(Json(response).into_response())
         }
@@ -100,7 +115,10 @@ pub async fn retrieve(
 #[utoipa::path(
     post, path = "/v1/responses/{id}/cancel", tag = "openai", security(("bearer" = [])),
     params(("id" = String, Path, description = "resp_<32 hex>")),
-    responses((status = 200, body = Object), (status = 404, body = Object))
+    responses(
+        (status = 200, body = ResponseObject), (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+        (status = 404, body = OaiErrorBody), (status = 503, body = OaiErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(response_id = %id), err(Display, level = "debug"))]
 pub async fn cancel(
@@ -133,7 +151,10 @@ pub async fn cancel(
 #[utoipa::path(
     get, path = "/v1/responses/{id}/input_items", tag = "openai", security(("bearer" = [])),
     params(("id" = String, Path, description = "resp_<32 hex>")),
-    responses((status = 200, body = Object), (status = 404, body = Object))
+    responses(
+        (status = 200, body = ItemList), (status = 401, description = UNAUTHORIZED, body = ErrorBody),
+        (status = 404, body = OaiErrorBody), (status = 503, body = OaiErrorBody),
+    )
 )]
 #[tracing::instrument(skip_all, fields(response_id = %id), err(Display, level = "debug"))]
 pub async fn input_items(
