@@ -240,21 +240,35 @@ async fn leader(bus: &Bus, stream: &str, consumer: Option<&str>) -> Option<usize
 }
 
 /// Waits until neither the stream nor its consumer is led by node `not`, asking a leader
-/// there to step down (a thaw can bring leadership back to it).
+/// there to step down (a thaw can bring leadership back to it). A step-down starts an
+/// election that takes seconds on nats-server 2.9, and the leader the cluster reports
+/// meanwhile is the old one: asking again before it settles only starts more elections
+/// (the new leader steps down too, and `not` can win again), so each ask waits its turn.
 async fn lead_elsewhere(bus: &Bus, stream: &str, consumer: &str, not: usize) {
-    eventually(Duration::from_secs(30), || async {
-        let (s, c) = (leader(bus, stream, None).await?, leader(bus, stream, Some(consumer)).await?);
-        if s == not {
-            let _: Result<serde_json::Value, _> =
-                bus.js.request(format!("STREAM.LEADER.STEPDOWN.{stream}"), &()).await;
+    const SETTLE: Duration = Duration::from_secs(3);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let (mut stream_asked, mut consumer_asked) = (None::<Instant>, None::<Instant>);
+    let due = |asked: Option<Instant>| asked.is_none_or(|at| at.elapsed() >= SETTLE);
+    loop {
+        let leaders = (leader(bus, stream, None).await, leader(bus, stream, Some(consumer)).await);
+        match leaders {
+            (Some(s), Some(c)) if s != not && c != not => return,
+            (s, c) => {
+                if s == Some(not) && due(stream_asked) {
+                    let _: Result<serde_json::Value, _> =
+                        bus.js.request(format!("STREAM.LEADER.STEPDOWN.{stream}"), &()).await;
+                    stream_asked = Some(Instant::now());
+                }
+                if c == Some(not) && due(consumer_asked) {
+                    let _: Result<serde_json::Value, _> =
+                        bus.js.request(format!("CONSUMER.LEADER.STEPDOWN.{stream}.{consumer}"), &()).await;
+                    consumer_asked = Some(Instant::now());
+                }
+            }
         }
-        if c == not {
-            let _: Result<serde_json::Value, _> =
-                bus.js.request(format!("CONSUMER.LEADER.STEPDOWN.{stream}.{consumer}"), &()).await;
-        }
-        (s != not && c != not).then_some(())
-    })
-    .await;
+        assert!(Instant::now() < deadline, "n{not} still leads {stream} or {consumer}: {leaders:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// A worker's copy whose node freezes (SIGSTOP 5 s, SIGCONT) handles an event published
