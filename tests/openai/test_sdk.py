@@ -653,5 +653,188 @@ class ChatCompletions(unittest.TestCase):
         self.assertEqual(len(self.events(branch)), 2)
 
 
+class ClientPatterns(unittest.TestCase):
+    """The multi-turn patterns of the popular clients (issue 40), sent through the official
+    SDK exactly as each client puts them on the wire (tests/clients runs the clients
+    themselves): system and developer input messages, a history resent with turnlog's ids,
+    the Agents SDK's conversation session, structured outputs."""
+
+    def setUp(self):
+        self.client = client()
+
+    def messages_of(self, conv_id):
+        session = conv_id[len("conv_"):]
+        events = self.client.get(f"/sessions/{session}/events?limit=1000", cast_to=object)["events"]
+        return [e for e in events if e["kind"] in ("user_message", "assistant_turn")]
+
+    def audited(self, response):
+        session = response.conversation.id[len("conv_"):]
+        answer = self.messages_of(response.conversation.id)[-1]
+        audit = self.client.get(f"/sessions/{session}/requests/{answer['seq']}", cast_to=object)
+        self.assertTrue(audit["verified"], audit)
+        return audit["body"]
+
+    def test_system_and_developer_input_messages_are_the_requests_system_prompt(self):
+        # The Vercel AI SDK's `system:` and LangChain's SystemMessage.
+        r = self.client.responses.create(
+            model="mock",
+            instructions="Be kind.",
+            input=[
+                {"role": "system", "content": "You are terse."},
+                {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Use metric."}]},
+                {"role": "user", "content": [{"type": "input_text", "text": "Hi there [mock words=3]"}]},
+            ],
+        )
+        body = self.audited(r)
+        self.assertEqual(body["messages"][0], {"role": "system", "content": "Be kind.\n\nYou are terse.\n\nUse metric."})
+        stored = self.messages_of(r.conversation.id)
+        self.assertEqual([e["kind"] for e in stored], ["user_message", "assistant_turn"])
+        self.assertEqual(stored[0]["payload"]["text"], "Hi there [mock words=3]")
+        with self.assertRaises(openai.BadRequestError):
+            self.client.responses.create(
+                model="mock", input=[{"role": "system", "content": "x" * 40_000}, {"role": "user", "content": "Hi"}]
+            )
+
+    def test_a_resent_history_continues_its_session_in_each_clients_shape(self):
+        def answer_as(shape, r):
+            item = r.output[0]
+            text = [{"type": "output_text", "text": r.output_text, "annotations": []}]
+            return {
+                "ai_sdk": {"type": "item_reference", "id": item.id},
+                "agents_sdk": {"id": item.id, "type": "message", "role": "assistant", "status": "completed",
+                               "content": [{**text[0], "logprobs": []}]},
+                "langchain": {"type": "message", "role": "assistant", "id": item.id, "content": text},
+            }[shape]
+
+        for shape in ("ai_sdk", "agents_sdk", "langchain"):
+            with self.subTest(shape=shape):
+                before = session_ids(self.client)
+                history = [{"role": "system", "content": "You are terse."},
+                           {"role": "user", "content": f"First, {shape} [mock words=4]"}]
+                first = self.client.responses.create(model="mock", input=history)
+                for i in range(2):
+                    history += [answer_as(shape, first), {"role": "user", "content": f"Then {i} [mock words=4]"}]
+                    nxt = self.client.responses.create(model="mock", input=history, stream=i == 1)
+                    if i == 1:
+                        _, nxt = streamed(nxt)
+                    self.assertEqual(nxt.conversation.id, first.conversation.id)
+                    first = nxt
+                stored = self.messages_of(first.conversation.id)
+                self.assertEqual([e["kind"] for e in stored], ["user_message", "assistant_turn"] * 3)
+                self.assertEqual(len(session_ids(self.client) - before), 1)
+                self.assertEqual(self.audited(first)["messages"][0]["content"], "You are terse.")
+
+    def test_an_edited_or_regenerated_history_forks_and_one_without_ids_is_a_new_session(self):
+        first = self.client.responses.create(model="mock", input="Pick a colour [mock words=4]")
+        second = self.client.responses.create(
+            model="mock", input="Another? [mock words=4]", previous_response_id=first.id
+        )
+        ref = {"type": "item_reference", "id": first.output[0].id}
+        # The second question edited: a fork after the first answer.
+        edited = self.client.responses.create(
+            model="mock", input=[{"role": "user", "content": "Pick a colour [mock words=4]"}, ref,
+                                 {"role": "user", "content": "A warmer one? [mock words=4]"}]
+        )
+        self.assertNotEqual(edited.conversation.id, second.conversation.id)
+        self.assertEqual(len(self.messages_of(edited.conversation.id)), 4)
+        self.assertEqual(len(self.messages_of(second.conversation.id)), 4)
+        # A history that names none of turnlog's items: a new session, its earlier
+        # messages imported first.
+        plain = self.client.responses.create(
+            model="mock", input=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                                 {"role": "user", "content": "Again [mock words=3]"}]
+        )
+        stored = self.messages_of(plain.conversation.id)
+        self.assertEqual([e["kind"] for e in stored], ["user_message", "assistant_turn"] * 2)
+        # A reference to nothing of the caller's is a 404; a history cannot also name a
+        # conversation; the last message must be the user's.
+        theirs = client(os.environ["TURNLOG_TOKEN2"])
+        with self.assertRaises(openai.NotFoundError):
+            theirs.responses.create(model="mock", input=[{"role": "user", "content": "Hi"}, ref,
+                                                          {"role": "user", "content": "x"}])
+        with self.assertRaises(openai.BadRequestError):
+            self.client.responses.create(model="mock", previous_response_id=first.id,
+                                         input=[ref, {"role": "user", "content": "x"}])
+        with self.assertRaises(openai.BadRequestError):
+            self.client.responses.create(model="mock", input=[{"role": "user", "content": "Hi"}, ref])
+
+    def test_the_agents_sdks_conversation_session_stores_each_message_once(self):
+        # The nine requests of two `Runner.run(..., session=OpenAIConversationsSession())`.
+        before = session_ids(self.client)
+        conv = self.client.conversations.create(items=[])
+        list(self.client.conversations.items.list(conv.id, order="asc"))
+        self.client.conversations.items.create(conv.id, items=[{"content": "First question [mock words=4]", "role": "user"}])
+        r1 = self.client.responses.create(
+            model="mock", instructions="You are terse.", include=[], tools=[],
+            input=[{"content": "First question [mock words=4]", "role": "user"}],
+        )
+        self.assertEqual(r1.conversation.id, conv.id)
+        answer = lambda r: {"content": [{"annotations": [], "text": r.output_text, "type": "output_text", "logprobs": []}],
+                            "role": "assistant", "status": "completed", "type": "message"}
+        added = self.client.conversations.items.create(conv.id, items=[answer(r1)])
+        self.assertEqual([i.id for i in added.data], [r1.output[0].id])
+        history = [i.model_dump(exclude_none=True) for i in self.client.conversations.items.list(conv.id, order="asc")]
+        self.client.conversations.items.create(conv.id, items=[{"content": "Second question [mock words=4]", "role": "user"}])
+        r2 = self.client.responses.create(
+            model="mock", instructions="You are terse.", include=[], tools=[],
+            input=[history[0], answer(r1), {"content": "Second question [mock words=4]", "role": "user"}],
+        )
+        self.assertEqual(r2.conversation.id, conv.id)
+        self.client.conversations.items.create(conv.id, items=[answer(r2)])
+        items = list(self.client.conversations.items.list(conv.id, order="asc"))
+        self.assertEqual([i.role for i in items], ["user", "assistant"] * 2)
+        self.assertEqual([items[1].id, items[3].id], [r1.output[0].id, r2.output[0].id])
+        # No session besides the conversation.
+        made = {i.replace("-", "") for i in session_ids(self.client) - before}
+        self.assertEqual(made, {conv.id[len("conv_"):]})
+
+    def test_structured_outputs_reach_the_model_in_the_schemas_order(self):
+        schema = {"type": "object", "properties": {"zeta": {"type": "string"}, "alpha": {"type": "integer"}},
+                  "required": ["zeta", "alpha"], "additionalProperties": False}
+        r = self.client.responses.create(
+            model="mock", input="Describe [mock words=3]",
+            text={"format": {"type": "json_schema", "name": "final_output", "schema": schema, "strict": True}},
+        )
+        # (The mock answers with the schema's keys in its own order; the model gets the order.)
+        self.assertEqual(sorted(json.loads(r.output_text)), ["alpha", "zeta"])
+        self.assertEqual(r.text.format.type, "json_schema")
+        sent = self.audited(r)["response_format"]
+        self.assertEqual(sent["type"], "json_schema")
+        self.assertEqual(list(sent["json_schema"]["schema"]["properties"]), ["zeta", "alpha"])
+        # Chat Completions with a session header: `response_format` too.
+        raw = self.client.chat.completions.with_raw_response.create(
+            model="mock", messages=[{"role": "user", "content": "Describe [mock words=3]"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+            extra_headers={"X-Session-Id": f"fmt-{time.time_ns()}"},
+        )
+        self.assertEqual(sorted(json.loads(raw.parse().choices[0].message.content)), ["alpha", "zeta"])
+        # `text: {}` (LangChain JS) is plain text.
+        plain = self.client.responses.create(model="mock", input="Hi [mock words=3]", text={})
+        self.assertNotIn("response_format", self.audited(plain))
+
+    def test_fields_that_change_the_answer_are_honoured_or_refused_never_dropped(self):
+        for kw in (
+            {"prompt": {"id": "pmpt_123"}},
+            {"tool_choice": "required"},
+            {"text": {"verbosity": "low"}},
+            {"text": {"format": {"type": "json_schema", "name": "bad name!", "schema": {"type": "object"}}}},
+            {"text": {"format": {"type": "json_schema", "name": "n", "schema": [1]}}},
+        ):
+            with self.subTest(kw=kw), self.assertRaises(openai.BadRequestError):
+                self.client.responses.create(model="mock", input="Hi", **kw)
+        headers = {"X-Session-Id": f"refuse-{time.time_ns()}"}
+        user = [{"role": "user", "content": "Hi"}]
+        for kw in ({"logit_bias": {"50256": -100}}, {"tool_choice": "required"}, {"modalities": ["text", "audio"]},
+                   {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": "no"}}}):
+            with self.subTest(kw=kw), self.assertRaises(openai.BadRequestError):
+                self.client.chat.completions.create(model="mock", messages=user, extra_headers=headers, **kw)
+        # What changes only the envelope, or asks for the default, is accepted.
+        r = self.client.responses.create(
+            model="mock", input="Hi [mock words=2]", include=[], tools=[], tool_choice="auto",
+            reasoning={"effort": "low"}, truncation="auto", parallel_tool_calls=True,
+        )
+        self.assertEqual(self.audited(r)["reasoning_effort"], "low")
+
+
 if __name__ == "__main__":
     unittest.main()

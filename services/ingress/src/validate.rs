@@ -6,6 +6,7 @@
 use serde_json::Value;
 use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
 use turnlog_core::events::EventKind;
+use turnlog_core::request_body::ResponseFormat;
 use turnlog_core::storable;
 use turnlog_runtime::bus::{json_len, MAX_EVENT_BYTES};
 
@@ -87,7 +88,49 @@ pub fn turn_options(options: &TurnOptions) -> Result<(), ApiError> {
     if let Some(effort) = &options.reasoning_effort {
         storable("reasoning_effort", effort)?;
     }
+    if let Some(format) = &options.response_format {
+        response_format(format)?;
+    }
     Ok(())
+}
+
+/// Longest JSON schema of a structured output, in bytes.
+pub const MAX_SCHEMA_BYTES: usize = 64 * 1024;
+
+/// A structured output's format: `text`, `json_object`, or `json_schema` with a name of
+/// 1-64 of `[A-Za-z0-9_-]` and a schema (a JSON object) of at most [`MAX_SCHEMA_BYTES`].
+pub fn response_format(format: &ResponseFormat) -> Result<(), ApiError> {
+    match (format.kind.as_str(), &format.json_schema) {
+        ("text" | "json_object", None) => Ok(()),
+        ("json_schema", Some(s)) => {
+            let name_ok = (1..=64).contains(&s.name.len())
+                && s.name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+            if !name_ok {
+                return Err(ApiError::bad_request(
+                    "a json_schema format's name is 1-64 letters, digits, underscores or dashes",
+                ));
+            }
+            if let Some(d) = &s.description {
+                storable("the json_schema format's description", d)?;
+            }
+            let schema = s.schema.as_deref().unwrap_or("{}");
+            if schema.len() > MAX_SCHEMA_BYTES {
+                return Err(ApiError::bad_request(format!(
+                    "a json_schema format's schema is {} bytes; the limit is {MAX_SCHEMA_BYTES}",
+                    schema.len()
+                )));
+            }
+            storable("the json_schema format's schema", schema)?;
+            match serde_json::from_str::<Value>(schema) {
+                Ok(Value::Object(_)) => Ok(()),
+                _ => Err(ApiError::bad_request("a json_schema format's schema must be a JSON object")),
+            }
+        }
+        ("json_schema", None) => Err(ApiError::bad_request("a json_schema format needs its schema")),
+        (kind, _) => Err(ApiError::bad_request(format!(
+            "response format {kind:?} is not supported; use text, json_object or json_schema"
+        ))),
+    }
 }
 
 /// A message's documents: their markdown together at most [`MAX_DOCUMENTS_BYTES`].

@@ -102,6 +102,68 @@ fn conversation(messages: &[WireMessage], keep: impl Fn(&str) -> bool) -> String
         .join("\n")
 }
 
+/// A chat answer in the format a request's `response_format` asks for: for `json_schema`,
+/// an instance of its schema (every property, the first of each choice, strings from the
+/// reply's words); for `json_object`, the reply as `{"answer": …}`; otherwise None.
+pub(crate) fn formatted(format: &Value, reply: &str) -> Option<String> {
+    match format.get("type").and_then(Value::as_str)? {
+        "json_schema" => {
+            let schema = format.pointer("/json_schema/schema").cloned().unwrap_or_else(|| json!({}));
+            Some(instance(&schema, &schema, reply, 0).to_string())
+        }
+        "json_object" => Some(json!({"answer": reply}).to_string()),
+        _ => None,
+    }
+}
+
+/// A value `schema` accepts (`root` resolves `$ref`s into `$defs`/`definitions`).
+fn instance(schema: &Value, root: &Value, words: &str, depth: usize) -> Value {
+    if depth > 16 {
+        return Value::Null;
+    }
+    if let Some(r) = schema.get("$ref").and_then(Value::as_str) {
+        let target = r.strip_prefix('#').and_then(|p| root.pointer(p)).unwrap_or(&Value::Null);
+        return instance(target, root, words, depth + 1);
+    }
+    if let Some(v) = schema.get("const") {
+        return v.clone();
+    }
+    if let Some(first) = schema.get("enum").and_then(Value::as_array).and_then(|e| e.first()) {
+        return first.clone();
+    }
+    for choice in ["anyOf", "oneOf", "allOf"] {
+        if let Some(first) = schema.get(choice).and_then(Value::as_array).and_then(|c| c.first()) {
+            return instance(first, root, words, depth + 1);
+        }
+    }
+    let kind = match schema.get("type") {
+        Some(Value::Array(kinds)) => kinds.iter().filter_map(Value::as_str).find(|k| *k != "null"),
+        Some(v) => v.as_str(),
+        None if schema.get("properties").is_some() => Some("object"),
+        None => None,
+    };
+    match kind {
+        Some("object") => {
+            let props = schema.get("properties").and_then(Value::as_object);
+            let object = props
+                .into_iter()
+                .flatten()
+                .map(|(k, v)| (k.clone(), instance(v, root, words, depth + 1)))
+                .collect::<serde_json::Map<_, _>>();
+            Value::Object(object)
+        }
+        Some("array") => {
+            let item = schema.get("items").cloned().unwrap_or_else(|| json!({"type": "string"}));
+            json!([instance(&item, root, words, depth + 1)])
+        }
+        Some("integer") => json!(schema.get("minimum").and_then(Value::as_i64).unwrap_or(42).max(0)),
+        Some("number") => json!(schema.get("minimum").and_then(Value::as_f64).unwrap_or(4.2)),
+        Some("boolean") => json!(true),
+        Some("null") => Value::Null,
+        _ => json!(words),
+    }
+}
+
 const VOCABULARY: [&str; 40] = [
     "the", "model", "answers", "with", "a", "steady", "stream", "of", "words", "that", "mean", "little",
     "but", "arrive", "in", "order", "every", "token", "is", "counted", "and", "kept", "log", "grows", "only",
@@ -316,6 +378,28 @@ mod tests {
         assert_ne!(a, chat_reply("hello there", 20));
         assert_eq!(a.split_whitespace().count(), 20);
         assert!(a.ends_with('.'));
+    }
+
+    #[test]
+    fn a_schema_gets_an_instance_of_itself() {
+        let format = json!({"type": "json_schema", "json_schema": {"name": "P", "schema": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"}, "days": {"type": "integer", "minimum": 3},
+                "tags": {"type": "array", "items": {"$ref": "#/$defs/Tag"}},
+                "mood": {"enum": ["calm", "wild"]}, "note": {"anyOf": [{"type": "null"}, {"type": "string"}]},
+            },
+            "$defs": {"Tag": {"type": "object", "properties": {"ok": {"type": "boolean"}}}},
+        }}});
+        let v: Value = serde_json::from_str(&formatted(&format, "Quiet river.").unwrap()).unwrap();
+        assert_eq!(
+            v,
+            json!({"city": "Quiet river.", "days": 3, "tags": [{"ok": true}], "mood": "calm", "note": null})
+        );
+        let object: Value =
+            serde_json::from_str(&formatted(&json!({"type": "json_object"}), "x").unwrap()).unwrap();
+        assert_eq!(object, json!({"answer": "x"}));
+        assert_eq!(formatted(&json!({"type": "text"}), "x"), None);
     }
 
     #[test]

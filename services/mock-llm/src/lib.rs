@@ -287,6 +287,8 @@ struct ChatBody {
     max_tokens: Option<u32>,
     #[serde(default)]
     max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    response_format: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -360,6 +362,9 @@ async fn chat(State(mock): State<Arc<Mock>>, headers: HeaderMap, body: Bytes) ->
     } else {
         text
     };
+    // Structured outputs: the chat reply in the format asked for.
+    let formatted = request.response_format.as_ref().filter(|_| task == Task::Chat);
+    let text = formatted.and_then(|f| answers::formatted(f, &text)).unwrap_or(text);
     let answer = respond::Answer::new(
         format!("chatcmpl-mock-{:016x}", answers::fnv1a(&body)),
         request.model,

@@ -50,17 +50,36 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
+/// Chat Completions' `response_format`: `text`, `json_object`, or `json_schema` with its
+/// schema (structured outputs).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ResponseFormat {
-    /// `json_object`, …
+    /// `text`, `json_object` or `json_schema`.
     #[serde(rename = "type")]
     pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub json_schema: Option<JsonSchemaFormat>,
 }
 
 impl ResponseFormat {
     pub fn json_object() -> Self {
-        Self { kind: "json_object".into() }
+        Self { kind: "json_object".into(), json_schema: None }
     }
+}
+
+/// A `json_schema` response format. The schema is kept as the JSON text the client sent:
+/// a JSON map would reorder its keys (a jsonb column sorts them), and the order of a
+/// schema's properties is the order the model writes them in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JsonSchemaFormat {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// The schema's JSON text, exactly as received.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub strict: Option<bool>,
 }
 
 /// A body as sent, and the SHA-256 of exactly those bytes (lowercase hex).
@@ -96,7 +115,7 @@ pub fn request_body(
         frequency_penalty: params.frequency_penalty,
         seed: params.seed,
         stop: params.stop.as_deref(),
-        response_format: params.response_format.as_ref(),
+        response_format: params.response_format.as_ref().map(WireFormat::of),
     };
     // Structs of strings, numbers and bools always serialize.
     let bytes = serde_json::to_vec(&body).unwrap_or_default();
@@ -134,7 +153,42 @@ struct WireBody<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     stop: Option<&'a [String]>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    response_format: Option<&'a ResponseFormat>,
+    response_format: Option<WireFormat<'a>>,
+}
+
+/// `response_format` on the wire: a `json_schema`'s schema written as the JSON it is.
+#[derive(Serialize)]
+struct WireFormat<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    json_schema: Option<WireSchema<'a>>,
+}
+
+#[derive(Serialize)]
+struct WireSchema<'a> {
+    name: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    description: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    schema: Option<&'a serde_json::value::RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    strict: Option<bool>,
+}
+
+impl<'a> WireFormat<'a> {
+    /// The format as sent. The schema text was checked to be JSON when the request came
+    /// in; a record whose text is not (it cannot be, short of a hand-edited log) sends
+    /// none.
+    fn of(format: &'a ResponseFormat) -> Self {
+        let json_schema = format.json_schema.as_ref().map(|s| WireSchema {
+            name: &s.name,
+            description: s.description.as_deref(),
+            schema: s.schema.as_deref().and_then(|t| serde_json::from_str(t).ok()),
+            strict: s.strict,
+        });
+        Self { kind: &format.kind, json_schema }
+    }
 }
 
 #[derive(Serialize)]
@@ -249,6 +303,34 @@ mod tests {
             String::from_utf8(plain.bytes).unwrap(),
             r#"{"model":"m","messages":[{"role":"system","content":"be brief"}],"stream":false}"#
         );
+    }
+
+    /// A structured output's schema reaches the model in the order the client wrote it,
+    /// also after its record went through a jsonb column (which sorts object keys).
+    #[test]
+    fn a_json_schema_keeps_its_key_order_through_the_log() {
+        let schema = r#"{"type":"object","properties":{"zeta":{"type":"string"},"alpha":{"type":"integer"}},"required":["zeta","alpha"]}"#;
+        let format = ResponseFormat {
+            kind: "json_schema".into(),
+            json_schema: Some(JsonSchemaFormat {
+                name: "answer".into(),
+                description: None,
+                schema: Some(schema.into()),
+                strict: Some(true),
+            }),
+        };
+        let params = RequestParams { response_format: Some(format), ..RequestParams::default() };
+        // Through the log: a JSON map with sorted keys, as jsonb would give it back.
+        let stored: serde_json::Value = serde_json::to_value(&params).unwrap();
+        let params: RequestParams = serde_json::from_value(stored).unwrap();
+        let body = request_body("m", &[ChatMessage::text(Role::User, "hi")], &params, None);
+        let expected = concat!(
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false,"#,
+            r#""response_format":{"type":"json_schema","json_schema":{"name":"answer","schema":"#,
+            r#"{"type":"object","properties":{"zeta":{"type":"string"},"alpha":{"type":"integer"}},"required":["zeta","alpha"]}"#,
+            r#","strict":true}}}"#,
+        );
+        assert_eq!(String::from_utf8(body.bytes).unwrap(), expected);
     }
 
     #[test]

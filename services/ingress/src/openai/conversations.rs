@@ -41,6 +41,9 @@ pub struct NewItem {
     pub text: String,
     /// A user message's images (stored files), from Chat Completions' image parts.
     pub images: Vec<ImageRef>,
+    /// The id the item came with when it is one of turnlog's (`msg_<32 hex>`): an item a
+    /// client adds back after reading it from a response (the Agents SDK's sessions).
+    pub id: Option<Uuid>,
 }
 
 /// `items` of a create: messages whose content is a string or text parts.
@@ -77,7 +80,9 @@ fn parse_item(item: &Value) -> Result<NewItem, OaiError> {
         return Err(OaiError::bad_request("an item's text must not be empty"));
     }
     crate::validate::text(&text)?;
-    Ok(NewItem { assistant, text, images: Vec::new() })
+    let id = item.get("id").and_then(Value::as_str).and_then(|id| id.strip_prefix("msg_"));
+    let id = id.filter(|hex| hex.len() == 32).and_then(|hex| Uuid::parse_str(hex).ok());
+    Ok(NewItem { assistant, text, images: Vec::new(), id })
 }
 
 impl NewItem {
@@ -150,6 +155,60 @@ pub async fn append_items(
         Ok(result) => Ok(result?),
         Err(e) => Err(OaiError(crate::error::ApiError::internal(e))),
     }
+}
+
+/// `items` without those the conversation already holds: an item whose turnlog id names a
+/// message of the session's conversation with the same role and text is that message; so
+/// is a first item without an id that repeats the conversation's last message when that
+/// is an answer a response gave (the Agents SDK's sessions add a response's answer back to
+/// the conversation, without its id). Each is listed as it is and not stored again. Returns the items to append and, in the request's order, the
+/// listed item of each one left out (`None` where an appended item goes).
+pub async fn already_held(
+    app: &AppState,
+    caller: &Caller,
+    session: SessionId,
+    items: Vec<NewItem>,
+) -> Result<(Vec<NewItem>, Vec<Option<Value>>), OaiError> {
+    let answer_first = items.first().is_some_and(|i| i.assistant);
+    if items.iter().all(|i| i.id.is_none()) && !answer_first {
+        let n = items.len();
+        return Ok((items, vec![None; n]));
+    }
+    let events = read::all_events(&app.pool, caller.owner(), session)
+        .await?
+        .ok_or_else(|| OaiError::not_found("conversation"))?;
+    let held = conversation_items(&events);
+    // The conversation's last message when it is an answer a response gave (not one added
+    // as an item): the answer an Agents SDK session adds back, without its id.
+    let last_answer = held.last().filter(|h| {
+        let answered = |e: &turnlog_core::events::Event| match &e.body {
+            EventBody::AssistantTurn(a) => a.attempt_id.as_ref().and_then(|a| a.as_uuid()).map(message_id),
+            _ => None,
+        };
+        h["role"] == "assistant"
+            && events.iter().rev().find_map(answered).is_some_and(|id| h["id"] == id.as_str())
+    });
+    let same_text = |h: &Value, item: &NewItem| {
+        h["content"][0]["text"].as_str().is_some_and(|t| t.trim() == item.text.trim())
+    };
+    let (mut new, mut order) = (Vec::new(), Vec::new());
+    for (i, item) in items.into_iter().enumerate() {
+        let same = match item.id.map(message_id) {
+            Some(id) => held.iter().find(|h| {
+                h["id"] == id.as_str() && (h["role"] == "assistant") == item.assistant && same_text(h, &item)
+            }),
+            None if i == 0 && item.assistant => last_answer.filter(|h| same_text(h, &item)),
+            None => None,
+        };
+        match same {
+            Some(h) => order.push(Some(h.clone())),
+            None => {
+                order.push(None);
+                new.push(item);
+            }
+        }
+    }
+    Ok((new, order))
 }
 
 /// A request body as a JSON object; an empty body is `{}`.

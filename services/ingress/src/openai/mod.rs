@@ -10,6 +10,7 @@ pub mod branches;
 pub mod chat;
 pub mod conversations;
 pub mod error;
+pub mod params;
 pub mod responses;
 pub mod wire;
 

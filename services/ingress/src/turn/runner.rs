@@ -11,7 +11,7 @@ use turnlog_core::budget::{budget_for, history_tokens, request_size};
 use turnlog_core::events::*;
 use turnlog_core::ids::{AttemptId, Owner, SessionId};
 use turnlog_core::request::{reserve_tokens, Extras};
-use turnlog_core::request_body::{RequestBody, RequestParams, ResolveImage, StreamOptions};
+use turnlog_core::request_body::{RequestBody, RequestParams, ResolveImage, ResponseFormat, StreamOptions};
 use turnlog_core::stream::{
     FailureCode, Meta, OutcomeEvent, StreamError, Text, TurnEnd, TurnEvent, TurnStatus, STOPPED_BEFORE_TEXT,
 };
@@ -73,6 +73,8 @@ pub struct TurnOptions {
     pub seed: Option<i64>,
     pub stop: Option<Vec<String>>,
     pub reasoning_effort: Option<String>,
+    /// Structured outputs: the format the answer must take.
+    pub response_format: Option<ResponseFormat>,
 }
 
 /// Starts the turn's task and registers it; the returned handle is what clients follow.
@@ -388,8 +390,8 @@ impl Turn<'_> {
             seed: options.seed,
             stop: options.stop.clone(),
             reasoning_effort: options.reasoning_effort.clone(),
+            response_format: options.response_format.clone(),
             images: urls.is_some(),
-            ..Default::default()
         };
         let resolve = urls.as_ref().map(|urls| move |id: &str, _: &str| urls.get(id).cloned());
         let resolve = resolve.as_ref().map(|r| r as ResolveImage<'_>);

@@ -61,9 +61,9 @@ pub use events::{all_events, event_at, events_page, live_tail, tail_through, Liv
 pub use listing::{explain_list_sessions, list_sessions, Cursor, ListQuery};
 pub use memories::{recall_memories, recall_relevant, Memory};
 pub use search::{search, SearchHit};
-pub use sessions::{family, forks_of, get_session, ForkSummary, SessionRow, SESSION_COLUMNS};
+pub use sessions::{family, forks_of, get_session, latest_active, ForkSummary, SessionRow, SESSION_COLUMNS};
 pub use transcript::{transcript_page, TranscriptPage};
 pub use turns::{
-    answered_before, attempt_event, attempt_request, last_user_message, permission_status, turn_events,
-    PermissionStatus,
+    answered_before, attempt_event, attempt_request, last_user_message, message_events, permission_status,
+    turn_events, PermissionStatus,
 };

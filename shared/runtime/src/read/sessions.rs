@@ -113,6 +113,25 @@ pub async fn get_session(
     .await
 }
 
+/// The owner's live session most recently active within the last `within` seconds (by
+/// its newest message's stream time), if any.
+pub async fn latest_active(
+    pool: &PgPool,
+    owner: &Owner,
+    within: f64,
+) -> Result<Option<SessionRow>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "SELECT {SESSION_COLUMNS} FROM sessions
+          WHERE owner = $1 AND archived = false AND hidden_seq IS NULL
+            AND active_at >= now() - make_interval(secs => $2)
+          ORDER BY active_at DESC, id DESC LIMIT 1"
+    ))
+    .bind(owner.as_str())
+    .bind(within)
+    .fetch_optional(pool)
+    .await
+}
+
 /// A session's forks as its detail lists them: the live sessions created from it.
 #[derive(Debug, Clone, PartialEq, Serialize, sqlx::FromRow)]
 pub struct ForkSummary {

@@ -118,6 +118,36 @@ pub async fn answered_before(pool: &PgPool, session: SessionId, before: i64) -> 
     .await
 }
 
+/// The events that OpenAI items `ids` (`msg_` and a UUID) name in the owner's visible
+/// sessions: user messages and answers by event id, answers and final checkpoints by
+/// attempt id (the newest event of each attempt). At most one row per id found; the caller
+/// matches them to its ids.
+pub async fn message_events(
+    pool: &PgPool,
+    owner: &Owner,
+    ids: &[uuid::Uuid],
+) -> Result<Vec<StoredEvent>, ReadError> {
+    let attempts: Vec<String> = ids.iter().map(|id| id.hyphenated().to_string()).collect();
+    let rows: Vec<StoredEvent> = sqlx::query_as(concat!(
+        "SELECT DISTINCT ON (key) ",
+        event_columns!(),
+        " FROM (SELECT e.*, CASE WHEN e.event_id = ANY($2) THEN e.event_id::text
+                                ELSE e.payload ->> 'attempt_id' END AS key
+                  FROM session_events e JOIN sessions s ON s.id = e.session_id
+                 WHERE s.owner = $1 AND s.hidden_seq IS NULL
+                   AND ((e.event_id = ANY($2) AND e.kind IN ('user_message', 'assistant_turn'))
+                        OR ((e.payload ->> 'attempt_id') = ANY($3)
+                            AND e.kind IN ('assistant_turn', 'pending_state', 'turn_failed')))) e
+          ORDER BY key, e.seq DESC"
+    ))
+    .bind(owner.as_str())
+    .bind(ids)
+    .bind(&attempts)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows)
+}
+
 /// The newest event of attempt `attempt_id` (its outcome once it ended: `assistant_turn`,
 /// a final `pending_state` or `turn_failed`; before that, its latest checkpoint), in the
 /// owner's visible session that ran it.

@@ -18,8 +18,8 @@ use crate::openai::OaiError;
 use crate::{passthrough, AppState};
 
 pub use answer::{chunks, completion};
-pub use request::{conversation, options, session_header, CompletionRequest};
-pub use turn::{reconcile, run, Reconciled, Turn};
+pub use request::{conversation, options, session_header, CompletionRequest, Conversation, Image};
+pub use turn::{reconcile, run, Family, Reconciled, Target, Turn};
 
 /// A request that stores nothing: the client's own body to the gateway (with the default
 /// model when it names none), within the caps, its answer back as it came.

@@ -8,6 +8,7 @@ use serde_json::Value;
 use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
 use utoipa::ToSchema;
 
+use crate::openai::params::{self, ChatResponseFormat};
 use crate::openai::OaiError;
 use crate::turn::TurnOptions;
 use crate::{validate, Ingress};
@@ -57,6 +58,36 @@ pub struct CompletionRequest {
     #[serde(default)]
     #[schema(value_type = Option<Vec<Object>>)]
     pub functions: Option<Vec<Value>>,
+    /// Structured outputs: sent to the model and recorded with the request.
+    #[serde(default)]
+    pub response_format: Option<ChatResponseFormat>,
+    /// `none` or `auto` (turnlog does not run tools yet).
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<Value>,
+    /// `none` or `auto`.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub function_call: Option<Value>,
+    /// `medium` (the default) only.
+    #[serde(default)]
+    pub verbosity: Option<String>,
+    /// Refused unless empty: the gateway request is turnlog's, not the client's.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub logit_bias: Option<Value>,
+    /// Refused: a session stores text answers.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub audio: Option<Value>,
+    /// `["text"]` only.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<String>>)]
+    pub modalities: Option<Value>,
+    /// Refused: turnlog does not search the web.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub web_search_options: Option<Value>,
 }
 
 /// `stop`: one sequence or up to four.
@@ -94,8 +125,18 @@ pub struct WireMessage {
 pub struct Conversation {
     pub system: Option<String>,
     pub messages: Vec<(bool, String)>,
-    /// Each message's images, as the `data:` URLs the client sent (aligned with `messages`).
-    pub images: Vec<Vec<String>>,
+    /// Each message's images (aligned with `messages`).
+    pub images: Vec<Vec<Image>>,
+    /// The last message's documents, by file id (Responses' `input_file` parts).
+    pub documents: Vec<String>,
+}
+
+/// An image of a message: a `data:` URL a Chat Completions client sent (stored as a file
+/// when the message is), or a Responses client's uploaded file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Image {
+    DataUrl(String),
+    File(String),
 }
 
 impl CompletionRequest {
@@ -116,6 +157,20 @@ impl CompletionRequest {
             || self.functions.as_ref().is_some_and(|f| !f.is_empty())
         {
             return Err(OaiError::bad_request("tools are not supported: turnlog does not run tools yet"));
+        }
+        // Every other field that changes the answer reaches the model or is refused.
+        params::tool_choice(self.tool_choice.as_ref())?;
+        params::tool_choice(self.function_call.as_ref())?;
+        params::verbosity(self.verbosity.as_deref())?;
+        params::unsupported("logit_bias", self.logit_bias.as_ref(), "a session's request is turnlog's")?;
+        params::unsupported("audio", self.audio.as_ref(), "a session stores text answers")?;
+        params::unsupported(
+            "web_search_options",
+            self.web_search_options.as_ref(),
+            "turnlog does not search the web",
+        )?;
+        if self.modalities.as_ref().is_some_and(|m| !m.is_null() && *m != serde_json::json!(["text"])) {
+            return Err(OaiError::bad_request("modalities other than [\"text\"] are not supported"));
         }
         Ok(())
     }
@@ -178,7 +233,7 @@ pub fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> 
         // A branch's conversation has no empty messages either (a failed answer, say).
         if !text.trim().is_empty() {
             rest.push((user, text));
-            images.push(urls);
+            images.push(urls.into_iter().map(Image::DataUrl).collect());
         } else if !urls.is_empty() {
             return Err(OaiError::bad_request("a message with images needs text too"));
         }
@@ -201,7 +256,12 @@ pub fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> 
     if images.iter().map(Vec::len).sum::<usize>() > MAX_IMAGE_PARTS {
         return Err(OaiError::bad_request(format!("a request carries at most {MAX_IMAGE_PARTS} images")));
     }
-    Ok(Conversation { system: (!system.is_empty()).then_some(system), messages: rest, images })
+    Ok(Conversation {
+        system: (!system.is_empty()).then_some(system),
+        messages: rest,
+        images,
+        documents: Vec::new(),
+    })
 }
 
 /// A message's text (a string, or its text parts joined) and its images' URLs (`image_url`
@@ -259,6 +319,7 @@ pub fn options(req: &CompletionRequest, system: Option<String>) -> Result<TurnOp
         seed: req.seed,
         stop,
         reasoning_effort: req.reasoning_effort.clone(),
+        response_format: req.response_format.as_ref().and_then(ChatResponseFormat::format),
     };
     // Before the request's earlier messages are added to its session.
     validate::turn_options(&options)?;
@@ -309,7 +370,10 @@ mod tests {
         ])))
         .unwrap();
         assert_eq!(c.messages.last(), Some(&(true, "What is this?".to_owned())));
-        assert_eq!(c.images, vec![vec![], vec![], vec!["data:image/png;base64,AAAA".to_owned()]]);
+        assert_eq!(
+            c.images,
+            vec![vec![], vec![], vec![Image::DataUrl("data:image/png;base64,AAAA".to_owned())]]
+        );
     }
 
     #[test]

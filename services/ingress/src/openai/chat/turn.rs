@@ -12,7 +12,7 @@ use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read::{self, SessionRow};
 use uuid::Uuid;
 
-use super::request::Conversation;
+use super::request::{Conversation, Image};
 use crate::auth::Caller;
 use crate::idempotency::derived;
 use crate::openai::branches::{plan, request_messages, Branch, Plan};
@@ -37,20 +37,27 @@ pub struct Reconciled {
     pub took: Duration,
 }
 
-/// Compares `conversation` with the branches of the family the header value `family`
-/// names (DESIGN §13): the branch it continues, the fork where it parts from them, or a
-/// new family's first session; None when the request is to be passed through (a side
-/// task's request).
+/// A family of branches (a session and its forks): its root, and the branch a request
+/// named (it wins a tie).
+#[derive(Debug, Clone, Copy)]
+pub struct Family {
+    pub root: SessionId,
+    pub named: Option<SessionId>,
+}
+
+/// Compares `conversation` with the branches of `family` (DESIGN §13): the branch it
+/// continues, the fork where it parts from them, or a new family's first session; None
+/// when the request is to be passed through (a side task's request).
 pub async fn reconcile(
     app: &AppState,
     caller: &Caller,
-    family: &str,
+    family: Family,
     conversation: &Conversation,
     streamed: bool,
 ) -> Result<Option<Reconciled>, OaiError> {
     let t0 = Instant::now();
     let request = request_messages(conversation.messages.iter().map(|(u, t)| (*u, t.as_str())));
-    let (root, named) = family_root(app, caller, family).await?;
+    let Family { root, named } = family;
     let rows = read::family(&app.pool, caller.owner(), root).await?;
     let mut branches = Vec::with_capacity(rows.len());
     for row in rows {
@@ -73,22 +80,30 @@ pub async fn reconcile(
     Ok(Some(Reconciled { target, from, took }))
 }
 
-/// The root of the family a header value names, and the session it named when it is one
-/// of the caller's sessions (then its fork tree is the family). Any other value names the
-/// family of a session whose id derives from the owner and the value.
-async fn family_root(
-    app: &AppState,
-    caller: &Caller,
-    value: &str,
-) -> Result<(SessionId, Option<SessionId>), OaiError> {
-    if let Ok(id) = Uuid::parse_str(value) {
-        if let Some(row) = read::get_session(&app.pool, caller.owner(), SessionId(id)).await? {
-            let root = row.lineage.first().copied().map_or(row.id, SessionId);
-            return Ok((root, Some(row.id)));
-        }
+impl Family {
+    /// The family of session `row`: its fork tree's, naming it.
+    pub fn of(row: &SessionRow) -> Self {
+        Self { root: row.lineage.first().copied().map_or(row.id, SessionId), named: Some(row.id) }
     }
-    let root = SessionId(derived(caller.owner(), "chat completions session", value));
-    Ok((root, Some(root)))
+
+    /// The family a session header value names: the fork tree of the session it names when
+    /// it is one of the caller's sessions; for any other value, the family of a session
+    /// whose id derives from the owner and the value.
+    pub async fn of_header(app: &AppState, caller: &Caller, value: &str) -> Result<Self, OaiError> {
+        if let Ok(id) = Uuid::parse_str(value) {
+            if let Some(row) = read::get_session(&app.pool, caller.owner(), SessionId(id)).await? {
+                return Ok(Self::of(&row));
+            }
+        }
+        let root = SessionId(derived(caller.owner(), "chat completions session", value));
+        Ok(Self { root, named: Some(root) })
+    }
+
+    /// A family of its own: a new session's.
+    pub fn fresh() -> Self {
+        let root = SessionId::new();
+        Self { root, named: Some(root) }
+    }
 }
 
 /// The `create` of a family's first session.
@@ -126,6 +141,9 @@ pub async fn run(
 ) -> Result<(SessionId, BoxStream<'static, StreamEvent>), OaiError> {
     let Turn { conversation, from, options, model } = turn;
     let from = from.min(conversation.messages.len());
+    if !conversation.documents.is_empty() && from == conversation.messages.len() {
+        return Err(OaiError::bad_request("files can be attached to a new message only"));
+    }
     let new = &conversation.messages[from..];
     let new_images = &conversation.images[from..];
     let Some(((_, last), earlier)) = new.split_last() else {
@@ -169,10 +187,13 @@ pub async fn run(
         validate::model(&app.config, model)?;
     }
     let mut stored = Vec::with_capacity(new_images.len());
-    for urls in new_images {
-        let mut ids = Vec::with_capacity(urls.len());
-        for url in urls {
-            ids.push(files::image_from_data_url(app, owner, url).await?);
+    for images in new_images {
+        let mut ids = Vec::with_capacity(images.len());
+        for image in images {
+            ids.push(match image {
+                Image::DataUrl(url) => files::image_from_data_url(app, owner, url).await?,
+                Image::File(id) => id.clone(),
+            });
         }
         stored.push(ids);
     }
@@ -181,13 +202,13 @@ pub async fn run(
         category: None,
         model,
         images: stored.pop().unwrap_or_default(),
-        documents: Vec::new(),
+        documents: conversation.documents.clone(),
     };
     let message = prepared(app, owner, &message).await?;
     let mut items: Vec<NewItem> = Vec::with_capacity(earlier.len());
     for ((user, text), ids) in earlier.iter().zip(&stored) {
         let images = files::attachments(&app.pool, app.files.as_ref(), owner, ids, &[]).await?.0;
-        items.push(NewItem { assistant: !user, text: text.clone(), images });
+        items.push(NewItem { assistant: !user, text: text.clone(), images, id: None });
     }
     for item in &items {
         validate::text(&item.text)?;

@@ -6,12 +6,13 @@
 use serde::Deserialize;
 use serde_json::Value;
 use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
-use turnlog_core::request_body::{request_body, RequestBody, RequestParams, StreamOptions};
+use turnlog_core::request_body::{request_body, RequestBody, RequestParams, ResponseFormat, StreamOptions};
 use turnlog_core::{ChatMessage, Role};
 use utoipa::{IntoParams, ToSchema};
 
 use super::translate::Echo;
 use crate::config::IngressConfig;
+use crate::openai::params::{self, TextParam};
 use crate::openai::OaiError;
 use crate::turn::{NewMessage, TurnOptions};
 use crate::validate;
@@ -49,6 +50,27 @@ pub struct CreateResponse {
     #[serde(default)]
     #[schema(value_type = Option<Vec<Object>>)]
     pub tools: Option<Vec<Value>>,
+    /// The answer's format (structured outputs): sent to the model and recorded with the
+    /// request.
+    #[serde(default)]
+    pub text: Option<TextParam>,
+    #[serde(default)]
+    pub reasoning: Option<Reasoning>,
+    /// `none` or `auto` (turnlog does not run tools yet).
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<Value>,
+    /// Refused: turnlog keeps no prompt templates.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub prompt: Option<Value>,
+}
+
+/// `reasoning`: its effort reaches the model (its summary setting is ignored).
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct Reasoning {
+    #[serde(default)]
+    pub effort: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -58,13 +80,70 @@ pub enum Input {
     Items(Vec<InputItem>),
 }
 
+/// An input item: a message (`type` absent or `message`), an `item_reference` to one of
+/// turnlog's items, or a `reasoning` item (skipped: turnlog keeps its own).
 #[derive(Debug, Deserialize)]
 pub struct InputItem {
+    #[serde(default, rename = "type")]
+    pub kind: Option<String>,
+    /// A message's or a reference's id: `msg_<32 hex>` names one of turnlog's items.
+    #[serde(default)]
+    pub id: Option<String>,
     #[serde(default)]
     pub role: Option<String>,
     #[serde(default)]
     pub content: Option<Content>,
 }
+
+impl InputItem {
+    fn is_system(&self) -> bool {
+        self.is_message() && matches!(self.role.as_deref(), Some("system" | "developer"))
+    }
+
+    fn is_message(&self) -> bool {
+        matches!(self.kind.as_deref(), None | Some("message"))
+    }
+
+    fn is_reference(&self) -> bool {
+        self.kind.as_deref() == Some("item_reference")
+    }
+
+    /// The turnlog item the id names, when it is one of turnlog's ids.
+    fn message_id(&self) -> Option<uuid::Uuid> {
+        self.id
+            .as_deref()
+            .and_then(|id| id.strip_prefix("msg_"))
+            .and_then(|hex| (hex.len() == 32).then(|| uuid::Uuid::parse_str(hex).ok()).flatten())
+    }
+}
+
+/// A message of a resent history (Responses `input` with earlier turns in it, DESIGN §13):
+/// its role and text, or for an `item_reference` only the id whose item gives them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HistoryItem {
+    pub user: bool,
+    /// None for a reference.
+    pub text: Option<String>,
+    /// The turnlog item it names (a reference's, or a message's own id).
+    pub id: Option<uuid::Uuid>,
+    pub reference: bool,
+    /// A user message's images and documents, by file id.
+    pub images: Vec<String>,
+    pub documents: Vec<String>,
+}
+
+/// What a stored response's input is.
+#[derive(Debug)]
+pub enum StoredInput {
+    /// This turn's user text and files: a string, or user items (joined).
+    Turn(NewMessage),
+    /// A history: earlier turns (assistant messages, references to turnlog's items, or
+    /// messages with turnlog's ids) and the user message to answer last.
+    History(Vec<HistoryItem>),
+}
+
+/// Most items a resent history may hold.
+const MAX_HISTORY_ITEMS: usize = 1_000;
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -91,7 +170,39 @@ impl CreateResponse {
         if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(OaiError::bad_request("tools are not supported: turnlog does not run tools yet"));
         }
+        // Every other field that changes the answer reaches the model or is refused.
+        params::tool_choice(req.tool_choice.as_ref())?;
+        params::unsupported("prompt", req.prompt.as_ref(), "turnlog keeps no prompt templates")?;
+        req.response_format()?;
         Ok(req)
+    }
+
+    /// The answer's format the request asks for (none for plain text).
+    fn response_format(&self) -> Result<Option<ResponseFormat>, OaiError> {
+        self.text.as_ref().map_or(Ok(None), TextParam::format)
+    }
+
+    /// The request's system text: `instructions`, then its `system` and `developer` input
+    /// messages (as OpenAI reads them), joined by blank lines.
+    pub fn system(&self) -> Result<Option<String>, OaiError> {
+        let mut parts: Vec<String> = self.instructions.iter().cloned().collect();
+        if let Input::Items(items) = &self.input {
+            for item in items.iter().filter(|i| i.is_system()) {
+                if let Some(Content::Parts(p)) = &item.content {
+                    if p.iter().any(|p| p.get("type").and_then(Value::as_str) != Some("input_text")) {
+                        return Err(OaiError::bad_request("a system or developer message holds text only"));
+                    }
+                }
+                parts.push(content_text(item.content.as_ref())?);
+            }
+        }
+        let system = parts.join("\n\n");
+        if system.len() > MAX_SYSTEM_PROMPT_BYTES {
+            return Err(OaiError::bad_request(format!(
+                "instructions and system messages take more than {MAX_SYSTEM_PROMPT_BYTES} bytes"
+            )));
+        }
+        Ok((!parts.is_empty()).then_some(system))
     }
 
     /// A stored response's checks: one way to name the conversation, and instructions that
@@ -100,11 +211,7 @@ impl CreateResponse {
         if self.conversation.is_some() && self.previous_response_id.is_some() {
             return Err(OaiError::bad_request("send conversation or previous_response_id, not both"));
         }
-        if self.instructions.as_ref().is_some_and(|i| i.len() > MAX_SYSTEM_PROMPT_BYTES) {
-            return Err(OaiError::bad_request(format!(
-                "instructions take more than {MAX_SYSTEM_PROMPT_BYTES} bytes"
-            )));
-        }
+        self.system()?;
         Ok(())
     }
 
@@ -129,28 +236,60 @@ impl CreateResponse {
         })
     }
 
-    /// The stored turn's message: the user's text of this turn and the files it attaches.
-    pub fn message(&self) -> Result<NewMessage, OaiError> {
-        let input = user_input(&self.input)?;
-        Ok(NewMessage {
+    /// A stored response's input: this turn's message, or a resent history when it holds
+    /// earlier turns (an assistant message, an `item_reference`, a message with one of
+    /// turnlog's ids). A history cannot also name a conversation or previous response.
+    pub fn stored_input(&self) -> Result<StoredInput, OaiError> {
+        let Input::Items(items) = &self.input else {
+            return Ok(StoredInput::Turn(self.new_message(user_input(&self.input)?)));
+        };
+        let history = items.iter().any(|i| {
+            i.is_reference()
+                || (i.is_message() && (i.role.as_deref() == Some("assistant") || i.message_id().is_some()))
+        });
+        if !history {
+            return Ok(StoredInput::Turn(self.new_message(user_input(&self.input)?)));
+        }
+        if self.conversation.is_some() || self.previous_response_id.is_some() {
+            return Err(OaiError::bad_request(
+                "input holds earlier turns: send the history alone, or conversation or \
+                 previous_response_id with only the new messages",
+            ));
+        }
+        if items.len() > MAX_HISTORY_ITEMS {
+            return Err(OaiError::bad_request(format!("input holds at most {MAX_HISTORY_ITEMS} items")));
+        }
+        history_items(items).map(StoredInput::History)
+    }
+
+    fn new_message(&self, input: UserInput) -> NewMessage {
+        NewMessage {
             text: input.text,
             category: None,
             model: self.model.clone(),
             images: input.images,
             documents: input.documents,
-        })
+        }
     }
 
-    /// The stored turn's options: the instructions as its system text, and the sampling
-    /// parameters it sets.
-    pub fn options(&self) -> TurnOptions {
-        TurnOptions {
-            system: self.instructions.clone(),
+    /// The stored turn's options: its system text, the sampling parameters and the answer's
+    /// format it sets.
+    pub fn options(&self) -> Result<TurnOptions, OaiError> {
+        let effort = self.reasoning.as_ref().and_then(|r| r.effort.clone());
+        if effort.as_ref().is_some_and(|e| e.is_empty() || e.chars().count() > 64) {
+            return Err(OaiError::bad_request("reasoning.effort is 1-64 characters"));
+        }
+        let options = TurnOptions {
+            system: self.system()?,
             max_tokens: self.max_output_tokens,
             temperature: self.temperature,
             top_p: self.top_p,
+            reasoning_effort: effort,
+            response_format: self.response_format()?,
             ..Default::default()
-        }
+        };
+        validate::turn_options(&options)?;
+        Ok(options)
     }
 
     /// What the response object repeats of the request.
@@ -163,6 +302,8 @@ impl CreateResponse {
             top_p: self.top_p,
             store: true,
             background: self.background,
+            text: self.text.as_ref().map(TextParam::echo),
+            reasoning_effort: self.reasoning.as_ref().and_then(|r| r.effort.clone()),
         }
     }
 
@@ -179,12 +320,15 @@ impl CreateResponse {
         if messages.iter().all(|m| m.role != Role::User) {
             return Err(OaiError::bad_request("input needs a user message"));
         }
+        let options = self.options()?;
         let params = RequestParams {
             stream: true,
             stream_options: Some(StreamOptions { include_usage: true }),
-            max_tokens: self.max_output_tokens,
-            temperature: self.temperature,
-            top_p: self.top_p,
+            max_tokens: options.max_tokens,
+            temperature: options.temperature,
+            top_p: options.top_p,
+            reasoning_effort: options.reasoning_effort,
+            response_format: options.response_format,
             ..Default::default()
         };
         let body = request_body(&model, &messages, &params, None);
@@ -200,22 +344,75 @@ fn user_input(input: &Input) -> Result<UserInput, OaiError> {
     };
     let mut texts = Vec::new();
     let mut input = UserInput::default();
-    for item in items {
+    for item in items.iter().filter(|i| !i.is_system() && i.kind.as_deref() != Some("reasoning")) {
         match item.role.as_deref() {
-            Some("user") => texts.push(user_content(item.content.as_ref(), &mut input)?),
-            Some("system" | "developer") => {
-                return Err(OaiError::bad_request("send system text as `instructions`"));
-            }
+            Some("user") if item.is_message() => texts.push(user_content(item.content.as_ref(), &mut input)?),
             _ => {
                 return Err(OaiError::bad_request(
-                    "input items must be user messages; earlier turns belong in the conversation \
-                     (POST /v1/conversations/{id}/items), or send store: false with the whole history",
+                    "input items must be messages (user, assistant, system or developer), \
+                     item_references or reasoning items",
                 ))
             }
         }
     }
     input.text = texts.join("\n\n");
     Ok(input)
+}
+
+/// A resent history's messages, in order (system messages and reasoning items left out:
+/// the first are the request's system text, the second turnlog keeps itself).
+fn history_items(items: &[InputItem]) -> Result<Vec<HistoryItem>, OaiError> {
+    let mut out = Vec::with_capacity(items.len());
+    for item in items.iter().filter(|i| !i.is_system()) {
+        if item.is_reference() {
+            let id = item.message_id().ok_or_else(|| no_item(item.id.as_deref().unwrap_or_default()))?;
+            out.push(HistoryItem {
+                user: false,
+                text: None,
+                id: Some(id),
+                reference: true,
+                images: Vec::new(),
+                documents: Vec::new(),
+            });
+            continue;
+        }
+        match (item.kind.as_deref(), item.role.as_deref()) {
+            (Some("reasoning"), _) => continue,
+            (None | Some("message"), Some(role @ ("user" | "assistant"))) => {
+                let user = role == "user";
+                let mut input = UserInput::default();
+                let text = if user {
+                    user_content(item.content.as_ref(), &mut input)?
+                } else {
+                    content_text(item.content.as_ref())?
+                };
+                out.push(HistoryItem {
+                    user,
+                    text: Some(text),
+                    id: item.message_id(),
+                    reference: false,
+                    images: input.images,
+                    documents: input.documents,
+                });
+            }
+            (None | Some("message"), _) => {
+                return Err(OaiError::bad_request(
+                    "a message's role must be user, assistant, system or developer",
+                ))
+            }
+            (Some(kind), _) => {
+                return Err(OaiError::bad_request(format!(
+                    "input items of type {kind} are not supported: send messages and item_references"
+                )))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The 404 of an `item_reference` to no item of the caller's.
+pub fn no_item(id: &str) -> OaiError {
+    OaiError(crate::error::ApiError::NotFound(format!("item {id:?} not found")))
 }
 
 /// A stored turn's input: its text and the uploaded files it attaches (DESIGN §12).
@@ -310,5 +507,89 @@ impl RetrieveParams {
         self.starting_after
             .map(|n| u64::try_from(n).map_err(|_| OaiError::bad_request("starting_after must be 0 or more")))
             .transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(v: Value) -> Result<CreateResponse, OaiError> {
+        CreateResponse::parse(&serde_json::to_vec(&v).unwrap())
+    }
+
+    #[test]
+    fn system_and_developer_items_follow_the_instructions() {
+        let r = req(serde_json::json!({"instructions": "A.", "input": [
+            {"role": "system", "content": "B."},
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "C."}]},
+            {"role": "user", "content": "Hi"},
+        ]}))
+        .unwrap();
+        assert_eq!(r.system().unwrap().as_deref(), Some("A.\n\nB.\n\nC."));
+        let StoredInput::Turn(m) = r.stored_input().unwrap() else { panic!("a turn") };
+        assert_eq!(m.text, "Hi");
+        let none = req(serde_json::json!({"input": "Hi"})).unwrap();
+        assert_eq!(none.system().unwrap(), None);
+    }
+
+    #[test]
+    fn earlier_turns_make_a_history_and_user_items_alone_a_turn() {
+        let id = "msg_0123456789abcdef0123456789abcdef";
+        let history = |items: Value| match req(serde_json::json!({"input": items})).unwrap().stored_input() {
+            Ok(StoredInput::History(h)) => Some(h),
+            Ok(StoredInput::Turn(_)) => None,
+            Err(e) => panic!("{e:?}"),
+        };
+        let h = history(serde_json::json!([
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "a"},
+            {"type": "item_reference", "id": id},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"role": "user", "content": [{"type": "input_text", "text": "b"}]},
+        ]))
+        .unwrap();
+        assert_eq!(h.len(), 3);
+        assert!(h[1].reference && h[1].text.is_none());
+        assert_eq!(h[1].id.map(|u| u.simple().to_string()), Some(id[4..].to_owned()));
+        // An assistant message without an id, or a user message with one of turnlog's ids.
+        assert!(history(
+            serde_json::json!([{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}])
+        )
+        .is_some());
+        assert!(history(serde_json::json!([{"id": id, "type": "message", "role": "user", "content": "y"}]))
+            .is_some());
+        // User messages alone are this turn's text.
+        assert!(history(
+            serde_json::json!([{"role": "user", "content": "x"}, {"role": "user", "content": "y"}])
+        )
+        .is_none());
+        // A history with a conversation, or items of other types, are refused.
+        let both = req(
+            serde_json::json!({"conversation": "conv_x", "input": [{"type": "item_reference", "id": id}]}),
+        );
+        assert!(both.unwrap().stored_input().is_err());
+        let call = req(
+            serde_json::json!({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"},
+                                                     {"role": "assistant", "content": "x"}]}),
+        );
+        assert!(call.unwrap().stored_input().is_err());
+    }
+
+    #[test]
+    fn answer_changing_fields_are_read_or_refused() {
+        assert!(req(serde_json::json!({"input": "x", "tools": [], "include": [], "text": {}})).is_ok());
+        assert!(req(serde_json::json!({"input": "x", "prompt": {"id": "p"}})).is_err());
+        assert!(req(serde_json::json!({"input": "x", "tool_choice": "required"})).is_err());
+        let r = req(serde_json::json!({"input": "x", "reasoning": {"effort": "high"},
+            "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}}}))
+        .unwrap();
+        let options = r.options().unwrap();
+        assert_eq!(options.reasoning_effort.as_deref(), Some("high"));
+        assert_eq!(options.response_format.unwrap().kind, "json_schema");
+        let bad = req(
+            serde_json::json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": 3}}}),
+        );
+        assert!(bad.unwrap().options().is_err());
     }
 }

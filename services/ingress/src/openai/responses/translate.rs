@@ -21,6 +21,9 @@ pub struct Echo {
     pub top_p: Option<f64>,
     pub store: bool,
     pub background: bool,
+    /// `text` as the request set it (None: plain text).
+    pub text: Option<Value>,
+    pub reasoning_effort: Option<String>,
 }
 
 impl Default for Echo {
@@ -33,6 +36,8 @@ impl Default for Echo {
             top_p: None,
             store: true,
             background: false,
+            text: None,
+            reasoning_effort: None,
         }
     }
 }
@@ -234,10 +239,10 @@ impl Snapshot {
             "output": output,
             "parallel_tool_calls": false,
             "previous_response_id": self.echo.previous_response_id,
-            "reasoning": {"effort": null, "summary": null},
+            "reasoning": {"effort": self.echo.reasoning_effort, "summary": null},
             "store": self.echo.store,
             "temperature": self.echo.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": self.echo.text.clone().unwrap_or_else(|| json!({"format": {"type": "text"}})),
             "tool_choice": "auto",
             "tools": [],
             "top_p": self.echo.top_p,

@@ -14,7 +14,7 @@ use crate::auth::Caller;
 use crate::error::ErrorBody;
 use crate::openai::chat::{
     chunks, completion, conversation, options, pass_through, reconcile, run, session_header,
-    CompletionRequest, Reconciled, Turn,
+    CompletionRequest, Family, Reconciled, Turn,
 };
 use crate::openai::wire::{ChatCompletion, ModelList};
 use crate::openai::{OaiBody, OaiError, OaiErrorBody};
@@ -61,7 +61,8 @@ pub async fn completions(
     let streamed = req.stream == Some(true);
     let options = options(&req, conversation.system.clone())?;
     let Some(Reconciled { target, from, took }) =
-        reconcile(&app, &caller, &family, &conversation, streamed).await?
+        reconcile(&app, &caller, Family::of_header(&app, &caller, &family).await?, &conversation, streamed)
+            .await?
     else {
         return pass_through(&app, &caller, body, req.model.is_none()).await;
     };

@@ -13,7 +13,7 @@ use utoipa::{IntoParams, ToSchema};
 use crate::auth::Caller;
 use crate::error::ErrorBody;
 use crate::openai::conversations::{
-    all_items, append_items, conversation, json_body, metadata_of, owned, parse_items,
+    all_items, already_held, append_items, conversation, json_body, metadata_of, owned, parse_items,
 };
 use crate::openai::wire::{
     Conversation, ConversationDeleted, ConversationUpdate, ItemList, ItemsCreate, MessageItem,
@@ -87,8 +87,11 @@ pub async fn add_items(
     if items.is_empty() {
         return Err(OaiError::bad_request("items must name at least one message"));
     }
-    let added = append_items(&app, &caller, row.id, items).await?;
-    Ok(Json(list_page(added, false)))
+    let (new, order) = already_held(&app, &caller, row.id, items).await?;
+    let mut added =
+        if new.is_empty() { Vec::new() } else { append_items(&app, &caller, row.id, new).await? }.into_iter();
+    let listed = order.into_iter().filter_map(|held| held.or_else(|| added.next())).collect();
+    Ok(Json(list_page(listed, false)))
 }
 
 /// Update a conversation's metadata (replaced whole).

@@ -15,10 +15,11 @@ use turnlog_runtime::read;
 
 use crate::auth::Caller;
 use crate::error::ErrorBody;
+use crate::openai::chat::{reconcile, run, Reconciled, Turn};
 use crate::openai::responses::stream::translate;
 use crate::openai::responses::{
-    answer, created_response, from_log, last_response, locate, numbered, replay_finished, target,
-    CreateResponse, Echo, Located, RetrieveParams,
+    answer, created_response, from_log, history, last_response, locate, numbered, replay_finished, target,
+    CreateResponse, Echo, Located, RetrieveParams, StoredInput,
 };
 use crate::openai::wire::{ItemList, ResponseObject};
 use crate::openai::{
@@ -61,10 +62,35 @@ pub async fn create(
         return answer(translate(app.clone(), owner, events, echo), req.stream, false).await;
     }
     req.check_stored()?;
-    let message = turn::prepared(&app, caller.owner(), &req.message()?).await?;
-    let (session, create) = target(&app, &caller, &req).await?;
+    let options = req.options()?;
+    let (session, events) = match req.stored_input()? {
+        StoredInput::Turn(message) => {
+            let named = req.conversation.is_some() || req.previous_response_id.is_some();
+            if !named {
+                if let Some(session) = history::waiting_twin(&app, &caller, &message).await? {
+                    let model = message.model.clone();
+                    tracing::Span::current().record("session_id", tracing::field::display(session));
+                    let events = turn::retry_last(&app, &caller, session, model, options).await?;
+                    let translated = translate(app.clone(), owner, events, req.echo());
+                    return answer(translated, req.stream, req.background).await;
+                }
+            }
+            let message = turn::prepared(&app, caller.owner(), &message).await?;
+            let (session, create) = target(&app, &caller, &req).await?;
+            (session, turn::begin_turn(&app, &caller, session, message, None, create, options).await?)
+        }
+        StoredInput::History(items) => {
+            let (family, conversation) =
+                history::conversation(&app, &caller, items, options.system.clone()).await?;
+            // Never a pass-through: a Responses request is always stored.
+            let Reconciled { target, from, .. } = reconcile(&app, &caller, family, &conversation, true)
+                .await?
+                .ok_or_else(|| OaiError::bad_request("input shares nothing with a conversation"))?;
+            let turn = Turn { conversation: &conversation, from, options, model: req.model.clone() };
+            run(&app, &caller, target, turn).await?
+        }
+    };
     tracing::Span::current().record("session_id", tracing::field::display(session));
-    let events = turn::begin_turn(&app, &caller, session, message, None, create, req.options()).await?;
     let translated = translate(app.clone(), owner, events, req.echo());
     answer(translated, req.stream, req.background).await
 }
