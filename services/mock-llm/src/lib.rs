@@ -23,6 +23,11 @@
 //! `words` above 50,000 or `reasoning` above 10,000, is answered 400; no more words or
 //! reasoning steps are built than the request's `max_tokens` lets through.
 //!
+//! A chat request's `response_format` shapes the reply (structured outputs): with
+//! `json_schema`, the reply is an instance of the schema (every property, the first of
+//! each `enum` / `anyOf` choice, `$ref`s into `$defs` followed, integers 42 or their
+//! `minimum`, strings the reply's words); with `json_object`, `{"answer": reply}`.
+//!
 //! # Worker answers
 //! A system message containing a marker selects what turnlog's workers need. The
 //! conversation is the text of the non-system messages (`[mock ...]` directives removed);
