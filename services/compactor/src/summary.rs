@@ -46,9 +46,15 @@ fn transcript(plan: &CompactionPlan) -> String {
                 ("earlier summary", text.strip_prefix(SUMMARY_MARKER).unwrap_or(&text).trim().to_owned())
             }
             Source::User => ("user", text),
-            Source::Assistant => ("assistant", text),
+            // A step's tool calls as one line each (name only), never their arguments.
+            Source::Assistant => {
+                let calls = m.message.tool_calls.iter().map(|c| format!("\n[called the tool {}]", c.name));
+                ("assistant", text + &calls.collect::<String>())
+            }
             Source::LivePending => ("assistant (cut off)", text),
             Source::TurnMemory | Source::TurnFailed => ("note", text),
+            // Never a raw output: a note that one came back.
+            Source::Tool => ("note", "[a tool's result came back here]".to_owned()),
         };
         out.push_str(&format!("\n[{label}]\n{}\n", text.trim()));
     }
@@ -143,9 +149,9 @@ mod tests {
 
     #[test]
     fn an_attached_image_is_a_note_in_the_summary_input_never_its_id() {
-        let with_image = ChatMessage {
-            role: Role::User,
-            content: Content::Parts(vec![
+        let with_image = ChatMessage::new(
+            Role::User,
+            Content::Parts(vec![
                 ContentPart::Text { text: "what is on this receipt?".into() },
                 ContentPart::ImageRef {
                     id: "file-7f3a".into(),
@@ -154,7 +160,7 @@ mod tests {
                     height: None,
                 },
             ]),
-        };
+        );
         let plan = CompactionPlan {
             through_seq: 3,
             span: vec![ProjectedMessage { seq: 2, source: Source::User, message: with_image }],

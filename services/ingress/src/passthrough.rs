@@ -88,6 +88,9 @@ pub async fn relay(
                     });
                 }
                 Ok(Some(StreamItem::Finish(f))) => s.finish = Some(f),
+                // No tools are offered through this relay (`tools` is refused), so a call
+                // is a model's own mistake: nothing to relay.
+                Ok(Some(StreamItem::ToolCall(_))) => {}
                 Ok(None) => {
                     let end = TurnEnd {
                         usage: s.usage,

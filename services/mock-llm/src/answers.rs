@@ -66,6 +66,11 @@ pub(crate) fn last_user_text(messages: &[WireMessage]) -> String {
         .unwrap_or_default()
 }
 
+/// How many tool results (`tool` messages) follow the last user message.
+pub(crate) fn tool_results_since_the_question(messages: &[WireMessage]) -> usize {
+    messages.iter().rev().take_while(|m| m.role != "user").filter(|m| m.role == "tool").count()
+}
+
 /// Summaries are bounded by half of this when a request sets no `max_tokens`.
 const DEFAULT_MAX_TOKENS: u32 = 3_000;
 

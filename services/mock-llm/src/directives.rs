@@ -27,6 +27,12 @@ pub struct Knobs {
     /// `stamp`: every text delta is the moment it was sent, in microseconds since the
     /// Unix epoch (for relay-latency benchmarks).
     pub stamp: bool,
+    /// `tool=NAME:ARGS` (repeatable; ARGS is JSON without spaces or `]`): the model asks
+    /// for these tools, in one step, instead of answering (DESIGN §14), until the request
+    /// carries `steps` steps' worth of results after its user message; then it answers.
+    pub tools: Vec<(String, String)>,
+    /// `steps=N`: how many steps ask for the tools (default 1).
+    pub steps: usize,
 }
 
 impl Default for Knobs {
@@ -42,6 +48,8 @@ impl Default for Knobs {
             status: None,
             hang: false,
             stamp: false,
+            tools: Vec::new(),
+            steps: 1,
         }
     }
 }
@@ -54,6 +62,8 @@ pub(crate) const MAX_BREAKS: usize = 64;
 pub(crate) const MAX_WORDS: usize = 50_000;
 /// The most `reasoning=N` may ask for (each step is about eight tokens).
 pub(crate) const MAX_REASONING: usize = 10_000;
+/// The most `steps=N` may ask for.
+pub(crate) const MAX_STEPS: usize = 1_000;
 
 impl Knobs {
     /// These knobs with every directive in `text` applied; an unknown key or bad value is
@@ -109,6 +119,20 @@ impl Knobs {
                 }
                 self.status = Some(status as u16);
             }
+            "tool" => {
+                let (name, args) = value.and_then(|v| v.split_once(':')).ok_or_else(|| {
+                    format!("mock directive `{setting}` needs tool=NAME:ARGS (ARGS a JSON object)")
+                })?;
+                if name.is_empty()
+                    || !serde_json::from_str::<serde_json::Value>(args).is_ok_and(|a| a.is_object())
+                {
+                    return Err(format!(
+                        "mock directive `{setting}`: NAME must be set and ARGS a JSON object"
+                    ));
+                }
+                self.tools.push((name.to_owned(), args.to_owned()));
+            }
+            "steps" => self.steps = at_most(MAX_STEPS)?,
             "no_done" if value.is_none() => self.no_done = true,
             "hang" if value.is_none() => self.hang = true,
             "stamp" if value.is_none() => self.stamp = true,

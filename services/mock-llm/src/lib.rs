@@ -23,6 +23,12 @@
 //! `words` above 50,000 or `reasoning` above 10,000, is answered 400; no more words or
 //! reasoning steps are built than the request's `max_tokens` lets through.
 //!
+//! `[mock tool=NAME:ARGS steps=N]` makes the model call tools (DESIGN §14): each step
+//! asks for every `tool=` given (ARGS, a JSON object, is the call's arguments text; the
+//! call ids derive from the request) with `finish_reason: "tool_calls"`, until the
+//! request carries N steps' worth of `tool` messages after its last user message; then it
+//! answers as usual.
+//!
 //! A chat request's `response_format` shapes the reply (structured outputs): with
 //! `json_schema`, the reply is an instance of the schema (every property, the first of
 //! each `enum` / `anyOf` choice, `$ref`s into `$defs` followed, integers 42 or their
@@ -378,6 +384,27 @@ async fn chat(State(mock): State<Arc<Mock>>, headers: HeaderMap, body: Bytes) ->
         max_tokens,
         prompt,
     );
+    // A tool-calling model asks again until it has `steps` steps' results.
+    let results = answers::tool_results_since_the_question(&request.messages);
+    let answer = if task == Task::Chat && !knobs.tools.is_empty() && results < knobs.steps * knobs.tools.len()
+    {
+        let step = results / knobs.tools.len();
+        let calls = knobs
+            .tools
+            .iter()
+            .enumerate()
+            .map(|(i, (name, args))| {
+                (
+                    format!("call_{:012x}_{step}_{i}", answers::fnv1a(&body) & 0xffff_ffff_ffff),
+                    name.clone(),
+                    args.clone(),
+                )
+            })
+            .collect();
+        answer.asking(calls)
+    } else {
+        answer
+    };
     if request.stream {
         let include_usage = request.stream_options.is_some_and(|o| o.include_usage);
         respond::streamed(answer, knobs, include_usage, mock.shutdown.clone())

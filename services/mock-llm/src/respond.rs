@@ -29,6 +29,8 @@ pub(crate) struct Answer {
     model: String,
     reasoning: Vec<String>,
     content: Vec<String>,
+    /// A step that asks for tools: `(call id, name, arguments)`.
+    tool_calls: Vec<(String, String, String)>,
     finish_reason: &'static str,
     completion_tokens: u32,
     prompt: PromptUsage,
@@ -51,6 +53,7 @@ impl Answer {
             model,
             reasoning: Vec::new(),
             content: Vec::new(),
+            tool_calls: Vec::new(),
             finish_reason: "stop",
             completion_tokens: 0,
             prompt,
@@ -73,6 +76,16 @@ impl Answer {
         answer.completion_tokens =
             tokens::count(&answer.reasoning.concat()) + tokens::count(&answer.content.concat());
         answer
+    }
+
+    /// This answer as a step asking for `calls` (`(id, name, arguments)`): no text, the
+    /// calls' names and arguments billed as output.
+    pub(crate) fn asking(mut self, calls: Vec<(String, String, String)>) -> Self {
+        self.content.clear();
+        self.completion_tokens = calls.iter().map(|(_, n, a)| tokens::count(n) + tokens::count(a)).sum();
+        self.tool_calls = calls;
+        self.finish_reason = "tool_calls";
+        self
     }
 
     fn usage(&self) -> Value {
@@ -150,6 +163,16 @@ pub(crate) fn streamed(
             .iter()
             .map(|c| Frame { data: answer.delta(json!({"content": c}), None), is_delta: true }),
     );
+    // Each call opens with its id and name, then its arguments in pieces, as OpenAI streams.
+    for (i, (id, name, arguments)) in answer.tool_calls.iter().enumerate() {
+        let open = json!({"tool_calls": [{"index": i, "id": id, "type": "function",
+            "function": {"name": name, "arguments": ""}}]});
+        frames.push(Frame { data: answer.delta(open, None), is_delta: false });
+        frames.extend(pieces(arguments).map(|piece| Frame {
+            data: answer.delta(json!({"tool_calls": [{"index": i, "function": {"arguments": piece}}]}), None),
+            is_delta: true,
+        }));
+    }
     frames.push(Frame { data: answer.delta(json!({}), Some(answer.finish_reason)), is_delta: false });
     if include_usage {
         let mut usage = answer.chunk(json!([]));
@@ -241,6 +264,14 @@ pub(crate) async fn whole(answer: Answer, knobs: Knobs, shutdown: CancellationTo
     let mut message = json!({"role": "assistant", "content": answer.content.concat()});
     if !answer.reasoning.is_empty() {
         message["reasoning_content"] = json!(answer.reasoning.concat());
+    }
+    if !answer.tool_calls.is_empty() {
+        message["content"] = Value::Null;
+        message["tool_calls"] = answer
+            .tool_calls
+            .iter()
+            .map(|(id, name, arguments)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}))
+            .collect();
     }
     let body = json!({
         "id": answer.id,

@@ -13,7 +13,7 @@ use turnlog_core::message::{ChatMessage, Content, ContentPart, Role};
 use turnlog_core::tokens;
 use turnlog_mock_llm::{spawn, MockConfig, MockHandle};
 use turnlog_runtime::upstream::{
-    parse_model_windows, ChatRequest, ImageResolver, StreamItem, TimeoutPhase, UpstreamClient,
+    parse_model_windows, ChatRequest, ImageResolver, StreamItem, TimeoutPhase, ToolCalls, UpstreamClient,
     UpstreamConfig, UpstreamError, Usage,
 };
 
@@ -58,6 +58,7 @@ struct Collected {
     usage: Option<Usage>,
     finish: Option<String>,
     end: Option<UpstreamError>,
+    tool_calls: ToolCalls,
 }
 
 async fn collect(client: &UpstreamClient, request: &ChatRequest) -> Result<Collected, UpstreamError> {
@@ -72,6 +73,7 @@ async fn collect(client: &UpstreamClient, request: &ChatRequest) -> Result<Colle
             Ok(Some(StreamItem::Reasoning(r))) => out.reasoning.push(r),
             Ok(Some(StreamItem::Usage(u))) => out.usage = Some(u),
             Ok(Some(StreamItem::Finish(f))) => out.finish = Some(f),
+            Ok(Some(StreamItem::ToolCall(c))) => out.tool_calls.add(c).unwrap(),
             Ok(None) => break,
             Err(e) => {
                 // A finished stream keeps answering with its error.
@@ -131,6 +133,46 @@ async fn delay_paces_the_deltas() {
     assert!(started.elapsed() >= Duration::from_millis(300), "took {:?}", started.elapsed());
 }
 
+/// DESIGN §14's steps against the mock: `[mock tool=NAME:ARGS steps=N]` asks for the tools
+/// (streamed in pieces, put back together by `ToolCalls`) until N steps' results follow
+/// the question, then answers; the whole-body answer carries the same calls.
+#[tokio::test]
+async fn a_tool_directive_asks_for_tools_step_by_step_then_answers() {
+    let (_mock, client) = setup().await;
+    let question = r#"Read both [mock tool=read:{"path":"a.txt"} tool=ls:{} steps=2 words=3]"#;
+    let mut request = chat(question);
+    let mut ids = Vec::new();
+    for step in 0..2 {
+        let got = collect(&client, &request).await.unwrap();
+        assert_eq!((got.finish.as_deref(), got.text.as_str()), (Some("tool_calls"), ""), "step {step}");
+        let calls = got.tool_calls.finish().unwrap();
+        assert_eq!(
+            calls.iter().map(|c| (c.name.as_str(), c.arguments.as_str())).collect::<Vec<_>>(),
+            [("read", r#"{"path":"a.txt"}"#), ("ls", "{}")]
+        );
+        let whole = client.complete(&request, TIMEOUT).await.unwrap();
+        assert_eq!(whole.finish_reason.as_deref(), Some("tool_calls"));
+        ids.extend(calls.iter().map(|c| c.id.clone()));
+        request
+            .messages
+            .push(ChatMessage { tool_calls: calls.clone(), ..ChatMessage::text(Role::Assistant, "") });
+        for c in &calls {
+            request.messages.push(ChatMessage {
+                tool_call_id: Some(c.id.clone()),
+                ..ChatMessage::text(Role::Tool, "ok")
+            });
+        }
+    }
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 4, "each step's calls have their own ids");
+    let answer = collect(&client, &request).await.unwrap();
+    assert_eq!((answer.finish.as_deref(), answer.text.split_whitespace().count()), (Some("stop"), 3));
+    assert!(answer.tool_calls.is_empty());
+    // A malformed directive is a 400, as every other.
+    assert!(collect(&client, &chat("x [mock tool=read:notjson]")).await.is_err());
+}
+
 #[tokio::test]
 async fn reasoning_deltas_come_before_the_text() {
     let (_mock, client) = setup().await;
@@ -142,6 +184,7 @@ async fn reasoning_deltas_come_before_the_text() {
             StreamItem::Text(_) => 't',
             StreamItem::Finish(_) => 'f',
             StreamItem::Usage(_) => 'u',
+            StreamItem::ToolCall(_) => 'c',
         });
     }
     assert_eq!(kinds.into_iter().collect::<String>(), "rrrttfu");
@@ -410,14 +453,14 @@ async fn images_are_resolved_when_the_request_is_built() {
     let resolver: ImageResolver =
         Arc::new(|id: &str, mime: &str| (id == "img-1").then(|| format!("data:{mime};base64,iVBORw0KGgo=")));
     let client = client_with(&mock, TIMEOUT, HashMap::new()).with_image_resolver(resolver);
-    let message = ChatMessage {
-        role: Role::User,
-        content: Content::Parts(vec![
+    let message = ChatMessage::new(
+        Role::User,
+        Content::Parts(vec![
             ContentPart::Text { text: "What is in these?".into() },
             ContentPart::ImageRef { id: "img-1".into(), mime: "image/png".into(), width: None, height: None },
             ContentPart::ImageRef { id: "img-2".into(), mime: "image/png".into(), width: None, height: None },
         ]),
-    };
+    );
     let request = ChatRequest { model: "mock".into(), messages: vec![message], ..Default::default() };
     assert_eq!(collect(&client, &request).await.unwrap().end, None);
     let body = &mock.log().entries()[0].body;

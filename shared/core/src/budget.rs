@@ -26,6 +26,8 @@ pub struct CountedEvent {
     pub tokens: u32,
     /// `replaces_through_seq` of a `compaction_applied`.
     pub replaces_through: Option<i64>,
+    /// Tool traffic ([`EventBody::is_tool_traffic`]): counted only within its turn.
+    pub tool: bool,
 }
 
 impl CountedEvent {
@@ -33,7 +35,13 @@ impl CountedEvent {
     pub fn of(e: &Event) -> Self {
         let replaces_through =
             if let EventBody::CompactionApplied(c) = &e.body { Some(c.replaces_through_seq) } else { None };
-        Self { seq: e.seq, kind: e.kind(), tokens: event_tokens(&e.body), replaces_through }
+        Self {
+            seq: e.seq,
+            kind: e.kind(),
+            tokens: event_tokens(&e.body),
+            replaces_through,
+            tool: e.body.is_tool_traffic(),
+        }
     }
 }
 
@@ -47,8 +55,19 @@ pub fn history_tokens(events: &[CountedEvent]) -> u32 {
     let mut total = compaction.map_or(0, |c| c.tokens);
     let mut live_pending_found = false;
     let mut answered_after = false;
-    // Walk backwards so the live pending is known in the same pass.
+    let mut user_after = false;
+    // Walk backwards so the live pending and the current turn are known in the same pass.
     for e in events.iter().rev().take_while(|e| e.seq > boundary) {
+        if e.tool {
+            // Tool traffic counts within its turn only (DESIGN §14); a step's answer still
+            // answers its pending.
+            if !user_after {
+                total = total.saturating_add(e.tokens);
+            }
+            answered_after |= e.kind.projection() == Projection::Answer;
+            continue;
+        }
+        user_after |= e.kind == EventKind::UserMessage;
         match e.kind.projection() {
             Projection::Each => total = total.saturating_add(e.tokens),
             Projection::Answer => {
@@ -62,7 +81,7 @@ pub fn history_tokens(events: &[CountedEvent]) -> u32 {
                 }
             }
             // An older pending is never live; only the newest summary counts (above).
-            Projection::LivePending | Projection::Summary | Projection::Never => {}
+            Projection::LivePending | Projection::Summary | Projection::Never | Projection::Tool => {}
         }
     }
     total

@@ -76,6 +76,15 @@ macro_rules! event_kinds {
                 v.unwrap_or(Value::Null)
             }
 
+            /// Whether the event is tool traffic (DESIGN §14): a `tool_execution`, or a step's
+            /// `assistant_turn` that asks for tools. It reaches the model only within its turn.
+            pub fn is_tool_traffic(&self) -> bool {
+                match self {
+                    EventBody::AssistantTurn(t) => t.asks_for_tools(),
+                    other => other.kind().projection() == Projection::Tool,
+                }
+            }
+
             /// An event of `kind` with every payload field at its default (empty texts, no
             /// attachments): how property tests make one of every kind in [`EventKind::ALL`].
             pub fn default_of(kind: EventKind) -> Self {
@@ -91,7 +100,7 @@ event_kinds! {
     SessionStarted = "session_started", SessionStarted, Never;
     UserMessage = "user_message", UserMessage, Each;
     AssistantTurn = "assistant_turn", AssistantTurn, Answer;
-    ToolExecution = "tool_execution", ToolExecution, Never;
+    ToolExecution = "tool_execution", ToolExecution, Tool;
     TurnMemory = "turn_memory", TurnMemory, Each;
     CompactionApplied = "compaction_applied", CompactionApplied, Summary;
     PendingState = "pending_state", PendingState, LivePending;
@@ -117,6 +126,10 @@ pub enum Projection {
     LivePending,
     /// Only the newest, as the summary that stands for every event up to its boundary.
     Summary,
+    /// Tool traffic (DESIGN §14): only within its turn — after the newest user message,
+    /// until a later one exists. A step's `assistant_turn` that asks for tools follows
+    /// the same rule though its kind is an `Answer`.
+    Tool,
 }
 
 impl fmt::Display for EventKind {
@@ -341,6 +354,19 @@ impl MessageContent {
 pub struct LlmMessage {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content: Option<MessageContent>,
+    /// The tools a step asked for (DESIGN §14), in the model's order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+}
+
+/// A tool call as the model made it: its call id (the id everywhere: the
+/// `tool_execution`, the APIs), the tool's name, and `arguments`, the JSON text the model
+/// produced, kept byte for byte.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -390,6 +416,11 @@ pub struct AssistantTurn {
 }
 
 impl AssistantTurn {
+    /// Whether this is a step that asks for tools (DESIGN §14) rather than a turn's answer.
+    pub fn asks_for_tools(&self) -> bool {
+        !self.llm.message.tool_calls.is_empty()
+    }
+
     /// The text the user saw: every text block, in order.
     pub fn ui_text(&self) -> String {
         self.ui
@@ -402,12 +433,21 @@ impl AssistantTurn {
     }
 }
 
+/// A tool call's result (DESIGN §14). `output` is what the model is sent (capped, see
+/// `limits::MAX_TOOL_OUTPUT_BYTES`); `status` is `ok`, `error`, `denied`, `cancelled` or
+/// `timeout`; `source` is `client` or `mcp:<label>`.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct ToolExecution {
     pub call_id: String,
     pub name: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub args: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub is_error: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result_digest: Option<String>,
     pub status: String,

@@ -4,8 +4,8 @@
 //! disappears when its turn's successor completes.
 
 use crate::events::{
-    AssistantTurn, CompactionApplied, Event, EventBody, PendingReason, PendingState, Projection, TurnFailed,
-    TurnMemory, UserMessage,
+    AssistantTurn, CompactionApplied, Event, EventBody, EventKind, PendingReason, PendingState, Projection,
+    ToolExecution, TurnFailed, TurnMemory, UserMessage,
 };
 use crate::message::{ChatMessage, Content, ContentPart, Role};
 
@@ -27,6 +27,8 @@ pub enum Source {
     LivePending,
     TurnMemory,
     TurnFailed,
+    /// A tool's result (DESIGN §14), within its turn.
+    Tool,
 }
 
 /// One message of the model's history and the event it came from. For the summary, `seq`
@@ -42,10 +44,15 @@ pub struct ProjectedMessage {
 /// its boundary in seq order. Accepts the whole log or just its live tail (the newest
 /// compaction and the events after its boundary) — both give the same result. Events must
 /// be in seq order. Never trims to a budget: the compactor enforces the budget.
+///
+/// Tool traffic (DESIGN §14: a step's tool calls and the tools' results) projects only
+/// within its turn: after the newest user message. Once a later user message exists, a
+/// turn's tool traffic leaves the history; its answer and turn memory stay.
 pub fn llm_context(events: &[Event]) -> Vec<ProjectedMessage> {
     let compaction = newest_compaction(events);
     let boundary = compaction.map_or(0, |(_, c)| c.replaces_through_seq);
     let live_pending = live_pending_seq(events);
+    let turn_start = current_turn_start(events);
 
     let mut out = Vec::new();
     if let Some((_, c)) = compaction {
@@ -53,10 +60,12 @@ pub fn llm_context(events: &[Event]) -> Vec<ProjectedMessage> {
     }
     for e in events.iter().filter(|e| e.seq > boundary) {
         let projects = match e.kind().projection() {
+            _ if e.body.is_tool_traffic() => e.seq > turn_start,
             Projection::Each | Projection::Answer => true,
             Projection::LivePending => Some(e.seq) == live_pending,
-            // Only the newest summary projects, and it opens the list (above).
-            Projection::Summary | Projection::Never => false,
+            // Only the newest summary projects, and it opens the list (above); tool
+            // traffic is decided above.
+            Projection::Summary | Projection::Never | Projection::Tool => false,
         };
         if let Some((source, message)) = projects.then(|| render(&e.body)).flatten() {
             out.push(ProjectedMessage { seq: e.seq, source, message });
@@ -78,6 +87,12 @@ pub fn newest_compaction(events: &[Event]) -> Option<(i64, &CompactionApplied)> 
     })
 }
 
+/// The seq of the newest user message (0 when there is none): tool traffic before it
+/// belongs to a finished turn and no longer projects.
+pub fn current_turn_start(events: &[Event]) -> i64 {
+    events.iter().rev().find(|e| e.kind() == EventKind::UserMessage).map_or(0, |e| e.seq)
+}
+
 /// The seq of the pending that projects, if any: the newest `pending_state`, unless an
 /// `assistant_turn` follows it or the newest compaction covers it. A later user message
 /// does not supersede it — the question after an interruption must still see the partial.
@@ -87,7 +102,7 @@ pub fn live_pending_seq(events: &[Event]) -> Option<i64> {
         match e.kind().projection() {
             Projection::Answer => return None,
             Projection::LivePending => return (e.seq > boundary).then_some(e.seq),
-            Projection::Each | Projection::Summary | Projection::Never => {}
+            Projection::Each | Projection::Summary | Projection::Never | Projection::Tool => {}
         }
     }
     None
@@ -111,8 +126,8 @@ fn render(body: &EventBody) -> Option<(Source, ChatMessage)> {
         EventBody::TurnFailed(f) => Some((Source::TurnFailed, turn_failed_note(f))),
         EventBody::PendingState(p) => Some((Source::LivePending, pending_message(p))),
         EventBody::CompactionApplied(c) => Some((Source::Summary, summary_message(c))),
+        EventBody::ToolExecution(t) => Some((Source::Tool, tool_message(t))),
         EventBody::SessionStarted(_)
-        | EventBody::ToolExecution(_)
         | EventBody::PermissionRequest(_)
         | EventBody::PermissionResolved(_)
         | EventBody::MemoryExtracted(_) => None,
@@ -139,15 +154,23 @@ fn user_message(m: &UserMessage) -> ChatMessage {
         width: i.width,
         height: i.height,
     }));
-    ChatMessage { role: Role::User, content: Content::Parts(parts) }
+    ChatMessage::new(Role::User, Content::Parts(parts))
 }
 
 fn assistant_message(t: &AssistantTurn) -> ChatMessage {
     let text = match &t.llm.message.content {
         Some(c) => c.text(),
+        // A step that asks for tools said what it said in its content, if anything.
+        None if t.asks_for_tools() => String::new(),
         None => t.ui_text(),
     };
-    ChatMessage::text(Role::Assistant, text)
+    ChatMessage { tool_calls: t.llm.message.tool_calls.clone(), ..ChatMessage::text(Role::Assistant, text) }
+}
+
+/// A tool's result as the model is sent it: exactly the stored output.
+fn tool_message(t: &ToolExecution) -> ChatMessage {
+    let output = t.output.clone().unwrap_or_default();
+    ChatMessage { tool_call_id: Some(t.call_id.clone()), ..ChatMessage::text(Role::Tool, output) }
 }
 
 fn pending_message(p: &PendingState) -> ChatMessage {
@@ -184,7 +207,6 @@ fn turn_failed_note(f: &TurnFailed) -> ChatMessage {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::events::EventKind;
 
     #[test]
     fn a_kind_renders_exactly_when_its_projection_says_it_reaches_the_model() {

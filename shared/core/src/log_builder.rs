@@ -48,6 +48,36 @@ impl LogBuilder {
         }))
     }
 
+    /// A step that asks for tool `name` with `arguments` (call `id`), saying `text` first.
+    pub fn tool_step(&mut self, text: &str, id: &str, name: &str, arguments: &str) -> i64 {
+        let mut step = assistant_turn(text, None);
+        step.llm.message.content = (!text.is_empty()).then(|| MessageContent::Text(text.into()));
+        step.llm.message.tool_calls.push(ToolCall {
+            id: id.into(),
+            name: name.into(),
+            arguments: arguments.into(),
+        });
+        step.ui.blocks.push(Block {
+            kind: BlockType::ToolCall,
+            text: None,
+            meta: Some(serde_json::json!({"call_id": id, "name": name, "arguments": arguments})),
+        });
+        step.finish_reason = Some("tool_calls".into());
+        self.push(EventBody::AssistantTurn(step))
+    }
+
+    /// Call `id`'s result: `output`, from a client tool.
+    pub fn tool_result(&mut self, id: &str, name: &str, output: &str) -> i64 {
+        self.push(EventBody::ToolExecution(ToolExecution {
+            call_id: id.into(),
+            name: name.into(),
+            source: Some("client".into()),
+            output: Some(output.into()),
+            status: "ok".into(),
+            ..Default::default()
+        }))
+    }
+
     pub fn compaction(&mut self, summary: &str, through: i64) -> i64 {
         self.push(EventBody::CompactionApplied(CompactionApplied {
             summary: summary.into(),
@@ -61,7 +91,9 @@ impl LogBuilder {
 pub fn assistant_turn(text: &str, attempt_id: Option<&str>) -> AssistantTurn {
     AssistantTurn {
         ui: UiPart { blocks: vec![Block { kind: BlockType::Text, text: Some(text.into()), meta: None }] },
-        llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(text.into())) } },
+        llm: LlmPart {
+            message: LlmMessage { content: Some(MessageContent::Text(text.into())), ..Default::default() },
+        },
         attempt_id: attempt_id.map(AttemptId::from),
         ..Default::default()
     }

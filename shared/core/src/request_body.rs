@@ -103,7 +103,16 @@ pub fn request_body(
         model,
         messages: messages
             .iter()
-            .map(|m| WireMessage { role: m.role, content: content(&m.content, images) })
+            .map(|m| WireMessage {
+                role: m.role,
+                // A step that asks for tools without a word: `content: null`, as OpenAI's
+                // models send it.
+                content: (m.tool_calls.is_empty() || !m.content.is_empty())
+                    .then(|| content(&m.content, images)),
+                tool_calls: (!m.tool_calls.is_empty())
+                    .then(|| m.tool_calls.iter().map(WireToolCall::of).collect()),
+                tool_call_id: m.tool_call_id.as_deref(),
+            })
             .collect(),
         stream: params.stream,
         stream_options: params.stream_options.as_ref(),
@@ -194,7 +203,37 @@ impl<'a> WireFormat<'a> {
 #[derive(Serialize)]
 struct WireMessage<'a> {
     role: Role,
-    content: WireContent<'a>,
+    content: Option<WireContent<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<Vec<WireToolCall<'a>>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_call_id: Option<&'a str>,
+}
+
+/// A tool call in Chat Completions' shape: `{id, type: "function", function: {name,
+/// arguments}}`, the arguments the model's own JSON text.
+#[derive(Serialize)]
+struct WireToolCall<'a> {
+    id: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: WireFunction<'a>,
+}
+
+#[derive(Serialize)]
+struct WireFunction<'a> {
+    name: &'a str,
+    arguments: &'a str,
+}
+
+impl<'a> WireToolCall<'a> {
+    fn of(call: &'a crate::events::ToolCall) -> Self {
+        Self {
+            id: &call.id,
+            kind: "function",
+            function: WireFunction { name: &call.name, arguments: &call.arguments },
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -262,9 +301,9 @@ mod tests {
     fn body_bytes_are_pinned() {
         let messages = vec![
             ChatMessage::text(Role::System, "be brief"),
-            ChatMessage {
-                role: Role::User,
-                content: Content::Parts(vec![
+            ChatMessage::new(
+                Role::User,
+                Content::Parts(vec![
                     ContentPart::Text { text: "look \"here\"\n".into() },
                     ContentPart::ImageRef {
                         id: "a".into(),
@@ -279,7 +318,7 @@ mod tests {
                         height: None,
                     },
                 ]),
-            },
+            ),
             ChatMessage::text(Role::Assistant, "é"),
         ];
         let resolve = |id: &str, mime: &str| (id == "a").then(|| format!("data:{mime};base64,AAAA"));
@@ -303,6 +342,33 @@ mod tests {
             String::from_utf8(plain.bytes).unwrap(),
             r#"{"model":"m","messages":[{"role":"system","content":"be brief"}],"stream":false}"#
         );
+    }
+
+    /// A step's tool traffic on the wire (DESIGN §14): the assistant's `tool_calls` in
+    /// Chat Completions' shape with the model's own argument text, `content: null` when it
+    /// said nothing, and each result as a `tool` message naming its call.
+    #[test]
+    fn tool_calls_and_results_have_chat_completions_shape() {
+        let call = crate::events::ToolCall {
+            id: "call_1".into(),
+            name: "ls".into(),
+            arguments: r#"{"dir": "."}"#.into(),
+        };
+        let step = ChatMessage { tool_calls: vec![call], ..ChatMessage::text(Role::Assistant, "") };
+        let result =
+            ChatMessage { tool_call_id: Some("call_1".into()), ..ChatMessage::text(Role::Tool, "a.txt") };
+        let body = request_body(
+            "m",
+            &[ChatMessage::text(Role::User, "ls"), step, result],
+            &RequestParams::default(),
+            None,
+        );
+        let expected = concat!(
+            r#"{"model":"m","messages":[{"role":"user","content":"ls"},"#,
+            r#"{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"ls","arguments":"{\"dir\": \".\"}"}}]},"#,
+            r#"{"role":"tool","content":"a.txt","tool_call_id":"call_1"}],"stream":false}"#,
+        );
+        assert_eq!(String::from_utf8(body.bytes).unwrap(), expected);
     }
 
     /// A structured output's schema reaches the model in the order the client wrote it,
@@ -335,15 +401,15 @@ mod tests {
 
     #[test]
     fn images_are_resolved_only_when_the_params_say_so() {
-        let messages = vec![ChatMessage {
-            role: Role::User,
-            content: Content::Parts(vec![ContentPart::ImageRef {
+        let messages = vec![ChatMessage::new(
+            Role::User,
+            Content::Parts(vec![ContentPart::ImageRef {
                 id: "a".into(),
                 mime: "image/png".into(),
                 width: None,
                 height: None,
             }]),
-        }];
+        )];
         let resolve = |_: &str, _: &str| Some("data:image/png;base64,AAAA".to_owned());
         let off = RequestParams { images: false, ..params() };
         let text = String::from_utf8(request_body("m", &messages, &off, Some(&resolve)).bytes).unwrap();

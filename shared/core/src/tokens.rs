@@ -103,9 +103,9 @@ mod tests {
         assert_eq!(image_tokens(Some(2048), Some(4096)), 1105);
         assert_eq!(image_tokens(Some(100), Some(60)), 255);
         assert_eq!(image_tokens(None, None), 0, "an old reference without a size");
-        let m = ChatMessage {
-            role: Role::User,
-            content: crate::message::Content::Parts(vec![
+        let m = ChatMessage::new(
+            Role::User,
+            crate::message::Content::Parts(vec![
                 crate::message::ContentPart::Text { text: "see".into() },
                 crate::message::ContentPart::ImageRef {
                     id: "a".into(),
@@ -114,7 +114,7 @@ mod tests {
                     height: Some(60),
                 },
             ]),
-        };
+        );
         assert_eq!(message_tokens(&m), MESSAGE_OVERHEAD + count("see") + 255);
     }
 

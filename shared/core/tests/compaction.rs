@@ -178,8 +178,8 @@ fn request_assembly_puts_extras_after_the_whole_history() {
 proptest! {
     #[test]
     fn cached_counts_always_agree_with_projection(
-        // An op, and the kind op 6 appends with its default payload (every kind is counted).
-        ops in proptest::collection::vec((0u8..7, proptest::sample::select(EventKind::ALL.to_vec())), 1..60),
+        // An op, and the kind op 7 appends with its default payload (every kind is counted).
+        ops in proptest::collection::vec((0u8..8, proptest::sample::select(EventKind::ALL.to_vec())), 1..60),
     ) {
         let mut log = LogBuilder::new();
         for (i, (op, kind)) in ops.iter().enumerate() {
@@ -189,7 +189,8 @@ proptest! {
                 2 => { log.pending(&format!("partial {i}"), None); }
                 3 => { log.push(EventBody::TurnMemory(TurnMemory { turn_seq: 1, key_findings: vec![format!("f{i}")], ..Default::default() })); }
                 4 => { let t = log.next_seq() / 2; log.compaction(&format!("summary {i}"), t); }
-                5 => { log.push(EventBody::ToolExecution(ToolExecution { call_id: "c".into(), name: "n".into(), status: "ok".into(), ..Default::default() })); }
+                5 => { log.tool_result(&format!("c{i}"), "n", &format!("output {i} of the tool")); }
+                6 => { log.tool_step(&format!("step {i}"), &format!("c{i}"), "n", r#"{"path": "a/b.rs"}"#); }
                 _ => { log.push(EventBody::default_of(*kind)); }
             }
             let counted: Vec<_> = log.events.iter().map(CountedEvent::of).collect();

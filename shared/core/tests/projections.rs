@@ -179,16 +179,42 @@ fn only_the_newest_pending_projects() {
     assert_eq!(texts, ["q1".to_string(), "q2".into(), format!("second\n\n{INTERRUPTED_NOTE}")]);
 }
 
+/// DESIGN §14: within its turn the model sees every step's tool calls and outputs in
+/// order (OpenAI's assistant `tool_calls` and `tool` messages); once a later user message
+/// exists, the finished turn's tool traffic leaves and its answer stays.
+#[test]
+fn tool_traffic_projects_within_its_turn_only() {
+    let mut log = LogBuilder::new();
+    log.user("list and read");
+    log.tool_step("Looking.", "call_1", "ls", r#"{"dir": "."}"#);
+    log.tool_result("call_1", "ls", "a.txt");
+    log.tool_step("", "call_2", "read", r#"{"path":"a.txt"}"#);
+    log.tool_result("call_2", "read", "hello");
+    log.assistant("a.txt says hello");
+    let within = llm_messages(&log.events);
+    let roles: Vec<Role> = within.iter().map(|m| m.role).collect();
+    assert_eq!(
+        roles,
+        [Role::User, Role::Assistant, Role::Tool, Role::Assistant, Role::Tool, Role::Assistant]
+    );
+    assert_eq!(within[1].tool_calls[0].arguments, r#"{"dir": "."}"#);
+    assert_eq!(
+        (within[2].tool_call_id.as_deref(), text_of(&within[2])),
+        (Some("call_1"), "a.txt".to_owned())
+    );
+    assert_eq!(text_of(&within[3]), "|read|{\"path\":\"a.txt\"}", "no content, then the call");
+    log.user("thanks");
+    let after: Vec<String> = llm_messages(&log.events).iter().map(text_of).collect();
+    assert_eq!(after, ["list and read", "a.txt says hello", "thanks"]);
+    // The UI transcript keeps every call and result.
+    let ui: Vec<ItemKind> = ui_transcript(&log.events).iter().map(|i| i.kind).collect();
+    assert_eq!(ui.iter().filter(|k| **k == ItemKind::Tool).count(), 2);
+}
+
 #[test]
 fn nothing_else_projects() {
     let mut log = LogBuilder::new();
     log.user("q");
-    log.push(EventBody::ToolExecution(ToolExecution {
-        call_id: "c1".into(),
-        name: "ls".into(),
-        status: "ok".into(),
-        ..Default::default()
-    }));
     log.push(EventBody::PermissionRequest(PermissionRequest {
         id: "p1".into(),
         call_id: "c1".into(),
@@ -350,6 +376,8 @@ enum Op {
     Memory(bool),
     Failed,
     Tool,
+    /// A step that asks for a tool.
+    Step,
     Permission,
     Extracted,
     /// A compaction through the live message at this fraction of the live list.
@@ -369,6 +397,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<bool>().prop_map(Op::Memory),
         1 => Just(Op::Failed),
         1 => Just(Op::Tool),
+        1 => Just(Op::Step),
         1 => Just(Op::Permission),
         1 => Just(Op::Extracted),
         1 => any::<u8>().prop_map(Op::Compaction),
@@ -404,6 +433,11 @@ fn apply(log: &mut LogBuilder, op: &Op) {
             status: "ok".into(),
             ..Default::default()
         }),
+        Op::Step => {
+            let id = format!("call_{}", log.next_seq());
+            log.tool_step("checking", &id, "t", r#"{"x": 1}"#);
+            return;
+        }
         Op::Permission => EventBody::PermissionRequest(PermissionRequest {
             id: format!("p{}", log.next_seq()),
             call_id: "c".into(),
@@ -436,22 +470,42 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     /// Appending any event never changes an earlier projected message, byte for byte,
-    /// except at a new compaction, and the live pending (which only disappears when an
-    /// answer or a newer pending follows it).
+    /// except at a new compaction, the live pending (which only disappears when an answer
+    /// or a newer pending follows it), and tool traffic (DESIGN §14): a new user message
+    /// takes the finished turn's tool calls and results out, and everything else —
+    /// through the previous turn's user message, and the answers after it — stays.
     #[test]
     fn prefix_is_stable_as_the_log_grows(ops in proptest::collection::vec(op(), 1..80)) {
         let mut log = LogBuilder::new();
         let mut before = llm_context(&log.events);
         for op in &ops {
+            let turn_start = turnlog_core::llm_context::current_turn_start(&log.events);
             apply(&mut log, op);
             let after = llm_context(&log.events);
             let appended = &log.events.last().unwrap().body;
             if !matches!(appended, EventBody::CompactionApplied(_)) {
+                let new_turn = matches!(appended, EventBody::UserMessage(_));
+                let tool = |m: &turnlog_core::ProjectedMessage| {
+                    m.source == Source::Tool || !m.message.tool_calls.is_empty()
+                };
                 let stable = |ctx: &[turnlog_core::ProjectedMessage]| -> Vec<Vec<u8>> {
-                    ctx.iter().filter(|m| m.source != Source::LivePending).map(|m| m.message.canonical_bytes()).collect()
+                    ctx.iter()
+                        .filter(|m| m.source != Source::LivePending && !(new_turn && tool(m)))
+                        .map(|m| m.message.canonical_bytes())
+                        .collect()
                 };
                 let (old, new) = (stable(&before), stable(&after));
                 prop_assert!(new.len() >= old.len() && new[..old.len()] == old[..], "prefix changed after {op:?}");
+                if new_turn {
+                    // Byte-stable through the previous turn's user message; no tool traffic
+                    // of a finished turn is left.
+                    let through: Vec<_> = before.iter().filter(|m| m.seq <= turn_start).collect();
+                    prop_assert!(after.len() >= through.len());
+                    for (a, b) in after.iter().zip(&through) {
+                        prop_assert_eq!(&a.message, &b.message);
+                    }
+                    prop_assert!(!after.iter().any(tool), "tool traffic of a finished turn after {op:?}");
+                }
                 if let Some(p) = before.iter().find(|m| m.source == Source::LivePending) {
                     match after.iter().find(|m| m.seq == p.seq) {
                         Some(still) => prop_assert_eq!(&still.message, &p.message),

@@ -155,6 +155,7 @@ impl History {
                 result_digest: Some(format!("{} lines", 10 + n)),
                 status: "ok".into(),
                 duration_ms: Some(12),
+                ..Default::default()
             };
             self.append(s, Uuid::now_v7(), &EventBody::ToolExecution(tool));
         }
@@ -193,7 +194,9 @@ impl History {
                     Block { kind: BlockType::Text, text: Some(text.clone()), meta: None },
                 ],
             },
-            llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(text)) } },
+            llm: LlmPart {
+                message: LlmMessage { content: Some(MessageContent::Text(text)), ..Default::default() },
+            },
             attempt_id: Some(attempt.into()),
             provider: Some("mock".into()),
             model: Some("mock-large".into()),

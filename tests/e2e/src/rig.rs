@@ -148,7 +148,12 @@ impl Rig {
     pub async fn answer(&self, session: SessionId, text: &str, model: Option<&str>) -> i64 {
         let body = EventBody::AssistantTurn(AssistantTurn {
             ui: UiPart { blocks: vec![Block { kind: BlockType::Text, text: Some(text.into()), meta: None }] },
-            llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(text.into())) } },
+            llm: LlmPart {
+                message: LlmMessage {
+                    content: Some(MessageContent::Text(text.into())),
+                    ..Default::default()
+                },
+            },
             model: model.map(str::to_owned),
             finish_reason: Some("stop".into()),
             ..Default::default()

@@ -312,7 +312,9 @@ async fn imported_answers_are_compacted_before_the_next_turn_without_waiting_for
             ui: UiPart {
                 blocks: vec![Block { kind: BlockType::Text, text: Some(text.clone()), meta: None }],
             },
-            llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(text)) } },
+            llm: LlmPart {
+                message: LlmMessage { content: Some(MessageContent::Text(text)), ..Default::default() },
+            },
             imported: Some(Box::new(imported)),
             ..Default::default()
         });

@@ -100,7 +100,9 @@ impl NewItem {
             ui: UiPart {
                 blocks: vec![Block { kind: BlockType::Text, text: Some(text.clone()), meta: None }],
             },
-            llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(text)) } },
+            llm: LlmPart {
+                message: LlmMessage { content: Some(MessageContent::Text(text)), ..Default::default() },
+            },
             ..Default::default()
         })
     }

@@ -275,6 +275,9 @@ impl Turn<'_> {
                 }
                 Ok(Some(StreamItem::Usage(u))) => self.usage = Some(u),
                 Ok(Some(StreamItem::Finish(reason))) => finish_reason = Some(reason),
+                // Turns offer no tools yet (DESIGN §14 lands step by step): a call is a
+                // model's own mistake and the turn keeps its text.
+                Ok(Some(StreamItem::ToolCall(_))) => {}
                 Err(e) => return self.upstream_failed(e),
             }
         }
@@ -626,7 +629,12 @@ impl Turn<'_> {
         blocks.push(Block { kind: BlockType::Text, text: Some(self.text.clone()), meta: None });
         EventBody::AssistantTurn(AssistantTurn {
             ui: UiPart { blocks },
-            llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(self.text.clone())) } },
+            llm: LlmPart {
+                message: LlmMessage {
+                    content: Some(MessageContent::Text(self.text.clone())),
+                    ..Default::default()
+                },
+            },
             attempt_id: Some(self.attempt_id.clone()),
             provider: Some(self.app.provider_name()),
             model: Some(self.start.model.clone()),

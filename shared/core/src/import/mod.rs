@@ -563,7 +563,9 @@ pub(crate) fn answer_payload(
     blocks.push(Block { kind: BlockType::Text, text: Some(text.clone()), meta: None });
     let turn = AssistantTurn {
         ui: UiPart { blocks },
-        llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(text)) } },
+        llm: LlmPart {
+            message: LlmMessage { content: Some(MessageContent::Text(text)), ..Default::default() },
+        },
         model,
         finish_reason: Some("stop".into()),
         imported: Some(Box::new(imported)),

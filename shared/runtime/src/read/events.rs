@@ -43,11 +43,20 @@ impl StoredEvent {
             EventKind::CompactionApplied => self.payload.get("replaces_through_seq").and_then(|v| v.as_i64()),
             _ => None,
         };
+        let tool = match kind {
+            EventKind::AssistantTurn => self
+                .payload
+                .pointer("/llm/message/tool_calls")
+                .and_then(|c| c.as_array())
+                .is_some_and(|c| !c.is_empty()),
+            other => other.projection() == turnlog_core::events::Projection::Tool,
+        };
         Ok(CountedEvent {
             seq: self.seq,
             kind,
             tokens: u32::try_from(self.tokens).unwrap_or(0),
             replaces_through,
+            tool,
         })
     }
 }

@@ -22,7 +22,9 @@ use crate::secret::Secret;
 pub use crate::secret::{gateway_host, redacted_url};
 
 pub use json::{ask_for_json, JsonAnswerError};
-pub use stream::{ChatStream, StreamItem};
+pub use stream::{
+    ChatStream, StreamItem, ToolCallDelta, ToolCalls, MAX_TOOL_ARGUMENTS_BYTES, MAX_TOOL_CALLS,
+};
 pub use windows::{parse_model_windows, ModelWindowsError, MODELS_CACHE_TTL};
 pub use wire::Usage;
 

@@ -19,6 +19,66 @@ pub enum StreamItem {
     Usage(Usage),
     /// The provider's `finish_reason` (`stop`, `length`, `tool_calls`, ...).
     Finish(String),
+    /// A piece of a tool call (DESIGN §14).
+    ToolCall(ToolCallDelta),
+}
+
+/// A piece of the step's tool call number `index`: its id and name arrive once (with its
+/// first piece), its arguments' JSON text in pieces to concatenate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCallDelta {
+    pub index: usize,
+    pub id: Option<String>,
+    pub name: Option<String>,
+    pub arguments: String,
+}
+
+/// A step's tool calls put together from their pieces, in index order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ToolCalls {
+    calls: Vec<turnlog_core::events::ToolCall>,
+}
+
+/// Most tool calls one step may make, and most bytes their arguments may take together.
+pub const MAX_TOOL_CALLS: usize = 128;
+pub const MAX_TOOL_ARGUMENTS_BYTES: usize = 256 * 1024;
+
+impl ToolCalls {
+    /// Adds a piece; an error when the step passes [`MAX_TOOL_CALLS`] or
+    /// [`MAX_TOOL_ARGUMENTS_BYTES`] (a provider's answer is input like any other).
+    pub fn add(&mut self, delta: ToolCallDelta) -> Result<(), String> {
+        if delta.index >= MAX_TOOL_CALLS {
+            return Err(format!("a step asked for more than {MAX_TOOL_CALLS} tool calls"));
+        }
+        let total: usize = self.calls.iter().map(|c| c.arguments.len()).sum();
+        if total + delta.arguments.len() > MAX_TOOL_ARGUMENTS_BYTES {
+            return Err(format!("a step's tool arguments took more than {MAX_TOOL_ARGUMENTS_BYTES} bytes"));
+        }
+        if self.calls.len() <= delta.index {
+            self.calls.resize_with(delta.index + 1, Default::default);
+        }
+        let call = &mut self.calls[delta.index];
+        if let Some(id) = delta.id {
+            call.id = id;
+        }
+        if let Some(name) = delta.name {
+            call.name = name;
+        }
+        call.arguments.push_str(&delta.arguments);
+        Ok(())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+
+    /// The calls, or the first one a provider left without an id or a name.
+    pub fn finish(self) -> Result<Vec<turnlog_core::events::ToolCall>, String> {
+        match self.calls.iter().position(|c| c.id.is_empty() || c.name.is_empty()) {
+            Some(i) => Err(format!("tool call {i} came without an id or a name")),
+            None => Ok(self.calls),
+        }
+    }
 }
 
 /// Why the byte stream under the SSE parser stopped.

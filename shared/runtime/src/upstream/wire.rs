@@ -5,7 +5,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{ChatRequest, Completion, ImageResolver, StreamItem, UpstreamError};
+use super::{ChatRequest, Completion, ImageResolver, StreamItem, ToolCallDelta, UpstreamError};
 use turnlog_core::request_body::{RequestBody, ResolveImage};
 
 /// How much of an unparsable chunk an error quotes.
@@ -60,6 +60,28 @@ struct Message {
     reasoning_content: Option<String>,
     #[serde(default)]
     reasoning: Option<String>,
+    /// A step's tool calls: streamed as pieces by `index` (the first with the call's id and
+    /// name), whole in an answer body.
+    #[serde(default)]
+    tool_calls: Option<Vec<WireToolCall>>,
+}
+
+#[derive(Deserialize)]
+struct WireToolCall {
+    #[serde(default)]
+    index: Option<usize>,
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    function: Option<WireFunction>,
+}
+
+#[derive(Deserialize)]
+struct WireFunction {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    arguments: Option<String>,
 }
 
 impl Message {
@@ -113,6 +135,16 @@ pub(super) fn parse_chunk(data: &str) -> Result<Vec<StreamItem>, UpstreamError> 
             }
             if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
                 items.push(StreamItem::Text(text));
+            }
+            for (i, call) in delta.tool_calls.into_iter().flatten().enumerate() {
+                let function = call.function;
+                let (name, arguments) = function.map_or((None, None), |f| (f.name, f.arguments));
+                items.push(StreamItem::ToolCall(ToolCallDelta {
+                    index: call.index.unwrap_or(i),
+                    id: call.id.filter(|id| !id.is_empty()),
+                    name: name.filter(|n| !n.is_empty()),
+                    arguments: arguments.unwrap_or_default(),
+                }));
             }
         }
         if let Some(reason) = choice.finish_reason {
@@ -170,9 +202,9 @@ mod tests {
             Arc::new(|id, mime| (id == "a").then(|| format!("data:{mime};base64,AAAA")));
         let request = ChatRequest {
             model: "m".into(),
-            messages: vec![ChatMessage {
-                role: Role::User,
-                content: Content::Parts(vec![
+            messages: vec![ChatMessage::new(
+                Role::User,
+                Content::Parts(vec![
                     ContentPart::Text { text: "look".into() },
                     ContentPart::ImageRef {
                         id: "a".into(),
@@ -187,7 +219,7 @@ mod tests {
                         height: None,
                     },
                 ]),
-            }],
+            )],
             max_tokens: Some(100),
             response_format_json: true,
             ..ChatRequest::default()

@@ -15,7 +15,9 @@ const SYSTEM: &str = "You are turnlog's careful assistant. Keep every number the
 fn answer(text: &str) -> EventBody {
     EventBody::AssistantTurn(AssistantTurn {
         ui: UiPart { blocks: vec![Block { kind: BlockType::Text, text: Some(text.into()), meta: None }] },
-        llm: LlmPart { message: LlmMessage { content: Some(MessageContent::Text(text.into())) } },
+        llm: LlmPart {
+            message: LlmMessage { content: Some(MessageContent::Text(text.into())), ..Default::default() },
+        },
         ..Default::default()
     })
 }
