@@ -128,6 +128,11 @@ impl Handler for PostTurn {
         if event.payload.get("imported").is_some() {
             return Ok(());
         }
+        // A step that asks for tools is not the turn's end; the pre-send check runs before
+        // every step (DESIGN §14).
+        if turnlog_core::events::payload_asks_for_tools(&event.payload) {
+            return Ok(());
+        }
         // The model that served the turn sizes the budget; a residue names none.
         let model = event.payload.get("model").and_then(|m| m.as_str());
         // The system prompt and extras are not known here; the pre-send check counts them.

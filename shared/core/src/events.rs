@@ -415,6 +415,12 @@ pub struct AssistantTurn {
     pub imported: Option<Box<Imported>>,
 }
 
+/// Whether a stored `assistant_turn` payload is a step that asks for tools (DESIGN §14),
+/// read without decoding it: the workers that act on a turn's end skip those.
+pub fn payload_asks_for_tools(payload: &Value) -> bool {
+    payload.pointer("/llm/message/tool_calls").and_then(Value::as_array).is_some_and(|c| !c.is_empty())
+}
+
 impl AssistantTurn {
     /// Whether this is a step that asks for tools (DESIGN §14) rather than a turn's answer.
     pub fn asks_for_tools(&self) -> bool {

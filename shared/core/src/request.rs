@@ -38,8 +38,14 @@ pub fn assemble(system_prompt: &str, history: Vec<ChatMessage>, extras: &Extras)
     if !system_prompt.is_empty() {
         out.push(ChatMessage::text(Role::System, system_prompt));
     }
-    out.extend(history);
+    // The extras stay where a turn's first step put them, after the history it had; the
+    // turn's tool traffic (the only tool traffic the history holds, DESIGN §14) follows
+    // them, so each step's request extends the previous one's.
+    let tools_at = history.iter().position(|m| m.role == Role::Tool || !m.tool_calls.is_empty());
+    let mut history = history.into_iter();
+    out.extend(history.by_ref().take(tools_at.unwrap_or(usize::MAX)));
     out.extend(extras.message());
+    out.extend(history);
     out
 }
 

@@ -39,6 +39,15 @@ pub struct RequestParams {
     pub stop: Option<Vec<String>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response_format: Option<ResponseFormat>,
+    /// The tools offered (DESIGN §14): the JSON text of the `tools` array (Chat
+    /// Completions' function tools) as the client sent it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools: Option<String>,
+    /// `tool_choice`, as JSON text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallel_tool_calls: Option<bool>,
     /// Whether image references were sent as data URLs (resolved from the file store);
     /// when false, each was sent as a short placeholder text.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -125,6 +134,9 @@ pub fn request_body(
         seed: params.seed,
         stop: params.stop.as_deref(),
         response_format: params.response_format.as_ref().map(WireFormat::of),
+        tools: raw(params.tools.as_deref()),
+        tool_choice: raw(params.tool_choice.as_deref()),
+        parallel_tool_calls: params.parallel_tool_calls,
     };
     // Structs of strings, numbers and bools always serialize.
     let bytes = serde_json::to_vec(&body).unwrap_or_default();
@@ -163,6 +175,18 @@ struct WireBody<'a> {
     stop: Option<&'a [String]>,
     #[serde(skip_serializing_if = "Option::is_none")]
     response_format: Option<WireFormat<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<&'a serde_json::value::RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<&'a serde_json::value::RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parallel_tool_calls: Option<bool>,
+}
+
+/// JSON text checked when its request came in, written as the JSON it is (none when a
+/// record's text is not JSON, which takes a hand-edited log).
+fn raw(text: Option<&str>) -> Option<&serde_json::value::RawValue> {
+    text.and_then(|t| serde_json::from_str(t).ok())
 }
 
 /// `response_format` on the wire: a `json_schema`'s schema written as the JSON it is.
@@ -193,7 +217,7 @@ impl<'a> WireFormat<'a> {
         let json_schema = format.json_schema.as_ref().map(|s| WireSchema {
             name: &s.name,
             description: s.description.as_deref(),
-            schema: s.schema.as_deref().and_then(|t| serde_json::from_str(t).ok()),
+            schema: raw(s.schema.as_deref()),
             strict: s.strict,
         });
         Self { kind: &format.kind, json_schema }
@@ -292,6 +316,7 @@ mod tests {
             stop: Some(vec!["END".into()]),
             response_format: Some(ResponseFormat::json_object()),
             images: true,
+            ..RequestParams::default()
         }
     }
 

@@ -66,6 +66,10 @@ pub enum TurnEvent {
     Reasoning(Text),
     /// What failed, before the `end` of a turn that did not complete.
     Error(StreamError),
+    /// A tool the model asks for (DESIGN §14), once its step is stored.
+    ToolCall(ToolCallEvent),
+    /// A tool's result, as it is recorded.
+    ToolResult(ToolResultEvent),
     /// Last, exactly once.
     End(TurnEnd),
 }
@@ -78,6 +82,8 @@ impl TurnEvent {
             TurnEvent::Delta(_) => "delta",
             TurnEvent::Reasoning(_) => "reasoning",
             TurnEvent::Error(_) => "error",
+            TurnEvent::ToolCall(_) => "tool_call",
+            TurnEvent::ToolResult(_) => "tool_result",
             TurnEvent::End(_) => "end",
         }
     }
@@ -89,6 +95,8 @@ impl TurnEvent {
             TurnEvent::Meta(m) => serde_json::to_value(m),
             TurnEvent::Delta(t) | TurnEvent::Reasoning(t) => serde_json::to_value(t),
             TurnEvent::Error(e) => serde_json::to_value(e),
+            TurnEvent::ToolCall(c) => serde_json::to_value(c),
+            TurnEvent::ToolResult(r) => serde_json::to_value(r),
             TurnEvent::End(e) => serde_json::to_value(e),
         };
         // Plain structs with string keys: their JSON cannot fail.
@@ -121,6 +129,48 @@ pub struct Meta {
     pub model: Option<String>,
 }
 
+/// `tool_call`: a call the model made (its id is the call id everywhere).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCallEvent {
+    pub call_id: String,
+    pub name: String,
+    /// The JSON text the model produced.
+    pub arguments: String,
+    /// `client` (the client runs it) or `mcp:<label>`.
+    pub source: String,
+}
+
+/// `tool_result`: a call's result was recorded.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolResultEvent {
+    pub call_id: String,
+    /// `ok`, `error`, `denied`, `cancelled` or `timeout`.
+    pub status: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+}
+
+/// What a paused turn waits for (`end.required`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Required {
+    pub call_id: String,
+    pub name: String,
+    pub arguments: String,
+    /// `tool` (a client tool's result) or `permission`.
+    pub kind: String,
+}
+
+impl Required {
+    pub fn tool(call: &crate::events::ToolCall) -> Self {
+        Self {
+            call_id: call.id.clone(),
+            name: call.name.clone(),
+            arguments: call.arguments.clone(),
+            kind: "tool".into(),
+        }
+    }
+}
+
 /// `delta` and `reasoning`: a piece of text.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct Text {
@@ -149,6 +199,9 @@ pub enum FailureCode {
     AnswerTooLarge,
     /// The session went away under the turn.
     NotFound,
+    /// The turn's model calls reached `TURNLOG_MAX_TOOL_STEPS` and the last still asked
+    /// for tools (DESIGN §14).
+    TooManySteps,
     Unavailable,
     Internal,
     /// A code this build does not name (an import's, a newer copy's), kept as it is.
@@ -165,6 +218,7 @@ impl FailureCode {
             FailureCode::ContextOverflow => "context_overflow",
             FailureCode::AnswerTooLarge => "answer_too_large",
             FailureCode::NotFound => "not_found",
+            FailureCode::TooManySteps => "too_many_steps",
             FailureCode::Unavailable => "unavailable",
             FailureCode::Internal => "internal",
             FailureCode::Other(code) => code,
@@ -182,6 +236,7 @@ impl From<&str> for FailureCode {
             "context_overflow" => FailureCode::ContextOverflow,
             "answer_too_large" => FailureCode::AnswerTooLarge,
             "not_found" => FailureCode::NotFound,
+            "too_many_steps" => FailureCode::TooManySteps,
             "unavailable" => FailureCode::Unavailable,
             "internal" => FailureCode::Internal,
             other => FailureCode::Other(other.to_owned()),
@@ -220,6 +275,9 @@ pub enum TurnStatus {
     Interrupted,
     /// Without text, or without its outcome stored.
     Failed,
+    /// Paused (DESIGN §14): its last step asked for client tools whose results are not
+    /// recorded yet; `end.required` lists them.
+    RequiresAction,
 }
 
 impl TurnStatus {
@@ -229,6 +287,7 @@ impl TurnStatus {
             TurnStatus::Stopped => "stopped",
             TurnStatus::Interrupted => "interrupted",
             TurnStatus::Failed => "failed",
+            TurnStatus::RequiresAction => "requires_action",
         }
     }
 }
@@ -270,6 +329,8 @@ pub struct TurnEnd {
     /// On a turn whose answer stream reached its end: the model's finish reason (`null`
     /// when it gave none). Absent otherwise.
     pub finish_reason: Option<Option<String>>,
+    /// What a `requires_action` turn waits for.
+    pub required: Vec<Required>,
 }
 
 impl TurnEnd {
@@ -282,6 +343,7 @@ impl TurnEnd {
             model: None,
             duration_ms: None,
             finish_reason: None,
+            required: Vec::new(),
         }
     }
 
@@ -311,6 +373,8 @@ struct EndWire {
     duration_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "present")]
     finish_reason: Option<Option<String>>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    required: Vec<Required>,
 }
 
 /// A field that is present, `null` included (absent is the `default`).
@@ -331,6 +395,7 @@ impl From<EndWire> for TurnEnd {
             model: w.model,
             duration_ms: w.duration_ms,
             finish_reason: w.finish_reason,
+            required: w.required,
         }
     }
 }
@@ -354,6 +419,7 @@ impl From<TurnEnd> for EndWire {
             model: e.model,
             duration_ms: e.duration_ms,
             finish_reason: e.finish_reason,
+            required: e.required,
         }
     }
 }
@@ -382,9 +448,24 @@ pub fn turn_end_from_log<'a>(session: SessionId, events: impl IntoIterator<Item 
     for e in events {
         let (status, outcome) = match &e.body {
             EventBody::UserMessage(_) => break,
+            // A step that asks for tools pauses the turn until their results are recorded
+            // (DESIGN §14); then the next step runs (or the copy running it died).
+            EventBody::AssistantTurn(t) if t.asks_for_tools() => {
+                end.required = t.llm.message.tool_calls.iter().map(Required::tool).collect();
+                (TurnStatus::RequiresAction, OutcomeEvent::Answer(e.seq))
+            }
+            EventBody::ToolExecution(x) => {
+                end.required.retain(|r| r.call_id != x.call_id);
+                if end.status == TurnStatus::RequiresAction && end.required.is_empty() {
+                    end.status = TurnStatus::Interrupted;
+                    end.outcome = None;
+                }
+                continue;
+            }
             EventBody::AssistantTurn(_) => {
                 end.status = TurnStatus::Completed;
                 end.outcome = Some(OutcomeEvent::Answer(e.seq));
+                end.required.clear();
                 return end;
             }
             EventBody::PendingState(p) if p.reason == Some(PendingReason::Stopped) => {
@@ -401,6 +482,31 @@ pub fn turn_end_from_log<'a>(session: SessionId, events: impl IntoIterator<Item 
         end.outcome = Some(outcome);
     }
     end
+}
+
+/// The calls the current turn waits for (DESIGN §14): those of its last step asking for
+/// tools that have no result yet. `events` run from at least the turn's user message (a
+/// live tail does: compaction never cuts inside the turn in progress).
+pub fn waiting_calls(events: &[Event]) -> Vec<crate::events::ToolCall> {
+    let start = crate::llm_context::current_turn_start(events);
+    let mut waiting: Vec<crate::events::ToolCall> = Vec::new();
+    for e in events.iter().filter(|e| e.seq > start) {
+        match &e.body {
+            EventBody::AssistantTurn(t) => waiting = t.llm.message.tool_calls.clone(),
+            EventBody::ToolExecution(x) => waiting.retain(|c| c.id != x.call_id),
+            _ => {}
+        }
+    }
+    waiting
+}
+
+/// How many model calls of the current turn asked for tools.
+pub fn tool_steps(events: &[Event]) -> usize {
+    let start = crate::llm_context::current_turn_start(events);
+    events
+        .iter()
+        .filter(|e| e.seq > start && matches!(&e.body, EventBody::AssistantTurn(t) if t.asks_for_tools()))
+        .count()
 }
 
 #[cfg(test)]

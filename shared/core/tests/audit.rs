@@ -115,6 +115,13 @@ fn params() -> impl Strategy<Value = RequestParams> {
                     seed,
                     stop: stops.map(|n| (0..n).map(|i| format!("stop {i}")).collect()),
                     response_format: json.then(ResponseFormat::json_object),
+                    // Tools with every other request: their text rides in the record.
+                    tools: stream.then(|| {
+                        r#"[{"type":"function","function":{"name":"ls","parameters":{"type":"object"}}}]"#
+                            .to_owned()
+                    }),
+                    tool_choice: stream.then(|| r#""auto""#.to_owned()),
+                    parallel_tool_calls: stream.then_some(false),
                     images,
                 }
             },

@@ -138,6 +138,11 @@ struct OnTurns<T> {
 
 impl<T: TurnTask> Handler for OnTurns<T> {
     async fn handle(&self, turn: CommittedEvent, delivery: Delivery) -> Result<(), HandleError> {
+        // A step that asks for tools is not its turn's end (DESIGN §14): the turn's answer
+        // comes later, and is what these workers act on.
+        if turnlog_core::events::payload_asks_for_tools(&turn.payload) {
+            return Ok(());
+        }
         self.task.handle(&self.worker, turn, delivery).await
     }
 }

@@ -33,6 +33,7 @@ pub fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(context::context))
         .routes(routes!(requests::request))
         .routes(routes!(turns::send))
+        .routes(routes!(turns::tool_results))
         .routes(routes!(turns::chat))
         .routes(routes!(turns::stop))
         .routes(routes!(turns::retry))

@@ -6,7 +6,6 @@ use anyhow::Context as _;
 use axum::extract::State;
 use axum::Json;
 use serde::Serialize;
-use serde_json::Value;
 use turnlog_core::audit::rebuild_from_log;
 use turnlog_core::events::{EventBody, PendingState};
 use turnlog_core::ids::SessionId;
@@ -21,10 +20,10 @@ use crate::AppState;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct RequestView {
-    /// The chat-completions body rebuilt from the log, as JSON; when `verified`, it is
-    /// byte for byte the body that was sent.
+    /// The chat-completions body rebuilt from the log, written as its bytes are (its keys
+    /// in their order); when `verified`, it is byte for byte the body that was sent.
     #[schema(value_type = Object)]
-    pub body: Value,
+    pub body: Box<serde_json::value::RawValue>,
     /// SHA-256 (hex) of the body bytes sent, as recorded with the attempt.
     pub body_sha256: String,
     /// Whether the rebuilt body hashes to `body_sha256`; false only if the code that builds
@@ -103,8 +102,9 @@ pub async fn request(
         tracing::warn!(session_id = %id, seq, error = %e, "a recorded request cannot be rebuilt");
         ApiError::NotFound(format!("the request of event {seq} cannot be rebuilt: {e}"))
     })?;
-    let body = serde_json::from_slice(&rebuilt.bytes)
-        .context("a rebuilt body is not JSON")
+    let body = String::from_utf8(rebuilt.bytes)
+        .context("a rebuilt body is not UTF-8")
+        .and_then(|text| serde_json::value::RawValue::from_string(text).context("a rebuilt body is not JSON"))
         .map_err(ApiError::internal)?;
     Ok(Json(RequestView {
         verified: rebuilt.sha256 == recorded.body_sha256,

@@ -50,6 +50,19 @@ pub struct SendMessage {
     #[serde(default)]
     #[schema(minimum = 1)]
     pub edit_of: Option<i64>,
+    /// Function tools the client runs (DESIGN §14), in Chat Completions' shape
+    /// (`{type: "function", function: {name, description?, parameters?}}`), at most 128.
+    /// A step that asks for them ends the stream `requires_action`; answer with
+    /// `POST /v1/sessions/{id}/tool_results`.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tools: Option<Box<serde_json::value::RawValue>>,
+    /// `none`, `auto`, `required`, or `{type: "function", function: {name}}`.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<Box<serde_json::value::RawValue>>,
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// `POST /v1/sessions/{id}/retry`: without `of`, run the last user message again after an
@@ -87,6 +100,41 @@ pub struct ChatMessage {
     #[serde(default)]
     #[schema(max_items = 32)]
     pub documents: Vec<String>,
+    /// Function tools the client runs (DESIGN §14), in Chat Completions' shape
+    /// (`{type: "function", function: {name, description?, parameters?}}`), at most 128.
+    /// A step that asks for them ends the stream `requires_action`; answer with
+    /// `POST /v1/sessions/{id}/tool_results`.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tools: Option<Box<serde_json::value::RawValue>>,
+    /// `none`, `auto`, `required`, or `{type: "function", function: {name}}`.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<Box<serde_json::value::RawValue>>,
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
+}
+
+/// `POST /v1/sessions/{id}/tool_results`: the results of the calls a paused turn waits for.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ToolResults {
+    /// One per call the turn waits for (1 to 128).
+    #[schema(min_items = 1, max_items = 128)]
+    pub results: Vec<ToolResultBody>,
+}
+
+/// A client tool's result: what the model is sent (over 32 KiB is cut, with a note).
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ToolResultBody {
+    #[schema(pattern = r"^[^\u0000]*$")]
+    pub call_id: String,
+    /// No NUL (Postgres cannot store U+0000).
+    #[schema(pattern = r"^[^\u0000]*$")]
+    pub output: String,
+    #[serde(default)]
+    pub is_error: Option<bool>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -96,10 +144,25 @@ pub struct Stopping {
 }
 
 impl SendMessage {
-    /// The message, and the seq it edits if it is an edit.
-    fn split(self) -> (NewMessage, Option<i64>) {
-        let Self { text, category, model, images, documents, edit_of } = self;
-        (NewMessage { text, category, model, images, documents }, edit_of)
+    /// The message, the seq it edits if it is an edit, and the turn's options (its tools).
+    fn split(self) -> Result<(NewMessage, Option<i64>, TurnOptions), ApiError> {
+        let Self {
+            text,
+            category,
+            model,
+            images,
+            documents,
+            edit_of,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+        } = self;
+        let tools = turn::tool_offer(tools.as_deref(), tool_choice.as_deref(), parallel_tool_calls)?;
+        Ok((
+            NewMessage { text, category, model, images, documents },
+            edit_of,
+            TurnOptions { tools, ..Default::default() },
+        ))
     }
 }
 
@@ -126,7 +189,7 @@ pub async fn send(
     ApiJson(body): ApiJson<SendMessage>,
 ) -> Result<Response, ApiError> {
     let key = idempotency_key(&headers)?;
-    let (message, edit_of) = body.split();
+    let (message, edit_of, options) = body.split()?;
     let message = turn::prepared(&app, caller.owner(), &message).await?;
     let session = owned_session(&app, &caller, id).await?;
     let (target, create) = match edit_of {
@@ -137,9 +200,46 @@ pub async fn send(
             (create.session_id, Some(create))
         }
     };
-    let events =
-        turn::begin_turn(&app, &caller, target, message, key, create, TurnOptions::default()).await?;
+    let events = turn::begin_turn(&app, &caller, target, message, key, create, options).await?;
     Ok(sse::turn(&app, target, events))
+}
+
+/// Send the results of a paused turn's tool calls (DESIGN §14) and stream the turn as it
+/// goes on: `meta`, a `tool_result` per result, then the next step.
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/tool_results", tag = "turns", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "Session id")),
+    request_body = ToolResults,
+    responses(
+        (status = 200, description = "text/event-stream: meta, tool_result*, then the next step's events and end", content_type = "text/event-stream"),
+        (status = 400, description = "A result is missing (named), or one is sent twice", body = ErrorBody),
+        (status = 401, body = ErrorBody),
+        (status = 404, description = "No such session, or no such call waiting", body = ErrorBody),
+        (status = 409, description = "A call is already answered, or a turn is running", body = ErrorBody),
+        (status = 413, body = ErrorBody),
+        (status = 429, description = "Too many turns at once (`Retry-After`)", body = ErrorBody),
+        (status = 503, body = ErrorBody),
+    )
+)]
+#[tracing::instrument(skip_all, fields(session_id = %id), err(Display, level = "debug"))]
+pub async fn tool_results(
+    State(app): State<AppState>,
+    caller: Caller,
+    ApiPath(id): ApiPath<SessionId>,
+    ApiJson(body): ApiJson<ToolResults>,
+) -> Result<Response, ApiError> {
+    owned_session(&app, &caller, id).await?;
+    let results = body
+        .results
+        .into_iter()
+        .map(|r| turn::ToolResult {
+            call_id: r.call_id,
+            output: r.output,
+            is_error: r.is_error == Some(true),
+        })
+        .collect();
+    let events = turn::continue_with_results(&app, &caller, id, results).await?;
+    Ok(sse::turn(&app, id, events))
 }
 
 /// Send a message to a session, or to a new one, and stream the turn.
@@ -169,11 +269,14 @@ pub async fn chat(
         images: body.images,
         documents: body.documents,
     };
+    let tools =
+        turn::tool_offer(body.tools.as_deref(), body.tool_choice.as_deref(), body.parallel_tool_calls)?;
+    let options = TurnOptions { tools, ..Default::default() };
     let key = idempotency_key(&headers)?;
     let message = turn::prepared(&app, caller.owner(), &message).await?;
     let (id, create) = turn::chat_session(&app, &caller, body.session_id, key.as_deref()).await?;
     tracing::Span::current().record("session_id", tracing::field::display(id));
-    let events = turn::begin_turn(&app, &caller, id, message, key, create, TurnOptions::default()).await?;
+    let events = turn::begin_turn(&app, &caller, id, message, key, create, options).await?;
     Ok(sse::turn(&app, id, events))
 }
 

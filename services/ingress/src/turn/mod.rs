@@ -3,13 +3,15 @@
 //! task, detached from the HTTP request that started it (a closed client does not cancel
 //! it); every event it emits is kept in order so any number of clients can follow it from
 //! any point, on this copy directly and on other copies through core NATS (`remote`:
-//! `live`, `turn` snapshots, `control` for stop).
+//! `live`, `turn` snapshots, `control` for stop). A turn that paused for client tools
+//! continues with their results (`tools`, DESIGN §14).
 
 mod follow;
 mod remote;
 mod runner;
 mod slots;
 mod start;
+mod tools;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -22,12 +24,13 @@ use turnlog_core::ids::{AttemptId, Owner, SessionId};
 
 pub use follow::{attach, follow_local};
 pub use remote::{remote_attempt, remote_stop, remote_stream};
-pub use runner::{start_turn, TurnOptions, TurnStart};
+pub use runner::{start_turn, ToolOffer, TurnOptions, TurnStart};
 pub use slots::{CapReached, TurnLimits, TurnSlot};
 pub use start::{
     begin_turn, chat_session, edit_fork, prepared, ready_for_turns, regenerate, regenerate_fork, retry_last,
     take_slot, NewMessage, MAX_NAME_CHARS,
 };
+pub use tools::{continue_with_results, tool_offer, ToolResult};
 pub use turnlog_core::stream::{StreamEvent, TurnEvent};
 
 /// A turn this copy runs: its events so far and the means to stop it.

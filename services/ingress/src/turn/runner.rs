@@ -13,7 +13,8 @@ use turnlog_core::ids::{AttemptId, Owner, SessionId};
 use turnlog_core::request::{reserve_tokens, Extras};
 use turnlog_core::request_body::{RequestBody, RequestParams, ResolveImage, ResponseFormat, StreamOptions};
 use turnlog_core::stream::{
-    FailureCode, Meta, OutcomeEvent, StreamError, Text, TurnEnd, TurnEvent, TurnStatus, STOPPED_BEFORE_TEXT,
+    FailureCode, Meta, OutcomeEvent, Required, StreamError, Text, ToolCallEvent, ToolResultEvent, TurnEnd,
+    TurnEvent, TurnStatus, STOPPED_BEFORE_TEXT,
 };
 use turnlog_runtime::bus::{
     append_and_wait, json_len, AppendError, AppendRequest, CompactReply, CompactRequest, CompactStatus,
@@ -21,7 +22,7 @@ use turnlog_runtime::bus::{
 };
 use turnlog_runtime::lease::Lease;
 use turnlog_runtime::read;
-use turnlog_runtime::upstream::{StreamItem, UpstreamError};
+use turnlog_runtime::upstream::{StreamItem, ToolCalls, UpstreamError};
 use uuid::Uuid;
 
 use super::{remote, ActiveTurn, TurnSlot};
@@ -56,6 +57,9 @@ pub struct TurnStart {
     pub lease: Lease,
     pub slot: TurnSlot,
     pub options: TurnOptions,
+    /// A continued turn's results just recorded (DESIGN §14): its stream tells them after
+    /// its `meta`, before the next step.
+    pub results: Vec<ToolResultEvent>,
 }
 
 /// What a client may set for one turn's request (the OpenAI-compatible routes): recorded
@@ -75,6 +79,56 @@ pub struct TurnOptions {
     pub reasoning_effort: Option<String>,
     /// Structured outputs: the format the answer must take.
     pub response_format: Option<ResponseFormat>,
+    /// The client's function tools (DESIGN §14).
+    pub tools: Option<ToolOffer>,
+    /// The turn's extras when a later step runs: its first step's, so each step's request
+    /// extends the previous one's (DESIGN §14). None: computed now.
+    pub extras: Option<Extras>,
+}
+
+/// Most model calls one turn makes (DESIGN §14, `TURNLOG_MAX_TOOL_STEPS`'s default).
+const MAX_TOOL_STEPS: usize = 32;
+
+impl TurnOptions {
+    /// The options a turn's next step runs with: those its last step recorded (§11), so
+    /// the next request extends that one — its system text, sampling, tools and extras.
+    pub fn of_recorded(r: &RecordedRequest) -> Self {
+        let p = &r.params;
+        Self {
+            system: r.system.text.clone(),
+            max_tokens: p.max_tokens,
+            temperature: p.temperature,
+            top_p: p.top_p,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            seed: p.seed,
+            stop: p.stop.clone(),
+            reasoning_effort: p.reasoning_effort.clone(),
+            response_format: p.response_format.clone(),
+            tools: ToolOffer::recorded(p),
+            extras: Some(r.extras.clone()),
+        }
+    }
+}
+
+/// The tools a turn offers the model: Chat Completions' `tools` array as JSON text (the
+/// client's, checked), `tool_choice` as JSON text, and `parallel_tool_calls`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ToolOffer {
+    pub tools: String,
+    pub tool_choice: Option<String>,
+    pub parallel_tool_calls: Option<bool>,
+}
+
+impl ToolOffer {
+    /// The offer a step's recorded request made: what the turn's next step offers again.
+    pub fn recorded(params: &RequestParams) -> Option<Self> {
+        Some(Self {
+            tools: params.tools.clone()?,
+            tool_choice: params.tool_choice.clone(),
+            parallel_tool_calls: params.parallel_tool_calls,
+        })
+    }
 }
 
 /// Starts the turn's task and registers it; the returned handle is what clients follow.
@@ -147,6 +201,8 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
         usage: None,
         request: None,
         request_checkpointed: false,
+        tool_calls: ToolCalls::default(),
+        steps_before: 0,
     };
     let meta = Meta {
         session_id: Some(start.session),
@@ -155,6 +211,9 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
         model: Some(start.model.clone()),
     };
     t.emit(TurnEvent::Meta(meta)).await;
+    for r in &start.results {
+        t.emit(TurnEvent::ToolResult(r.clone())).await;
+    }
 
     // Renew the lease on its own timer for the whole turn; losing it stops the turn. The
     // latest revision is shared, because the release at the end must present it.
@@ -216,6 +275,10 @@ struct Turn<'a> {
     request: Option<RecordedRequest>,
     /// Whether a checkpoint carrying `request` was published.
     request_checkpointed: bool,
+    /// The tools this step asks for, as they stream (only when the turn offers tools).
+    tool_calls: ToolCalls,
+    /// The turn's steps that asked for tools before this one.
+    steps_before: usize,
 }
 
 impl Turn<'_> {
@@ -275,8 +338,13 @@ impl Turn<'_> {
                 }
                 Ok(Some(StreamItem::Usage(u))) => self.usage = Some(u),
                 Ok(Some(StreamItem::Finish(reason))) => finish_reason = Some(reason),
-                // Turns offer no tools yet (DESIGN §14 lands step by step): a call is a
-                // model's own mistake and the turn keeps its text.
+                // A call when the turn offers no tools is the model's own mistake: the turn
+                // keeps its text.
+                Ok(Some(StreamItem::ToolCall(c))) if self.start.options.tools.is_some() => {
+                    if let Err(why) = self.tool_calls.add(c) {
+                        return self.upstream_failed(UpstreamError::Malformed(why));
+                    }
+                }
                 Ok(Some(StreamItem::ToolCall(_))) => {}
                 Err(e) => return self.upstream_failed(e),
             }
@@ -341,10 +409,19 @@ impl Turn<'_> {
                     Vec::new()
                 })
         };
-        let (memories, tail) = tokio::join!(recall, self.live_tail());
-        let extras = Extras { date: Some(chrono::Utc::now().format("%Y-%m-%d (%A)").to_string()), memories };
+        let (extras, tail) = match &options.extras {
+            Some(extras) => (extras.clone(), self.live_tail().await),
+            None => {
+                let (memories, tail) = tokio::join!(recall, self.live_tail());
+                (
+                    Extras { date: Some(chrono::Utc::now().format("%Y-%m-%d (%A)").to_string()), memories },
+                    tail,
+                )
+            }
+        };
         let reserve = reserve_tokens(system, &extras);
         let mut tail = tail?;
+        self.steps_before = turnlog_core::stream::tool_steps(&tail.events);
         let window = app.context_window(&self.start.model).await;
         let budget = budget_for(window, app.config.context_budget);
         let mut size = request_size(history_tokens(&tail.counted), reserve);
@@ -394,6 +471,9 @@ impl Turn<'_> {
             stop: options.stop.clone(),
             reasoning_effort: options.reasoning_effort.clone(),
             response_format: options.response_format.clone(),
+            tools: options.tools.as_ref().map(|t| t.tools.clone()),
+            tool_choice: options.tools.as_ref().and_then(|t| t.tool_choice.clone()),
+            parallel_tool_calls: options.tools.as_ref().and_then(|t| t.parallel_tool_calls),
             images: urls.is_some(),
         };
         let resolve = urls.as_ref().map(|urls| move |id: &str, _: &str| urls.get(id).cloned());
@@ -519,7 +599,7 @@ impl Turn<'_> {
 
     /// Stores the turn's outcome (answer, final partial, or failure) and returns the
     /// `end` event's data; emits `error` first when the turn did not complete.
-    async fn persist(&self, ending: Ending, started: Instant) -> TurnEnd {
+    async fn persist(&mut self, ending: Ending, started: Instant) -> TurnEnd {
         let duration_ms = started.elapsed().as_millis() as u64;
         let mut end = TurnEnd {
             model: Some(self.start.model.clone()),
@@ -546,7 +626,46 @@ impl Turn<'_> {
                 u.output_tokens,
             );
         }
+        let calls = std::mem::take(&mut self.tool_calls);
         let (failure, body, status, outcome): StoredOutcome = match ending {
+            // A step that asks for tools (DESIGN §14): stored, and the turn pauses for
+            // their results — unless it was the turn's last allowed model call.
+            Ending::Done { finish_reason } if !calls.is_empty() => match calls.finish() {
+                Err(why) => self
+                    .failed(FailureCode::UpstreamError, format!("the model's answer was malformed: {why}")),
+                Ok(_) if self.steps_before + 1 >= MAX_TOOL_STEPS => self.failed(
+                    FailureCode::TooManySteps,
+                    format!("the turn made {MAX_TOOL_STEPS} model calls and the last still asked for tools"),
+                ),
+                Ok(calls) => {
+                    end.finish_reason = Some(finish_reason.clone());
+                    end.required = calls.iter().map(Required::tool).collect();
+                    let mut step = self.answer(finish_reason, usage, duration_ms);
+                    if let EventBody::AssistantTurn(t) = &mut step {
+                        t.llm.message.content =
+                            (!self.text.is_empty()).then(|| MessageContent::Text(self.text.clone()));
+                        t.ui.blocks.retain(|b| {
+                            b.kind != BlockType::Text || b.text.as_deref().is_some_and(|t| !t.is_empty())
+                        });
+                        t.ui.blocks.extend(calls.iter().map(|c| Block {
+                            kind: BlockType::ToolCall,
+                            text: None,
+                            meta: Some(serde_json::json!({"call_id": c.id, "name": c.name, "arguments": c.arguments, "source": "client"})),
+                        }));
+                        t.llm.message.tool_calls = calls;
+                    }
+                    let size = json_len(&step.to_payload());
+                    if size <= MAX_EVENT_BYTES {
+                        (None, step, TurnStatus::RequiresAction, OutcomeEvent::Answer)
+                    } else {
+                        end.required.clear();
+                        let message = format!(
+                            "the step takes {size} bytes as stored, over the log's limit of {MAX_EVENT_BYTES} per event"
+                        );
+                        self.failed(FailureCode::AnswerTooLarge, message)
+                    }
+                }
+            },
             Ending::Done { finish_reason } => {
                 end.finish_reason = Some(finish_reason.clone());
                 let answer = self.answer(finish_reason, usage, duration_ms);
@@ -603,7 +722,18 @@ impl Turn<'_> {
         }
         end.status = status;
         match self.store(&body).await {
-            Ok(seq) => end.outcome = Some(outcome(seq)),
+            Ok(seq) => {
+                end.outcome = Some(outcome(seq));
+                for r in &end.required {
+                    let call = ToolCallEvent {
+                        call_id: r.call_id.clone(),
+                        name: r.name.clone(),
+                        arguments: r.arguments.clone(),
+                        source: "client".into(),
+                    };
+                    self.emit(TurnEvent::ToolCall(call)).await;
+                }
+            }
             Err(e) => {
                 tracing::error!(error = %e, "the turn's outcome could not be stored");
                 let error = StreamError {
@@ -611,9 +741,10 @@ impl Turn<'_> {
                     message: "the answer could not be stored".into(),
                 };
                 self.emit(TurnEvent::Error(error)).await;
-                // Never `completed` without the answer in the log.
-                if status == TurnStatus::Completed {
+                // Never `completed`, or paused, without the answer in the log.
+                if matches!(status, TurnStatus::Completed | TurnStatus::RequiresAction) {
                     end.status = TurnStatus::Failed;
+                    end.required.clear();
                 }
             }
         }

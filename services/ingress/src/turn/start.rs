@@ -185,6 +185,7 @@ pub async fn begin_turn(
             lease,
             slot,
             options,
+            results: Vec::new(),
         },
     );
     Ok(follow_local(turn, 0))
@@ -289,7 +290,23 @@ async fn retried(
         }
     };
     let (user_seq, message) = last;
-    let model = model.or_else(|| message.model_hint.clone());
+    // A turn paused for tools goes on with their results, not a retry; one whose results
+    // are in (its next step never ran) continues from the log with its last step's options.
+    let (options, recorded_model) = match continued_options(app, caller, id).await {
+        Ok(Continued::Waiting) => {
+            let _ = app.leases.release(lease).await;
+            return Err(ApiError::Conflict(
+                "the turn waits for tool results: send them with POST /v1/sessions/{id}/tool_results".into(),
+            ));
+        }
+        Ok(Continued::Step(o, m)) => (*o, Some(m)),
+        Ok(Continued::Fresh) => (options, None),
+        Err(e) => {
+            let _ = app.leases.release(lease).await;
+            return Err(e);
+        }
+    };
+    let model = model.or(recorded_model).or_else(|| message.model_hint.clone());
     if let Some(Err(e)) = model.as_deref().map(|m| validate::model(&app.config, m)) {
         // The message asked for a model that is no longer allowed.
         let _ = app.leases.release(lease).await;
@@ -305,6 +322,33 @@ async fn retried(
         lease,
         slot,
         options,
+        results: Vec::new(),
     };
     Ok(follow_local(start_turn(app, start), 0))
+}
+
+/// What a retry of the session's current turn runs with (DESIGN §14).
+enum Continued {
+    /// A step asked for tools that have no result yet.
+    Waiting,
+    /// Its steps' results are in: the last step's recorded options and model.
+    Step(Box<TurnOptions>, String),
+    /// No step asked for tools: the retry's own options.
+    Fresh,
+}
+
+async fn continued_options(app: &Ingress, caller: &Caller, id: SessionId) -> Result<Continued, ApiError> {
+    let tail =
+        read::live_tail(&app.pool, caller.owner(), id).await?.ok_or_else(ApiError::session_not_found)?;
+    if !turnlog_core::stream::waiting_calls(&tail.events).is_empty() {
+        return Ok(Continued::Waiting);
+    }
+    let start = turnlog_core::llm_context::current_turn_start(&tail.events);
+    let step = tail.events.iter().rev().take_while(|e| e.seq > start).find_map(|e| match &e.body {
+        EventBody::AssistantTurn(t) if t.asks_for_tools() => t.request.as_ref(),
+        _ => None,
+    });
+    Ok(step.map_or(Continued::Fresh, |r| {
+        Continued::Step(Box::new(TurnOptions::of_recorded(r)), r.model.clone())
+    }))
 }

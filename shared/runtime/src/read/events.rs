@@ -44,11 +44,7 @@ impl StoredEvent {
             _ => None,
         };
         let tool = match kind {
-            EventKind::AssistantTurn => self
-                .payload
-                .pointer("/llm/message/tool_calls")
-                .and_then(|c| c.as_array())
-                .is_some_and(|c| !c.is_empty()),
+            EventKind::AssistantTurn => turnlog_core::events::payload_asks_for_tools(&self.payload),
             other => other.projection() == turnlog_core::events::Projection::Tool,
         };
         Ok(CountedEvent {

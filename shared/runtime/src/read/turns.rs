@@ -45,8 +45,9 @@ pub async fn permission_status(
         .map(|(request_seq, seq, decision)| PermissionStatus { request_seq, resolution: seq.zip(decision) }))
 }
 
-/// The session's last user message (seq and payload) and whether an answer follows it:
-/// what a retry runs again.
+/// The session's last user message (seq and payload) and whether an answer follows it
+/// (a turn's final answer: a step that asks for tools is not one, DESIGN §14): what a retry
+/// runs again.
 pub async fn last_user_message(
     pool: &PgPool,
     owner: &Owner,
@@ -55,7 +56,8 @@ pub async fn last_user_message(
     let row: Option<(i64, serde_json::Value, bool)> = sqlx::query_as(branch_sql!(
         "SELECT u.seq, u.payload,
                 EXISTS (SELECT 1 FROM branch ab JOIN session_events a ON a.session_id = ab.sid AND a.seq <= ab.upto
-                         WHERE a.kind = 'assistant_turn' AND a.seq > u.seq)
+                         WHERE a.kind = 'assistant_turn' AND a.seq > u.seq
+                           AND (a.payload #> '{llm,message,tool_calls}') IS NULL)
            FROM (SELECT x.* FROM branch b, LATERAL (
                      SELECT e.seq, e.payload FROM session_events e
                       WHERE e.session_id = b.sid AND e.seq <= b.upto AND e.kind = 'user_message'

@@ -18,6 +18,7 @@ mod requests;
 mod search;
 mod sessions;
 mod sizes;
+mod tools;
 mod transcript;
 mod turn_caps;
 mod turns;

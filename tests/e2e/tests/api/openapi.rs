@@ -44,6 +44,7 @@ const SERVED: &[(&str, &str)] = &[
     ("post", "/v1/chat/completions"),
     ("get", "/v1/models"),
     ("post", "/v1/sessions/{id}/retry"),
+    ("post", "/v1/sessions/{id}/tool_results"),
     ("get", "/v1/sessions/{id}/stream"),
     ("get", "/v1/search"),
     ("get", "/v1/memories"),

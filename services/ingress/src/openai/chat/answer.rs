@@ -53,6 +53,8 @@ impl Answer {
                 self.end = Some(end.clone());
                 None
             }
+            // This route offers no tools yet (DESIGN §14 lands route by route).
+            TurnEvent::ToolCall(_) | TurnEvent::ToolResult(_) => None,
         }
     }
 
@@ -71,7 +73,8 @@ impl Answer {
         let Some(end) = &self.end else { return failed() };
         match end.status {
             TurnStatus::Completed if end.hit_length() => Ok("length"),
-            TurnStatus::Completed | TurnStatus::Stopped => Ok("stop"),
+            // (No tools are offered here, so no turn pauses.)
+            TurnStatus::Completed | TurnStatus::Stopped | TurnStatus::RequiresAction => Ok("stop"),
             TurnStatus::Interrupted => Err(NoAnswer::Interrupted(end.session_id)),
             TurnStatus::Failed => failed(),
         }

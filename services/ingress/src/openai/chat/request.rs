@@ -320,6 +320,7 @@ pub fn options(req: &CompletionRequest, system: Option<String>) -> Result<TurnOp
         stop,
         reasoning_effort: req.reasoning_effort.clone(),
         response_format: req.response_format.as_ref().and_then(ChatResponseFormat::format),
+        ..Default::default()
     };
     // Before the request's earlier messages are added to its session.
     validate::turn_options(&options)?;

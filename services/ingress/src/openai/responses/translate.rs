@@ -157,7 +157,8 @@ impl Status {
     fn of(status: TurnStatus, length: bool, failure: Option<String>) -> Self {
         match status {
             TurnStatus::Completed if length => Status::Incomplete(Some("max_output_tokens")),
-            TurnStatus::Completed => Status::Completed,
+            // (No tools are offered here yet, so no turn pauses.)
+            TurnStatus::Completed | TurnStatus::RequiresAction => Status::Completed,
             TurnStatus::Stopped => Status::Cancelled,
             TurnStatus::Interrupted => Status::Incomplete(None),
             TurnStatus::Failed => Status::Failed(failure.unwrap_or_else(|| "the response failed".into())),
@@ -359,6 +360,8 @@ impl Translator {
                     "output_index": *index, "content_index": 0, "delta": delta, "logprobs": []}));
             }
             TurnEvent::Error(e) => *failure = Some(e.message.clone()),
+            // No tools are offered here yet (DESIGN §14 lands route by route).
+            TurnEvent::ToolCall(_) | TurnEvent::ToolResult(_) => {}
             TurnEvent::End(end) => return self.end(end, None),
         }
         out

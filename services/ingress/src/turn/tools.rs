@@ -1,0 +1,248 @@
+//! A turn that pauses for client tools and continues (DESIGN §14): the results a client
+//! sends are checked against what the turn waits for, recorded (one `tool_execution` each,
+//! its event id derived from the call id, so a resend stores nothing twice), and the turn
+//! goes on with its next step — the same turn, no new user message, with the options its
+//! last step recorded.
+
+use futures::stream::BoxStream;
+use turnlog_core::events::{EventBody, ToolExecution};
+use turnlog_core::ids::SessionId;
+use turnlog_core::llm_context::current_turn_start;
+use turnlog_core::stream::{waiting_calls, ToolResultEvent};
+use turnlog_runtime::bus::AppendRequest;
+use turnlog_runtime::read;
+
+use super::follow::follow_local;
+use super::start::{ready_for_turns, take_slot};
+use super::{start_turn, StreamEvent, ToolOffer, TurnOptions, TurnStart};
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::idempotency::derived;
+use crate::writes::submit;
+use crate::AppState;
+
+/// Most bytes of a tool's output the model is sent (`TURNLOG_TOOL_OUTPUT_MAX`'s default);
+/// longer is cut at a UTF-8 boundary with a note saying how much.
+const TOOL_OUTPUT_MAX: usize = 32 * 1024;
+/// Most results one request may send.
+const MAX_RESULTS: usize = 128;
+
+/// Most function tools one request may offer, and most bytes their definitions may take.
+const MAX_TOOLS: usize = 128;
+const MAX_TOOLS_BYTES: usize = 64 * 1024;
+
+/// The tools a native request offers (DESIGN §14), checked: an array of Chat Completions'
+/// function tools (`{type: "function", function: {name, description?, parameters?}}`,
+/// names of 1-64 of `[A-Za-z0-9_-]`, each once), `tool_choice` (`none`, `auto`,
+/// `required`, or a function the request offers) and `parallel_tool_calls`. The text is
+/// kept as sent: it is what the model gets, and what the audit records.
+pub fn tool_offer(
+    tools: Option<&serde_json::value::RawValue>,
+    tool_choice: Option<&serde_json::value::RawValue>,
+    parallel_tool_calls: Option<bool>,
+) -> Result<Option<ToolOffer>, ApiError> {
+    let Some(tools) = tools else {
+        if tool_choice.is_some() || parallel_tool_calls.is_some() {
+            return Err(ApiError::bad_request("tool_choice and parallel_tool_calls need tools"));
+        }
+        return Ok(None);
+    };
+    if tools.get().len() > MAX_TOOLS_BYTES {
+        return Err(ApiError::bad_request(format!("tools take at most {MAX_TOOLS_BYTES} bytes")));
+    }
+    crate::validate::storable("tools", tools.get())?;
+    let bad = |why: &str| ApiError::bad_request(format!("tools: {why}"));
+    let list: Vec<serde_json::Value> =
+        serde_json::from_str(tools.get()).map_err(|_| bad("must be an array of function tools"))?;
+    if list.is_empty() || list.len() > MAX_TOOLS {
+        return Err(bad(&format!("1-{MAX_TOOLS} tools")));
+    }
+    let mut names = std::collections::HashSet::new();
+    for t in &list {
+        let name = t.pointer("/function/name").and_then(serde_json::Value::as_str).unwrap_or_default();
+        let name_ok = (1..=64).contains(&name.len())
+            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if t.get("type").and_then(serde_json::Value::as_str) != Some("function") || !name_ok {
+            return Err(bad(
+                "each is {type: \"function\", function: {name}} with a name of 1-64 letters, digits, _ or -",
+            ));
+        }
+        if t.pointer("/function/parameters").is_some_and(|p| !p.is_object()) {
+            return Err(bad(&format!("{name}'s parameters must be a JSON schema object")));
+        }
+        if !names.insert(name.to_owned()) {
+            return Err(bad(&format!("{name} is offered twice")));
+        }
+    }
+    if let Some(choice) = tool_choice {
+        let v: serde_json::Value =
+            serde_json::from_str(choice.get()).map_err(|_| bad("tool_choice is not JSON"))?;
+        let ok = match &v {
+            serde_json::Value::String(s) => matches!(s.as_str(), "none" | "auto" | "required"),
+            _ => v
+                .pointer("/function/name")
+                .and_then(serde_json::Value::as_str)
+                .is_some_and(|n| names.contains(n)),
+        };
+        if !ok {
+            return Err(ApiError::bad_request(
+                "tool_choice is none, auto, required, or {type: \"function\", function: {name}} naming an offered tool",
+            ));
+        }
+    }
+    Ok(Some(ToolOffer {
+        tools: tools.get().to_owned(),
+        tool_choice: tool_choice.map(|c| c.get().to_owned()),
+        parallel_tool_calls,
+    }))
+}
+
+/// A client tool's result.
+#[derive(Debug, Clone)]
+pub struct ToolResult {
+    pub call_id: String,
+    pub output: String,
+    pub is_error: bool,
+}
+
+/// `output` within [`TOOL_OUTPUT_MAX`] bytes: cut at a character boundary, then a line
+/// saying how many bytes were left out.
+fn capped_output(output: &str) -> String {
+    if output.len() <= TOOL_OUTPUT_MAX {
+        return output.to_owned();
+    }
+    let mut cut = TOOL_OUTPUT_MAX;
+    while !output.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}\n[output cut: {} of {} bytes left out]", &output[..cut], output.len() - cut, output.len())
+}
+
+/// Records `results` for the turn paused in session `id` and continues it: the turn's
+/// native events, opening with `meta`, then a `tool_result` per result, then the next
+/// step. Nothing is appended unless every result names a call the turn waits for and
+/// every call it waits for has one: a call id the turn never made is a 404, one already
+/// answered a 409, a missing one a 400 that names it.
+pub async fn continue_with_results(
+    app: &AppState,
+    caller: &Caller,
+    id: SessionId,
+    results: Vec<ToolResult>,
+) -> Result<BoxStream<'static, StreamEvent>, ApiError> {
+    if results.is_empty() || results.len() > MAX_RESULTS {
+        return Err(ApiError::bad_request(format!("results holds 1-{MAX_RESULTS} results")));
+    }
+    for r in &results {
+        crate::validate::storable("a tool's output", &r.output)?;
+    }
+    ready_for_turns(app)?;
+    let slot = take_slot(app, caller)?;
+    let lease = app
+        .leases
+        .acquire(id, &app.instance_id)
+        .await?
+        .ok_or_else(|| ApiError::Conflict("a turn is already running in this session".into()))?;
+    let prepared = async {
+        let tail =
+            read::live_tail(&app.pool, caller.owner(), id).await?.ok_or_else(ApiError::session_not_found)?;
+        let waiting = waiting_calls(&tail.events);
+        let start = current_turn_start(&tail.events);
+        let turn: Vec<_> = tail.events.iter().filter(|e| e.seq > start).collect();
+        let answered = |call: &str| {
+            turn.iter().any(|e| matches!(&e.body, EventBody::ToolExecution(x) if x.call_id == call))
+        };
+        let mut seen = std::collections::HashSet::new();
+        for r in &results {
+            if !seen.insert(r.call_id.as_str()) {
+                return Err(ApiError::bad_request(format!("call {:?} has two results", r.call_id)));
+            }
+            if !waiting.iter().any(|c| c.id == r.call_id) {
+                return Err(if answered(&r.call_id) {
+                    ApiError::Conflict(format!("call {:?} is already answered", r.call_id))
+                } else {
+                    ApiError::NotFound(format!("no call {:?} waits for a result in this session", r.call_id))
+                });
+            }
+        }
+        let missing: Vec<&str> =
+            waiting.iter().filter(|c| !seen.contains(c.id.as_str())).map(|c| c.id.as_str()).collect();
+        if !missing.is_empty() {
+            return Err(ApiError::bad_request(format!("results are missing for {}", missing.join(", "))));
+        }
+        // The step that asked: its calls' names and arguments, and the request it recorded.
+        let step = turn.iter().rev().find_map(|e| match &e.body {
+            EventBody::AssistantTurn(t) if t.asks_for_tools() => Some(t),
+            _ => None,
+        });
+        let (user_seq, user_text) = tail
+            .events
+            .iter()
+            .find_map(|e| match &e.body {
+                EventBody::UserMessage(m) if e.seq == start => Some((e.seq, m.text.clone())),
+                _ => None,
+            })
+            .ok_or_else(|| ApiError::Conflict("the paused turn's message is no longer in reach".into()))?;
+        let recorded = step.and_then(|t| t.request.clone());
+        let options = recorded.as_ref().map(TurnOptions::of_recorded).unwrap_or_default();
+        let model = recorded.map(|r| r.model).unwrap_or_else(|| app.config.model.clone());
+        Ok((waiting, user_seq, user_text, options, model))
+    };
+    let (waiting, user_seq, user_text, options, model) = match prepared.await {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = app.leases.release(lease).await;
+            return Err(e);
+        }
+    };
+    let mut told = Vec::with_capacity(results.len());
+    for r in results {
+        let call = waiting.iter().find(|c| c.id == r.call_id);
+        let status = if r.is_error { "error" } else { "ok" };
+        let output = capped_output(&r.output);
+        let digest = output.lines().next().map(|l| l.chars().take(120).collect::<String>());
+        let body = EventBody::ToolExecution(ToolExecution {
+            call_id: r.call_id.clone(),
+            name: call.map(|c| c.name.clone()).unwrap_or_default(),
+            source: Some("client".into()),
+            args: call.and_then(|c| serde_json::from_str(&c.arguments).ok()),
+            output: Some(output),
+            is_error: r.is_error.then_some(true),
+            result_digest: digest.clone(),
+            status: status.into(),
+            duration_ms: None,
+        });
+        let event_id = derived(caller.owner(), &format!("tool result {id}"), &r.call_id);
+        if let Err(e) = submit(app, &AppendRequest::append(id, caller.owner(), event_id, &body)).await {
+            let _ = app.leases.release(lease).await;
+            return Err(e);
+        }
+        told.push(ToolResultEvent { call_id: r.call_id, status: status.into(), digest });
+    }
+    let start = TurnStart {
+        session: id,
+        owner: caller.owner().clone(),
+        user_seq,
+        user_text,
+        model,
+        lease,
+        slot,
+        options,
+        results: told,
+    };
+    Ok(follow_local(start_turn(app, start), 0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_output_is_cut_at_a_character_boundary_with_a_note() {
+        assert_eq!(capped_output("short"), "short");
+        let long = "é".repeat(TOOL_OUTPUT_MAX);
+        let cut = capped_output(&long);
+        let (kept, note) = cut.split_once("\n[output cut: ").unwrap();
+        assert!(kept.len() <= TOOL_OUTPUT_MAX && kept.chars().all(|c| c == 'é'));
+        assert_eq!(note, format!("{} of {} bytes left out]", long.len() - kept.len(), long.len()));
+    }
+}

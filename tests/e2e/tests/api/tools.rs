@@ -1,0 +1,163 @@
+//! Client tools inside a turn (DESIGN §14): a step that asks for the tools a request offers
+//! pauses the turn (`requires_action`), the results continue it with its next step, each
+//! step's request extends the previous one's byte for byte and rebuilds from the log, and
+//! a later turn no longer carries the finished turn's tool traffic.
+
+use reqwest::Method;
+use serde_json::{json, Value};
+use turnlog_e2e::api::{Api, Options, ALICE};
+use turnlog_mock_llm::{MockConfig, MockHandle};
+
+async fn with_mock() -> (Api, MockHandle) {
+    let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
+    (Api::with(Options { llm_url: Some(mock.base_url()), ..Options::default() }).await, mock)
+}
+
+fn tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "read", "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
+        {"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}},
+    ])
+}
+
+/// The messages of every chat request the mock received.
+fn requests(mock: &MockHandle) -> Vec<Vec<Value>> {
+    mock.log()
+        .entries()
+        .into_iter()
+        .filter(|r| r.path.ends_with("/chat/completions"))
+        .map(|r| r.body["messages"].as_array().unwrap().clone())
+        .collect()
+}
+
+async fn kinds(api: &Api, id: impl std::fmt::Display) -> Vec<String> {
+    let events = api.get(&format!("/v1/sessions/{id}/events?limit=1000"), ALICE).await.json;
+    events["events"].as_array().unwrap().iter().map(|e| e["kind"].as_str().unwrap().to_owned()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_tool_turn_pauses_and_continues_with_its_results() {
+    let (api, mock) = with_mock().await;
+    let id = api.create(ALICE, None).await;
+    let text = r#"Read it [mock tool=read:{"path":"a.txt"} tool=ls:{} steps=2 words=4]"#;
+    let body = json!({"text": text, "tools": tools(), "tool_choice": "auto", "parallel_tool_calls": true});
+    let path = format!("/v1/sessions/{id}/messages");
+    let first = api.turn(Method::POST, &path, ALICE, Some(body), &[]).await;
+    let end = first.end().clone();
+    assert_eq!(end["status"], "requires_action", "{:?}", first.events);
+    let required = end["required"].as_array().unwrap().clone();
+    assert_eq!(required.iter().map(|r| r["name"].as_str().unwrap()).collect::<Vec<_>>(), ["read", "ls"]);
+    assert_eq!(required[0]["arguments"], r#"{"path":"a.txt"}"#);
+    assert!(required.iter().all(|r| r["kind"] == "tool"));
+    let calls: Vec<&Value> =
+        first.events.iter().filter(|e| e.event == "tool_call").map(|e| &e.data).collect();
+    assert_eq!(calls.len(), 2);
+    assert!(calls.iter().all(|c| c["source"] == "client"));
+    let ids: Vec<String> = required.iter().map(|r| r["call_id"].as_str().unwrap().to_owned()).collect();
+
+    // Refused, appending nothing: a missing result, a call the turn never made.
+    let results_path = format!("/v1/sessions/{id}/tool_results");
+    let one = json!({"results": [{"call_id": ids[0], "output": "hello"}]});
+    let missing = api.turn(Method::POST, &results_path, ALICE, Some(one), &[]).await;
+    assert_eq!(missing.status, 400);
+    assert!(missing.json["error"]["message"].as_str().unwrap().contains(&ids[1]), "{}", missing.json);
+    let unknown = json!({"results": [{"call_id": "call_nope", "output": "x"}, {"call_id": ids[0], "output": "x"}, {"call_id": ids[1], "output": "x"}]});
+    assert_eq!(api.turn(Method::POST, &results_path, ALICE, Some(unknown), &[]).await.status, 404);
+    assert!(!kinds(&api, id).await.contains(&"tool_execution".to_owned()));
+
+    // The results continue the turn: meta, a tool_result each, then the next step.
+    let both = json!({"results": [{"call_id": ids[0], "output": "hello"}, {"call_id": ids[1], "output": "a.txt", "is_error": false}]});
+    let second = api.turn(Method::POST, &results_path, ALICE, Some(both.clone()), &[]).await;
+    let names: Vec<&str> = second.events.iter().map(|e| e.event.as_str()).collect();
+    assert_eq!(&names[..3], ["meta", "tool_result", "tool_result"], "{names:?}");
+    assert_eq!(second.events[0].data["user_seq"], 2);
+    assert_eq!(second.end()["status"], "requires_action");
+    let ids2: Vec<String> = second.end()["required"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["call_id"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(ids2.iter().all(|i| !ids.contains(i)), "each step's calls are its own");
+    // The same results again: already answered.
+    assert_eq!(api.turn(Method::POST, &results_path, ALICE, Some(both), &[]).await.status, 409);
+    // A retry while the turn waits is refused too.
+    let retry =
+        api.turn(Method::POST, &format!("/v1/sessions/{id}/retry"), ALICE, Some(json!({})), &[]).await;
+    assert_eq!(retry.status, 409);
+
+    let last = json!({"results": [{"call_id": ids2[0], "output": "hello again"}, {"call_id": ids2[1], "output": "b.txt", "is_error": true}]});
+    let third = api.turn(Method::POST, &results_path, ALICE, Some(last), &[]).await;
+    assert_eq!(third.end()["status"], "completed");
+    assert_eq!(third.text().split_whitespace().count(), 4);
+    let tool_steps = ["assistant_turn", "tool_execution", "tool_execution"];
+    let expected: Vec<&str> = ["session_started", "user_message"]
+        .into_iter()
+        .chain(tool_steps)
+        .chain(tool_steps)
+        .chain(["assistant_turn"])
+        .collect();
+    let got = kinds(&api, id).await;
+    let got: Vec<&str> = got.iter().map(String::as_str).filter(|k| *k != "pending_state").collect();
+    assert_eq!(&got[..expected.len()], expected);
+
+    // Each step's request extends the previous one's byte for byte (the extras stay where
+    // the first step put them), and offers the tools.
+    let sent = requests(&mock);
+    assert_eq!(sent.len(), 3);
+    for pair in sent.windows(2) {
+        assert_eq!(pair[1][..pair[0].len()], pair[0][..], "a step's request extends the previous one's");
+    }
+    let roles: Vec<&str> = sent[2].iter().map(|m| m["role"].as_str().unwrap()).collect();
+    assert_eq!(&roles[roles.len() - 6..], ["assistant", "tool", "tool", "assistant", "tool", "tool"]);
+    assert_eq!(sent[2][roles.len() - 1]["tool_call_id"], ids2[1].as_str());
+    let logged = mock.log().entries().into_iter().rfind(|r| r.path.ends_with("/chat/completions")).unwrap();
+    assert_eq!(logged.body["tools"], tools());
+    assert_eq!(logged.body["parallel_tool_calls"], true);
+
+    // Every step's request rebuilds from the log (§11).
+    let events = api.get(&format!("/v1/sessions/{id}/events?limit=1000"), ALICE).await.json;
+    for e in events["events"].as_array().unwrap().iter().filter(|e| e["kind"] == "assistant_turn") {
+        let audit = api.get(&format!("/v1/sessions/{id}/requests/{}", e["seq"]), ALICE).await.json;
+        assert_eq!(audit["verified"], true, "{audit}");
+    }
+
+    // The next turn's request no longer carries the finished turn's tool traffic.
+    let next = api.message(id, ALICE, "thanks [mock words=3]").await;
+    assert_eq!(next.end()["status"], "completed");
+    let sent = requests(&mock);
+    let last = sent.last().unwrap();
+    assert!(last.iter().all(|m| m["role"] != "tool" && m.get("tool_calls").is_none()), "{last:?}");
+    assert!(last.iter().any(|m| m["role"] == "assistant" && m["content"] == third.text().as_str()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_tool_offers_are_refused_before_anything_is_written() {
+    let (api, _mock) = with_mock().await;
+    let id = api.create(ALICE, None).await;
+    let path = format!("/v1/sessions/{id}/messages");
+    for body in [
+        json!({"text": "x", "tools": {"type": "function"}}),
+        json!({"text": "x", "tools": [{"type": "function", "function": {"name": "bad name"}}]}),
+        json!({"text": "x", "tools": [{"type": "code_interpreter"}]}),
+        json!({"text": "x", "tools": [{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "a"}}]}),
+        json!({"text": "x", "tools": tools(), "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+        json!({"text": "x", "tool_choice": "auto"}),
+    ] {
+        let r = api.turn(Method::POST, &path, ALICE, Some(body.clone()), &[]).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.json);
+    }
+    assert_eq!(kinds(&api, id).await, ["session_started"]);
+    // Results for a session that waits for none.
+    let r = api
+        .turn(
+            Method::POST,
+            &format!("/v1/sessions/{id}/tool_results"),
+            ALICE,
+            Some(json!({"results": [{"call_id": "c", "output": "x"}]})),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status, 404);
+}
