@@ -163,8 +163,9 @@ pub async fn append_items(
 /// message of the session's conversation with the same role and text is that message; so
 /// is a first item without an id that repeats the conversation's last message when that
 /// is an answer a response gave (the Agents SDK's sessions add a response's answer back to
-/// the conversation, without its id). Each is listed as it is and not stored again. Returns the items to append and, in the request's order, the
-/// listed item of each one left out (`None` where an appended item goes).
+/// the conversation, without its id). Each is listed as it is and not stored again.
+/// Returns the items to append and, in the request's order, the listed item of each one
+/// left out (`None` where an appended item goes).
 pub async fn already_held(
     app: &AppState,
     caller: &Caller,
