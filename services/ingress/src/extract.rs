@@ -170,13 +170,15 @@ impl UploadPace {
     /// What `next` (a read of the body) gives, if it comes in time.
     pub(crate) async fn of<T>(&mut self, next: impl std::future::Future<Output = T>) -> Result<T, ApiError> {
         let owed = Duration::from_secs_f64(self.bytes as f64 / self.min_rate.max(1) as f64);
-        let due = (self.last + self.read_timeout).min(self.started + self.read_timeout + owed);
-        match tokio::time::timeout_at(due, next).await {
+        let (idle_due, rate_due) = (self.last + self.read_timeout, self.started + self.read_timeout + owed);
+        match tokio::time::timeout_at(idle_due.min(rate_due), next).await {
             Ok(got) => {
                 self.last = Instant::now();
                 Ok(got)
             }
-            Err(_) if self.last.elapsed() >= self.read_timeout => Err(ApiError::RequestTimeout(format!(
+            // Which deadline passed is decided from the deadlines, not from the clock after
+            // the wake-up (which a busy machine delays); nothing sent at all is a stall.
+            Err(_) if idle_due <= rate_due || self.bytes == 0 => Err(ApiError::RequestTimeout(format!(
                 "the upload sent nothing for {} s (TURNLOG_UPLOAD_READ_TIMEOUT): send it without pauses",
                 self.read_timeout.as_secs_f64()
             ))),
