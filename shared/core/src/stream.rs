@@ -668,4 +668,43 @@ mod tests {
         // The next turn's events are not this one's.
         assert_eq!(end(vec![pending(None), user(), answer()]), (Interrupted, Some(Partial(3))));
     }
+
+    /// DESIGN §14: a step that asks for tools pauses the turn until every result is in;
+    /// then the next step's outcome (or none yet) decides; `waiting_calls` and
+    /// `tool_steps` read the same turn.
+    #[test]
+    fn a_turn_with_tool_steps_ends_by_its_last_step() {
+        use crate::log_builder::LogBuilder;
+        let mut log = LogBuilder::new();
+        log.user("old question");
+        log.tool_step("", "old", "ls", "{}");
+        let user_seq = log.user("q");
+        let step = log.tool_step("", "c1", "ls", "{}");
+        let after =
+            |log: &LogBuilder| turn_end_from_log(session(), log.events.iter().filter(|e| e.seq > user_seq));
+        let paused = after(&log);
+        assert_eq!(
+            (paused.status, paused.outcome),
+            (TurnStatus::RequiresAction, Some(OutcomeEvent::Answer(step)))
+        );
+        assert_eq!(paused.required.iter().map(|r| r.call_id.as_str()).collect::<Vec<_>>(), ["c1"]);
+        assert_eq!(waiting_calls(&log.events).iter().map(|c| c.id.as_str()).collect::<Vec<_>>(), ["c1"]);
+        assert_eq!(tool_steps(&log.events), 1, "only the current turn's steps count");
+        log.tool_result("c1", "ls", "a.txt");
+        // Results in, next step not stored yet: as a copy that died before its checkpoint.
+        let between = after(&log);
+        assert_eq!(
+            (between.status, between.outcome, between.required.len()),
+            (TurnStatus::Interrupted, None, 0)
+        );
+        assert!(waiting_calls(&log.events).is_empty());
+        let answer = log.assistant("done");
+        let done = after(&log);
+        assert_eq!((done.status, done.outcome), (TurnStatus::Completed, Some(OutcomeEvent::Answer(answer))));
+        // The end's JSON carries `required` only while paused.
+        let wire = serde_json::to_value(EndWire::from(paused)).unwrap();
+        assert_eq!(wire["status"], "requires_action");
+        assert_eq!(wire["required"][0]["kind"], "tool");
+        assert!(serde_json::to_value(EndWire::from(done)).unwrap().get("required").is_none());
+    }
 }
