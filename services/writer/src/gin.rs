@@ -63,12 +63,16 @@ pub(crate) async fn merge_pending_lists(
             }
         }
         for index in &indexes {
+            let started = std::time::Instant::now();
             let merged = sqlx::query_scalar::<_, i64>("SELECT gin_clean_pending_list($1::regclass)")
                 .bind(index)
                 .fetch_one(&pool)
                 .await;
             match merged {
-                Ok(pages) => tracing::trace!(index, pages, "GIN pending list merged"),
+                Ok(pages) => {
+                    let elapsed_us = started.elapsed().as_micros() as u64;
+                    tracing::debug!(index, pages, elapsed_us, "GIN pending list merged")
+                }
                 Err(sqlx::Error::Database(d)) if d.code().as_deref() == Some("42501") => {
                     tracing::warn!(index, error = %d,
                         "may not merge GIN pending lists (not the indexes' owner); inserts will");

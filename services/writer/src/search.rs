@@ -79,7 +79,10 @@ pub(crate) async fn indexer(
             }
         }
         if let Some(t) = through.take() {
+            let started = std::time::Instant::now();
             index(&pool, partition, &pending, t).await?;
+            let elapsed_us = started.elapsed().as_micros() as u64;
+            tracing::debug!(partition, events = pending.len(), elapsed_us, "search index written");
             crate::metrics::metrics().indexed(partition.unsigned_abs(), t);
             // The rows just written wait in the full-text index's pending list.
             merge.add(pending.len());
