@@ -5,8 +5,10 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { createOpenAI } from '@ai-sdk/openai';
-import { generateText, streamText } from 'ai';
-import { MODEL, TOKEN, V1, assertModelSaw, assertStoredOnce, question, recordingFetch, sessionIds } from './native.mjs';
+import { generateText, jsonSchema, stepCountIs, streamText, tool } from 'ai';
+import {
+  MODEL, TOKEN, V1, assertModelSaw, assertStoredOnce, modelRequest, ownEvents, question, recordingFetch, sessionIds,
+} from './native.mjs';
 
 const SYSTEM = 'You are a terse packing assistant.';
 
@@ -119,4 +121,47 @@ test('openai.chat (Chat Completions) with a session header: system + messages re
   assert.ok(wire.bodies.every((b) => b.url.endsWith('/chat/completions')));
   const stored = await assertStoredOnce(before, { users: [q1, q2], answers: [r1.text, r2.text] });
   await assertModelSaw(stored, SYSTEM);
+});
+
+test('tools: a loop of several steps, on Responses and on Chat Completions (DESIGN §14)', async () => {
+  for (const api of ['responses', 'chat']) {
+    const before = await sessionIds();
+    const { openai, wire } = provider();
+    const headers = api === 'chat' ? { 'X-Session-Id': `clients-aisdk-tools-${Date.now()}` } : undefined;
+    const model = api === 'chat' ? openai.chat(MODEL) : openai(MODEL);
+    const asked = [];
+    const weather = tool({
+      description: "A city's weather",
+      inputSchema: jsonSchema({
+        type: 'object', properties: { city: { type: 'string' } }, required: ['city'], additionalProperties: false,
+      }),
+      execute: async ({ city }) => {
+        asked.push(city);
+        return `${city}: -3C, snow`;
+      },
+    });
+    // The mock asks for the tool twice, then answers.
+    const prompt = `Aisdk-tools-${api}: the weather? [mock tool=weather:{"city":"Oslo"} steps=2 words=4]`;
+    const r = await generateText({
+      model, system: SYSTEM, prompt, tools: { weather }, stopWhen: stepCountIs(5), headers, maxRetries: 0,
+    });
+    assert.deepEqual(asked, ['Oslo', 'Oslo'], api);
+    assert.equal(r.steps.length, 3, api);
+    assert.ok(r.text, api);
+    assert.equal(wire.bodies.length, 3, api);
+    const fresh = [...(await sessionIds())].filter((id) => !before.has(id));
+    assert.equal(fresh.length, 1, `${api}: one session, not ${fresh.length}`);
+    const events = (await ownEvents(fresh[0]))
+      .filter((e) => ['user_message', 'assistant_turn', 'tool_execution'].includes(e.kind));
+    assert.deepEqual(
+      events.map((e) => e.kind),
+      ['user_message', 'assistant_turn', 'tool_execution', 'assistant_turn', 'tool_execution', 'assistant_turn'],
+      api,
+    );
+    assert.equal(events[0].payload.text, prompt);
+    for (const step of events.filter((e) => e.kind === 'assistant_turn')) {
+      const body = await modelRequest(fresh[0], step.seq); // verified
+      assert.deepEqual(body.tools.map((t) => t.function.name), ['weather'], api);
+    }
+  }
 });

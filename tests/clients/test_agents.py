@@ -1,6 +1,7 @@
 """The OpenAI Agents SDK (`openai-agents`, pinned in requirements.txt) against turnlog:
 an agent with `instructions` run for two turns with `to_input_list()`, with
-`OpenAIConversationsSession`, with `conversation_id`, and an agent with an `output_type`;
+`OpenAIConversationsSession`, with `conversation_id`, an agent with an `output_type`, and
+an agent with a `@function_tool` on Responses and on Chat Completions (DESIGN §14);
 each checked through the native API: every message stored once, in the expected sessions.
 
 Run by ./run (run.mjs) against a fresh `turnlog dev`: TURNLOG_BASE and TURNLOG_TOKEN. The
@@ -22,8 +23,10 @@ from pydantic import BaseModel
 from agents import (
     Agent,
     ModelBehaviorError,
+    OpenAIChatCompletionsModel,
     OpenAIConversationsSession,
     Runner,
+    function_tool,
     set_default_openai_api,
     set_default_openai_client,
     set_tracing_disabled,
@@ -114,6 +117,16 @@ def conversation_of(body):
         for m in body["messages"]
         if m["role"] != "system" and not added_by_turnlog(text(m["content"]))
     ]
+
+
+@function_tool
+def trail_length(trail: str) -> str:
+    """How long a hiking trail is.
+
+    Args:
+        trail: The trail's name.
+    """
+    return f"{trail} is 14 km"
 
 
 class AgentsSdk(unittest.TestCase):
@@ -259,6 +272,43 @@ class AgentsSdk(unittest.TestCase):
         self.assertIsInstance(result.final_output, Trip)
         self.assertEqual(json.loads(stored["answers"][0]), result.final_output.model_dump())
         self.assert_model_saw(stored)
+
+    def test_an_agent_runs_a_function_tool_on_responses_and_on_chat_completions(self):
+        """The agent's loop: the model calls the tool, the SDK runs it and sends the result,
+        the model answers. The turn is one session's: the question, the step that asked, the
+        result, the answer, each once, every step's request audited."""
+        for api in ("responses", "chat"):
+            with self.subTest(api=api):
+                before = session_ids()
+                q = f'Agents-tools-{api}: how long is Besseggen? [mock tool=trail_length:{{"trail":"Besseggen"}} steps=1 words=5]'
+                chat_client = None
+                model = MODEL
+                if api == "chat":
+                    headers = {"X-Session-Id": f"agents-tools-{time.time_ns()}"}
+                    chat_client = AsyncOpenAI(base_url=BASE, api_key=TOKEN, max_retries=0, default_headers=headers)
+                    model = OpenAIChatCompletionsModel(model=MODEL, openai_client=chat_client)
+                agent = Agent(name="Guide", instructions=SYSTEM, model=model, tools=[trail_length])
+                try:
+                    result = self.run_async(Runner.run(agent, q))
+                finally:
+                    if chat_client:
+                        self.run_async(chat_client.close())
+                self.assertTrue(result.final_output)
+                fresh = sorted(session_ids() - before)
+                self.assertEqual(len(fresh), 1, fresh)
+                events = [e for e in own_events(fresh[0]) if e["kind"] in ("user_message", "assistant_turn", "tool_execution")]
+                self.assertEqual([e["kind"] for e in events], ["user_message", "assistant_turn", "tool_execution", "assistant_turn"])
+                self.assertEqual(events[0]["payload"]["text"], q)
+                tool = events[2]["payload"]
+                self.assertEqual((tool["name"], tool["output"]), ("trail_length", "Besseggen is 14 km"))
+                self.assertEqual(text(events[3]["payload"]["llm"]["message"]["content"]), result.final_output)
+                for step in (events[1], events[3]):
+                    body = model_request(fresh[0], step["seq"])
+                    self.assertEqual([t["function"]["name"] for t in body["tools"]], ["trail_length"])
+                # The second step's request holds the first's call and its result.
+                last = model_request(fresh[0], events[3]["seq"])["messages"]
+                self.assertEqual([m["role"] for m in last[-2:]], ["assistant", "tool"])
+                self.assertEqual(last[-1]["content"], "Besseggen is 14 km")
 
 
 if __name__ == "__main__":

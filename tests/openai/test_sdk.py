@@ -331,7 +331,7 @@ class ResponsesAndConversations(unittest.TestCase):
             other.responses.create(model="mock", conversation=conv.id, input="hi")
         with self.assertRaises(openai.BadRequestError):
             self.client.responses.create(
-                model="mock", input="hi", tools=[{"type": "function", "name": "f", "parameters": {}}]
+                model="mock", input="hi", tools=[{"type": "file_search", "vector_store_ids": ["vs_1"]}]
             )
         with self.assertRaises(openai.BadRequestError):
             self.client.conversations.items.delete("msg_" + "0" * 32, conversation_id=conv.id)
@@ -633,7 +633,8 @@ class ChatCompletions(unittest.TestCase):
         user = [{"role": "user", "content": "Hi"}]
         for kw in (
             {"n": 2},
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+            {"tools": [{"type": "function", "function": {"name": "no spaces", "parameters": {}}}]},
+            {"functions": [{"name": "f", "parameters": {}}]},
         ):
             with self.assertRaises(openai.BadRequestError):
                 self.client.chat.completions.create(model="mock", messages=user, extra_headers=headers, **kw)
@@ -834,6 +835,98 @@ class ClientPatterns(unittest.TestCase):
             reasoning={"effort": "low"}, truncation="auto", parallel_tool_calls=True,
         )
         self.assertEqual(self.audited(r)["reasoning_effort"], "low")
+
+
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER_CHAT = {"type": "function", "function": {"name": "weather", "description": "A city's weather", "parameters": WEATHER_PARAMS}}
+WEATHER_RESPONSES = {"type": "function", "name": "weather", "description": "A city's weather", "parameters": WEATHER_PARAMS}
+
+
+def asking(city, words=4):
+    """A user message the mock answers by calling `weather` for `city` once, then with words."""
+    return f'Weather in {city}? [mock tool=weather:{{"city":"{city}"}} steps=1 words={words}]'
+
+
+class ToolLoops(unittest.TestCase):
+    """Client tools (DESIGN §14) on both OpenAI routes: a step that calls them ends the
+    response or completion with the calls, the client's results continue the same turn,
+    and the log holds each call and result once, every step's request audited."""
+
+    def setUp(self):
+        self.client = client()
+
+    def log(self, session):
+        """The session's messages, steps and tool results (the workers' events left out)."""
+        events = self.client.get(f"/sessions/{session}/events?limit=1000", cast_to=object)["events"]
+        return [e for e in events if e["kind"] in ("user_message", "assistant_turn", "tool_execution")]
+
+    def assert_steps_audited(self, session):
+        for e in self.log(session):
+            if e["kind"] == "assistant_turn":
+                audit = self.client.get(f"/sessions/{session}/requests/{e['seq']}", cast_to=object)
+                self.assertTrue(audit["verified"], audit)
+
+    def test_chat_completions_stream_tool_calls_and_tool_messages_continue_the_turn(self):
+        sid = f"tools-{time.time_ns()}"
+        user = [{"role": "user", "content": asking("Oslo")}]
+        branch, _, chunks = chat(self.client, sid, user, stream=True, tools=[WEATHER_CHAT])
+        calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+        self.assertEqual([(c.index, c.function.name, c.function.arguments) for c in calls], [(0, "weather", '{"city":"Oslo"}')])
+        self.assertEqual([ch.choices[0].finish_reason for ch in chunks if ch.choices][-1], "tool_calls")
+        step = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": calls[0].id, "type": "function", "function": {"name": "weather", "arguments": calls[0].function.arguments}}]}
+        result = {"role": "tool", "tool_call_id": calls[0].id, "content": "-3C and snow"}
+        again, text, done = chat(self.client, sid, user + [step, result], tools=[WEATHER_CHAT])
+        self.assertEqual((again, done.choices[0].finish_reason), (branch, "stop"))
+        self.assertTrue(text)
+        # The same results again: the turn went on without waiting for them.
+        with self.assertRaises(openai.ConflictError):
+            chat(self.client, sid, user + [step, result], tools=[WEATHER_CHAT])
+        # The next turn goes on in the same branch; a completion answered whole names its calls.
+        history = user + [step, result, {"role": "assistant", "content": text}, {"role": "user", "content": asking("Rome")}]
+        again, _, paused = chat(self.client, sid, history, tools=[WEATHER_CHAT])
+        self.assertEqual((again, paused.choices[0].finish_reason), (branch, "tool_calls"))
+        self.assertIsNone(paused.choices[0].message.content)
+        self.assertEqual(paused.choices[0].message.tool_calls[0].function.arguments, '{"city":"Rome"}')
+        kinds = [e["kind"] for e in self.log(branch)]
+        self.assertEqual(kinds, ["user_message", "assistant_turn", "tool_execution", "assistant_turn", "user_message", "assistant_turn"])
+        tool = next(e for e in self.log(branch) if e["kind"] == "tool_execution")["payload"]
+        self.assertEqual((tool["call_id"], tool["output"], tool["source"]), (calls[0].id, "-3C and snow", "client"))
+        self.assert_steps_audited(branch)
+
+    def test_responses_function_calls_continue_by_previous_response_id_or_a_resent_history(self):
+        events, r1 = streamed(self.client.responses.create(model="mock", input=asking("Oslo"), tools=[WEATHER_RESPONSES], stream=True))
+        self.assertEqual(r1.status, "completed")
+        calls = [o for o in r1.output if o.type == "function_call"]
+        self.assertEqual([(c.name, c.arguments) for c in calls], [("weather", '{"city":"Oslo"}')])
+        self.assertIn("response.function_call_arguments.done", [e.type for e in events])
+        self.assertEqual(r1.tools[0].name, "weather")
+        r2 = self.client.responses.create(
+            model="mock", previous_response_id=r1.id, tools=[WEATHER_RESPONSES],
+            input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "-3C"}],
+        )
+        self.assertEqual((r2.status, r2.conversation.id), ("completed", r1.conversation.id))
+        self.assertTrue(r2.output_text)
+        # The Agents SDK's way: the whole history each step, the calls with their ids.
+        history = [{"role": "user", "content": asking("Oslo")}, calls[0].model_dump(exclude_none=True),
+                   {"type": "function_call_output", "call_id": calls[0].call_id, "output": "-3C"},
+                   r2.output[0].model_dump(exclude_none=True), {"role": "user", "content": asking("Rome", 3)}]
+        r3 = self.client.responses.create(model="mock", input=history, tools=[WEATHER_RESPONSES])
+        rome = [o for o in r3.output if o.type == "function_call"]
+        self.assertEqual((r3.conversation.id, rome[0].arguments), (r1.conversation.id, '{"city":"Rome"}'))
+        r4 = self.client.responses.create(model="mock", tools=[WEATHER_RESPONSES], input=history + [
+            rome[0].model_dump(exclude_none=True), {"type": "function_call_output", "call_id": rome[0].call_id, "output": "14C"}])
+        self.assertEqual((r4.status, r4.conversation.id), ("completed", r1.conversation.id))
+        self.assertTrue(r4.output_text)
+        session = r1.conversation.id[len("conv_"):]
+        self.assertEqual([e["kind"] for e in self.log(session)], ["user_message", "assistant_turn", "tool_execution", "assistant_turn"] * 2)
+        self.assert_steps_audited(session)
+        # A result for a call the turn never made, and hosted tools, are refused.
+        with self.assertRaises(openai.NotFoundError):
+            self.client.responses.create(model="mock", previous_response_id=r3.id,
+                                         input=[{"type": "function_call_output", "call_id": "call_nope", "output": "x"}])
+        with self.assertRaises(openai.BadRequestError):
+            self.client.responses.create(model="mock", input="Hi", tools=[{"type": "web_search"}])
 
 
 if __name__ == "__main__":

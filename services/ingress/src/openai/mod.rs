@@ -46,6 +46,18 @@ pub fn message_id(id: Uuid) -> String {
     format!("msg_{}", id.simple())
 }
 
+/// A `function_call` item's id: `fc_`, the attempt id's 32 hex digits (the response that
+/// made the call) and the call's place among the response's calls (4 hex digits).
+pub fn call_item_id(attempt: Uuid, index: usize) -> String {
+    format!("fc_{}{:04x}", attempt.simple(), index)
+}
+
+/// The attempt a `function_call` item's id names.
+pub fn parse_call_item(id: &str) -> Option<Uuid> {
+    let hex = id.strip_prefix("fc_")?.get(..32)?;
+    Uuid::try_parse(hex).ok()
+}
+
 pub fn reasoning_id(attempt: Uuid) -> String {
     format!("rs_{}", attempt.simple())
 }

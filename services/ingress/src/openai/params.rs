@@ -11,6 +11,7 @@ use turnlog_core::request_body::{JsonSchemaFormat, ResponseFormat};
 use utoipa::ToSchema;
 
 use crate::openai::OaiError;
+use crate::turn::ToolOffer;
 
 /// Chat Completions' `response_format`.
 #[derive(Debug, Deserialize, ToSchema)]
@@ -124,14 +125,29 @@ pub fn verbosity(v: Option<&str>) -> Result<(), OaiError> {
     }
 }
 
-/// `tool_choice` without tools: `none` and `auto` ask for nothing a tool-less turn does
-/// not do; anything else needs tools, which turnlog does not run yet.
-pub fn tool_choice(choice: Option<&Value>) -> Result<(), OaiError> {
-    match choice {
-        None | Some(Value::Null) => Ok(()),
-        Some(Value::String(s)) if s == "none" || s == "auto" => Ok(()),
-        Some(_) => Err(OaiError::bad_request("tool_choice needs tools: turnlog does not run tools yet")),
+/// The function tools an OpenAI request offers (DESIGN §14), in Chat Completions' shape
+/// (`{type: "function", function: {name, …}}`), with its `tool_choice` (`none`, `auto`,
+/// `required`, or `{type: "function", function: {name}}`) and `parallel_tool_calls`. An
+/// empty list offers nothing; `tool_choice` `none` or `auto` without tools asks for
+/// nothing a tool-less turn does not do, anything else without tools is refused.
+pub fn tools(
+    tools: &[Value],
+    tool_choice: Option<&Value>,
+    parallel_tool_calls: Option<bool>,
+) -> Result<Option<ToolOffer>, OaiError> {
+    let choice = tool_choice.filter(|c| !c.is_null());
+    if tools.is_empty() {
+        return match choice {
+            None => Ok(None),
+            Some(Value::String(s)) if s == "none" || s == "auto" => Ok(None),
+            Some(_) => Err(OaiError::bad_request("tool_choice needs tools")),
+        };
     }
+    let raw =
+        |v: &Value| serde_json::value::to_raw_value(v).map_err(|e| OaiError::bad_request(e.to_string()));
+    let tools = raw(&Value::Array(tools.to_vec()))?;
+    let choice = choice.map(raw).transpose()?;
+    Ok(crate::turn::tool_offer(Some(&tools), choice.as_deref(), parallel_tool_calls)?)
 }
 
 /// Refuses `field` when the request sets it to anything but null (or an empty object or
@@ -182,9 +198,18 @@ mod tests {
 
     #[test]
     fn answer_changing_fields_are_refused_and_defaults_pass() {
-        assert!(tool_choice(Some(&serde_json::json!("auto"))).is_ok());
-        assert!(tool_choice(Some(&serde_json::json!("required"))).is_err());
-        assert!(tool_choice(Some(&serde_json::json!({"type": "function", "name": "f"}))).is_err());
+        assert!(tools(&[], Some(&serde_json::json!("auto")), None).unwrap().is_none());
+        assert!(tools(&[], Some(&serde_json::json!("required")), None).is_err());
+        let weather = serde_json::json!({"type": "function", "function": {"name": "weather"}});
+        let choice = serde_json::json!({"type": "function", "function": {"name": "weather"}});
+        let offer = tools(std::slice::from_ref(&weather), Some(&choice), Some(true)).unwrap().unwrap();
+        assert_eq!(offer.tools, r#"[{"function":{"name":"weather"},"type":"function"}]"#);
+        assert!(tools(
+            &[weather],
+            Some(&serde_json::json!({"type": "function", "function": {"name": "f"}})),
+            None
+        )
+        .is_err());
         assert!(unsupported("logit_bias", Some(&serde_json::json!({})), "").is_ok());
         assert!(unsupported("logit_bias", Some(&serde_json::json!({"50256": -100})), "").is_err());
         assert!(unsupported("prompt", Some(&serde_json::json!({"id": "pmpt_1"})), "").is_err());

@@ -98,7 +98,7 @@ pub fn tool_offer(
 }
 
 /// A client tool's result.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ToolResult {
     pub call_id: String,
     pub output: String,

@@ -22,6 +22,8 @@ pub struct Answer {
     model: String,
     text: String,
     reasoning: String,
+    /// The calls of a step that asks for tools, as streamed.
+    tool_calls: Vec<Value>,
     error: Option<String>,
     end: Option<TurnEnd>,
 }
@@ -53,8 +55,17 @@ impl Answer {
                 self.end = Some(end.clone());
                 None
             }
-            // This route offers no tools yet (DESIGN §14 lands route by route).
-            TurnEvent::ToolCall(_) | TurnEvent::ToolResult(_) => None,
+            // A call streams whole: its id, name and all its arguments in one chunk.
+            TurnEvent::ToolCall(c) => {
+                let call = json!({
+                    "index": self.tool_calls.len(), "id": c.call_id, "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                });
+                self.tool_calls.push(call.clone());
+                Some(self.chunk(json!({"tool_calls": [call]}), None))
+            }
+            // The results the client sent: nothing to stream back.
+            TurnEvent::ToolResult(_) => None,
         }
     }
 
@@ -65,16 +76,16 @@ impl Answer {
         })
     }
 
-    /// `stop` or `length` when the turn ended with an answer (stopped ones included); else
-    /// the failure's message.
+    /// `stop` or `length` when the turn ended with an answer (stopped ones included),
+    /// `tool_calls` when it waits for the client's tools; else the failure's message.
     fn finish_reason(&self) -> Result<&'static str, NoAnswer> {
         let failed =
             || Err(NoAnswer::Failed(self.error.clone().unwrap_or_else(|| "the answer failed".into())));
         let Some(end) = &self.end else { return failed() };
         match end.status {
             TurnStatus::Completed if end.hit_length() => Ok("length"),
-            // (No tools are offered here, so no turn pauses.)
-            TurnStatus::Completed | TurnStatus::Stopped | TurnStatus::RequiresAction => Ok("stop"),
+            TurnStatus::RequiresAction => Ok("tool_calls"),
+            TurnStatus::Completed | TurnStatus::Stopped => Ok("stop"),
             TurnStatus::Interrupted => Err(NoAnswer::Interrupted(end.session_id)),
             TurnStatus::Failed => failed(),
         }
@@ -154,7 +165,11 @@ pub async fn completion(mut events: BoxStream<'static, StreamEvent>) -> Result<R
         a.on(&e.event);
     }
     let finish = a.finish_reason().map_err(|e| OaiError(ApiError::BadGateway(e.to_string())))?;
-    let mut message = json!({"role": "assistant", "content": a.text, "refusal": null});
+    let content = if a.text.is_empty() && !a.tool_calls.is_empty() { Value::Null } else { json!(a.text) };
+    let mut message = json!({"role": "assistant", "content": content, "refusal": null});
+    if !a.tool_calls.is_empty() {
+        message["tool_calls"] = json!(a.tool_calls);
+    }
     if !a.reasoning.is_empty() {
         message["reasoning_content"] = json!(a.reasoning);
     }
@@ -252,5 +267,33 @@ mod tests {
         );
         let (cut, _) = fold(None);
         assert_eq!(end_chunks(&cut, false)[0]["error"]["message"], "the answer failed");
+    }
+
+    #[test]
+    fn a_step_that_asks_for_tools_streams_its_calls_and_finishes_as_tool_calls() {
+        use turnlog_core::stream::{Required, ToolCallEvent};
+        let mut a = Answer::default();
+        a.on(&TurnEvent::Meta(Meta { model: Some("m".into()), ..Default::default() }));
+        let call = ToolCallEvent {
+            call_id: "call_1".into(),
+            name: "weather".into(),
+            arguments: r#"{"city":"Oslo"}"#.into(),
+            source: "client".into(),
+        };
+        let chunk = a.on(&TurnEvent::ToolCall(call)).unwrap();
+        assert_eq!(
+            chunk["choices"][0]["delta"]["tool_calls"],
+            json!([{"index": 0, "id": "call_1", "type": "function",
+                    "function": {"name": "weather", "arguments": "{\"city\":\"Oslo\"}"}}])
+        );
+        let mut end = TurnEnd::new(None, TurnStatus::RequiresAction);
+        end.required = vec![Required {
+            call_id: "call_1".into(),
+            name: "weather".into(),
+            arguments: "{}".into(),
+            kind: "tool".into(),
+        }];
+        a.on(&TurnEvent::End(end));
+        assert_eq!(end_chunks(&a, false)[0]["choices"][0]["finish_reason"], "tool_calls");
     }
 }

@@ -10,7 +10,7 @@ use utoipa::ToSchema;
 
 use crate::openai::params::{self, ChatResponseFormat};
 use crate::openai::OaiError;
-use crate::turn::TurnOptions;
+use crate::turn::{ToolResult, TurnOptions};
 use crate::{validate, Ingress};
 
 /// Longest session header value.
@@ -51,21 +51,26 @@ pub struct CompletionRequest {
     #[serde(default)]
     #[schema(value_type = Option<i64>, minimum = 0, maximum = 4_294_967_295_u64)]
     pub n: Option<u32>,
-    /// Refused unless empty: turnlog does not run tools yet.
+    /// Function tools the client runs (DESIGN §14): a step that calls them ends the
+    /// completion with `finish_reason: tool_calls`; the next request, with the `tool`
+    /// messages, continues the turn.
     #[serde(default)]
     #[schema(value_type = Option<Vec<Object>>)]
     pub tools: Option<Vec<Value>>,
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
+    /// Refused unless empty (deprecated): send `tools`.
     #[serde(default)]
     #[schema(value_type = Option<Vec<Object>>)]
     pub functions: Option<Vec<Value>>,
     /// Structured outputs: sent to the model and recorded with the request.
     #[serde(default)]
     pub response_format: Option<ChatResponseFormat>,
-    /// `none` or `auto` (turnlog does not run tools yet).
+    /// `none`, `auto`, `required` or a function the request offers.
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub tool_choice: Option<Value>,
-    /// `none` or `auto`.
+    /// `none` or `auto` (deprecated): send `tool_choice`.
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub function_call: Option<Value>,
@@ -108,17 +113,19 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
-/// A message: `system`, `developer`, `user` or `assistant` (tool messages are refused).
+/// A message: `system`, `developer`, `user`, `assistant` (with the `tool_calls` of a step
+/// that asked for tools) or `tool` (a call's result, naming it by `tool_call_id`).
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct WireMessage {
     pub role: String,
     #[serde(default)]
     #[schema(schema_with = crate::openai::wire::chat_content)]
     pub content: Option<Value>,
-    /// Refused: turnlog does not run tools yet.
     #[serde(default)]
     #[schema(value_type = Option<Vec<Object>>)]
     pub tool_calls: Option<Value>,
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 /// A request's conversation: its system text, and its other messages as (is_user, text).
@@ -129,6 +136,9 @@ pub struct Conversation {
     pub images: Vec<Vec<Image>>,
     /// The last message's documents, by file id (Responses' `input_file` parts).
     pub documents: Vec<String>,
+    /// The results of the tool calls the turn in progress waits for (DESIGN §14): the
+    /// request continues that turn rather than starting one.
+    pub tool_results: Vec<ToolResult>,
 }
 
 /// An image of a message: a `data:` URL a Chat Completions client sent (stored as a file
@@ -148,19 +158,16 @@ impl CompletionRequest {
         })
     }
 
-    /// What a stored turn cannot do: more than one answer, or tools.
+    /// What a stored turn cannot do: more than one answer, or the deprecated functions.
     pub fn check_stored(&self) -> Result<(), OaiError> {
         if self.n.is_some_and(|n| n != 1) {
             return Err(OaiError::bad_request("n must be 1: a session stores one answer per turn"));
         }
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty())
-            || self.functions.as_ref().is_some_and(|f| !f.is_empty())
-        {
-            return Err(OaiError::bad_request("tools are not supported: turnlog does not run tools yet"));
+        if self.functions.as_ref().is_some_and(|f| !f.is_empty()) {
+            return Err(OaiError::bad_request("functions are not supported (deprecated): send tools"));
         }
         // Every other field that changes the answer reaches the model or is refused.
-        params::tool_choice(self.tool_choice.as_ref())?;
-        params::tool_choice(self.function_call.as_ref())?;
+        params::tools(&[], self.function_call.as_ref(), None)?;
         params::verbosity(self.verbosity.as_deref())?;
         params::unsupported("logit_bias", self.logit_bias.as_ref(), "a session's request is turnlog's")?;
         params::unsupported("audio", self.audio.as_ref(), "a session stores text answers")?;
@@ -197,16 +204,30 @@ pub fn session_header(app: &Ingress, headers: &HeaderMap) -> Result<Option<Strin
 /// images is refused before anything else is done with it.
 const MAX_IMAGE_PARTS: usize = 1_000;
 
-/// Checks a request's messages and reads them as a [`Conversation`].
+/// Most bytes of a tool call id.
+const MAX_CALL_ID: usize = 256;
+
+/// Checks a request's messages and reads them as a [`Conversation`]. Tool traffic (DESIGN
+/// §14) is the log's: an assistant message's `tool_calls` and the `tool` messages are not
+/// compared or stored again — except the `tool` messages after the last step that asked
+/// for tools, when that step follows the last user message: they are the results the turn
+/// waits for, and the request continues it.
 pub fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> {
+    let last_user = messages.iter().rposition(|m| m.role == "user");
+    let last_step = messages.iter().rposition(|m| asks_for_tools(m.tool_calls.as_ref()));
+    let results_from = match (last_user, last_step) {
+        (Some(u), Some(s)) if s > u => Some(s + 1),
+        _ => None,
+    };
     let mut system = Vec::new();
     let mut rest = Vec::new();
     let mut images = Vec::new();
-    for m in messages {
-        if m.tool_calls.as_ref().is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty())) {
-            return Err(OaiError::bad_request(
-                "tool calls are not supported: turnlog does not run tools yet",
-            ));
+    let mut tool_results = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_null()) {
+            if m.role != "assistant" || !calls.is_array() {
+                return Err(OaiError::bad_request("tool_calls is an array on an assistant message"));
+            }
         }
         let user = match m.role.as_str() {
             "system" | "developer" => {
@@ -219,9 +240,25 @@ pub fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> 
             }
             "user" => true,
             "assistant" => false,
-            "tool" | "function" => {
+            "tool" => {
+                let call_id = m.tool_call_id.as_deref().unwrap_or_default();
+                if call_id.is_empty() || call_id.len() > MAX_CALL_ID {
+                    return Err(OaiError::bad_request(format!(
+                        "a tool message names its call by tool_call_id (1-{MAX_CALL_ID} bytes)"
+                    )));
+                }
+                let (output, urls) = content(m.content.as_ref())?;
+                if !urls.is_empty() {
+                    return Err(OaiError::bad_request("a tool message cannot carry images"));
+                }
+                if results_from.is_some_and(|from| i >= from) {
+                    tool_results.push(ToolResult { call_id: call_id.to_owned(), output, is_error: false });
+                }
+                continue;
+            }
+            "function" => {
                 return Err(OaiError::bad_request(
-                    "tool messages are not supported: turnlog does not run tools yet",
+                    "function messages are not supported (deprecated): send tool messages",
                 ))
             }
             other => return Err(OaiError::bad_request(format!("unknown message role {other:?}"))),
@@ -240,12 +277,18 @@ pub fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> 
     }
     match rest.last() {
         None => return Err(OaiError::bad_request("messages need a user message with text")),
-        Some((false, _)) => {
+        // A step's text may come after the user message of the turn its results continue.
+        Some((false, _)) if tool_results.is_empty() => {
             return Err(OaiError::bad_request(
                 "the last message must be a user message (continuing an answer is not supported)",
             ))
         }
         Some(_) => {}
+    }
+    if results_from.is_some() && tool_results.is_empty() {
+        return Err(OaiError::bad_request(
+            "the last assistant message asks for tools: send their results as tool messages after it",
+        ));
     }
     let system = system.join("\n\n");
     if system.len() > MAX_SYSTEM_PROMPT_BYTES {
@@ -261,7 +304,13 @@ pub fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> 
         messages: rest,
         images,
         documents: Vec::new(),
+        tool_results,
     })
+}
+
+/// Whether an assistant message's `tool_calls` asks for any.
+fn asks_for_tools(calls: Option<&Value>) -> bool {
+    calls.and_then(Value::as_array).is_some_and(|a| !a.is_empty())
 }
 
 /// A message's text (a string, or its text parts joined) and its images' URLs (`image_url`
@@ -320,6 +369,11 @@ pub fn options(req: &CompletionRequest, system: Option<String>) -> Result<TurnOp
         stop,
         reasoning_effort: req.reasoning_effort.clone(),
         response_format: req.response_format.as_ref().and_then(ChatResponseFormat::format),
+        tools: params::tools(
+            req.tools.as_deref().unwrap_or_default(),
+            req.tool_choice.as_ref(),
+            req.parallel_tool_calls,
+        )?,
         ..Default::default()
     };
     // Before the request's earlier messages are added to its session.
@@ -341,6 +395,7 @@ mod tests {
                 role: m["role"].as_str().unwrap_or_default().to_owned(),
                 content: m.get("content").cloned(),
                 tool_calls: m.get("tool_calls").cloned(),
+                tool_call_id: m.get("tool_call_id").and_then(Value::as_str).map(str::to_owned),
             })
             .collect()
     }
@@ -385,13 +440,59 @@ mod tests {
             json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]),
             json!([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}, {"role": "user", "content": "x"}]),
             json!([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}, {"type": "text", "text": "x"}]}]),
-            json!([{"role": "assistant", "content": null, "tool_calls": [{"id": "c"}]}, {"role": "user", "content": "x"}]),
+            json!([{"role": "user", "content": "x"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c"}]}]),
             json!([{"role": "tool", "content": "42"}, {"role": "user", "content": "x"}]),
+            json!([{"role": "user", "content": "x", "tool_calls": []}]),
+            json!([{"role": "function", "name": "f", "content": "42"}, {"role": "user", "content": "x"}]),
             json!([{"role": "narrator", "content": "x"}]),
             json!([{"role": "user", "content": 7}]),
             json!([{"role": "system", "content": "x".repeat(MAX_SYSTEM_PROMPT_BYTES + 1)}, {"role": "user", "content": "x"}]),
         ] {
             assert!(conversation(&messages(refused.clone())).is_err(), "{refused}");
         }
+    }
+
+    #[test]
+    fn the_results_after_the_last_step_continue_its_turn_and_earlier_tool_traffic_is_the_logs() {
+        let call =
+            |id: &str| json!([{"id": id, "type": "function", "function": {"name": "f", "arguments": "{}"}}]);
+        let c = conversation(&messages(json!([
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": null, "tool_calls": call("c1")},
+            {"role": "tool", "tool_call_id": "c1", "content": "-3C"},
+            {"role": "assistant", "content": "It is -3C."},
+            {"role": "user", "content": "And Rome?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": call("c2")},
+            {"role": "tool", "tool_call_id": "c1", "content": "stale"},
+            {"role": "assistant", "content": null, "tool_calls": call("c3")},
+            {"role": "tool", "tool_call_id": "c3", "content": [{"type": "text", "text": "14C"}]},
+        ])))
+        .unwrap();
+        assert_eq!(
+            c.messages,
+            vec![
+                (true, "Weather in Oslo?".to_owned()),
+                (false, "It is -3C.".to_owned()),
+                (true, "And Rome?".to_owned()),
+                (false, "Checking.".to_owned()),
+            ]
+        );
+        let results: Vec<(&str, &str)> =
+            c.tool_results.iter().map(|r| (r.call_id.as_str(), r.output.as_str())).collect();
+        assert_eq!(results, [("c3", "14C")]);
+        // A finished turn's traffic continues nothing.
+        let done = conversation(&messages(json!([
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": null, "tool_calls": call("c1")},
+            {"role": "tool", "tool_call_id": "c1", "content": "-3C"},
+            {"role": "assistant", "content": "Cold."},
+            {"role": "user", "content": "Thanks"},
+        ])))
+        .unwrap();
+        assert!(done.tool_results.is_empty());
+        assert_eq!(done.messages.len(), 3);
+        // A result without its call id is refused.
+        let bad = json!([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": call("c")}, {"role": "tool", "content": "1"}]);
+        assert!(conversation(&messages(bad)).is_err());
     }
 }

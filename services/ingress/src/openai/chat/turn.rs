@@ -14,12 +14,15 @@ use uuid::Uuid;
 
 use super::request::{Conversation, Image};
 use crate::auth::Caller;
+use crate::error::ApiError;
 use crate::idempotency::derived;
 use crate::openai::branches::{plan, request_messages, Branch, Plan};
 use crate::openai::conversations::{append_items, NewItem};
 use crate::openai::OaiError;
 use crate::sessions::fork_request;
-use crate::turn::{begin_turn, prepared, ready_for_turns, retry_last, NewMessage, TurnOptions};
+use crate::turn::{
+    begin_turn, continue_with_results, prepared, ready_for_turns, retry_last, NewMessage, TurnOptions,
+};
 use crate::writes::submit;
 use crate::{files, validate, AppState};
 
@@ -141,6 +144,9 @@ pub async fn run(
 ) -> Result<(SessionId, BoxStream<'static, StreamEvent>), OaiError> {
     let Turn { conversation, from, options, model } = turn;
     let from = from.min(conversation.messages.len());
+    if !conversation.tool_results.is_empty() {
+        return continue_turn(app, caller, target, from == conversation.messages.len(), conversation).await;
+    }
     if !conversation.documents.is_empty() && from == conversation.messages.len() {
         return Err(OaiError::bad_request("files can be attached to a new message only"));
     }
@@ -227,4 +233,30 @@ pub async fn run(
         append_items(app, caller, session, items).await?;
     }
     Ok((session, begin_turn(app, caller, session, message, None, create, options).await?))
+}
+
+/// A request that sends the results of a step's tool calls (DESIGN §14): it continues the
+/// turn that waits for them — in the branch whose conversation is the request's, up to and
+/// including that step — with the options its step recorded. A branch whose turn went on
+/// without them is a 409; a conversation no branch waits at, a 400.
+async fn continue_turn(
+    app: &AppState,
+    caller: &Caller,
+    target: Target,
+    whole: bool,
+    conversation: &Conversation,
+) -> Result<(SessionId, BoxStream<'static, StreamEvent>), OaiError> {
+    let results = conversation.tool_results.clone();
+    match target {
+        Target::Existing(row) if whole => {
+            Ok((row.id, continue_with_results(app, caller, row.id, results).await?))
+        }
+        // The branch holds the request's conversation and more: the turn went on.
+        Target::New(_) if whole => Err(OaiError(ApiError::Conflict(
+            "these tool results were already sent: the turn went on without waiting for them".into(),
+        ))),
+        _ => Err(OaiError::bad_request(
+            "tool messages answer calls, but no branch of this session waits at this conversation for them",
+        )),
+    }
 }

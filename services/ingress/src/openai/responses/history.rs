@@ -20,12 +20,12 @@ use turnlog_core::ids::SessionId;
 use turnlog_runtime::read;
 use uuid::Uuid;
 
-use super::request::{no_item, HistoryItem};
+use super::request::{no_item, HistoryItem, ToolItem};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::openai::chat::{Conversation, Family, Image};
 use crate::openai::{message_id, OaiError};
-use crate::turn::NewMessage;
+use crate::turn::{NewMessage, ToolResult};
 use crate::AppState;
 
 /// A message of the caller's an id names: where it is, its role and its text as the
@@ -50,8 +50,22 @@ pub async fn conversation(
     let found = resolve(app, caller, &items).await?;
     let (mut messages, mut images, mut documents) = (Vec::new(), Vec::new(), Vec::new());
     let mut named = None;
+    // The results after the last step's calls, when that step follows the last user
+    // message: the turn they continue (DESIGN §14). Earlier tool traffic is the log's.
+    let (mut step_open, mut tool_results) = (false, Vec::new());
     let last = items.len().saturating_sub(1);
     for (i, item) in items.into_iter().enumerate() {
+        if let Some(tool) = item.tool {
+            if let Some(f) = item.id.and_then(|id| found.get(&id)) {
+                named = Some(f.session);
+            }
+            match tool {
+                ToolItem::Call => (step_open, tool_results) = (true, Vec::new()),
+                ToolItem::Output(result) if step_open => tool_results.push(result),
+                ToolItem::Output(_) => {}
+            }
+            continue;
+        }
         let hit = item.id.and_then(|id| found.get(&id)).filter(|f| item.reference || f.user == item.user);
         let (user, text) = match (item.reference, hit) {
             (true, None) => return Err(no_item(&message_id(item.id.unwrap_or_default()))),
@@ -74,11 +88,24 @@ pub async fn conversation(
             }
             continue;
         }
+        if user {
+            (step_open, tool_results) = (false, Vec::new());
+        }
         messages.push((user, text));
         images.push(item.images.into_iter().map(Image::File).collect());
     }
+    if step_open && tool_results.is_empty() {
+        return Err(OaiError::bad_request(
+            "input ends with function_call items: send their function_call_output items after them",
+        ));
+    }
+    if named.is_none() && !tool_results.is_empty() {
+        named = waiting_for(app, caller, &tool_results).await?;
+    }
     match messages.last() {
         Some((true, _)) => {}
+        // A step's text may follow the user message of the turn its results continue.
+        Some((false, _)) if !tool_results.is_empty() => {}
         Some((false, _)) => {
             return Err(OaiError::bad_request(
                 "the last input message must be a user message (continuing an answer is not supported)",
@@ -95,7 +122,27 @@ pub async fn conversation(
             Family::of(&row)
         }
     };
-    Ok((family, Conversation { system, messages, images, documents }))
+    Ok((family, Conversation { system, messages, images, documents, tool_results }))
+}
+
+/// How recently a session must have been active for results naming none of turnlog's ids
+/// to find the turn that waits for them (seconds).
+const WAITING_WINDOW_SECS: f64 = 3600.0;
+
+/// The session whose turn waits for one of `results`' calls, when results come in a
+/// history without turnlog's ids (a client that rebuilt its `function_call` items): the
+/// caller's most recently active session, when it was active within the hour and waits.
+async fn waiting_for(
+    app: &AppState,
+    caller: &Caller,
+    results: &[ToolResult],
+) -> Result<Option<SessionId>, OaiError> {
+    let Some(row) = read::latest_active(&app.pool, caller.owner(), WAITING_WINDOW_SECS).await? else {
+        return Ok(None);
+    };
+    let Some(tail) = read::live_tail(&app.pool, caller.owner(), row.id).await? else { return Ok(None) };
+    let waiting = turnlog_core::stream::waiting_calls(&tail.events);
+    Ok(results.iter().any(|r| waiting.iter().any(|c| c.id == r.call_id)).then_some(row.id))
 }
 
 /// The caller's messages the items' ids name: user messages and answers by event id,

@@ -4,7 +4,7 @@
 //! history it sends — and `GET /v1/responses/{id}`'s query.
 
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{json, Value};
 use turnlog_core::audit::MAX_SYSTEM_PROMPT_BYTES;
 use turnlog_core::request_body::{request_body, RequestBody, RequestParams, ResponseFormat, StreamOptions};
 use turnlog_core::{ChatMessage, Role};
@@ -14,7 +14,7 @@ use super::translate::Echo;
 use crate::config::IngressConfig;
 use crate::openai::params::{self, TextParam};
 use crate::openai::OaiError;
-use crate::turn::{NewMessage, TurnOptions};
+use crate::turn::{NewMessage, ToolOffer, ToolResult, TurnOptions};
 use crate::validate;
 
 /// The body of `POST /v1/responses`; fields OpenAI defines that turnlog does not act on
@@ -46,17 +46,21 @@ pub struct CreateResponse {
     pub temperature: Option<f64>,
     #[serde(default)]
     pub top_p: Option<f64>,
-    /// Refused unless empty: turnlog does not run tools yet.
+    /// Function tools the client runs (DESIGN §14): a response whose step calls them is
+    /// `completed` with `function_call` items; `function_call_output` items continue it.
+    /// Hosted tools (web search, file search, …) are refused.
     #[serde(default)]
     #[schema(value_type = Option<Vec<Object>>)]
     pub tools: Option<Vec<Value>>,
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
     /// The answer's format (structured outputs): sent to the model and recorded with the
     /// request.
     #[serde(default)]
     pub text: Option<TextParam>,
     #[serde(default)]
     pub reasoning: Option<Reasoning>,
-    /// `none` or `auto` (turnlog does not run tools yet).
+    /// `none`, `auto`, `required` or `{type: "function", name}` naming an offered tool.
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub tool_choice: Option<Value>,
@@ -81,18 +85,25 @@ pub enum Input {
 }
 
 /// An input item: a message (`type` absent or `message`), an `item_reference` to one of
-/// turnlog's items, or a `reasoning` item (skipped: turnlog keeps its own).
+/// turnlog's items, a `reasoning` item (skipped: turnlog keeps its own), or a step's
+/// `function_call` and a client tool's `function_call_output` (DESIGN §14).
 #[derive(Debug, Deserialize)]
 pub struct InputItem {
     #[serde(default, rename = "type")]
     pub kind: Option<String>,
-    /// A message's or a reference's id: `msg_<32 hex>` names one of turnlog's items.
+    /// A message's or a reference's id: `msg_<32 hex>` names one of turnlog's items; a
+    /// `function_call`'s `fc_<32 hex>…` names the response that made it.
     #[serde(default)]
     pub id: Option<String>,
     #[serde(default)]
     pub role: Option<String>,
     #[serde(default)]
     pub content: Option<Content>,
+    #[serde(default)]
+    pub call_id: Option<String>,
+    /// A `function_call_output`'s output: a string, or input parts (their text counts).
+    #[serde(default)]
+    pub output: Option<Content>,
 }
 
 impl InputItem {
@@ -108,6 +119,29 @@ impl InputItem {
         self.kind.as_deref() == Some("item_reference")
     }
 
+    fn is_call(&self) -> bool {
+        self.kind.as_deref() == Some("function_call")
+    }
+
+    fn is_output(&self) -> bool {
+        self.kind.as_deref() == Some("function_call_output")
+    }
+
+    /// A `function_call_output` as the result it sends.
+    fn tool_result(&self) -> Result<ToolResult, OaiError> {
+        let call_id = self.call_id.as_deref().unwrap_or_default();
+        if call_id.is_empty() || call_id.len() > MAX_CALL_ID {
+            return Err(OaiError::bad_request(format!(
+                "a function_call_output names its call by call_id (1-{MAX_CALL_ID} bytes)"
+            )));
+        }
+        Ok(ToolResult {
+            call_id: call_id.to_owned(),
+            output: content_text(self.output.as_ref())?,
+            is_error: false,
+        })
+    }
+
     /// The turnlog item the id names, when it is one of turnlog's ids.
     fn message_id(&self) -> Option<uuid::Uuid> {
         self.id
@@ -118,9 +152,11 @@ impl InputItem {
 }
 
 /// A message of a resent history (Responses `input` with earlier turns in it, DESIGN §13):
-/// its role and text, or for an `item_reference` only the id whose item gives them.
+/// its role and text, or for an `item_reference` only the id whose item gives them; or a
+/// step's tool traffic (`tool`), which the log holds and only a turn's continuation reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HistoryItem {
+    pub tool: Option<ToolItem>,
     pub user: bool,
     /// None for a reference.
     pub text: Option<String>,
@@ -132,9 +168,24 @@ pub struct HistoryItem {
     pub documents: Vec<String>,
 }
 
+/// A history item's tool traffic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolItem {
+    /// A step's call (its `id` names the response that made it).
+    Call,
+    /// A client tool's result.
+    Output(ToolResult),
+}
+
+/// Most bytes of a call id.
+const MAX_CALL_ID: usize = 256;
+
 /// What a stored response's input is.
 #[derive(Debug)]
 pub enum StoredInput {
+    /// The results of the tool calls the named conversation's turn waits for (only
+    /// `function_call_output` items, with `previous_response_id` or `conversation`).
+    ToolResults(Vec<ToolResult>),
     /// This turn's user text and files: a string, or user items (joined).
     Turn(NewMessage),
     /// A history: earlier turns (assistant messages, references to turnlog's items, or
@@ -167,14 +218,46 @@ impl CreateResponse {
             OaiError::bad_request(format!("the request body is not a valid response request: {e}"))
         })?;
         crate::extract::json_object(body)?;
-        if req.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(OaiError::bad_request("tools are not supported: turnlog does not run tools yet"));
-        }
-        // Every other field that changes the answer reaches the model or is refused.
-        params::tool_choice(req.tool_choice.as_ref())?;
+        // Every field that changes the answer reaches the model or is refused.
+        req.tool_offer()?;
         params::unsupported("prompt", req.prompt.as_ref(), "turnlog keeps no prompt templates")?;
         req.response_format()?;
         Ok(req)
+    }
+
+    /// The function tools the request offers, in the gateway's (Chat Completions') shape:
+    /// `{type: "function", name, description?, parameters?, strict?}` becomes
+    /// `{type: "function", function: {…}}`, and `tool_choice` `{type: "function", name}`
+    /// becomes `{type: "function", function: {name}}`.
+    fn tool_offer(&self) -> Result<Option<ToolOffer>, OaiError> {
+        let tools = self.tools.as_deref().unwrap_or_default();
+        let mut chat = Vec::with_capacity(tools.len());
+        for t in tools {
+            let kind = t.get("type").and_then(Value::as_str).unwrap_or_default();
+            let Some(spec) = t.as_object().filter(|_| kind == "function") else {
+                return Err(OaiError::bad_request(format!(
+                    "tools of type {kind:?} are not supported: turnlog offers function tools, which the client runs"
+                )));
+            };
+            let function: serde_json::Map<String, Value> = spec
+                .iter()
+                .filter(|(k, _)| k.as_str() != "type")
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            chat.push(json!({"type": "function", "function": function}));
+        }
+        let choice = match &self.tool_choice {
+            Some(Value::Object(c)) if c.get("type").and_then(Value::as_str) == Some("function") => {
+                Some(json!({"type": "function", "function": {"name": c.get("name")}}))
+            }
+            Some(Value::Object(_)) => {
+                return Err(OaiError::bad_request(
+                    "tool_choice is none, auto, required or {type: \"function\", name}",
+                ))
+            }
+            other => other.clone(),
+        };
+        params::tools(&chat, choice.as_ref(), self.parallel_tool_calls)
     }
 
     /// The answer's format the request asks for (none for plain text).
@@ -221,6 +304,11 @@ impl CreateResponse {
         if self.background {
             return Err(OaiError::bad_request("background responses are stored: send store: true"));
         }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(OaiError::bad_request(
+                "tools run in stored responses only (a turn that pauses for them is kept): send store: true",
+            ));
+        }
         if self.conversation.is_some() || self.previous_response_id.is_some() {
             return Err(OaiError::bad_request(
                 "store: false keeps nothing: it cannot continue a conversation or a previous response",
@@ -243,8 +331,25 @@ impl CreateResponse {
         let Input::Items(items) = &self.input else {
             return Ok(StoredInput::Turn(self.new_message(user_input(&self.input)?)));
         };
+        let mut rest =
+            items.iter().filter(|i| !i.is_system() && i.kind.as_deref() != Some("reasoning")).peekable();
+        if rest.peek().is_some() && rest.all(InputItem::is_output) {
+            if self.conversation.is_none() && self.previous_response_id.is_none() {
+                return Err(OaiError::bad_request(
+                    "function_call_output items continue a response: send previous_response_id or \
+                     conversation with them, or the whole history",
+                ));
+            }
+            if items.len() > MAX_HISTORY_ITEMS {
+                return Err(OaiError::bad_request(format!("input holds at most {MAX_HISTORY_ITEMS} items")));
+            }
+            let results = items.iter().filter(|i| i.is_output()).map(InputItem::tool_result);
+            return results.collect::<Result<_, _>>().map(StoredInput::ToolResults);
+        }
         let history = items.iter().any(|i| {
             i.is_reference()
+                || i.is_call()
+                || i.is_output()
                 || (i.is_message() && (i.role.as_deref() == Some("assistant") || i.message_id().is_some()))
         });
         if !history {
@@ -286,6 +391,7 @@ impl CreateResponse {
             top_p: self.top_p,
             reasoning_effort: effort,
             response_format: self.response_format()?,
+            tools: self.tool_offer()?,
             ..Default::default()
         };
         validate::turn_options(&options)?;
@@ -304,6 +410,9 @@ impl CreateResponse {
             background: self.background,
             text: self.text.as_ref().map(TextParam::echo),
             reasoning_effort: self.reasoning.as_ref().and_then(|r| r.effort.clone()),
+            tools: self.tools.clone().unwrap_or_default(),
+            tool_choice: self.tool_choice.clone().filter(|c| !c.is_null()),
+            parallel_tool_calls: self.parallel_tool_calls,
         }
     }
 
@@ -364,9 +473,23 @@ fn user_input(input: &Input) -> Result<UserInput, OaiError> {
 fn history_items(items: &[InputItem]) -> Result<Vec<HistoryItem>, OaiError> {
     let mut out = Vec::with_capacity(items.len());
     for item in items.iter().filter(|i| !i.is_system()) {
+        if item.is_call() || item.is_output() {
+            let tool = if item.is_call() { ToolItem::Call } else { ToolItem::Output(item.tool_result()?) };
+            out.push(HistoryItem {
+                tool: Some(tool),
+                user: false,
+                text: None,
+                id: item.id.as_deref().and_then(crate::openai::parse_call_item),
+                reference: false,
+                images: Vec::new(),
+                documents: Vec::new(),
+            });
+            continue;
+        }
         if item.is_reference() {
             let id = item.message_id().ok_or_else(|| no_item(item.id.as_deref().unwrap_or_default()))?;
             out.push(HistoryItem {
+                tool: None,
                 user: false,
                 text: None,
                 id: Some(id),
@@ -387,6 +510,7 @@ fn history_items(items: &[InputItem]) -> Result<Vec<HistoryItem>, OaiError> {
                     content_text(item.content.as_ref())?
                 };
                 out.push(HistoryItem {
+                    tool: None,
                     user,
                     text: Some(text),
                     id: item.message_id(),
@@ -402,7 +526,8 @@ fn history_items(items: &[InputItem]) -> Result<Vec<HistoryItem>, OaiError> {
             }
             (Some(kind), _) => {
                 return Err(OaiError::bad_request(format!(
-                    "input items of type {kind} are not supported: send messages and item_references"
+                    "input items of type {kind} are not supported: send messages, item_references, \
+                     function_call and function_call_output items"
                 )))
             }
         }
@@ -538,7 +663,7 @@ mod tests {
         let id = "msg_0123456789abcdef0123456789abcdef";
         let history = |items: Value| match req(serde_json::json!({"input": items})).unwrap().stored_input() {
             Ok(StoredInput::History(h)) => Some(h),
-            Ok(StoredInput::Turn(_)) => None,
+            Ok(StoredInput::Turn(_) | StoredInput::ToolResults(_)) => None,
             Err(e) => panic!("{e:?}"),
         };
         let h = history(serde_json::json!([
@@ -569,11 +694,63 @@ mod tests {
             serde_json::json!({"conversation": "conv_x", "input": [{"type": "item_reference", "id": id}]}),
         );
         assert!(both.unwrap().stored_input().is_err());
-        let call = req(
-            serde_json::json!({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"},
-                                                     {"role": "assistant", "content": "x"}]}),
+        let other = req(serde_json::json!({"input": [{"type": "web_search_call", "id": "ws_1"},
+                                                     {"role": "assistant", "content": "x"}]}));
+        assert!(other.unwrap().stored_input().is_err());
+    }
+
+    #[test]
+    fn function_call_outputs_continue_a_named_response_or_end_a_history() {
+        let outputs = serde_json::json!([{"type": "function_call_output", "call_id": "c1", "output": "14C"}]);
+        // Alone, they need the response they continue.
+        assert!(req(serde_json::json!({"input": outputs})).unwrap().stored_input().is_err());
+        let named = req(serde_json::json!({"previous_response_id": "resp_x", "input": outputs})).unwrap();
+        match named.stored_input().unwrap() {
+            StoredInput::ToolResults(r) => {
+                assert_eq!((r[0].call_id.as_str(), r[0].output.as_str()), ("c1", "14C"))
+            }
+            other => panic!("{other:?}"),
+        }
+        // In a history, after the step's calls (whose ids name the response that made them).
+        let call_id = "fc_0123456789abcdef0123456789abcdef0001";
+        let history = req(serde_json::json!({"input": [
+            {"role": "user", "content": "Weather?"},
+            {"type": "function_call", "id": call_id, "call_id": "c1", "name": "weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "14C"}]},
+        ]}))
+        .unwrap();
+        let StoredInput::History(items) = history.stored_input().unwrap() else { panic!("a history") };
+        assert_eq!(items[1].tool, Some(ToolItem::Call));
+        assert_eq!(
+            items[1].id.map(|u| u.simple().to_string()).as_deref(),
+            Some("0123456789abcdef0123456789abcdef")
         );
-        assert!(call.unwrap().stored_input().is_err());
+        assert!(matches!(&items[2].tool, Some(ToolItem::Output(r)) if r.output == "14C"));
+    }
+
+    #[test]
+    fn function_tools_reach_the_model_in_chat_completions_shape_and_hosted_tools_are_refused() {
+        let r = req(serde_json::json!({"input": "x", "parallel_tool_calls": false,
+            "tools": [{"type": "function", "name": "weather", "parameters": {"type": "object"}, "strict": true}],
+            "tool_choice": {"type": "function", "name": "weather"}}))
+        .unwrap();
+        let offer = r.options().unwrap().tools.unwrap();
+        assert_eq!(
+            serde_json::from_str::<Value>(&offer.tools).unwrap(),
+            serde_json::json!([{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}, "strict": true}}])
+        );
+        assert_eq!(
+            offer.tool_choice.as_deref(),
+            Some(r#"{"function":{"name":"weather"},"type":"function"}"#)
+        );
+        assert_eq!(offer.parallel_tool_calls, Some(false));
+        assert!(req(serde_json::json!({"input": "x", "tools": [{"type": "web_search"}]})).is_err());
+        assert!(
+            req(serde_json::json!({"input": "x", "tools": [{"type": "function", "name": "a b"}]})).is_err()
+        );
+        assert!(req(serde_json::json!({"input": "x", "tool_choice": {"type": "function", "name": "nope"},
+            "tools": [{"type": "function", "name": "weather"}]}))
+        .is_err());
     }
 
     #[test]

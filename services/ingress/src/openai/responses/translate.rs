@@ -9,7 +9,9 @@ use turnlog_core::stream::{turn_end_from_log, Text, TurnEnd, TurnEvent, TurnStat
 use turnlog_runtime::read::StoredEvent;
 use uuid::Uuid;
 
-use crate::openai::{conversation_id, message_id, output_message, reasoning_id, reasoning_item, response_id};
+use crate::openai::{
+    call_item_id, conversation_id, message_id, output_message, reasoning_id, reasoning_item, response_id,
+};
 
 /// What a created response's object repeats of its request.
 #[derive(Debug, Clone)]
@@ -24,6 +26,11 @@ pub struct Echo {
     /// `text` as the request set it (None: plain text).
     pub text: Option<Value>,
     pub reasoning_effort: Option<String>,
+    /// The function tools as the request offered them, its `tool_choice` and
+    /// `parallel_tool_calls`.
+    pub tools: Vec<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
 }
 
 impl Default for Echo {
@@ -38,6 +45,9 @@ impl Default for Echo {
             background: false,
             text: None,
             reasoning_effort: None,
+            tools: Vec::new(),
+            tool_choice: None,
+            parallel_tool_calls: None,
         }
     }
 }
@@ -59,6 +69,8 @@ pub fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
                 }
             }
             r.text = a.ui_text();
+            r.calls =
+                a.llm.message.tool_calls.iter().map(|c| Call::new(&c.id, &c.name, &c.arguments)).collect();
             r.usage = a.usage.map(|u| (u.input_tokens, u.output_tokens, u.cached_input_tokens.unwrap_or(0)));
             (a.finish_reason.as_deref() == Some("length"), None)
         }
@@ -94,6 +106,10 @@ pub fn replay_finished(response: Value) -> Vec<Value> {
             added["content"] = json!([]);
         }
         events.push(json!({"type": "response.output_item.added", "output_index": index, "item": added}));
+        if item["type"] == "function_call" {
+            events.extend(call_events(index, item));
+            continue;
+        }
         let part = &item["content"][0];
         let text = part["text"].clone();
         let (part_type, delta_type, done_type) = if item["type"] == "reasoning" {
@@ -117,6 +133,39 @@ pub fn replay_finished(response: Value) -> Vec<Value> {
     }
     events.push(json!({"type": terminal_type(&response), "response": response}));
     events
+}
+
+/// A `function_call` item's events after its `response.output_item.added`: its arguments
+/// whole in one delta, then done.
+fn call_events(index: usize, item: &Value) -> Vec<Value> {
+    let (id, arguments) = (&item["id"], &item["arguments"]);
+    vec![
+        json!({"type": "response.function_call_arguments.delta", "item_id": id, "output_index": index, "delta": arguments}),
+        json!({"type": "response.function_call_arguments.done", "item_id": id, "output_index": index, "arguments": arguments}),
+        json!({"type": "response.output_item.done", "output_index": index, "item": item}),
+    ]
+}
+
+/// A step's tool call (DESIGN §14).
+#[derive(Debug, Clone)]
+struct Call {
+    call_id: String,
+    name: String,
+    arguments: String,
+}
+
+impl Call {
+    fn new(call_id: &str, name: &str, arguments: &str) -> Self {
+        Self { call_id: call_id.into(), name: name.into(), arguments: arguments.into() }
+    }
+
+    /// The call as a `function_call` output item, the `index`-th call of `attempt`'s response.
+    fn item(&self, attempt: Uuid, index: usize, status: &str) -> Value {
+        json!({
+            "type": "function_call", "id": call_item_id(attempt, index), "call_id": self.call_id,
+            "name": self.name, "arguments": self.arguments, "status": status,
+        })
+    }
 }
 
 fn empty_part(kind: &str) -> Value {
@@ -157,7 +206,8 @@ impl Status {
     fn of(status: TurnStatus, length: bool, failure: Option<String>) -> Self {
         match status {
             TurnStatus::Completed if length => Status::Incomplete(Some("max_output_tokens")),
-            // (No tools are offered here yet, so no turn pauses.)
+            // A step that asks for the client's tools is a completed response with its
+            // `function_call` items (DESIGN §14).
             TurnStatus::Completed | TurnStatus::RequiresAction => Status::Completed,
             TurnStatus::Stopped => Status::Cancelled,
             TurnStatus::Interrupted => Status::Incomplete(None),
@@ -173,6 +223,7 @@ struct Snapshot {
     model: String,
     text: String,
     reasoning: String,
+    calls: Vec<Call>,
     usage: Option<(u64, u64, u64)>,
     echo: Echo,
     message_item: String,
@@ -187,6 +238,7 @@ impl Snapshot {
             model: String::new(),
             text: String::new(),
             reasoning: String::new(),
+            calls: Vec::new(),
             usage: None,
             echo,
             message_item: message_id(Uuid::nil()),
@@ -238,14 +290,14 @@ impl Snapshot {
             "max_output_tokens": self.echo.max_output_tokens,
             "model": self.model,
             "output": output,
-            "parallel_tool_calls": false,
+            "parallel_tool_calls": self.echo.parallel_tool_calls.unwrap_or(true),
             "previous_response_id": self.echo.previous_response_id,
             "reasoning": {"effort": self.echo.reasoning_effort, "summary": null},
             "store": self.echo.store,
             "temperature": self.echo.temperature,
             "text": self.echo.text.clone().unwrap_or_else(|| json!({"format": {"type": "text"}})),
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": self.echo.tool_choice.clone().unwrap_or_else(|| json!("auto")),
+            "tools": self.echo.tools,
             "top_p": self.echo.top_p,
             "truncation": "disabled",
             "usage": usage,
@@ -264,6 +316,9 @@ impl Snapshot {
         }
         if !self.text.is_empty() {
             output.push(output_message(self.message_id(), &self.text, item_status));
+        }
+        for (i, call) in self.calls.iter().enumerate() {
+            output.push(call.item(self.attempt(), i, "completed"));
         }
         let (name, details, error) = match status {
             Status::Completed => ("completed", Value::Null, Value::Null),
@@ -360,8 +415,23 @@ impl Translator {
                     "output_index": *index, "content_index": 0, "delta": delta, "logprobs": []}));
             }
             TurnEvent::Error(e) => *failure = Some(e.message.clone()),
-            // No tools are offered here yet (DESIGN §14 lands route by route).
-            TurnEvent::ToolCall(_) | TurnEvent::ToolResult(_) => {}
+            // A call streams whole once the step has made it, after the step's text.
+            TurnEvent::ToolCall(c) => {
+                close_open(r, open, index, "completed", &mut out);
+                let call = Call::new(&c.call_id, &c.name, &c.arguments);
+                let item = call.item(r.attempt(), r.calls.len(), "completed");
+                let mut added = item.clone();
+                added["status"] = json!("in_progress");
+                added["arguments"] = json!("");
+                out.push(
+                    json!({"type": "response.output_item.added", "output_index": *index, "item": added}),
+                );
+                out.extend(call_events(*index, &item));
+                r.calls.push(call);
+                *index += 1;
+            }
+            // The results the client sent: nothing to stream back.
+            TurnEvent::ToolResult(_) => {}
             TurnEvent::End(end) => return self.end(end, None),
         }
         out
@@ -380,23 +450,31 @@ impl Translator {
             r.finish(Status::of(end.status, end.hit_length(), failure.clone()))
         });
         let item_status = if response["status"] == "completed" { "completed" } else { "incomplete" };
-        match open {
-            Open::Reasoning => close_reasoning(r, *index, &mut out),
-            Open::Message => {
-                let id = r.message_id();
-                let part = json!({"type": "output_text", "text": r.text, "annotations": [], "logprobs": []});
-                out.push(json!({"type": "response.output_text.done", "item_id": id, "output_index": *index,
-                    "content_index": 0, "text": r.text, "logprobs": []}));
-                out.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": *index,
-                    "content_index": 0, "part": part}));
-                out.push(json!({"type": "response.output_item.done", "output_index": *index,
-                    "item": output_message(id, &r.text, item_status)}));
-            }
-            Open::None => {}
-        }
+        close_open(r, open, index, item_status, &mut out);
         out.push(json!({"type": terminal_type(&response), "response": response}));
         out
     }
+}
+
+/// Closes the item the stream has open (its `done` events, with `item_status`), and moves
+/// `index` past it.
+fn close_open(r: &Snapshot, open: &mut Open, index: &mut usize, item_status: &str, out: &mut Vec<Value>) {
+    match open {
+        Open::Reasoning => close_reasoning(r, *index, out),
+        Open::Message => {
+            let id = r.message_id();
+            let part = json!({"type": "output_text", "text": r.text, "annotations": [], "logprobs": []});
+            out.push(json!({"type": "response.output_text.done", "item_id": id, "output_index": *index,
+                "content_index": 0, "text": r.text, "logprobs": []}));
+            out.push(json!({"type": "response.content_part.done", "item_id": id, "output_index": *index,
+                "content_index": 0, "part": part}));
+            out.push(json!({"type": "response.output_item.done", "output_index": *index,
+                "item": output_message(id, &r.text, item_status)}));
+        }
+        Open::None => return,
+    }
+    *open = Open::None;
+    *index += 1;
 }
 
 fn close_reasoning(r: &Snapshot, index: usize, out: &mut Vec<Value>) {

@@ -79,6 +79,16 @@ pub async fn create(
             let (session, create) = target(&app, &caller, &req).await?;
             (session, turn::begin_turn(&app, &caller, session, message, None, create, options).await?)
         }
+        StoredInput::ToolResults(results) => {
+            let (session, create) = target(&app, &caller, &req).await?;
+            if create.is_some() {
+                // A previous response that later messages followed: its turn is over.
+                return Err(OaiError(crate::error::ApiError::Conflict(
+                    "the previous response's turn is over: its conversation went on".into(),
+                )));
+            }
+            (session, turn::continue_with_results(&app, &caller, session, results).await?)
+        }
         StoredInput::History(items) => {
             let (family, conversation) =
                 history::conversation(&app, &caller, items, options.system.clone()).await?;
