@@ -8,6 +8,7 @@ use axum::Json;
 use chrono::{DateTime, Timelike as _, Utc};
 use serde::{Deserialize, Serialize};
 use turnlog_core::ids::SessionId;
+use turnlog_core::stream::Required;
 use turnlog_core::ui_transcript::{transcript_item, TranscriptItem};
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read::{self, Cursor, ForkSummary, ListQuery, StoredEvent};
@@ -165,6 +166,10 @@ pub struct SessionDetail {
     pub earlier: Option<EarlierCursor>,
     /// Whether a turn is running on the session right now.
     pub turn_active: bool,
+    /// What a paused turn waits for (DESIGN §14): `[{call_id, name, arguments, kind}]`;
+    /// null when no turn waits.
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub requires_action: Option<Vec<Required>>,
     /// The session's forks (live ones), oldest first: `{id, title, through_seq, created_at}`.
     #[schema(value_type = Vec<Object>)]
     pub forks: Vec<ForkSummary>,
@@ -209,7 +214,9 @@ pub async fn get(
         .await
         .map_err(|_| ApiError::Unavailable("turn lease lookup timed out".into()))??;
     let forks = read::forks_of(&app.pool, caller.owner(), id).await?;
+    let waiting = crate::turn::waiting(&app, &caller, id).await?;
     Ok(Json(SessionDetail {
+        requires_action: (!waiting.is_empty()).then_some(waiting),
         session: session.into(),
         items: page.events.iter().filter_map(transcript_item).collect(),
         earlier: page.earlier.map(|before| EarlierCursor { before }),

@@ -148,6 +148,13 @@ pub async fn begin_turn(
     let holder = app.instance_id.clone();
     let lease = app.leases.acquire(session, &holder).await?.ok_or_else(turn_running)?;
     let leased = t0.elapsed();
+    // A turn paused for tools ends without their results (a new session has none).
+    if create.is_none() {
+        if let Err(e) = super::cancel_waiting(app, caller, session).await {
+            let _ = app.leases.release(lease).await;
+            return Err(e);
+        }
+    }
 
     let model = app.config.model_for(&message);
     let user_text = message.text.clone();

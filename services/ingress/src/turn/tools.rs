@@ -8,7 +8,7 @@ use futures::stream::BoxStream;
 use turnlog_core::events::{EventBody, ToolExecution};
 use turnlog_core::ids::SessionId;
 use turnlog_core::llm_context::current_turn_start;
-use turnlog_core::stream::{waiting_calls, ToolResultEvent};
+use turnlog_core::stream::{waiting_calls, Required, ToolResultEvent};
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read;
 
@@ -148,16 +148,16 @@ pub async fn continue_with_results(
         let waiting = waiting_calls(&tail.events);
         let start = current_turn_start(&tail.events);
         let turn: Vec<_> = tail.events.iter().filter(|e| e.seq > start).collect();
-        let answered = |call: &str| {
-            turn.iter().any(|e| matches!(&e.body, EventBody::ToolExecution(x) if x.call_id == call))
-        };
         let mut seen = std::collections::HashSet::new();
         for r in &results {
             if !seen.insert(r.call_id.as_str()) {
                 return Err(ApiError::bad_request(format!("call {:?} has two results", r.call_id)));
             }
             if !waiting.iter().any(|c| c.id == r.call_id) {
-                return Err(if answered(&r.call_id) {
+                // A result (or a cancellation) recorded under the id this one would get.
+                let answered =
+                    read::recorded_outcome(&app.pool, result_event_id(caller, id, &r.call_id)).await?;
+                return Err(if answered.is_some() {
                     ApiError::Conflict(format!("call {:?} is already answered", r.call_id))
                 } else {
                     ApiError::NotFound(format!("no call {:?} waits for a result in this session", r.call_id))
@@ -211,7 +211,7 @@ pub async fn continue_with_results(
             status: status.into(),
             duration_ms: None,
         });
-        let event_id = derived(caller.owner(), &format!("tool result {id}"), &r.call_id);
+        let event_id = result_event_id(caller, id, &r.call_id);
         if let Err(e) = submit(app, &AppendRequest::append(id, caller.owner(), event_id, &body)).await {
             let _ = app.leases.release(lease).await;
             return Err(e);
@@ -231,6 +231,50 @@ pub async fn continue_with_results(
     };
     Ok(follow_local(start_turn(app, start), 0))
 }
+
+/// Most events of the current turn read to find what a paused turn waits for (a turn of
+/// `TURNLOG_MAX_TOOL_STEPS` steps of [`MAX_RESULTS`] calls each fits many times over).
+const CURRENT_TURN_EVENTS: i64 = 20_000;
+
+/// The calls the session's turn waits for (DESIGN §14: a paused turn), as `required`
+/// entries; empty when none.
+pub async fn waiting(app: &AppState, caller: &Caller, id: SessionId) -> Result<Vec<Required>, ApiError> {
+    let events = read::current_turn(&app.pool, caller.owner(), id, CURRENT_TURN_EVENTS)
+        .await?
+        .ok_or_else(ApiError::session_not_found)?;
+    Ok(waiting_calls(&events).iter().map(Required::tool).collect())
+}
+
+/// Before a new user message: the calls a paused turn still waits for are recorded as
+/// `cancelled` (DESIGN §14), each with the event id its result would have had, so a
+/// result sent later is a 409 and a resend of the message records nothing twice.
+pub async fn cancel_waiting(app: &AppState, caller: &Caller, id: SessionId) -> Result<(), ApiError> {
+    for call in waiting(app, caller, id).await? {
+        let body = EventBody::ToolExecution(ToolExecution {
+            call_id: call.call_id.clone(),
+            name: call.name.clone(),
+            source: Some("client".into()),
+            args: serde_json::from_str(&call.arguments).ok(),
+            output: Some(CANCELLED_OUTPUT.into()),
+            is_error: Some(true),
+            result_digest: Some(CANCELLED_OUTPUT.into()),
+            status: "cancelled".into(),
+            duration_ms: None,
+        });
+        let event_id = result_event_id(caller, id, &call.call_id);
+        submit(app, &AppendRequest::append(id, caller.owner(), event_id, &body)).await?;
+    }
+    Ok(())
+}
+
+/// The event id of a call's result in session `id`: one per call, so a resend records
+/// nothing twice and an answered call is found by it.
+fn result_event_id(caller: &Caller, id: SessionId, call_id: &str) -> uuid::Uuid {
+    derived(caller.owner(), &format!("tool result {id}"), call_id)
+}
+
+/// What a cancelled call's output says.
+const CANCELLED_OUTPUT: &str = "cancelled: the user sent a new message before this tool's result";
 
 #[cfg(test)]
 mod tests {

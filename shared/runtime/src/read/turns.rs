@@ -6,7 +6,7 @@ use sqlx::PgPool;
 use turnlog_core::events::{Event, EventKind};
 use turnlog_core::ids::{AttemptId, Owner, SessionId};
 
-use super::{ReadError, StoredEvent};
+use super::{get_session, ReadError, StoredEvent};
 
 /// Where a permission request stands, found by its id alone.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,6 +73,36 @@ pub async fn last_user_message(
         turnlog_core::events::EventBody::UserMessage(m) => Ok(Some((seq, m, answered))),
         _ => Ok(None),
     }
+}
+
+/// The current turn's events: from the session's last user message on (at most `limit`),
+/// or None when the session is not the owner's. What a paused turn waits for is read from
+/// them ([`turnlog_core::stream::waiting_calls`]).
+pub async fn current_turn(
+    pool: &PgPool,
+    owner: &Owner,
+    id: SessionId,
+    limit: i64,
+) -> Result<Option<Vec<Event>>, ReadError> {
+    let rows: Vec<StoredEvent> = sqlx::query_as(branch_sql!(
+        "SELECT ",
+        event_columns!(),
+        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
+          WHERE e.seq >= COALESCE((SELECT max(x.seq) FROM branch ub, LATERAL (
+                    SELECT u.seq FROM session_events u
+                     WHERE u.session_id = ub.sid AND u.seq <= ub.upto AND u.kind = 'user_message'
+                     ORDER BY u.seq DESC LIMIT 1) x), 0)
+          ORDER BY e.seq LIMIT $3"
+    ))
+    .bind(id.0)
+    .bind(owner.as_str())
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    if rows.is_empty() && get_session(pool, owner, id).await?.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?))
 }
 
 /// The events of the turn a committed `assistant_turn` at `turn_seq` closes: from the

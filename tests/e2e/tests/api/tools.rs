@@ -161,3 +161,43 @@ async fn bad_tool_offers_are_refused_before_anything_is_written() {
         .await;
     assert_eq!(r.status, 404);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_turn_shows_in_the_session_and_a_new_message_cancels_what_it_waits_for() {
+    let (api, _mock) = with_mock().await;
+    let id = api.create(ALICE, None).await;
+    async fn view(api: &Api, id: impl std::fmt::Display) -> Value {
+        api.get(&format!("/v1/sessions/{id}"), ALICE).await.json
+    }
+    assert_eq!(view(&api, id).await["requires_action"], Value::Null);
+    let body = json!({"text": r#"Look [mock tool=ls:{} steps=1 words=3]"#, "tools": tools()});
+    let paused = api.turn(Method::POST, &format!("/v1/sessions/{id}/messages"), ALICE, Some(body), &[]).await;
+    assert_eq!(paused.end()["status"], "requires_action");
+    // The pause is the log's: the session says what it waits for (another owner sees nothing).
+    let shown = view(&api, id).await;
+    assert_eq!(shown["requires_action"], paused.end()["required"], "{shown}");
+    assert_eq!(shown["turn_active"], false);
+    let call = paused.end()["required"][0]["call_id"].as_str().unwrap().to_owned();
+
+    // A new message goes on without the result: the call is recorded cancelled first.
+    let next = api.message(id, ALICE, "never mind [mock words=2]").await;
+    assert_eq!(next.end()["status"], "completed");
+    assert_eq!(view(&api, id).await["requires_action"], Value::Null);
+    let events = api.get(&format!("/v1/sessions/{id}/events?limit=1000"), ALICE).await.json;
+    let events = events["events"].as_array().unwrap();
+    let order: Vec<&str> = events
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .filter(|k| ["user_message", "assistant_turn", "tool_execution"].contains(k))
+        .collect();
+    assert_eq!(order, ["user_message", "assistant_turn", "tool_execution", "user_message", "assistant_turn"]);
+    let cancelled = events.iter().find(|e| e["kind"] == "tool_execution").unwrap();
+    assert_eq!(
+        (cancelled["payload"]["call_id"].as_str(), cancelled["payload"]["status"].as_str()),
+        (Some(call.as_str()), Some("cancelled"))
+    );
+    // Its result, sent late, is refused: already answered.
+    let late = json!({"results": [{"call_id": call, "output": "x"}]});
+    let r = api.turn(Method::POST, &format!("/v1/sessions/{id}/tool_results"), ALICE, Some(late), &[]).await;
+    assert_eq!(r.status, 409, "{}", r.json);
+}
