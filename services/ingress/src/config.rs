@@ -41,6 +41,10 @@ pub const DEFAULT_UPLOAD_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// The slowest an upload's body may arrive on average by default, in bytes a second
 /// (`TURNLOG_UPLOAD_MIN_RATE`): 20 MiB in under 22 minutes.
 pub const DEFAULT_UPLOAD_MIN_RATE: u64 = 16 * 1024;
+/// Most model calls one turn makes (DESIGN §14).
+pub const DEFAULT_MAX_TOOL_STEPS: usize = 32;
+/// Most bytes of a tool's output the model is sent (DESIGN §14).
+pub const DEFAULT_TOOL_OUTPUT_MAX: usize = 32 * 1024;
 
 /// The headers that name a session family on `POST /v1/chat/completions` by default: ours,
 /// Open WebUI's chat id (sent with `ENABLE_FORWARD_USER_INFO_HEADERS=true`), and a common one.
@@ -111,6 +115,11 @@ pub struct IngressConfig {
     pub upload_read_timeout: Duration,
     /// `TURNLOG_UPLOAD_MIN_RATE`: the bytes a second an upload's body must average.
     pub upload_min_rate: u64,
+    /// `TURNLOG_MAX_TOOL_STEPS`: the model calls one turn may make (DESIGN §14).
+    pub max_tool_steps: usize,
+    /// `TURNLOG_TOOL_OUTPUT_MAX`: the bytes of a tool's output the model is sent; longer
+    /// is cut with a note.
+    pub tool_output_max: usize,
 }
 
 /// An entry of `TURNLOG_CATEGORY_MODELS` that is not `category=model` of an allowed model,
@@ -155,6 +164,8 @@ impl IngressConfig {
             convert_timeout: DEFAULT_CONVERT_TIMEOUT,
             upload_read_timeout: DEFAULT_UPLOAD_READ_TIMEOUT,
             upload_min_rate: DEFAULT_UPLOAD_MIN_RATE,
+            max_tool_steps: DEFAULT_MAX_TOOL_STEPS,
+            tool_output_max: DEFAULT_TOOL_OUTPUT_MAX,
         }
     }
 

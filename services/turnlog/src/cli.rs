@@ -447,6 +447,13 @@ pub(crate) struct IngressArgs {
     /// The bytes a second an upload's body must average (after TURNLOG_UPLOAD_READ_TIMEOUT).
     #[arg(long, env = "TURNLOG_UPLOAD_MIN_RATE", default_value_t = turnlog_ingress::config::DEFAULT_UPLOAD_MIN_RATE, value_parser = clap::value_parser!(u64).range(1..))]
     pub upload_min_rate: u64,
+    /// The model calls one turn may make (DESIGN §14); a turn whose last allowed call still
+    /// asks for tools fails `too_many_steps`.
+    #[arg(long, env = "TURNLOG_MAX_TOOL_STEPS", default_value_t = turnlog_ingress::config::DEFAULT_MAX_TOOL_STEPS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1000))]
+    pub max_tool_steps: usize,
+    /// The bytes of a tool's output the model is sent (longer is cut, with a note).
+    #[arg(long, env = "TURNLOG_TOOL_OUTPUT_MAX", default_value_t = turnlog_ingress::config::DEFAULT_TOOL_OUTPUT_MAX, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(256..=1_048_576))]
+    pub tool_output_max: usize,
 }
 
 /// The flags of `turnlog dev`: where its private servers live, the servers to use instead,
@@ -659,6 +666,8 @@ fn ingress_config(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Ingre
         convert_timeout: args.convert_timeout,
         upload_read_timeout: args.upload_read_timeout,
         upload_min_rate: args.upload_min_rate,
+        max_tool_steps: args.max_tool_steps,
+        tool_output_max: args.tool_output_max,
         ..IngressConfig::new(backbone)
     };
     config.check_listen(args.listen)?;

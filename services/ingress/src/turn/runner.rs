@@ -86,9 +86,6 @@ pub struct TurnOptions {
     pub extras: Option<Extras>,
 }
 
-/// Most model calls one turn makes (DESIGN §14, `TURNLOG_MAX_TOOL_STEPS`'s default).
-const MAX_TOOL_STEPS: usize = 32;
-
 impl TurnOptions {
     /// The options a turn's next step runs with: those its last step recorded (§11), so
     /// the next request extends that one — its system text, sampling, tools and extras.
@@ -633,9 +630,12 @@ impl Turn<'_> {
             Ending::Done { finish_reason } if !calls.is_empty() => match calls.finish() {
                 Err(why) => self
                     .failed(FailureCode::UpstreamError, format!("the model's answer was malformed: {why}")),
-                Ok(_) if self.steps_before + 1 >= MAX_TOOL_STEPS => self.failed(
+                Ok(_) if self.steps_before + 1 >= self.app.config.max_tool_steps => self.failed(
                     FailureCode::TooManySteps,
-                    format!("the turn made {MAX_TOOL_STEPS} model calls and the last still asked for tools"),
+                    format!(
+                        "the turn made {} model calls (TURNLOG_MAX_TOOL_STEPS) and the last still asked for tools",
+                        self.app.config.max_tool_steps
+                    ),
                 ),
                 Ok(calls) => {
                     end.finish_reason = Some(finish_reason.clone());

@@ -21,9 +21,6 @@ use crate::idempotency::derived;
 use crate::writes::submit;
 use crate::AppState;
 
-/// Most bytes of a tool's output the model is sent (`TURNLOG_TOOL_OUTPUT_MAX`'s default);
-/// longer is cut at a UTF-8 boundary with a note saying how much.
-const TOOL_OUTPUT_MAX: usize = 32 * 1024;
 /// Most results one request may send.
 const MAX_RESULTS: usize = 128;
 
@@ -105,13 +102,13 @@ pub struct ToolResult {
     pub is_error: bool,
 }
 
-/// `output` within [`TOOL_OUTPUT_MAX`] bytes: cut at a character boundary, then a line
-/// saying how many bytes were left out.
-fn capped_output(output: &str) -> String {
-    if output.len() <= TOOL_OUTPUT_MAX {
+/// `output` within `max` bytes (`TURNLOG_TOOL_OUTPUT_MAX`): cut at a character boundary,
+/// then a line saying how many bytes were left out.
+fn capped_output(output: &str, max: usize) -> String {
+    if output.len() <= max {
         return output.to_owned();
     }
-    let mut cut = TOOL_OUTPUT_MAX;
+    let mut cut = max;
     while !output.is_char_boundary(cut) {
         cut -= 1;
     }
@@ -198,7 +195,7 @@ pub async fn continue_with_results(
     for r in results {
         let call = waiting.iter().find(|c| c.id == r.call_id);
         let status = if r.is_error { "error" } else { "ok" };
-        let output = capped_output(&r.output);
+        let output = capped_output(&r.output, app.config.tool_output_max);
         let digest = output.lines().next().map(|l| l.chars().take(120).collect::<String>());
         let body = EventBody::ToolExecution(ToolExecution {
             call_id: r.call_id.clone(),
@@ -282,11 +279,12 @@ mod tests {
 
     #[test]
     fn a_long_output_is_cut_at_a_character_boundary_with_a_note() {
-        assert_eq!(capped_output("short"), "short");
-        let long = "é".repeat(TOOL_OUTPUT_MAX);
-        let cut = capped_output(&long);
+        const MAX: usize = 1001;
+        assert_eq!(capped_output("short", MAX), "short");
+        let long = "é".repeat(MAX);
+        let cut = capped_output(&long, MAX);
         let (kept, note) = cut.split_once("\n[output cut: ").unwrap();
-        assert!(kept.len() <= TOOL_OUTPUT_MAX && kept.chars().all(|c| c == 'é'));
+        assert!(kept.len() <= MAX && kept.len() >= MAX - 1 && kept.chars().all(|c| c == 'é'));
         assert_eq!(note, format!("{} of {} bytes left out]", long.len() - kept.len(), long.len()));
     }
 }

@@ -201,3 +201,34 @@ async fn a_paused_turn_shows_in_the_session_and_a_new_message_cancels_what_it_wa
     let r = api.turn(Method::POST, &format!("/v1/sessions/{id}/tool_results"), ALICE, Some(late), &[]).await;
     assert_eq!(r.status, 409, "{}", r.json);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_step_cap_fails_a_turn_and_long_outputs_reach_the_model_cut_with_a_note() {
+    let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
+    let api = Api::with(Options {
+        llm_url: Some(mock.base_url()),
+        ingress: Some(|c| {
+            c.max_tool_steps = 2;
+            c.tool_output_max = 1_000;
+        }),
+        ..Options::default()
+    })
+    .await;
+    let id = api.create(ALICE, None).await;
+    // The mock would ask three times; the second model call is the turn's last allowed.
+    let body = json!({"text": r#"Loop [mock tool=ls:{} steps=3 words=2]"#, "tools": tools()});
+    let first = api.turn(Method::POST, &format!("/v1/sessions/{id}/messages"), ALICE, Some(body), &[]).await;
+    let call = first.end()["required"][0]["call_id"].as_str().unwrap().to_owned();
+    let long = "x".repeat(5_000);
+    let results = json!({"results": [{"call_id": call, "output": long}]});
+    let second =
+        api.turn(Method::POST, &format!("/v1/sessions/{id}/tool_results"), ALICE, Some(results), &[]).await;
+    assert_eq!(second.end()["status"], "failed", "{:?}", second.events);
+    let error = second.events.iter().find(|e| e.event == "error").expect("an error event");
+    assert_eq!(error.data["code"], "too_many_steps", "{}", error.data);
+    // The output the model got is the stored one: 1,000 bytes and the note.
+    let sent = requests(&mock);
+    let tool = sent.last().unwrap().iter().rfind(|m| m["role"] == "tool").unwrap();
+    let text = tool["content"].as_str().unwrap();
+    assert_eq!(text, format!("{}\n[output cut: 4000 of 5000 bytes left out]", "x".repeat(1_000)));
+}
