@@ -920,6 +920,11 @@ class ToolLoops(unittest.TestCase):
         self.assertTrue(r4.output_text)
         session = r1.conversation.id[len("conv_"):]
         self.assertEqual([e["kind"] for e in self.log(session)], ["user_message", "assistant_turn", "tool_execution", "assistant_turn"] * 2)
+        # The conversation's items hold the calls and their results (parsed by the SDK's models).
+        items = list(self.client.conversations.items.list(r1.conversation.id, order="asc"))
+        self.assertEqual([i.type for i in items], ["message", "function_call", "function_call_output", "message"] * 2)
+        self.assertEqual((items[1].id, items[1].call_id), (calls[0].id, calls[0].call_id))
+        self.assertEqual((items[2].call_id, items[2].output), (calls[0].call_id, "-3C"))
         self.assert_steps_audited(session)
         # A result for a call the turn never made, and hosted tools, are refused.
         with self.assertRaises(openai.NotFoundError):

@@ -100,34 +100,50 @@ pub fn reasoning_item(id: &str, text: &str) -> Value {
 }
 
 /// The conversation items of a branch log: its user messages and its answers (interrupted
-/// ones included, `incomplete`), as the transcript shows them.
+/// ones included, `incomplete`), as the transcript shows them; a step's tool calls as
+/// `function_call` items after its text (a step without text has no message item) and
+/// each result as a `function_call_output` (DESIGN §14).
 pub fn conversation_items(events: &[Event]) -> Vec<Value> {
     let shown: std::collections::HashSet<i64> = ui_transcript(events)
         .into_iter()
-        .filter(|i| matches!(i.kind, ItemKind::User | ItemKind::Assistant | ItemKind::Interrupted))
+        .filter(|i| {
+            matches!(i.kind, ItemKind::User | ItemKind::Assistant | ItemKind::Interrupted | ItemKind::Tool)
+        })
         .map(|i| i.seq)
         .collect();
-    let attempt_item = |attempt: &Option<AttemptId>, event: Uuid| {
-        message_id(attempt.as_ref().and_then(AttemptId::as_uuid).unwrap_or(event))
+    let attempt_of = |attempt: &Option<AttemptId>, event: Uuid| {
+        attempt.as_ref().and_then(AttemptId::as_uuid).unwrap_or(event)
     };
-    events
-        .iter()
-        .filter(|e| shown.contains(&e.seq))
-        .filter_map(|e| match &e.body {
-            EventBody::UserMessage(m) => Some(user_item(e.event_id.as_uuid(), &m.text)),
-            EventBody::AssistantTurn(a) => Some(output_message(
-                &attempt_item(&a.attempt_id, e.event_id.as_uuid()),
-                &a.ui_text(),
-                "completed",
-            )),
-            EventBody::PendingState(p) => Some(output_message(
-                &attempt_item(&p.attempt_id, e.event_id.as_uuid()),
+    let mut items = Vec::new();
+    for e in events.iter().filter(|e| shown.contains(&e.seq)) {
+        match &e.body {
+            EventBody::UserMessage(m) => items.push(user_item(e.event_id.as_uuid(), &m.text)),
+            EventBody::AssistantTurn(a) => {
+                let attempt = attempt_of(&a.attempt_id, e.event_id.as_uuid());
+                let text = a.ui_text();
+                if !text.is_empty() || !a.asks_for_tools() {
+                    items.push(output_message(&message_id(attempt), &text, "completed"));
+                }
+                for (i, c) in a.llm.message.tool_calls.iter().enumerate() {
+                    items.push(json!({
+                        "type": "function_call", "id": call_item_id(attempt, i), "call_id": c.id,
+                        "name": c.name, "arguments": c.arguments, "status": "completed",
+                    }));
+                }
+            }
+            EventBody::PendingState(p) => items.push(output_message(
+                &message_id(attempt_of(&p.attempt_id, e.event_id.as_uuid())),
                 &p.partial,
                 "incomplete",
             )),
-            _ => None,
-        })
-        .collect()
+            EventBody::ToolExecution(t) => items.push(json!({
+                "type": "function_call_output", "id": format!("fco_{}", e.event_id.as_uuid().simple()),
+                "call_id": t.call_id, "output": t.output.clone().unwrap_or_default(), "status": "completed",
+            })),
+            _ => {}
+        }
+    }
+    items
 }
 
 #[cfg(test)]

@@ -158,7 +158,7 @@ pub enum ConversationDeletedObject {
 pub struct ItemList {
     #[schema(inline)]
     pub object: ListObject,
-    pub data: Vec<MessageItem>,
+    pub data: Vec<ConversationItem>,
     /// The first item's id; empty when there is none.
     pub first_id: String,
     /// The last item's id; empty when there is none.
@@ -238,12 +238,64 @@ pub enum ReasoningType {
     Reasoning,
 }
 
-/// An item of a response's output: its reasoning, then its answer.
+/// An item of a response's output: its reasoning, then its answer, then the calls of a
+/// step that asks for the client's tools.
 #[derive(Serialize, ToSchema)]
 #[serde(untagged)]
 pub enum OutputItem {
     Reasoning(ReasoningItem),
     Message(MessageItem),
+    FunctionCall(FunctionCallItem),
+}
+
+/// An item of a conversation: a message, a step's tool call, or its result (DESIGN §14).
+#[derive(Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum ConversationItem {
+    Message(MessageItem),
+    FunctionCall(FunctionCallItem),
+    FunctionCallOutput(FunctionCallOutputItem),
+}
+
+/// A step's call of a client tool (`fc_`, the attempt id of the response that made it and
+/// the call's place, 4 hex digits); `call_id` is the model's, `arguments` its JSON text.
+#[derive(Serialize, ToSchema)]
+pub struct FunctionCallItem {
+    #[serde(rename = "type")]
+    #[schema(inline)]
+    pub kind: FunctionCallType,
+    pub id: String,
+    pub call_id: String,
+    pub name: String,
+    pub arguments: String,
+    #[schema(inline)]
+    pub status: ItemStatus,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FunctionCallType {
+    FunctionCall,
+}
+
+/// A tool's result as the log holds it (`fco_` and its event id): the output the model
+/// was sent.
+#[derive(Serialize, ToSchema)]
+pub struct FunctionCallOutputItem {
+    #[serde(rename = "type")]
+    #[schema(inline)]
+    pub kind: FunctionCallOutputType,
+    pub id: String,
+    pub call_id: String,
+    pub output: String,
+    #[schema(inline)]
+    pub status: ItemStatus,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FunctionCallOutputType {
+    FunctionCallOutput,
 }
 
 /// A response: one turn's attempt (`resp_<32 hex>`), as OpenAI's `Response` object. The
@@ -282,9 +334,10 @@ pub struct ResponseObject {
     /// OpenAI's text settings; always `{format: {type: text}}`.
     #[schema(value_type = Object)]
     pub text: serde_json::Value,
-    /// Always `auto`.
-    pub tool_choice: String,
-    /// Always empty.
+    /// The request's `tool_choice` (`auto` when it set none).
+    #[schema(value_type = Object)]
+    pub tool_choice: serde_json::Value,
+    /// The function tools the request offered, as it sent them.
     #[schema(value_type = Vec<Object>)]
     pub tools: Vec<serde_json::Value>,
     #[schema(required = true)]
