@@ -1712,6 +1712,58 @@ check('"Import…" takes a ChatGPT export, says what it imported, and shows the 
   }
 });
 
+check('a tool turn shows its calls and results, says what a paused turn waits for, and sends its result from the page', async () => {
+  const session = (await api('POST', '/v1/sessions', { title: 'Tool turn' })).json;
+  const tools = [{ type: 'function', function: { name: 'weather', description: "A city's weather",
+    parameters: { type: 'object', properties: { city: { type: 'string' } }, required: ['city'] } } }];
+  // The mock asks for the tool twice, then answers: the first pause is answered through the
+  // API, the second from the page.
+  const res = await fetch(`${server.base}/v1/sessions/${session.id}/messages`, {
+    method: 'POST',
+    headers: { Authorization: `Bearer ${server.token}`, 'Content-Type': 'application/json' },
+    body: JSON.stringify({ text: 'Weather in Oslo? [mock tool=weather:{"city":"Oslo"} steps=2 words=5]', tools }),
+  });
+  assert.match(await res.text(), /"status":"requires_action"/);
+  const waiting = (await stored(session.id)).requires_action;
+  assert.equal(waiting.length, 1);
+  const first = await fetch(`${server.base}/v1/sessions/${session.id}/tool_results`, {
+    method: 'POST',
+    headers: { Authorization: `Bearer ${server.token}`, 'Content-Type': 'application/json' },
+    body: JSON.stringify({ results: [{ call_id: waiting[0].call_id, output: '-3C and snowing\nwind 8 m/s' }] }),
+  });
+  assert.match(await first.text(), /"status":"requires_action"/);
+
+  await openPage(session.id);
+  // The first step's call and result are in the transcript, the result's digest first.
+  const tool = page.locator('#transcript article.item.tool').first();
+  assert.equal(await tool.locator('summary strong').textContent(), 'weather');
+  assert.equal(await tool.locator('summary .digest').textContent(), '-3C and snowing');
+  assert.equal(await tool.locator('details').evaluate((d) => d.open), false);
+  await tool.locator('summary').click();
+  assert.equal(await tool.locator('.tool-output').textContent(), '-3C and snowing\nwind 8 m/s');
+  // The paused turn says what it waits for, with a box for the result.
+  const card = page.locator('[data-kind=waiting]');
+  await card.waitFor();
+  assert.match(await card.textContent(), /Waiting for a tool result/);
+  assert.match(await card.textContent(), /weather/);
+  assert.match(await card.textContent(), /"city": ?"Oslo"/);
+  await card.locator('textarea').fill('-2C, clearing up');
+  await shot('tool-waiting');
+  await card.locator('button.primary').click();
+  // The page follows the turn as it goes on, then shows both results and the answer.
+  await page.locator('[data-kind=live]').waitFor({ state: 'detached', timeout: WAIT });
+  await page.locator('[data-kind=waiting]').waitFor({ state: 'detached', timeout: WAIT });
+  assert.equal(await page.locator('#transcript article.item.tool').count(), 2);
+  assert.equal(await page.locator('#transcript article.item.tool .digest').last().textContent(), '-2C, clearing up');
+  const answer = page.locator('article[data-kind=assistant]').last();
+  assert.equal(words(await answer.locator('.md').textContent()).length, 5);
+  const after = await stored(session.id);
+  assert.equal(after.requires_action, null);
+  const kinds = after.items.map((i) => i.kind).filter((k) => k !== 'interrupted');
+  assert.deepEqual(kinds, ['user', 'assistant', 'tool', 'assistant', 'tool', 'assistant']);
+  await shot('tool-turn');
+});
+
 check('no script error or content security policy violation happened in any test', () => {
   assert.deepEqual(pageErrors, []);
 });

@@ -10,8 +10,8 @@ import { reveal } from './search.js';
 import { markCurrentRow, updateListRow } from './session-list.js';
 import { clearSnapshot, snapshotFor } from './snapshot.js';
 import { showMenu, showPane, state } from './state.js';
-import { renderItem } from './transcript.js';
-import { attach, leaveTurn, updateComposer } from './turn.js';
+import { renderItem, waitingView } from './transcript.js';
+import { attach, leaveTurn, sendToolResults, updateComposer } from './turn.js';
 
 // Transcript items per request; older ones load as the transcript scrolls up.
 const TRANSCRIPT_PAGE = 50;
@@ -115,6 +115,7 @@ function showDetail(detail) {
     earlier,
     forks: detail.forks ?? [],
     parent: detail.parent,
+    requiresAction: detail.requires_action ?? null,
   };
   document.title = `${detail.session.title || 'Untitled'} · turnlog`;
   renderHeader();
@@ -231,6 +232,7 @@ export function renderTranscript() {
     nodes.push(pending);
   }
   if (state.turn) nodes.push(state.turn.view.node);
+  else if (state.current?.requiresAction?.length) nodes.push(waitingView(state.current.requiresAction, sendToolResults));
   if (!nodes.length && !state.current?.earlier) {
     nodes.push(
       h(

@@ -123,8 +123,18 @@ const RENDERERS = {
           return reasoningBlock(b.text ?? '');
         case 'text':
           return markdown(b.text ?? '');
-        case 'tool_call':
-          return h('div', { class: 'tool-call' }, h('span', { class: 'label', text: 'Tool call' }), json(b.meta ?? b.text));
+        case 'tool_call': {
+          const call = b.meta ?? {};
+          return h(
+            'div',
+            { class: 'tool-call' },
+            h('span', { class: 'label', text: 'Tool call' }),
+            ' ',
+            h('strong', { text: call.name ?? '?' }),
+            call.call_id ? h('code', { class: 'dim', text: ` ${call.call_id}` }) : null,
+            json(typeof call.arguments === 'string' ? parseJson(call.arguments) : (call.arguments ?? b.text)),
+          );
+        }
         default:
           return null; // meta blocks carry nothing to read
       }
@@ -139,9 +149,10 @@ const RENDERERS = {
 
   tool(item) {
     const t = item.tool ?? {};
+    const digest = t.result_digest ?? '';
     return h(
       'article',
-      { class: 'item tool' },
+      { class: 'item tool', dataset: { callId: t.call_id ?? '' } },
       h(
         'details',
         { class: 'card' },
@@ -151,10 +162,11 @@ const RENDERERS = {
           h('span', { class: 'label', text: 'Tool' }),
           h('strong', { text: t.name ?? '?' }),
           h('span', { class: `status status-${t.status}`, text: t.status ?? '' }),
+          digest ? h('span', { class: 'digest', text: digest }) : null,
           durationText(t.duration_ms) ? h('span', { class: 'dim', text: durationText(t.duration_ms) }) : null,
         ),
         t.args !== undefined ? h('div', {}, h('h4', { text: 'Arguments' }), json(t.args)) : null,
-        t.result_digest ? h('div', {}, h('h4', { text: 'Result' }), h('pre', { text: t.result_digest })) : null,
+        t.output ? h('div', {}, h('h4', { text: 'Output' }), h('pre', { class: 'tool-output', text: t.output })) : null,
       ),
       meta(item),
     );
@@ -237,6 +249,57 @@ const RENDERERS = {
   },
 };
 
+/** A turn paused for the client's tools (DESIGN §14): what it waits for, each call with a
+ * box for its result, and the button that sends them and follows the turn as it goes on. */
+export function waitingView(required, send) {
+  const calls = required.filter((r) => r.kind === 'tool');
+  const boxes = calls.map((c) =>
+    h('textarea', { class: 'tool-result-input', rows: 2, placeholder: `Result of ${c.name}`, 'aria-label': `Result of ${c.name} (${c.call_id})` }),
+  );
+  const errors = calls.map((c) => h('input', { type: 'checkbox', 'aria-label': `${c.name} failed` }));
+  const button = h('button', {
+    class: 'primary',
+    text: calls.length === 1 ? 'Send result' : 'Send results',
+    onclick: () => {
+      button.disabled = true;
+      send(calls.map((c, i) => ({ call_id: c.call_id, output: boxes[i].value, is_error: errors[i].checked })));
+    },
+  });
+  return h(
+    'article',
+    { class: 'item waiting', dataset: { kind: 'waiting' } },
+    h(
+      'div',
+      { class: 'card' },
+      h(
+        'div',
+        { class: 'card-head' },
+        h('span', { class: 'label', text: 'Paused' }),
+        h('strong', { text: `Waiting for ${calls.length === 1 ? 'a tool result' : `${calls.length} tool results`}` }),
+      ),
+      ...calls.map((c, i) =>
+        h(
+          'div',
+          { class: 'waiting-call' },
+          h('div', {}, h('strong', { text: c.name }), h('code', { class: 'dim', text: ` ${c.call_id}` })),
+          json(parseJson(c.arguments)),
+          boxes[i],
+          h('label', { class: 'dim' }, errors[i], ' the tool failed'),
+        ),
+      ),
+      h('div', { class: 'actions' }, button),
+    ),
+  );
+}
+
+function parseJson(text) {
+  try {
+    return JSON.parse(text);
+  } catch {
+    return text;
+  }
+}
+
 function renderUnknown(item) {
   return h('article', { class: 'item unknown' }, h('p', { class: 'dim', text: `(${item.kind})` }), meta(item));
 }
@@ -247,12 +310,13 @@ export function liveView() {
   const reasoning = h('details', { class: 'reasoning', hidden: true }, h('summary', { text: 'Reasoning…' }), reasoningText);
   const md = h('div', { class: 'md' });
   const errors = h('div', { class: 'live-errors' });
+  const tools = h('div', { class: 'live-tools' });
   const status = h('div', { class: 'meta live-status', text: 'Waiting for the model…' });
   const node = h(
     'article',
     { class: 'item assistant live', 'aria-busy': 'true', dataset: { kind: 'live' } },
-    h('div', { class: 'bubble' }, reasoning, md, errors),
+    h('div', { class: 'bubble' }, reasoning, tools, md, errors),
     status,
   );
-  return { node, reasoning, reasoningText, md, errors, status, frame: 0 };
+  return { node, reasoning, reasoningText, md, tools, errors, status, frame: 0 };
 }

@@ -36,6 +36,11 @@ function drawLive(turn) {
   v.md.replaceChildren(renderMarkdown(turn.text));
   if (turn.checkpoint) turn.checkpoint.node.hidden = turn.text.startsWith(turn.checkpoint.text);
   v.errors.replaceChildren(...turn.errors.map((e) => h('p', { class: 'error-line', text: `${e.code}: ${e.message}` })));
+  // This stream's tool traffic: each result sent, each call the model makes.
+  v.tools.replaceChildren(
+    ...turn.results.map((r) => h('p', { class: 'tool-line', text: `Result of ${r.call_id}: ${r.status}${r.digest ? ` — ${r.digest}` : ''}` })),
+    ...turn.calls.map((c) => h('p', { class: 'tool-line', text: `Tool call: ${c.name}(${c.arguments})` })),
+  );
   const started = turn.text || turn.reasoning;
   v.status.textContent = turn.stopping
     ? 'Stopping…'
@@ -61,6 +66,8 @@ export async function runTurn(sessionId, open, { resume = null, reattached = fal
     lastId: resume?.lastId ?? 0,
     userSeq: resume?.userSeq ?? null,
     errors: [],
+    calls: [],
+    results: [],
     ended: null,
     stopping: false,
     controller: new AbortController(),
@@ -169,6 +176,12 @@ function onTurnEvent(turn, event) {
     case 'error':
       turn.errors.push(data);
       break;
+    case 'tool_call':
+      turn.calls.push(data);
+      break;
+    case 'tool_result':
+      turn.results.push(data);
+      break;
     case 'end':
       turn.ended = data;
       break;
@@ -251,6 +264,15 @@ export async function send() {
       autosize();
     }
   }
+}
+
+/** Sends the results a paused turn waits for and follows the turn as it goes on. */
+export function sendToolResults(results) {
+  const id = state.current?.id;
+  if (!id || state.turn) return;
+  runTurn(id, (signal) =>
+    api(`/v1/sessions/${id}/tool_results`, { method: 'POST', body: { results }, raw: true, signal }),
+  );
 }
 
 export async function stop() {
