@@ -1,7 +1,9 @@
 //! A finished turn as the workers read it (question, answer, tools run), clipped for the
 //! mini model, and finding the JSON object in a model's answer.
 
-use crate::events::{BlockType, Event, EventBody};
+use serde_json::Value;
+
+use crate::events::{BlockType, Event, EventBody, ToolExecution};
 
 /// Longest piece of one part of a turn (question, answer, tool log) a worker sends the
 /// mini model; longer ones keep their head and tail, where the substance usually is.
@@ -13,7 +15,7 @@ const MAX_PART_CHARS: usize = 16_000;
 pub struct TurnMaterial {
     pub question: String,
     pub answer: String,
-    /// One line per tool execution: name, status, arguments, result digest.
+    /// One line per tool execution, in order: name, status, arguments, output.
     pub tools: Vec<String>,
 }
 
@@ -38,16 +40,7 @@ impl TurnMaterial {
                     }
                     material.question = clip(&q);
                 }
-                EventBody::ToolExecution(t) => {
-                    let mut line = format!("{} ({})", t.name, t.status);
-                    if let Some(args) = &t.args {
-                        line.push_str(&format!(" args: {}", clip_to(&args.to_string(), 400)));
-                    }
-                    if let Some(digest) = &t.result_digest {
-                        line.push_str(&format!(" result: {}", clip_to(digest, 800)));
-                    }
-                    material.tools.push(line);
-                }
+                EventBody::ToolExecution(t) => material.tools.push(tool_line(t)),
                 _ => {}
             }
         }
@@ -79,6 +72,35 @@ impl TurnMaterial {
         out.push_str(&format!("\nthe assistant answered:\n{}\n", self.answer.trim()));
         out
     }
+}
+
+/// A tool's execution as one line (DESIGN §14: the distiller's raw material): its name and
+/// status, its arguments as `key: value` pairs (a path reads as itself), and what it gave
+/// back — an error's message too, which is why it failed.
+fn tool_line(t: &ToolExecution) -> String {
+    let mut line = format!("{} ({})", t.name, t.status);
+    if let Some(args) = &t.args {
+        let text = match args {
+            Value::Object(fields) => fields
+                .iter()
+                .map(|(k, v)| match v {
+                    Value::String(s) => format!("{k}: {s}"),
+                    other => format!("{k}: {other}"),
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+            other => other.to_string(),
+        };
+        if !text.is_empty() {
+            line.push_str(&format!(" with {}", clip_to(&text, 400)));
+        }
+    }
+    if let Some(result) = t.output.as_deref().or(t.result_digest.as_deref()).filter(|r| !r.trim().is_empty())
+    {
+        let label = if t.is_error == Some(true) || t.status != "ok" { "error" } else { "result" };
+        line.push_str(&format!(" → {label}: {}", clip_to(result.trim(), 800)));
+    }
+    line
 }
 
 fn clip(text: &str) -> String {
@@ -115,6 +137,40 @@ mod tests {
         assert_eq!(json_object("Here: {\"a\": {\"b\": 2}} done"), Some("{\"a\": {\"b\": 2}}"));
         assert_eq!(json_object("no json"), None);
         assert_eq!(json_object("} {"), None);
+    }
+
+    #[test]
+    fn a_multi_step_turn_reads_as_its_question_its_tools_in_order_and_its_answer() {
+        let mut log = crate::log_builder::LogBuilder::new();
+        log.user("Fix the build for Ingrid.");
+        log.tool_step("", "c1", "write_file", r#"{"path":"src/main.rs","content":"fn main() {}"}"#);
+        let mut written = ToolExecution {
+            call_id: "c1".into(),
+            name: "write_file".into(),
+            args: Some(serde_json::json!({"path": "src/main.rs", "content": "fn main() {}"})),
+            output: Some("wrote 12 bytes".into()),
+            status: "ok".into(),
+            ..Default::default()
+        };
+        log.push(EventBody::ToolExecution(written.clone()));
+        written.name = "run_tests".into();
+        written.args = Some(serde_json::json!({}));
+        written.output = Some("cargo test failed because the linker ran out of memory\n(exit 101)".into());
+        written.is_error = Some(true);
+        written.status = "error".into();
+        log.push(EventBody::ToolExecution(written));
+        let answer = log.assistant("The build works again.");
+        let m = TurnMaterial::from_events(&log.events, answer).unwrap();
+        assert_eq!(
+            m.tools,
+            [
+                "write_file (ok) with content: fn main() {}, path: src/main.rs → result: wrote 12 bytes",
+                "run_tests (error) → error: cargo test failed because the linker ran out of memory\n(exit 101)",
+            ]
+        );
+        assert_eq!(m.question, "Fix the build for Ingrid.");
+        assert_eq!(m.answer, "The build works again.");
+        assert!(m.render().contains("tools run during the turn:\n- write_file (ok)"));
     }
 
     #[test]

@@ -96,6 +96,86 @@ async fn support_wait_for_consumer(rig: &Rig) {
     .await;
 }
 
+/// A recorded multi-step tool turn (DESIGN §14): the distiller is woken by its answer only
+/// (not by its steps), sends the mini model the question, every tool's name, arguments
+/// and output in order and the answer, and its residue names the file the calls changed,
+/// the failure and why (the error result), and the findings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_step_tool_turn_is_distilled_from_its_calls_and_results() {
+    use turnlog_core::events::{EventBody, ToolExecution};
+    let mut rig = Rig::start().await;
+    let c = config::distiller(&rig.env, &rig.mock.base_url());
+    rig.spawn(|stop| turnlog_distiller::run(c, stop));
+    let session = rig.create_session().await;
+    let mut log = turnlog_core::log_builder::LogBuilder::new();
+    log.user("Fix the build before Ingrid ships it.");
+    let write = r#"{"path":"src/main.rs","content":"fn main() {}"}"#;
+    log.tool_step("Writing the fix.", "call_w", "write_file", write);
+    log.push(EventBody::ToolExecution(ToolExecution {
+        call_id: "call_w".into(),
+        name: "write_file".into(),
+        source: Some("client".into()),
+        args: serde_json::from_str(write).ok(),
+        output: Some("wrote 12 bytes".into()),
+        status: "ok".into(),
+        ..Default::default()
+    }));
+    log.tool_step("", "call_t", "run_tests", "{}");
+    log.push(EventBody::ToolExecution(ToolExecution {
+        call_id: "call_t".into(),
+        name: "run_tests".into(),
+        source: Some("client".into()),
+        args: Some(serde_json::json!({})),
+        output: Some("cargo test failed because the linker ran out of memory".into()),
+        is_error: Some(true),
+        status: "error".into(),
+        ..Default::default()
+    }));
+    log.assistant("The fix is in; Ingrid must rerun the 14 tests on a larger machine.");
+    let mut answer = 0;
+    for e in log.events.iter().filter(|e| !matches!(e.body, EventBody::SessionStarted(_))) {
+        let request = turnlog_runtime::bus::AppendRequest::append(
+            session,
+            &turnlog_e2e::rig::owner(turnlog_e2e::rig::OWNER),
+            uuid::Uuid::now_v7(),
+            &e.body,
+        );
+        answer = rig.send(&request).await.seq.unwrap();
+    }
+    rig.settle(&["distiller"]).await;
+    // One distillation, of the whole turn.
+    assert_eq!(rig.model_calls(DISTILL_MARKER), 1);
+    let asked = rig
+        .mock
+        .log()
+        .entries()
+        .into_iter()
+        .find(|r| r.body["messages"][0]["content"].as_str().is_some_and(|c| c.contains(DISTILL_MARKER)))
+        .unwrap();
+    let material = asked.body["messages"][1]["content"].as_str().unwrap().to_owned();
+    let write_line = material
+        .find("- write_file (ok) with content: fn main() {}, path: src/main.rs → result: wrote 12 bytes");
+    let test_line =
+        material.find("- run_tests (error) → error: cargo test failed because the linker ran out of memory");
+    assert!(write_line.is_some() && test_line > write_line, "{material}");
+    assert!(material.contains("Fix the build before Ingrid") && material.contains("14 tests"), "{material}");
+
+    let memories = rig.events_of(session, "turn_memory").await;
+    assert_eq!(memories.len(), 1, "{memories:?}");
+    let memory: TurnMemory = serde_json::from_value(memories[0].2.clone()).unwrap();
+    assert_eq!(memories[0].2["turn_seq"], answer);
+    assert_eq!(memory.files_changed, ["src/main.rs"]);
+    assert!(
+        memory
+            .failures
+            .iter()
+            .any(|f| f.what.contains("run_tests") && f.why == "the linker ran out of memory"),
+        "{memory:?}"
+    );
+    assert!(memory.key_findings.iter().any(|f| f.contains("14 tests")), "{memory:?}");
+    rig.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_model_sends_each_turn_to_the_dead_letters_after_max_deliveries() {
     let mut rig = Rig::start().await;
