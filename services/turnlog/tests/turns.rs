@@ -370,3 +370,84 @@ async fn a_reattach_past_the_last_event_does_not_hold_shutdown() {
     assert!(asked.elapsed() < Duration::from_secs(15), "exited after {:?}", asked.elapsed());
     drop(follower);
 }
+
+/// A client-tool turn across SIGKILLed ingress copies (DESIGN §14): the pause is the log's,
+/// so a copy started after the one that paused shows it and continues it; a copy killed
+/// while the next step streams leaves its partial, and a retry goes on from the log —
+/// neither the step that asked nor the result is stored twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_turn_survives_kills_while_it_waits_and_while_its_next_step_streams() {
+    let sys = System::start().await;
+    let (mut a, base_a) = sys.ingress().await;
+    let id = sys.create(&base_a).await;
+    let tools = json!([{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]);
+    let text = "List them [mock tool=ls:{} steps=1 words=400 delay_ms=25]";
+    let paused = sys
+        .http
+        .post(format!("{base_a}/v1/sessions/{id}/messages"))
+        .json(&json!({"text": text, "tools": tools}))
+        .send()
+        .await
+        .unwrap();
+    let paused = read_all(paused).await;
+    let end = the_end(&paused);
+    assert_eq!(end["status"], "requires_action");
+    let call = end["required"][0]["call_id"].as_str().unwrap().to_owned();
+    a.kill();
+
+    // Another copy, started afterwards, knows what the turn waits for.
+    let (mut b, base_b) = sys.ingress().await;
+    let detail: Value =
+        sys.http.get(format!("{base_b}/v1/sessions/{id}")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(detail["requires_action"][0]["call_id"], call.as_str(), "{detail}");
+    let results = json!({"results": [{"call_id": call, "output": "a.txt b.txt"}]});
+    let resp =
+        sys.http.post(format!("{base_b}/v1/sessions/{id}/tool_results")).json(&results).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    // Killed once the next step has streamed a while and checkpointed.
+    let mut events = resp.bytes_stream().eventsource();
+    let mut deltas = 0;
+    while let Some(Ok(e)) = events.next().await {
+        deltas += usize::from(e.event == "delta");
+        if deltas >= 20 {
+            let checkpointed: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM session_events WHERE kind = 'pending_state')",
+            )
+            .fetch_one(&sys.env.pool)
+            .await
+            .unwrap();
+            if checkpointed {
+                break;
+            }
+        }
+    }
+    b.kill();
+    drop(events);
+
+    // A third copy: the same results again are refused (they are recorded), and a retry,
+    // once the dead copy's lease has expired, goes on from the log.
+    let (_c, base_c) = sys.ingress().await;
+    let again =
+        sys.http.post(format!("{base_c}/v1/sessions/{id}/tool_results")).json(&results).send().await.unwrap();
+    assert_eq!(again.status(), 409);
+    let retried = eventually(Duration::from_secs(20), || async {
+        let r =
+            sys.http.post(format!("{base_c}/v1/sessions/{id}/retry")).json(&json!({})).send().await.ok()?;
+        (r.status() == 200).then_some(r)
+    })
+    .await;
+    assert_eq!(the_end(&read_all(retried).await)["status"], "completed");
+    let kinds: Vec<String> = sqlx::query_scalar(
+        "SELECT kind FROM session_events WHERE kind IN ('user_message', 'assistant_turn', 'tool_execution') ORDER BY seq",
+    )
+    .fetch_all(&sys.env.pool)
+    .await
+    .unwrap();
+    assert_eq!(kinds, ["user_message", "assistant_turn", "tool_execution", "assistant_turn"]);
+    // The retry's request carried the step and its result (and the partial, with its note).
+    let last = sys.mock.log().entries().into_iter().rfind(|r| r.path.ends_with("/chat/completions")).unwrap();
+    let messages = last.body["messages"].as_array().unwrap();
+    assert!(messages.iter().any(|m| m["role"] == "tool" && m["content"] == "a.txt b.txt"), "{messages:?}");
+    assert!(messages.iter().any(|m| m["tool_calls"][0]["id"] == call.as_str()));
+    assert!(last.body["tools"].is_array(), "the retry offers the turn's tools again");
+}
