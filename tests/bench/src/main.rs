@@ -12,6 +12,7 @@ mod scale;
 mod soak;
 mod system;
 mod tokenizer;
+mod tools;
 mod tracing_cost;
 mod writer;
 
@@ -36,8 +37,9 @@ fn main() -> anyhow::Result<()> {
         Some("soak") => runtime()?.block_on(soak::run(&args[1..])),
         Some("scale") => runtime()?.block_on(scale::run()),
         Some("tracing") => runtime()?.block_on(tracing_cost::run()),
+        Some("tools") => runtime()?.block_on(tools::run()),
         other => {
-            eprintln!("usage: turnlog-bench <context|tokenizer|writer|rebuild|ingress|cache|files|import|soak|scale|tracing>  (got {other:?})");
+            eprintln!("usage: turnlog-bench <context|tokenizer|writer|rebuild|ingress|cache|files|import|soak|scale|tracing|tools>  (got {other:?})");
             std::process::exit(2);
         }
     }
