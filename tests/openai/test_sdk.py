@@ -860,11 +860,15 @@ class ToolLoops(unittest.TestCase):
         events = self.client.get(f"/sessions/{session}/events?limit=1000", cast_to=object)["events"]
         return [e for e in events if e["kind"] in ("user_message", "assistant_turn", "tool_execution")]
 
-    def assert_steps_audited(self, session):
+    def assert_steps_audited(self, session, system=None):
+        """Every step's request rebuilds from the log; with `system`, each step was sent it
+        (a continued step keeps its turn's instructions)."""
         for e in self.log(session):
             if e["kind"] == "assistant_turn":
                 audit = self.client.get(f"/sessions/{session}/requests/{e['seq']}", cast_to=object)
                 self.assertTrue(audit["verified"], audit)
+                if system is not None:
+                    self.assertEqual(audit["body"]["messages"][0], {"role": "system", "content": system}, e["seq"])
 
     def test_chat_completions_stream_tool_calls_and_tool_messages_continue_the_turn(self):
         sid = f"tools-{time.time_ns()}"
@@ -895,14 +899,14 @@ class ToolLoops(unittest.TestCase):
         self.assert_steps_audited(branch)
 
     def test_responses_function_calls_continue_by_previous_response_id_or_a_resent_history(self):
-        events, r1 = streamed(self.client.responses.create(model="mock", input=asking("Oslo"), tools=[WEATHER_RESPONSES], stream=True))
+        events, r1 = streamed(self.client.responses.create(model="mock", instructions="Be brief.", input=asking("Oslo"), tools=[WEATHER_RESPONSES], stream=True))
         self.assertEqual(r1.status, "completed")
         calls = [o for o in r1.output if o.type == "function_call"]
         self.assertEqual([(c.name, c.arguments) for c in calls], [("weather", '{"city":"Oslo"}')])
         self.assertIn("response.function_call_arguments.done", [e.type for e in events])
         self.assertEqual(r1.tools[0].name, "weather")
         r2 = self.client.responses.create(
-            model="mock", previous_response_id=r1.id, tools=[WEATHER_RESPONSES],
+            model="mock", instructions="Be brief.", previous_response_id=r1.id, tools=[WEATHER_RESPONSES],
             input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "-3C"}],
         )
         self.assertEqual((r2.status, r2.conversation.id), ("completed", r1.conversation.id))
@@ -911,10 +915,10 @@ class ToolLoops(unittest.TestCase):
         history = [{"role": "user", "content": asking("Oslo")}, calls[0].model_dump(exclude_none=True),
                    {"type": "function_call_output", "call_id": calls[0].call_id, "output": "-3C"},
                    r2.output[0].model_dump(exclude_none=True), {"role": "user", "content": asking("Rome", 3)}]
-        r3 = self.client.responses.create(model="mock", input=history, tools=[WEATHER_RESPONSES])
+        r3 = self.client.responses.create(model="mock", instructions="Be brief.", input=history, tools=[WEATHER_RESPONSES])
         rome = [o for o in r3.output if o.type == "function_call"]
         self.assertEqual((r3.conversation.id, rome[0].arguments), (r1.conversation.id, '{"city":"Rome"}'))
-        r4 = self.client.responses.create(model="mock", tools=[WEATHER_RESPONSES], input=history + [
+        r4 = self.client.responses.create(model="mock", instructions="Be brief.", tools=[WEATHER_RESPONSES], input=history + [
             rome[0].model_dump(exclude_none=True), {"type": "function_call_output", "call_id": rome[0].call_id, "output": "14C"}])
         self.assertEqual((r4.status, r4.conversation.id), ("completed", r1.conversation.id))
         self.assertTrue(r4.output_text)
@@ -925,7 +929,12 @@ class ToolLoops(unittest.TestCase):
         self.assertEqual([i.type for i in items], ["message", "function_call", "function_call_output", "message"] * 2)
         self.assertEqual((items[1].id, items[1].call_id), (calls[0].id, calls[0].call_id))
         self.assertEqual((items[2].call_id, items[2].output), (calls[0].call_id, "-3C"))
-        self.assert_steps_audited(session)
+        self.assert_steps_audited(session, system="Be brief.")
+        # The steps after the first carry the tools by hash only: the log gives the text back.
+        steps = [e["payload"]["request"] for e in self.log(session) if e["kind"] == "assistant_turn"]
+        self.assertIn("tools", steps[0]["params"])
+        self.assertTrue(all("tools" not in r["params"] for r in steps[1:]), steps)
+        self.assertEqual(len({r["tools_sha256"] for r in steps}), 1)
         # A result for a call the turn never made, and hosted tools, are refused.
         with self.assertRaises(openai.NotFoundError):
             self.client.responses.create(model="mock", previous_response_id=r3.id,

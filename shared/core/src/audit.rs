@@ -21,6 +21,8 @@ pub const MAX_SYSTEM_PROMPT_BYTES: usize = 32 * 1024;
 pub enum RebuildError {
     #[error("no recorded request at or before seq {through_seq} carries the system prompt {sha256}")]
     SystemPromptNotFound { sha256: String, through_seq: i64 },
+    #[error("no recorded request at or before seq {through_seq} carries the tools {sha256}")]
+    ToolsNotFound { sha256: String, through_seq: i64 },
 }
 
 /// The part of `events` the model's context depends on: the newest compaction and every
@@ -52,6 +54,50 @@ pub fn system_prompt_record(events: &[Event], system_prompt: &str) -> SystemProm
     SystemPrompt { text: (!known).then(|| system_prompt.to_owned()), sha256 }
 }
 
+/// The tools' JSON text whose hash is `sha256`: from the newest recorded request in the
+/// live part of `events` that has that hash and carries its text.
+pub fn tools_text<'a>(events: &'a [Event], sha256: &str) -> Option<&'a str> {
+    live_part(events).iter().rev().find_map(|e| {
+        let r = e.body.recorded_request()?;
+        (r.tools_sha256.as_deref() == Some(sha256)).then_some(r.params.tools.as_deref()).flatten()
+    })
+}
+
+/// How a request sent after `events` records the tools it offered (`tools`, JSON text):
+/// their hash, and their text (`params.tools`) only when the previous recorded request did
+/// not offer the same tools or the log no longer gives their text back — a tool turn's
+/// steps offer the same definitions, up to 64 KiB, each time (DESIGN §14).
+pub fn tools_record(events: &[Event], tools: Option<&str>) -> (Option<String>, Option<String>) {
+    let Some(tools) = tools else { return (None, None) };
+    let sha256 = sha256_hex(tools.as_bytes());
+    let previous = live_part(events).iter().rev().find_map(|e| e.body.recorded_request());
+    let known = previous.is_some_and(|r| r.tools_sha256.as_deref() == Some(sha256.as_str()))
+        && tools_text(events, &sha256).is_some();
+    ((!known).then(|| tools.to_owned()), Some(sha256))
+}
+
+/// `recorded` with what it left out for the log to give back — the system prompt's text and
+/// the tools' — taken from `events` up to its `through_seq`: the request as it was sent,
+/// what a turn's next step continues from and an audit rebuilds.
+pub fn resolved(events: &[Event], recorded: &RecordedRequest) -> Result<RecordedRequest, RebuildError> {
+    let through = &events[..events.partition_point(|e| e.seq <= recorded.through_seq)];
+    let mut r = recorded.clone();
+    if r.system.text.is_none() {
+        let text = system_prompt_text(through, &r.system.sha256).ok_or_else(|| {
+            RebuildError::SystemPromptNotFound { sha256: r.system.sha256.clone(), through_seq: r.through_seq }
+        })?;
+        r.system.text = Some(text.to_owned());
+    }
+    if let (None, Some(sha256)) = (&r.params.tools, &r.tools_sha256) {
+        let text = tools_text(through, sha256).ok_or_else(|| RebuildError::ToolsNotFound {
+            sha256: sha256.clone(),
+            through_seq: r.through_seq,
+        })?;
+        r.params.tools = Some(text.to_owned());
+    }
+    Ok(r)
+}
+
 /// The body of a turn's request: the system prompt, the history projected from `events`,
 /// the extras last. The one function that builds what the ingress sends and what an
 /// audit rebuilds.
@@ -79,24 +125,15 @@ pub fn rebuild(
     turn_body(events, system_prompt, &recorded.model, &recorded.params, &recorded.extras, images)
 }
 
-/// [`rebuild`], with the system prompt taken from `recorded` or, when it left the text
-/// out, from the log up to `through_seq`.
+/// [`rebuild`], with what `recorded` left out (the system prompt's text, the tools') taken
+/// from the log up to `through_seq` ([`resolved`]).
 pub fn rebuild_from_log(
     events: &[Event],
     recorded: &RecordedRequest,
     images: Option<ResolveImage<'_>>,
 ) -> Result<RequestBody, RebuildError> {
-    let through = &events[..events.partition_point(|e| e.seq <= recorded.through_seq)];
-    let system = match &recorded.system.text {
-        Some(text) => text.as_str(),
-        None => system_prompt_text(through, &recorded.system.sha256).ok_or_else(|| {
-            RebuildError::SystemPromptNotFound {
-                sha256: recorded.system.sha256.clone(),
-                through_seq: recorded.through_seq,
-            }
-        })?,
-    };
-    Ok(rebuild(through, system, recorded, images))
+    let r = resolved(events, recorded)?;
+    Ok(rebuild(events, r.system.text.as_deref().unwrap_or_default(), &r, images))
 }
 
 #[cfg(test)]
@@ -113,6 +150,7 @@ mod tests {
             model: "m".into(),
             params,
             system: system_prompt_record(&log.events, system),
+            tools_sha256: None,
             extras,
             tokens: 0,
             body_sha256: body.sha256,
@@ -174,5 +212,48 @@ mod tests {
             rebuild_from_log(&without_first, &retry, None),
             Err(RebuildError::SystemPromptNotFound { .. })
         ));
+    }
+
+    #[test]
+    fn a_steps_tools_ride_by_hash_once_the_log_holds_their_text() {
+        let tools = r#"[{"type":"function","function":{"name":"ls"}}]"#;
+        let mut log = LogBuilder::new();
+        log.user("list");
+        let step = |log: &LogBuilder, tools: &str| {
+            let params = RequestParams { stream: true, tools: Some(tools.into()), ..Default::default() };
+            let body = turn_body(&log.events, "S", "m", &params, &Extras::default(), None);
+            let (kept, tools_sha256) = tools_record(&log.events, Some(tools));
+            let recorded = RecordedRequest {
+                through_seq: log.events.last().map_or(0, |e| e.seq),
+                model: "m".into(),
+                params: RequestParams { tools: kept, ..params },
+                system: system_prompt_record(&log.events, "S"),
+                tools_sha256,
+                extras: Extras::default(),
+                tokens: 0,
+                body_sha256: body.sha256.clone(),
+            };
+            (recorded, body)
+        };
+        // The first step carries the text; the next, offering the same tools, only the hash.
+        let (first, _) = step(&log, tools);
+        assert_eq!(first.params.tools.as_deref(), Some(tools));
+        log.push(failed(first.clone()));
+        let (second, body) = step(&log, tools);
+        assert_eq!((second.params.tools.as_deref(), &second.tools_sha256), (None, &first.tools_sha256));
+        assert_eq!(second.system.text, None);
+        // What the log gives back makes the request as it was sent, byte for byte.
+        let sent = resolved(&log.events, &second).unwrap();
+        assert_eq!((sent.params.tools.as_deref(), sent.system.text.as_deref()), (Some(tools), Some("S")));
+        assert_eq!(rebuild_from_log(&log.events, &second, None).unwrap().sha256, body.sha256);
+        // Changed tools carry their text again; a log without the text cannot resolve a hash.
+        log.push(failed(second.clone()));
+        let (third, _) = step(&log, r#"[{"type":"function","function":{"name":"cat"}}]"#);
+        assert!(third.params.tools.is_some());
+        let bare = LogBuilder::new();
+        assert!(matches!(resolved(&bare.events, &second), Err(RebuildError::SystemPromptNotFound { .. })));
+        let mut only_prompt = second.clone();
+        only_prompt.system.text = Some("S".into());
+        assert!(matches!(resolved(&bare.events, &only_prompt), Err(RebuildError::ToolsNotFound { .. })));
     }
 }

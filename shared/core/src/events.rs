@@ -571,6 +571,11 @@ pub struct RecordedRequest {
     /// Every body field not derived from the log.
     pub params: RequestParams,
     pub system: SystemPrompt,
+    /// SHA-256 (lowercase hex) of the tools' JSON text when the request offered tools
+    /// (DESIGN §14); `params.tools` then holds the text only when the log cannot give it
+    /// back (see `audit::tools_record`), as with the system prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools_sha256: Option<String>,
     /// The per-turn extras sent after the history (they are nowhere else in the log).
     #[serde(default)]
     pub extras: Extras,

@@ -124,6 +124,7 @@ async fn answer_with_request(
         model: "mock".into(),
         params,
         system: system_prompt_record(tail, system),
+        tools_sha256: None,
         extras,
         tokens: 0,
         body_sha256: body.sha256,

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::Instrument as _;
-use turnlog_core::audit::{system_prompt_record, turn_body, RecordedRequest, MAX_SYSTEM_PROMPT_BYTES};
+use turnlog_core::audit::{
+    system_prompt_record, tools_record, turn_body, RecordedRequest, MAX_SYSTEM_PROMPT_BYTES,
+};
 use turnlog_core::budget::{budget_for, history_tokens, request_size};
 use turnlog_core::events::*;
 use turnlog_core::ids::{AttemptId, Owner, SessionId};
@@ -486,11 +488,14 @@ impl Turn<'_> {
             built_us = t0.elapsed().as_micros() as u64,
             "request built"
         );
+        // The tools' text rides with the step only when the log cannot give it back.
+        let (tools, tools_sha256) = tools_record(&tail.events, params.tools.as_deref());
         self.request = Some(RecordedRequest {
             through_seq: tail.events.last().map_or(0, |e| e.seq),
             model: model.clone(),
-            params,
+            params: RequestParams { tools, ..params },
             system: system_prompt_record(&tail.events, system),
+            tools_sha256,
             extras,
             tokens: size,
             body_sha256: body.sha256.clone(),
@@ -852,8 +857,9 @@ mod tests {
         assert_eq!(fitting("x", 0, 10), ("", 0));
     }
 
-    /// The largest request an attempt can record: a system prompt at its limit and every
-    /// recalled memory at its length, all of characters that escape the most.
+    /// The largest request an attempt can record: a system prompt at its limit, tools at
+    /// theirs (JSON text, whose worst escaping is a quote's) and every recalled memory at
+    /// its length, all of characters that escape the most.
     fn largest_request(c: char) -> RecordedRequest {
         let text = |n: usize| c.to_string().repeat(n / c.len_utf8());
         RecordedRequest {
@@ -863,8 +869,14 @@ mod tests {
                 stream: true,
                 stream_options: Some(StreamOptions { include_usage: true }),
                 max_tokens: Some(MAX_ANSWER_TOKENS),
+                tools: Some("\"".repeat(super::super::tools::MAX_TOOLS_BYTES)),
+                tool_choice: Some(format!(
+                    r#"{{"type":"function","function":{{"name":"{}"}}}}"#,
+                    "n".repeat(64)
+                )),
                 ..Default::default()
             },
+            tools_sha256: Some("0".repeat(64)),
             system: turnlog_core::audit::SystemPrompt {
                 sha256: "0".repeat(64),
                 text: Some(text(MAX_SYSTEM_PROMPT_BYTES)),

@@ -355,7 +355,8 @@ async fn continued_options(app: &Ingress, caller: &Caller, id: SessionId) -> Res
         EventBody::AssistantTurn(t) if t.asks_for_tools() => t.request.as_ref(),
         _ => None,
     });
-    Ok(step.map_or(Continued::Fresh, |r| {
-        Continued::Step(Box::new(TurnOptions::of_recorded(r)), r.model.clone())
-    }))
+    let Some(recorded) = step else { return Ok(Continued::Fresh) };
+    // As it was sent: what the record left for the log to give back, taken from it.
+    let r = turnlog_core::audit::resolved(&tail.events, recorded).map_err(ApiError::internal)?;
+    Ok(Continued::Step(Box::new(TurnOptions::of_recorded(&r)), r.model.clone()))
 }

@@ -26,7 +26,7 @@ const MAX_RESULTS: usize = 128;
 
 /// Most function tools one request may offer, and most bytes their definitions may take.
 const MAX_TOOLS: usize = 128;
-const MAX_TOOLS_BYTES: usize = 64 * 1024;
+pub(super) const MAX_TOOLS_BYTES: usize = 64 * 1024;
 
 /// The tools a native request offers (DESIGN §14), checked: an array of Chat Completions'
 /// function tools (`{type: "function", function: {name, description?, parameters?}}`,
@@ -179,7 +179,12 @@ pub async fn continue_with_results(
                 _ => None,
             })
             .ok_or_else(|| ApiError::Conflict("the paused turn's message is no longer in reach".into()))?;
-        let recorded = step.and_then(|t| t.request.clone());
+        // As it was sent: what the record left for the log to give back, taken from it.
+        let recorded = step
+            .and_then(|t| t.request.as_ref())
+            .map(|r| turnlog_core::audit::resolved(&tail.events, r))
+            .transpose()
+            .map_err(ApiError::internal)?;
         let options = recorded.as_ref().map(TurnOptions::of_recorded).unwrap_or_default();
         let model = recorded.map(|r| r.model).unwrap_or_else(|| app.config.model.clone());
         Ok((waiting, user_seq, user_text, options, model))
