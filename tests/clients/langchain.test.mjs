@@ -3,9 +3,11 @@
 // returned included (sent back as the response's output item: `msg_…` id, `status`).
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { AIMessageChunk, HumanMessage, SystemMessage } from '@langchain/core/messages';
+import { AIMessageChunk, HumanMessage, SystemMessage, ToolMessage } from '@langchain/core/messages';
 import { ChatOpenAI } from '@langchain/openai';
-import { MODEL, TOKEN, V1, assertModelSaw, assertStoredOnce, question, recordingFetch, sessionIds } from './native.mjs';
+import {
+  MODEL, TOKEN, V1, assertModelSaw, assertStoredOnce, modelRequest, ownEvents, question, recordingFetch, sessionIds,
+} from './native.mjs';
 
 const SYSTEM = 'You are a terse train guide.';
 
@@ -86,4 +88,42 @@ test('stream: SystemMessage and the history with the concatenated chunks', async
   assertResentHistory(wire.bodies[1].body);
   const stored = await assertStoredOnce(before, { users: [q1, q2], answers: [a1.text, a2.text] });
   await assertModelSaw(stored, SYSTEM);
+});
+
+test('tool calling: bindTools, the AIMessage with tool_calls and a ToolMessage back, on both APIs (DESIGN §14)', async () => {
+  const weather = {
+    type: 'function',
+    function: {
+      name: 'weather', description: "A city's weather",
+      parameters: { type: 'object', properties: { city: { type: 'string' } }, required: ['city'] },
+    },
+  };
+  for (const responses of [true, false]) {
+    const before = await sessionIds();
+    const headers = { 'X-Session-Id': `clients-langchain-tools-${Date.now()}` };
+    const llm = new ChatOpenAI({
+      model: MODEL,
+      apiKey: TOKEN,
+      configuration: { baseURL: V1, defaultHeaders: headers },
+      useResponsesApi: responses,
+      maxRetries: 0,
+    });
+    const tooled = llm.bindTools([weather]);
+    const q = `Langchain-tools-${responses}: the weather in Bergen? [mock tool=weather:{"city":"Bergen"} steps=1 words=4]`;
+    const history = [new SystemMessage(SYSTEM), new HumanMessage(q)];
+    const step = await tooled.invoke(history);
+    assert.equal(step.tool_calls.length, 1, JSON.stringify(step));
+    assert.deepEqual(step.tool_calls[0].args, { city: 'Bergen' });
+    history.push(step, new ToolMessage({ tool_call_id: step.tool_calls[0].id, content: 'Rain, 9C' }));
+    const answer = await tooled.invoke(history);
+    assert.ok(answer.text, JSON.stringify(answer));
+    assert.equal(answer.tool_calls?.length ?? 0, 0);
+    const fresh = [...(await sessionIds())].filter((id) => !before.has(id));
+    assert.equal(fresh.length, 1, `${responses ? 'responses' : 'chat'}: one session`);
+    const events = (await ownEvents(fresh[0]))
+      .filter((e) => ['user_message', 'assistant_turn', 'tool_execution'].includes(e.kind));
+    assert.deepEqual(events.map((e) => e.kind), ['user_message', 'assistant_turn', 'tool_execution', 'assistant_turn']);
+    assert.equal(events[2].payload.output, 'Rain, 9C');
+    for (const e of [events[1], events[3]]) await modelRequest(fresh[0], e.seq); // verified
+  }
 });

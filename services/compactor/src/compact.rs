@@ -9,8 +9,8 @@ use std::time::Duration;
 use serde_json::Value;
 use sqlx::PgPool;
 use turnlog_core::branch::{first_own_seq, owner_of_seq, Segment};
-use turnlog_core::budget::{budget_for, history_tokens, request_size};
-use turnlog_core::compaction::{plan_compaction_shrunk, CompactionPlan};
+use turnlog_core::budget::{budget_for, history_tokens_with, request_size};
+use turnlog_core::compaction::{plan_compaction_with, CompactionPlan};
 use turnlog_core::events::{CompactionApplied, EventBody, EventKind};
 use turnlog_core::ids::{EventId, Owner, SessionId};
 use turnlog_runtime::bus::{append_and_wait, AppendError, AppendRequest, Bus, Expect, Refusal};
@@ -79,6 +79,8 @@ pub struct Settings {
     /// The longest wait for the span's `memory_extracted` events.
     pub facts_wait: Duration,
     pub summary_deadline: Duration,
+    /// `TURNLOG_TOOL_HISTORY` (the ingress's).
+    pub tool_history: turnlog_core::llm_context::ToolHistory,
     pub append_timeout: Duration,
 }
 
@@ -131,13 +133,14 @@ impl Compactor {
         let facts_deadline = tokio::time::Instant::now() + self.settings.facts_wait;
         for _ in 0..MAX_ROUNDS {
             let tail = live_tail(&self.pool, owner, session).await?.ok_or(CompactError::NotFound)?;
-            let tokens = request_size(history_tokens(&tail.counted), reserve_tokens);
+            let tokens =
+                request_size(history_tokens_with(&tail.counted, self.settings.tool_history), reserve_tokens);
             let checked = Checked { compacted_through, tokens, budget };
             if checked.within_budget() {
                 return Ok(checked);
             }
             let halvings = (self.refusals_of(session) / REFUSALS_PER_HALVING).min(MAX_HALVINGS);
-            let Some(plan) = plan_compaction_shrunk(&tail.events, halvings) else {
+            let Some(plan) = plan_compaction_with(&tail.events, halvings, self.settings.tool_history) else {
                 tracing::warn!(tokens, budget, "over budget with nothing left to compact");
                 return Ok(checked);
             };
@@ -192,7 +195,8 @@ impl Compactor {
             }
         }
         let tail = live_tail(&self.pool, owner, session).await?.ok_or(CompactError::NotFound)?;
-        let tokens = request_size(history_tokens(&tail.counted), reserve_tokens);
+        let tokens =
+            request_size(history_tokens_with(&tail.counted, self.settings.tool_history), reserve_tokens);
         Ok(Checked { compacted_through, tokens, budget })
     }
 
@@ -324,6 +328,7 @@ mod tests {
             span: vec![],
             turn_seqs: vec![],
             expect_compacted_through: expect,
+            tool_results: vec![],
         }
     }
 

@@ -46,6 +46,8 @@ pub struct CompactorConfig {
     pub summary_deadline: Duration,
     /// How long an append waits for the writer's outcome.
     pub append_timeout: Duration,
+    /// `TURNLOG_TOOL_HISTORY`: the ingress's, so both count and plan the same history.
+    pub tool_history: turnlog_core::llm_context::ToolHistory,
 }
 
 fn failed_reply(error: impl std::fmt::Display) -> CompactReply {
@@ -97,6 +99,7 @@ pub async fn run(config: CompactorConfig, shutdown: CancellationToken) -> anyhow
             fallback_budget: config.context_budget,
             facts_wait: config.facts_wait,
             summary_deadline: config.summary_deadline,
+            tool_history: config.tool_history,
             append_timeout: config.append_timeout,
         },
     ));

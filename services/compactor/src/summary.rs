@@ -53,8 +53,14 @@ fn transcript(plan: &CompactionPlan) -> String {
             }
             Source::LivePending => ("assistant (cut off)", text),
             Source::TurnMemory | Source::TurnFailed => ("note", text),
-            // Never a raw output: a note that one came back.
-            Source::Tool => ("note", "[a tool's result came back here]".to_owned()),
+            // Never a raw output: a note of which tool answered, and how.
+            Source::Tool => {
+                let note = match plan.tool_results.iter().find(|(seq, _, _)| *seq == m.seq) {
+                    Some((_, name, status)) => format!("[the tool {name} answered: {status}]"),
+                    None => "[a tool's result came back here]".to_owned(),
+                };
+                ("note", note)
+            }
         };
         out.push_str(&format!("\n[{label}]\n{}\n", text.trim()));
     }
@@ -130,13 +136,36 @@ mod tests {
                 ProjectedMessage {
                     seq: 5,
                     source: Source::Assistant,
-                    message: ChatMessage::text(Role::Assistant, "hello"),
+                    message: ChatMessage {
+                        tool_calls: vec![turnlog_core::events::ToolCall {
+                            id: "c1".into(),
+                            name: "read".into(),
+                            arguments: r#"{"path":"secret.txt"}"#.into(),
+                        }],
+                        ..ChatMessage::text(Role::Assistant, "hello")
+                    },
+                },
+                ProjectedMessage {
+                    seq: 6,
+                    source: Source::Tool,
+                    message: ChatMessage {
+                        tool_call_id: Some("c1".into()),
+                        ..ChatMessage::text(Role::Tool, "the raw output")
+                    },
                 },
             ],
             turn_seqs: vec![5],
             expect_compacted_through: Some(2),
+            tool_results: vec![(6, "read".into(), "error".into())],
         };
         let text = transcript(&plan);
+        // A step's calls and results as one-line notes (name, status), never their
+        // arguments or outputs.
+        assert!(
+            text.contains("[called the tool read]") && text.contains("[the tool read answered: error]"),
+            "{text}"
+        );
+        assert!(!text.contains("secret.txt") && !text.contains("the raw output"), "{text}");
         assert!(text.contains("[earlier summary]\nAlice is 30.\n"), "{text}");
         assert!(!text.contains("image"));
         assert!(!text.contains(SUMMARY_MARKER));
@@ -166,6 +195,7 @@ mod tests {
             span: vec![ProjectedMessage { seq: 2, source: Source::User, message: with_image }],
             turn_seqs: vec![],
             expect_compacted_through: None,
+            tool_results: vec![],
         };
         let text = transcript(&plan);
         assert!(

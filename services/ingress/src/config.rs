@@ -120,6 +120,9 @@ pub struct IngressConfig {
     /// `TURNLOG_TOOL_OUTPUT_MAX`: the bytes of a tool's output the model is sent; longer
     /// is cut with a note.
     pub tool_output_max: usize,
+    /// `TURNLOG_TOOL_HISTORY`: how long a turn's tool traffic stays in the model's history
+    /// (DESIGN §14); the compactor must be given the same.
+    pub tool_history: turnlog_core::llm_context::ToolHistory,
 }
 
 /// An entry of `TURNLOG_CATEGORY_MODELS` that is not `category=model` of an allowed model,
@@ -166,6 +169,7 @@ impl IngressConfig {
             upload_min_rate: DEFAULT_UPLOAD_MIN_RATE,
             max_tool_steps: DEFAULT_MAX_TOOL_STEPS,
             tool_output_max: DEFAULT_TOOL_OUTPUT_MAX,
+            tool_history: Default::default(),
         }
     }
 

@@ -327,6 +327,10 @@ pub(crate) struct WorkerModels {
     /// The compaction budget when the model's window is unknown.
     #[arg(long, env = "TURNLOG_CONTEXT_BUDGET", default_value_t = DEFAULT_BUDGET)]
     pub context_budget: u32,
+    /// How long a turn's tool traffic stays in the model's history: `turn` (within its turn)
+    /// or `keep` (until a compaction); the ingress's setting, which the compactor must share.
+    #[arg(long, env = "TURNLOG_TOOL_HISTORY", default_value = "turn")]
+    pub tool_history: turnlog_core::llm_context::ToolHistory,
     /// Deadline of one worker model call (e.g. 120s).
     #[arg(long, env = "TURNLOG_UPSTREAM_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub upstream_timeout: Duration,
@@ -402,6 +406,10 @@ pub(crate) struct IngressArgs {
     /// Token budget of a request when the model's window is unknown.
     #[arg(long, env = "TURNLOG_CONTEXT_BUDGET", default_value_t = DEFAULT_BUDGET)]
     pub context_budget: u32,
+    /// How long a turn's tool traffic stays in the model's history (DESIGN §14): `turn`
+    /// (within its turn) or `keep` (until a compaction summarizes it).
+    #[arg(long, env = "TURNLOG_TOOL_HISTORY", default_value = "turn")]
+    pub tool_history: turnlog_core::llm_context::ToolHistory,
     #[arg(long, env = "TURNLOG_SYSTEM_PROMPT", default_value = "")]
     pub system_prompt: String,
     /// Longest wait for the model's first byte and between two streamed chunks (e.g. 90s).
@@ -551,6 +559,7 @@ impl WorkerArgs {
             facts_wait: compactor.facts_wait,
             summary_deadline: models.upstream_timeout,
             append_timeout: WORKER_APPEND_TIMEOUT,
+            tool_history: models.tool_history,
         })
     }
 }
@@ -566,6 +575,7 @@ impl WorkerModels {
             tasks,
             model_windows: args.model_windows.clone(),
             context_budget: args.context_budget,
+            tool_history: args.tool_history,
             upstream_timeout: args.upstream_timeout,
         }
     }
@@ -668,6 +678,7 @@ fn ingress_config(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Ingre
         upload_min_rate: args.upload_min_rate,
         max_tool_steps: args.max_tool_steps,
         tool_output_max: args.tool_output_max,
+        tool_history: args.tool_history,
         ..IngressConfig::new(backbone)
     };
     config.check_listen(args.listen)?;

@@ -5,8 +5,8 @@
 //! tail), so a fork needs nothing of its own here.
 
 use crate::events::{Event, Extras};
-use crate::llm_context::{llm_messages, newest_compaction};
-use crate::request::assemble;
+use crate::llm_context::{current_turn_start, llm_context_with, newest_compaction, Source, ToolHistory};
+use crate::request::assemble_at;
 use crate::request_body::{request_body, sha256_hex, RequestBody, RequestParams, ResolveImage};
 
 // The record lives with the events that carry it; its old path stays.
@@ -109,7 +109,27 @@ pub fn turn_body(
     extras: &Extras,
     images: Option<ResolveImage<'_>>,
 ) -> RequestBody {
-    let messages = assemble(system_prompt, llm_messages(events), extras);
+    turn_body_with(events, ToolHistory::Turn, system_prompt, model, params, extras, images)
+}
+
+/// [`turn_body`] of the history under tool history policy `history` (DESIGN §14).
+pub fn turn_body_with(
+    events: &[Event],
+    history: ToolHistory,
+    system_prompt: &str,
+    model: &str,
+    params: &RequestParams,
+    extras: &Extras,
+    images: Option<ResolveImage<'_>>,
+) -> RequestBody {
+    let projected = llm_context_with(events, history);
+    // The current turn's first tool traffic: under `keep` earlier turns' stays before it.
+    let start = current_turn_start(events);
+    let tools_at = projected
+        .iter()
+        .position(|m| m.seq > start && (m.source == Source::Tool || !m.message.tool_calls.is_empty()));
+    let messages =
+        assemble_at(system_prompt, projected.into_iter().map(|p| p.message).collect(), extras, tools_at);
     request_body(model, &messages, params, images)
 }
 
@@ -122,7 +142,8 @@ pub fn rebuild(
     images: Option<ResolveImage<'_>>,
 ) -> RequestBody {
     let events = &events[..events.partition_point(|e| e.seq <= recorded.through_seq)];
-    turn_body(events, system_prompt, &recorded.model, &recorded.params, &recorded.extras, images)
+    let r = recorded;
+    turn_body_with(events, r.tool_history, system_prompt, &r.model, &r.params, &r.extras, images)
 }
 
 /// [`rebuild`], with what `recorded` left out (the system prompt's text, the tools') taken
@@ -151,6 +172,7 @@ mod tests {
             params,
             system: system_prompt_record(&log.events, system),
             tools_sha256: None,
+            tool_history: ToolHistory::Turn,
             extras,
             tokens: 0,
             body_sha256: body.sha256,
@@ -229,6 +251,7 @@ mod tests {
                 params: RequestParams { tools: kept, ..params },
                 system: system_prompt_record(&log.events, "S"),
                 tools_sha256,
+                tool_history: ToolHistory::Turn,
                 extras: Extras::default(),
                 tokens: 0,
                 body_sha256: body.sha256.clone(),

@@ -2,6 +2,7 @@
 //! beside the log: a sum over the live tail, never a re-encode of the history.
 
 use crate::events::{Event, EventBody, EventKind, Projection};
+use crate::llm_context::ToolHistory;
 use crate::tokens::{event_tokens, REQUEST_OVERHEAD};
 
 /// Share of the model's context window a request may fill; the rest is for the answer.
@@ -50,6 +51,11 @@ impl CountedEvent {
 /// compaction's summary, everything projecting after its boundary, and only the live
 /// pending. Works on the whole log or on its live tail; events in seq order.
 pub fn history_tokens(events: &[CountedEvent]) -> u32 {
+    history_tokens_with(events, ToolHistory::Turn)
+}
+
+/// [`history_tokens`] under tool history policy `history` (as [`crate::llm_context::llm_context_with`]).
+pub fn history_tokens_with(events: &[CountedEvent], history: ToolHistory) -> u32 {
     let compaction = events.iter().rev().find(|e| e.kind.projection() == Projection::Summary);
     let boundary = compaction.and_then(|c| c.replaces_through).unwrap_or(0);
     let mut total = compaction.map_or(0, |c| c.tokens);
@@ -61,7 +67,7 @@ pub fn history_tokens(events: &[CountedEvent]) -> u32 {
         if e.tool {
             // Tool traffic counts within its turn only (DESIGN §14); a step's answer still
             // answers its pending.
-            if !user_after {
+            if !user_after || history == ToolHistory::Keep {
                 total = total.saturating_add(e.tokens);
             }
             answered_after |= e.kind.projection() == Projection::Answer;

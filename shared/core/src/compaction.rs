@@ -2,8 +2,8 @@
 //! Pure; the compactor worker calls it, writes the summary, and appends the result as a
 //! conditional `compaction_applied`.
 
-use crate::events::Event;
-use crate::llm_context::{llm_context, newest_compaction, ProjectedMessage, Source};
+use crate::events::{Event, EventBody};
+use crate::llm_context::{llm_context_with, newest_compaction, ProjectedMessage, Source, ToolHistory};
 
 /// Fewer live messages than this are never compacted.
 pub const MIN_LIVE_MESSAGES: usize = 4;
@@ -19,6 +19,9 @@ pub struct CompactionPlan {
     pub turn_seqs: Vec<i64>,
     /// The session's current boundary, for the append's `expect.compacted_through`.
     pub expect_compacted_through: Option<i64>,
+    /// Each tool result in the span (under `keep`, DESIGN §14): its seq, the tool's name and
+    /// the result's status — what the summary is told of it, never its output.
+    pub tool_results: Vec<(i64, String, String)>,
 }
 
 /// Plans a compaction of the oldest half of the live projected messages.
@@ -29,7 +32,14 @@ pub fn plan_compaction(events: &[Event]) -> Option<CompactionPlan> {
 /// As [`plan_compaction`], with the span halved `halvings` times — what the compactor uses
 /// after repeated refused summaries, so a session cannot stay stuck on one span.
 pub fn plan_compaction_shrunk(events: &[Event], halvings: u32) -> Option<CompactionPlan> {
-    let msgs = llm_context(events);
+    plan_compaction_with(events, halvings, ToolHistory::Turn)
+}
+
+/// [`plan_compaction_shrunk`] of the history under tool history policy `history`. A cut
+/// never parts a step that asks for tools from its results (the model would be sent a
+/// result without its call): it moves past them.
+pub fn plan_compaction_with(events: &[Event], halvings: u32, history: ToolHistory) -> Option<CompactionPlan> {
+    let msgs = llm_context_with(events, history);
     let n = msgs.len();
     if n < MIN_LIVE_MESSAGES {
         return None;
@@ -38,13 +48,19 @@ pub fn plan_compaction_shrunk(events: &[Event], halvings: u32) -> Option<Compact
     let last_user = msgs.iter().rposition(|m| m.source == Source::User)?;
 
     let mut cut = (n / 2).checked_shr(halvings).unwrap_or(0).max(1);
-    // Never end on an unanswered user message: extend the cut past it.
-    while cut < n && msgs[cut - 1].source == Source::User {
+    // Never end on an unanswered user message, nor between a step's calls and their
+    // results: extend the cut past them.
+    let splits_step = |cut: usize| {
+        msgs[cut - 1].source == Source::User
+            || !msgs[cut - 1].message.tool_calls.is_empty()
+            || msgs.get(cut).is_some_and(|m| m.source == Source::Tool)
+    };
+    while cut < n && splits_step(cut) {
         cut += 1;
     }
     if cut > last_user {
         cut = last_user;
-        while cut > 0 && msgs[cut - 1].source == Source::User {
+        while cut > 0 && splits_step(cut) {
             cut -= 1;
         }
     }
@@ -64,10 +80,19 @@ pub fn plan_compaction_shrunk(events: &[Event], halvings: u32) -> Option<Compact
         return None;
     }
 
+    let tool_results = events
+        .iter()
+        .filter(|e| span.iter().any(|m| m.source == Source::Tool && m.seq == e.seq))
+        .filter_map(|e| match &e.body {
+            EventBody::ToolExecution(t) => Some((e.seq, t.name.clone(), t.status.clone())),
+            _ => None,
+        })
+        .collect();
     Some(CompactionPlan {
         through_seq,
         turn_seqs: span.iter().filter(|m| m.source == Source::Assistant).map(|m| m.seq).collect(),
         span: span.to_vec(),
         expect_compacted_through: expect,
+        tool_results,
     })
 }

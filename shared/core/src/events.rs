@@ -576,6 +576,10 @@ pub struct RecordedRequest {
     /// back (see `audit::tools_record`), as with the system prompt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools_sha256: Option<String>,
+    /// How long tool traffic stayed in the history the request was built from (DESIGN
+    /// §14); absent for `turn`, the default.
+    #[serde(default, skip_serializing_if = "crate::llm_context::ToolHistory::is_turn")]
+    pub tool_history: crate::llm_context::ToolHistory,
     /// The per-turn extras sent after the history (they are nowhere else in the log).
     #[serde(default)]
     pub extras: Extras,

@@ -31,6 +31,40 @@ pub enum Source {
     Tool,
 }
 
+/// How long a turn's tool traffic stays in the model's history (`TURNLOG_TOOL_HISTORY`,
+/// DESIGN §14): within its turn only (`turn`, the default), or until a compaction
+/// summarizes it (`keep`). A request records which it was built with (§11).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ToolHistory {
+    #[default]
+    Turn,
+    Keep,
+}
+
+impl ToolHistory {
+    pub fn is_turn(&self) -> bool {
+        *self == ToolHistory::Turn
+    }
+
+    /// Whether tool traffic at `seq` projects, the current turn starting at `turn_start`.
+    fn projects(self, seq: i64, turn_start: i64) -> bool {
+        self == ToolHistory::Keep || seq > turn_start
+    }
+}
+
+impl std::str::FromStr for ToolHistory {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "turn" => Ok(ToolHistory::Turn),
+            "keep" => Ok(ToolHistory::Keep),
+            other => Err(format!("`{other}` is not turn or keep")),
+        }
+    }
+}
+
 /// One message of the model's history and the event it came from. For the summary, `seq`
 /// is the compaction's boundary (`replaces_through_seq`), so seqs rise along the list.
 #[derive(Debug, Clone, PartialEq)]
@@ -47,8 +81,14 @@ pub struct ProjectedMessage {
 ///
 /// Tool traffic (DESIGN §14: a step's tool calls and the tools' results) projects only
 /// within its turn: after the newest user message. Once a later user message exists, a
-/// turn's tool traffic leaves the history; its answer and turn memory stay.
+/// turn's tool traffic leaves the history; its answer and turn memory stay. (With
+/// [`ToolHistory::Keep`], [`llm_context_with`], it stays until a compaction.)
 pub fn llm_context(events: &[Event]) -> Vec<ProjectedMessage> {
+    llm_context_with(events, ToolHistory::Turn)
+}
+
+/// [`llm_context`] under tool history policy `history`.
+pub fn llm_context_with(events: &[Event], history: ToolHistory) -> Vec<ProjectedMessage> {
     let compaction = newest_compaction(events);
     let boundary = compaction.map_or(0, |(_, c)| c.replaces_through_seq);
     let live_pending = live_pending_seq(events);
@@ -60,7 +100,7 @@ pub fn llm_context(events: &[Event]) -> Vec<ProjectedMessage> {
     }
     for e in events.iter().filter(|e| e.seq > boundary) {
         let projects = match e.kind().projection() {
-            _ if e.body.is_tool_traffic() => e.seq > turn_start,
+            _ if e.body.is_tool_traffic() => history.projects(e.seq, turn_start),
             Projection::Each | Projection::Answer => true,
             Projection::LivePending => Some(e.seq) == live_pending,
             // Only the newest summary projects, and it opens the list (above); tool
@@ -76,7 +116,12 @@ pub fn llm_context(events: &[Event]) -> Vec<ProjectedMessage> {
 
 /// Just the messages of [`llm_context`].
 pub fn llm_messages(events: &[Event]) -> Vec<ChatMessage> {
-    llm_context(events).into_iter().map(|p| p.message).collect()
+    llm_messages_with(events, ToolHistory::Turn)
+}
+
+/// Just the messages of [`llm_context_with`].
+pub fn llm_messages_with(events: &[Event], history: ToolHistory) -> Vec<ChatMessage> {
+    llm_context_with(events, history).into_iter().map(|p| p.message).collect()
 }
 
 /// The newest `compaction_applied` event and its payload.

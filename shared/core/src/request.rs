@@ -32,16 +32,28 @@ impl Extras {
     }
 }
 
-/// The messages of one request: system prompt, history, extras last.
+/// The messages of one request: system prompt, history, extras last — before the turn's
+/// tool traffic, which (under `TURNLOG_TOOL_HISTORY=turn`) is the only tool traffic the
+/// history holds.
 pub fn assemble(system_prompt: &str, history: Vec<ChatMessage>, extras: &Extras) -> Vec<ChatMessage> {
+    let tools_at = history.iter().position(|m| m.role == Role::Tool || !m.tool_calls.is_empty());
+    assemble_at(system_prompt, history, extras, tools_at)
+}
+
+/// [`assemble`] with the extras before history message `tools_at`, the current turn's
+/// first tool traffic (none: last). The extras stay where a turn's first step put them,
+/// after the history it had; the turn's tool traffic follows them, so each step's request
+/// extends the previous one's (DESIGN §14).
+pub fn assemble_at(
+    system_prompt: &str,
+    history: Vec<ChatMessage>,
+    extras: &Extras,
+    tools_at: Option<usize>,
+) -> Vec<ChatMessage> {
     let mut out = Vec::with_capacity(history.len() + 2);
     if !system_prompt.is_empty() {
         out.push(ChatMessage::text(Role::System, system_prompt));
     }
-    // The extras stay where a turn's first step put them, after the history it had; the
-    // turn's tool traffic (the only tool traffic the history holds, DESIGN §14) follows
-    // them, so each step's request extends the previous one's.
-    let tools_at = history.iter().position(|m| m.role == Role::Tool || !m.tool_calls.is_empty());
     let mut history = history.into_iter();
     out.extend(history.by_ref().take(tools_at.unwrap_or(usize::MAX)));
     out.extend(extras.message());

@@ -189,6 +189,7 @@ fn run_attempt(log: &mut LogBuilder, a: &Attempt) -> Option<RecordedRequest> {
                 params: a.params.clone(),
                 system: system_prompt_record(&read, prompt),
                 tools_sha256: None,
+                tool_history: Default::default(),
                 extras: a.extras.clone(),
                 tokens: 7,
                 body_sha256: body.sha256,

@@ -519,4 +519,58 @@ proptest! {
             before = after;
         }
     }
+
+    /// Under `TURNLOG_TOOL_HISTORY=keep` everything is byte-stable as the log grows — tool
+    /// traffic included — except at a new compaction and the live pending, and the
+    /// budget's count is the projection's.
+    #[test]
+    fn everything_is_stable_under_keep(ops in proptest::collection::vec(op(), 1..80)) {
+        use turnlog_core::budget::{history_tokens_with, CountedEvent};
+        use turnlog_core::llm_context::{llm_context_with, ToolHistory};
+        let keep = ToolHistory::Keep;
+        let mut log = LogBuilder::new();
+        let mut before = llm_context_with(&log.events, keep);
+        for op in &ops {
+            apply(&mut log, op);
+            let after = llm_context_with(&log.events, keep);
+            let appended = &log.events.last().unwrap().body;
+            if !matches!(appended, EventBody::CompactionApplied(_)) {
+                let stable = |ctx: &[turnlog_core::ProjectedMessage]| -> Vec<Vec<u8>> {
+                    ctx.iter()
+                        .filter(|m| m.source != Source::LivePending)
+                        .map(|m| m.message.canonical_bytes())
+                        .collect()
+                };
+                let (old, new) = (stable(&before), stable(&after));
+                prop_assert!(new.len() >= old.len() && new[..old.len()] == old[..], "prefix changed after {op:?}");
+            }
+            let counted: Vec<CountedEvent> = log.events.iter().map(CountedEvent::of).collect();
+            let messages: Vec<_> = after.iter().map(|m| m.message.clone()).collect();
+            let projected = turnlog_core::tokens::request_tokens(&messages) - turnlog_core::tokens::REQUEST_OVERHEAD;
+            prop_assert_eq!(history_tokens_with(&counted, keep), projected);
+            before = after;
+        }
+    }
+}
+
+#[test]
+fn under_keep_a_finished_turns_tool_traffic_stays_until_a_compaction_which_never_splits_a_step() {
+    use turnlog_core::compaction::plan_compaction_with;
+    use turnlog_core::llm_context::{llm_context_with, llm_messages_with, ToolHistory};
+    let mut log = LogBuilder::new();
+    log.user("list");
+    log.tool_step("", "call_1", "ls", "{}");
+    log.tool_result("call_1", "ls", "a.txt");
+    log.assistant("a.txt");
+    log.user("thanks");
+    let kept: Vec<Role> = llm_messages_with(&log.events, ToolHistory::Keep).iter().map(|m| m.role).collect();
+    assert_eq!(kept, [Role::User, Role::Assistant, Role::Tool, Role::Assistant, Role::User]);
+    assert_eq!(llm_messages(&log.events).len(), 3, "under turn it leaves");
+    // Half of five is a cut right after the step: it moves past the step's result.
+    let plan = plan_compaction_with(&log.events, 0, ToolHistory::Keep).unwrap();
+    let sources: Vec<Source> = plan.span.iter().map(|m| m.source).collect();
+    assert_eq!(sources, [Source::User, Source::Assistant, Source::Tool]);
+    assert_eq!(plan.tool_results.len(), 1);
+    let live = llm_context_with(&log.events, ToolHistory::Keep);
+    assert!(live.iter().filter(|m| m.seq > plan.through_seq).all(|m| m.source != Source::Tool));
 }

@@ -125,6 +125,7 @@ async fn answer_with_request(
         params,
         system: system_prompt_record(tail, system),
         tools_sha256: None,
+        tool_history: Default::default(),
         extras,
         tokens: 0,
         body_sha256: body.sha256,

@@ -85,6 +85,7 @@ pub fn compactor(env: &TestEnv, base_url: &str, model: &str) -> CompactorConfig 
         facts_wait: Duration::from_secs(2),
         summary_deadline: Duration::from_secs(10),
         append_timeout: Duration::from_secs(10),
+        tool_history: Default::default(),
     }
 }
 

@@ -75,6 +75,17 @@ fn new_message_content() -> Schema {
     Schema::AnyOf(AnyOfBuilder::new().item(non_blank()).item(parts).build())
 }
 
+/// A response's `tool_choice`: a mode, or the function it must call.
+fn tool_choice() -> Schema {
+    let mode = ObjectBuilder::new().schema_type(Type::String).enum_values(Some(["none", "auto", "required"]));
+    let function = ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .property("type", ObjectBuilder::new().schema_type(Type::String).enum_values(Some(["function"])))
+        .property("name", ObjectBuilder::new().schema_type(Type::String))
+        .required("type");
+    Schema::AnyOf(AnyOfBuilder::new().item(mode).item(function).build())
+}
+
 /// `input` of `POST /v1/responses`: the user's text, or input items (a stored response
 /// takes user messages only; `store: false` the whole history).
 pub fn response_input() -> Schema {
@@ -334,8 +345,9 @@ pub struct ResponseObject {
     /// OpenAI's text settings; always `{format: {type: text}}`.
     #[schema(value_type = Object)]
     pub text: serde_json::Value,
-    /// The request's `tool_choice` (`auto` when it set none).
-    #[schema(value_type = Object)]
+    /// The request's `tool_choice` (`auto` when it set none): `none`, `auto`, `required`,
+    /// or `{type: "function", name}`.
+    #[schema(schema_with = tool_choice)]
     pub tool_choice: serde_json::Value,
     /// The function tools the request offered, as it sent them.
     #[schema(value_type = Vec<Object>)]

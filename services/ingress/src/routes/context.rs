@@ -5,9 +5,9 @@
 use axum::extract::State;
 use axum::Json;
 use serde::Serialize;
-use turnlog_core::budget::{budget_for, history_tokens, request_size};
+use turnlog_core::budget::{budget_for, history_tokens_with, request_size};
 use turnlog_core::ids::SessionId;
-use turnlog_core::llm_context::llm_messages;
+use turnlog_core::llm_context::llm_messages_with;
 use turnlog_core::message::ChatMessage;
 use turnlog_core::request::{reserve_tokens, Extras};
 use turnlog_runtime::read;
@@ -60,12 +60,13 @@ pub async fn context(
     let system = app.config.system_prompt.clone();
     // Memory recall and the date join the extras with the turn routes.
     let extras = Extras::default();
-    let tokens = request_size(history_tokens(&tail.counted), reserve_tokens(&system, &extras));
+    let history = app.config.tool_history;
+    let tokens = request_size(history_tokens_with(&tail.counted, history), reserve_tokens(&system, &extras));
     let model = app.config.model.clone();
     let window = app.context_window(&model).await;
     Ok(Json(ContextView {
         budget: budget_for(window, app.config.context_budget),
-        messages: llm_messages(&tail.events),
+        messages: llm_messages_with(&tail.events, history),
         compacted_through: tail.state.compacted_through,
         model,
         system,

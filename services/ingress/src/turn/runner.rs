@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use tracing::Instrument as _;
 use turnlog_core::audit::{
-    system_prompt_record, tools_record, turn_body, RecordedRequest, MAX_SYSTEM_PROMPT_BYTES,
+    system_prompt_record, tools_record, turn_body_with, RecordedRequest, MAX_SYSTEM_PROMPT_BYTES,
 };
-use turnlog_core::budget::{budget_for, history_tokens, request_size};
+use turnlog_core::budget::{budget_for, history_tokens_with, request_size};
 use turnlog_core::events::*;
 use turnlog_core::ids::{AttemptId, Owner, SessionId};
 use turnlog_core::request::{reserve_tokens, Extras};
@@ -423,7 +423,8 @@ impl Turn<'_> {
         self.steps_before = turnlog_core::stream::tool_steps(&tail.events);
         let window = app.context_window(&self.start.model).await;
         let budget = budget_for(window, app.config.context_budget);
-        let mut size = request_size(history_tokens(&tail.counted), reserve);
+        let history = app.config.tool_history;
+        let mut size = request_size(history_tokens_with(&tail.counted, history), reserve);
         let read_tail = t0.elapsed();
         // The pre-send check (DESIGN §4): a request the ingress counts within the budget is
         // what the compactor would answer `not_needed` for, by the same count on the same
@@ -431,7 +432,7 @@ impl Turn<'_> {
         let compacted = size <= budget || {
             let compacted = self.ask_compactor(reserve).await;
             tail = self.live_tail().await?;
-            size = request_size(history_tokens(&tail.counted), reserve);
+            size = request_size(history_tokens_with(&tail.counted, history), reserve);
             compacted
         };
         let checked = t0.elapsed();
@@ -477,7 +478,8 @@ impl Turn<'_> {
         };
         let resolve = urls.as_ref().map(|urls| move |id: &str, _: &str| urls.get(id).cloned());
         let resolve = resolve.as_ref().map(|r| r as ResolveImage<'_>);
-        let body = turn_body(&tail.events, system, model, &params, &extras, resolve);
+        let history = app.config.tool_history;
+        let body = turn_body_with(&tail.events, history, system, model, &params, &extras, resolve);
         // Where the time before the model call goes, stage by stage (cumulative, µs).
         tracing::debug!(
             tokens = size,
@@ -496,6 +498,7 @@ impl Turn<'_> {
             params: RequestParams { tools, ..params },
             system: system_prompt_record(&tail.events, system),
             tools_sha256,
+            tool_history: history,
             extras,
             tokens: size,
             body_sha256: body.sha256.clone(),
@@ -877,6 +880,7 @@ mod tests {
                 ..Default::default()
             },
             tools_sha256: Some("0".repeat(64)),
+            tool_history: Default::default(),
             system: turnlog_core::audit::SystemPrompt {
                 sha256: "0".repeat(64),
                 text: Some(text(MAX_SYSTEM_PROMPT_BYTES)),

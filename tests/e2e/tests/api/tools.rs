@@ -232,3 +232,46 @@ async fn the_step_cap_fails_a_turn_and_long_outputs_reach_the_model_cut_with_a_n
     let text = tool["content"].as_str().unwrap();
     assert_eq!(text, format!("{}\n[output cut: 4000 of 5000 bytes left out]", "x".repeat(1_000)));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_keep_the_next_turn_still_carries_the_finished_turns_tool_traffic() {
+    let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
+    let api = Api::with(Options {
+        llm_url: Some(mock.base_url()),
+        ingress: Some(|c| c.tool_history = turnlog_core::llm_context::ToolHistory::Keep),
+        ..Options::default()
+    })
+    .await;
+    let id = api.create(ALICE, None).await;
+    let body = json!({"text": r#"Look [mock tool=ls:{} steps=1 words=3]"#, "tools": tools()});
+    let paused = api.turn(Method::POST, &format!("/v1/sessions/{id}/messages"), ALICE, Some(body), &[]).await;
+    let call = paused.end()["required"][0]["call_id"].as_str().unwrap().to_owned();
+    let results = json!({"results": [{"call_id": call, "output": "a.txt"}]});
+    let done =
+        api.turn(Method::POST, &format!("/v1/sessions/{id}/tool_results"), ALICE, Some(results), &[]).await;
+    assert_eq!(done.end()["status"], "completed");
+    let answered = requests(&mock).last().unwrap().clone();
+    let next = api.message(id, ALICE, "and then? [mock words=2]").await;
+    assert_eq!(next.end()["status"], "completed");
+    // The finished turn's call and result are still there, the earlier request a prefix of
+    // the next one up to where the turn's extras stood (right after its user message).
+    let last = requests(&mock).last().unwrap().clone();
+    assert!(last.iter().any(|m| m["role"] == "tool" && m["content"] == "a.txt"), "{last:?}");
+    assert!(last.iter().any(|m| m["tool_calls"][0]["id"] == call.as_str()));
+    let extras = answered
+        .iter()
+        .position(|m| m["content"].as_str().is_some_and(|c| c.starts_with("[context for this turn")))
+        .unwrap();
+    assert_eq!(last[..extras], answered[..extras]);
+    assert_eq!(last[extras..extras + 2], answered[extras + 1..extras + 3], "the step and its result follow");
+    // Every request rebuilds, with the policy it was built under.
+    let events = api.get(&format!("/v1/sessions/{id}/events?limit=1000"), ALICE).await.json;
+    for e in events["events"].as_array().unwrap().iter().filter(|e| e["kind"] == "assistant_turn") {
+        assert_eq!(e["payload"]["request"]["tool_history"], "keep");
+        let audit = api.get(&format!("/v1/sessions/{id}/requests/{}", e["seq"]), ALICE).await.json;
+        assert_eq!(audit["verified"], true, "{audit}");
+    }
+    // The context view shows what the model sees.
+    let context = api.get(&format!("/v1/sessions/{id}/context"), ALICE).await.json;
+    assert!(context["messages"].as_array().unwrap().iter().any(|m| m["role"] == "tool"), "{context}");
+}
