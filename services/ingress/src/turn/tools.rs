@@ -23,6 +23,8 @@ use crate::AppState;
 
 /// Most results one request may send.
 const MAX_RESULTS: usize = 128;
+/// Most bytes of a call id a client sends back (the model's ids are far shorter).
+pub const MAX_CALL_ID: usize = 256;
 
 /// Most function tools one request may offer, and most bytes their definitions may take.
 const MAX_TOOLS: usize = 128;
@@ -119,7 +121,9 @@ fn capped_output(output: &str, max: usize) -> String {
 /// native events, opening with `meta`, then a `tool_result` per result, then the next
 /// step. Nothing is appended unless every result names a call the turn waits for and
 /// every call it waits for has one: a call id the turn never made is a 404, one already
-/// answered a 409, a missing one a 400 that names it.
+/// answered a 409, a missing one a 400 that names it. A resend after a write that failed
+/// part way (some of the step's results recorded, some not) records the rest: the
+/// recorded ones, while their step still waits for others, are not written again.
 pub async fn continue_with_results(
     app: &AppState,
     caller: &Caller,
@@ -130,6 +134,11 @@ pub async fn continue_with_results(
         return Err(ApiError::bad_request(format!("results holds 1-{MAX_RESULTS} results")));
     }
     for r in &results {
+        if r.call_id.is_empty() || r.call_id.len() > MAX_CALL_ID {
+            return Err(ApiError::bad_request(format!(
+                "a result names its call by a call id of 1-{MAX_CALL_ID} bytes"
+            )));
+        }
         crate::validate::storable("a tool's output", &r.output)?;
     }
     ready_for_turns(app)?;
@@ -145,10 +154,25 @@ pub async fn continue_with_results(
         let waiting = waiting_calls(&tail.events);
         let start = current_turn_start(&tail.events);
         let turn: Vec<_> = tail.events.iter().filter(|e| e.seq > start).collect();
+        // The step that asked: its calls' names and arguments, and the request it recorded.
+        let step = turn.iter().rev().find_map(|e| match &e.body {
+            EventBody::AssistantTurn(t) if t.asks_for_tools() => Some(t),
+            _ => None,
+        });
+        // A result of that step's that is recorded, while the step still waits for others.
+        let recorded_for_step = |call: &str| {
+            !waiting.is_empty()
+                && step.is_some_and(|t| t.llm.message.tool_calls.iter().any(|c| c.id == call))
+                && turn.iter().any(|e| matches!(&e.body, EventBody::ToolExecution(x) if x.call_id == call))
+        };
         let mut seen = std::collections::HashSet::new();
         for r in &results {
             if !seen.insert(r.call_id.as_str()) {
                 return Err(ApiError::bad_request(format!("call {:?} has two results", r.call_id)));
+            }
+            // Recorded by an earlier try of this request that failed part way.
+            if recorded_for_step(&r.call_id) {
+                continue;
             }
             if !waiting.iter().any(|c| c.id == r.call_id) {
                 // A result (or a cancellation) recorded under the id this one would get.
@@ -166,11 +190,6 @@ pub async fn continue_with_results(
         if !missing.is_empty() {
             return Err(ApiError::bad_request(format!("results are missing for {}", missing.join(", "))));
         }
-        // The step that asked: its calls' names and arguments, and the request it recorded.
-        let step = turn.iter().rev().find_map(|e| match &e.body {
-            EventBody::AssistantTurn(t) if t.asks_for_tools() => Some(t),
-            _ => None,
-        });
         let (user_seq, user_text) = tail
             .events
             .iter()
@@ -198,15 +217,15 @@ pub async fn continue_with_results(
     };
     let mut told = Vec::with_capacity(results.len());
     for r in results {
-        let call = waiting.iter().find(|c| c.id == r.call_id);
+        let Some(call) = waiting.iter().find(|c| c.id == r.call_id) else { continue };
         let status = if r.is_error { "error" } else { "ok" };
         let output = capped_output(&r.output, app.config.tool_output_max);
         let digest = output.lines().next().map(|l| l.chars().take(120).collect::<String>());
         let body = EventBody::ToolExecution(ToolExecution {
             call_id: r.call_id.clone(),
-            name: call.map(|c| c.name.clone()).unwrap_or_default(),
+            name: call.name.clone(),
             source: Some("client".into()),
-            args: call.and_then(|c| serde_json::from_str(&c.arguments).ok()),
+            args: serde_json::from_str(&call.arguments).ok(),
             output: Some(output),
             is_error: r.is_error.then_some(true),
             result_digest: digest.clone(),

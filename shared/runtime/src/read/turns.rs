@@ -75,9 +75,10 @@ pub async fn last_user_message(
     }
 }
 
-/// The current turn's events: from the session's last user message on (at most `limit`),
-/// or None when the session is not the owner's. What a paused turn waits for is read from
-/// them ([`turnlog_core::stream::waiting_calls`]).
+/// The current turn's messages, steps and tool results — its user message and the
+/// `assistant_turn`s and `tool_execution`s after it (at most `limit`; not its checkpoints,
+/// which can be large) — or None when the session is not the owner's. What a paused turn
+/// waits for is read from them ([`turnlog_core::stream::waiting_calls`]).
 pub async fn current_turn(
     pool: &PgPool,
     owner: &Owner,
@@ -88,7 +89,8 @@ pub async fn current_turn(
         "SELECT ",
         event_columns!(),
         " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
-          WHERE e.seq >= COALESCE((SELECT max(x.seq) FROM branch ub, LATERAL (
+          WHERE e.kind IN ('user_message', 'assistant_turn', 'tool_execution')
+            AND e.seq >= COALESCE((SELECT max(x.seq) FROM branch ub, LATERAL (
                     SELECT u.seq FROM session_events u
                      WHERE u.session_id = ub.sid AND u.seq <= ub.upto AND u.kind = 'user_message'
                      ORDER BY u.seq DESC LIMIT 1) x), 0)

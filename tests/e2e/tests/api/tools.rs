@@ -275,3 +275,49 @@ async fn under_keep_the_next_turn_still_carries_the_finished_turns_tool_traffic(
     let context = api.get(&format!("/v1/sessions/{id}/context"), ALICE).await.json;
     assert!(context["messages"].as_array().unwrap().iter().any(|m| m["role"] == "tool"), "{context}");
 }
+
+/// A `tool_results` request whose write failed part way (one result recorded, the other
+/// not) sent again records the rest: the recorded result is not sent twice, the turn
+/// goes on, and each call has one result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_sent_again_after_a_partial_write_record_the_rest() {
+    use turnlog_core::events::{EventBody, ToolExecution};
+    let (api, _mock) = with_mock().await;
+    let id = api.create(ALICE, None).await;
+    let body = json!({"text": r#"Both [mock tool=read:{"path":"a.txt"} tool=ls:{} steps=1 words=2]"#, "tools": tools()});
+    let paused = api.turn(Method::POST, &format!("/v1/sessions/{id}/messages"), ALICE, Some(body), &[]).await;
+    let ids: Vec<String> = paused.end()["required"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["call_id"].as_str().unwrap().to_owned())
+        .collect();
+    // What the first try left: the first result only.
+    let first = ToolExecution {
+        call_id: ids[0].clone(),
+        name: "read".into(),
+        source: Some("client".into()),
+        output: Some("hello".into()),
+        status: "ok".into(),
+        ..Default::default()
+    };
+    api.append(id, "alice", &EventBody::ToolExecution(first)).await;
+    let both =
+        json!({"results": [{"call_id": ids[0], "output": "hello"}, {"call_id": ids[1], "output": "a.txt"}]});
+    let again =
+        api.turn(Method::POST, &format!("/v1/sessions/{id}/tool_results"), ALICE, Some(both), &[]).await;
+    assert_eq!(again.end()["status"], "completed", "{:?}", again.events);
+    let results: Vec<&str> = again
+        .events
+        .iter()
+        .filter(|e| e.event == "tool_result")
+        .map(|e| e.data["call_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(results, [ids[1].as_str()]);
+    let executions = kinds(&api, id).await.iter().filter(|k| *k == "tool_execution").count();
+    assert_eq!(executions, 2);
+    // A call id no client would send is refused before anything is read.
+    let long = json!({"results": [{"call_id": "c".repeat(300), "output": "x"}]});
+    let r = api.turn(Method::POST, &format!("/v1/sessions/{id}/tool_results"), ALICE, Some(long), &[]).await;
+    assert_eq!(r.status, 400);
+}

@@ -10,7 +10,7 @@ use utoipa::ToSchema;
 
 use crate::openai::params::{self, ChatResponseFormat};
 use crate::openai::OaiError;
-use crate::turn::{ToolResult, TurnOptions};
+use crate::turn::{ToolResult, TurnOptions, MAX_CALL_ID};
 use crate::{validate, Ingress};
 
 /// Longest session header value.
@@ -203,9 +203,6 @@ pub fn session_header(app: &Ingress, headers: &HeaderMap) -> Result<Option<Strin
 /// Most image parts a request may carry in all (the history's included), so a body of tiny
 /// images is refused before anything else is done with it.
 const MAX_IMAGE_PARTS: usize = 1_000;
-
-/// Most bytes of a tool call id.
-const MAX_CALL_ID: usize = 256;
 
 /// Checks a request's messages and reads them as a [`Conversation`]. Tool traffic (DESIGN
 /// §14) is the log's: an assistant message's `tool_calls` and the `tool` messages are not

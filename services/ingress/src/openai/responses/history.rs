@@ -140,9 +140,8 @@ async fn waiting_for(
     let Some(row) = read::latest_active(&app.pool, caller.owner(), WAITING_WINDOW_SECS).await? else {
         return Ok(None);
     };
-    let Some(tail) = read::live_tail(&app.pool, caller.owner(), row.id).await? else { return Ok(None) };
-    let waiting = turnlog_core::stream::waiting_calls(&tail.events);
-    Ok(results.iter().any(|r| waiting.iter().any(|c| c.id == r.call_id)).then_some(row.id))
+    let waiting = crate::turn::waiting(app, caller, row.id).await?;
+    Ok(results.iter().any(|r| waiting.iter().any(|c| c.call_id == r.call_id)).then_some(row.id))
 }
 
 /// The caller's messages the items' ids name: user messages and answers by event id,

@@ -14,7 +14,7 @@ use super::translate::Echo;
 use crate::config::IngressConfig;
 use crate::openai::params::{self, TextParam};
 use crate::openai::OaiError;
-use crate::turn::{NewMessage, ToolOffer, ToolResult, TurnOptions};
+use crate::turn::{NewMessage, ToolOffer, ToolResult, TurnOptions, MAX_CALL_ID};
 use crate::validate;
 
 /// The body of `POST /v1/responses`; fields OpenAI defines that turnlog does not act on
@@ -176,9 +176,6 @@ pub enum ToolItem {
     /// A client tool's result.
     Output(ToolResult),
 }
-
-/// Most bytes of a call id.
-const MAX_CALL_ID: usize = 256;
 
 /// What a stored response's input is.
 #[derive(Debug)]
