@@ -80,9 +80,11 @@ pub fn plan_compaction_with(events: &[Event], halvings: u32, history: ToolHistor
         return None;
     }
 
-    let tool_results = events
+    // Events are in seq order: each result's event by binary search.
+    let tool_results = span
         .iter()
-        .filter(|e| span.iter().any(|m| m.source == Source::Tool && m.seq == e.seq))
+        .filter(|m| m.source == Source::Tool)
+        .filter_map(|m| events.binary_search_by_key(&m.seq, |e| e.seq).ok().map(|i| &events[i]))
         .filter_map(|e| match &e.body {
             EventBody::ToolExecution(t) => Some((e.seq, t.name.clone(), t.status.clone())),
             _ => None,

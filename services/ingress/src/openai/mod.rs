@@ -15,7 +15,7 @@ pub mod responses;
 pub mod wire;
 
 use serde_json::{json, Value};
-use turnlog_core::events::{Event, EventBody};
+use turnlog_core::events::{Event, EventBody, ToolCall};
 use turnlog_core::ids::{AttemptId, SessionId};
 use turnlog_core::ui_transcript::{ui_transcript, ItemKind};
 use uuid::Uuid;
@@ -94,6 +94,14 @@ pub fn output_message(id: &str, text: &str, status: &str) -> Value {
     })
 }
 
+/// A step's call as a `function_call` item: the `index`-th call of `attempt`'s response.
+pub fn function_call_item(attempt: Uuid, index: usize, call: &ToolCall, status: &str) -> Value {
+    json!({
+        "type": "function_call", "id": call_item_id(attempt, index), "call_id": call.id,
+        "name": call.name, "arguments": call.arguments, "status": status,
+    })
+}
+
 /// A reasoning item with its text.
 pub fn reasoning_item(id: &str, text: &str) -> Value {
     json!({"type": "reasoning", "id": id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]})
@@ -125,10 +133,7 @@ pub fn conversation_items(events: &[Event]) -> Vec<Value> {
                     items.push(output_message(&message_id(attempt), &text, "completed"));
                 }
                 for (i, c) in a.llm.message.tool_calls.iter().enumerate() {
-                    items.push(json!({
-                        "type": "function_call", "id": call_item_id(attempt, i), "call_id": c.id,
-                        "name": c.name, "arguments": c.arguments, "status": "completed",
-                    }));
+                    items.push(function_call_item(attempt, i, c, "completed"));
                 }
             }
             EventBody::PendingState(p) => items.push(output_message(

@@ -3,14 +3,15 @@
 //! events a response is made of, and where its stored outcome is read, is `stream`'s.
 
 use serde_json::{json, Value};
-use turnlog_core::events::{BlockType, EventBody};
+use turnlog_core::events::{BlockType, EventBody, ToolCall};
 use turnlog_core::ids::{AttemptId, SessionId};
 use turnlog_core::stream::{turn_end_from_log, Text, TurnEnd, TurnEvent, TurnStatus};
 use turnlog_runtime::read::StoredEvent;
 use uuid::Uuid;
 
 use crate::openai::{
-    call_item_id, conversation_id, message_id, output_message, reasoning_id, reasoning_item, response_id,
+    conversation_id, function_call_item, message_id, output_message, reasoning_id, reasoning_item,
+    response_id,
 };
 
 /// What a created response's object repeats of its request.
@@ -69,8 +70,7 @@ pub fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
                 }
             }
             r.text = a.ui_text();
-            r.calls =
-                a.llm.message.tool_calls.iter().map(|c| Call::new(&c.id, &c.name, &c.arguments)).collect();
+            r.calls = a.llm.message.tool_calls.clone();
             r.usage = a.usage.map(|u| (u.input_tokens, u.output_tokens, u.cached_input_tokens.unwrap_or(0)));
             (a.finish_reason.as_deref() == Some("length"), None)
         }
@@ -146,28 +146,6 @@ fn call_events(index: usize, item: &Value) -> Vec<Value> {
     ]
 }
 
-/// A step's tool call (DESIGN §14).
-#[derive(Debug, Clone)]
-struct Call {
-    call_id: String,
-    name: String,
-    arguments: String,
-}
-
-impl Call {
-    fn new(call_id: &str, name: &str, arguments: &str) -> Self {
-        Self { call_id: call_id.into(), name: name.into(), arguments: arguments.into() }
-    }
-
-    /// The call as a `function_call` output item, the `index`-th call of `attempt`'s response.
-    fn item(&self, attempt: Uuid, index: usize, status: &str) -> Value {
-        json!({
-            "type": "function_call", "id": call_item_id(attempt, index), "call_id": self.call_id,
-            "name": self.name, "arguments": self.arguments, "status": status,
-        })
-    }
-}
-
 fn empty_part(kind: &str) -> Value {
     match kind {
         "output_text" => json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []}),
@@ -223,7 +201,7 @@ struct Snapshot {
     model: String,
     text: String,
     reasoning: String,
-    calls: Vec<Call>,
+    calls: Vec<ToolCall>,
     usage: Option<(u64, u64, u64)>,
     echo: Echo,
     message_item: String,
@@ -318,7 +296,7 @@ impl Snapshot {
             output.push(output_message(self.message_id(), &self.text, item_status));
         }
         for (i, call) in self.calls.iter().enumerate() {
-            output.push(call.item(self.attempt(), i, "completed"));
+            output.push(function_call_item(self.attempt(), i, call, "completed"));
         }
         let (name, details, error) = match status {
             Status::Completed => ("completed", Value::Null, Value::Null),
@@ -418,8 +396,9 @@ impl Translator {
             // A call streams whole once the step has made it, after the step's text.
             TurnEvent::ToolCall(c) => {
                 close_open(r, open, index, "completed", &mut out);
-                let call = Call::new(&c.call_id, &c.name, &c.arguments);
-                let item = call.item(r.attempt(), r.calls.len(), "completed");
+                let call =
+                    ToolCall { id: c.call_id.clone(), name: c.name.clone(), arguments: c.arguments.clone() };
+                let item = function_call_item(r.attempt(), r.calls.len(), &call, "completed");
                 let mut added = item.clone();
                 added["status"] = json!("in_progress");
                 added["arguments"] = json!("");
