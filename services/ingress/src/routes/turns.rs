@@ -128,7 +128,8 @@ pub struct ToolResults {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ToolResultBody {
-    #[schema(pattern = r"^[^\u0000]*$")]
+    /// The call's id, as `tool_call` and `required` gave it.
+    #[schema(min_length = 1, max_length = 256, pattern = r"^[^\u0000]*$")]
     pub call_id: String,
     /// No NUL (Postgres cannot store U+0000).
     #[schema(pattern = r"^[^\u0000]*$")]

@@ -30,7 +30,9 @@ pub use start::{
     begin_turn, chat_session, edit_fork, prepared, ready_for_turns, regenerate, regenerate_fork, retry_last,
     take_slot, NewMessage, MAX_NAME_CHARS,
 };
-pub use tools::{cancel_waiting, continue_with_results, tool_offer, waiting, ToolResult, MAX_CALL_ID};
+pub use tools::{
+    call_id_fits, cancel_waiting, continue_with_results, tool_offer, waiting, ToolResult, MAX_CALL_ID,
+};
 pub use turnlog_core::stream::{StreamEvent, TurnEvent};
 
 /// A turn this copy runs: its events so far and the means to stop it.

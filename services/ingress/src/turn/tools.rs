@@ -23,7 +23,7 @@ use crate::AppState;
 
 /// Most results one request may send.
 const MAX_RESULTS: usize = 128;
-/// Most bytes of a call id a client sends back (the model's ids are far shorter).
+/// Most characters of a call id a client sends back (the model's ids are far shorter).
 pub const MAX_CALL_ID: usize = 256;
 
 /// Most function tools one request may offer, and most bytes their definitions may take.
@@ -96,6 +96,11 @@ pub fn tool_offer(
     }))
 }
 
+/// Whether a client's call id is 1 to [`MAX_CALL_ID`] characters.
+pub fn call_id_fits(call_id: &str) -> bool {
+    !call_id.is_empty() && call_id.chars().count() <= MAX_CALL_ID
+}
+
 /// A client tool's result.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ToolResult {
@@ -134,9 +139,9 @@ pub async fn continue_with_results(
         return Err(ApiError::bad_request(format!("results holds 1-{MAX_RESULTS} results")));
     }
     for r in &results {
-        if r.call_id.is_empty() || r.call_id.len() > MAX_CALL_ID {
+        if !call_id_fits(&r.call_id) {
             return Err(ApiError::bad_request(format!(
-                "a result names its call by a call id of 1-{MAX_CALL_ID} bytes"
+                "a result names its call by a call id of 1-{MAX_CALL_ID} characters"
             )));
         }
         crate::validate::storable("a tool's output", &r.output)?;

@@ -10,7 +10,7 @@ use utoipa::ToSchema;
 
 use crate::openai::params::{self, ChatResponseFormat};
 use crate::openai::OaiError;
-use crate::turn::{ToolResult, TurnOptions, MAX_CALL_ID};
+use crate::turn::{call_id_fits, ToolResult, TurnOptions, MAX_CALL_ID};
 use crate::{validate, Ingress};
 
 /// Longest session header value.
@@ -239,9 +239,9 @@ pub fn conversation(messages: &[WireMessage]) -> Result<Conversation, OaiError> 
             "assistant" => false,
             "tool" => {
                 let call_id = m.tool_call_id.as_deref().unwrap_or_default();
-                if call_id.is_empty() || call_id.len() > MAX_CALL_ID {
+                if !call_id_fits(call_id) {
                     return Err(OaiError::bad_request(format!(
-                        "a tool message names its call by tool_call_id (1-{MAX_CALL_ID} bytes)"
+                        "a tool message names its call by tool_call_id (1-{MAX_CALL_ID} characters)"
                     )));
                 }
                 let (output, urls) = content(m.content.as_ref())?;

@@ -14,7 +14,7 @@ use super::translate::Echo;
 use crate::config::IngressConfig;
 use crate::openai::params::{self, TextParam};
 use crate::openai::OaiError;
-use crate::turn::{NewMessage, ToolOffer, ToolResult, TurnOptions, MAX_CALL_ID};
+use crate::turn::{call_id_fits, NewMessage, ToolOffer, ToolResult, TurnOptions, MAX_CALL_ID};
 use crate::validate;
 
 /// The body of `POST /v1/responses`; fields OpenAI defines that turnlog does not act on
@@ -130,9 +130,9 @@ impl InputItem {
     /// A `function_call_output` as the result it sends.
     fn tool_result(&self) -> Result<ToolResult, OaiError> {
         let call_id = self.call_id.as_deref().unwrap_or_default();
-        if call_id.is_empty() || call_id.len() > MAX_CALL_ID {
+        if !call_id_fits(call_id) {
             return Err(OaiError::bad_request(format!(
-                "a function_call_output names its call by call_id (1-{MAX_CALL_ID} bytes)"
+                "a function_call_output names its call by call_id (1-{MAX_CALL_ID} characters)"
             )));
         }
         Ok(ToolResult {
