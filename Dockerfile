@@ -14,7 +14,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     cargo build --release --locked -p turnlog \
     && install -m 0755 target/release/turnlog /usr/local/bin/turnlog
 
-FROM debian:bookworm-slim
+FROM debian:bookworm-slim AS runtime
 RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates curl poppler-utils \
     && rm -rf /var/lib/apt/lists/*
@@ -25,3 +25,17 @@ USER turnlog
 ENV TURNLOG_LOG_FORMAT=json RUST_LOG=info
 ENTRYPOINT ["turnlog"]
 CMD ["--help"]
+
+# `turnlog tools` with Node.js and the reference filesystem MCP server (compose's `tools`
+# profile); other servers are added the same way, or reached over streamable HTTP.
+FROM runtime AS tools
+USER root
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends nodejs npm \
+    && npm install -g --no-audit --no-fund @modelcontextprotocol/server-filesystem@2026.8.31 \
+    && rm -rf /var/lib/apt/lists/* /root/.npm \
+    && install -d -o turnlog -g turnlog /var/lib/turnlog/workspace
+USER turnlog
+
+# The default target: every other service.
+FROM runtime

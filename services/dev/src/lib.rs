@@ -58,6 +58,9 @@ impl ServiceConfigs {
         if let Some(writer) = &mut self.writer {
             writer.backbone = backbone.clone();
         }
+        if let Some(tools) = &mut self.tools {
+            tools.backbone = backbone.clone();
+        }
         for worker in &mut self.workers {
             let (worker_backbone, upstream) = worker.connections_mut();
             *worker_backbone = backbone.clone();

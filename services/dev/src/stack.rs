@@ -30,6 +30,8 @@ pub struct ServiceConfigs {
     pub writer: Option<turnlog_writer::WriterConfig>,
     pub ingress: turnlog_ingress::IngressConfig,
     pub workers: Vec<Worker>,
+    /// The tools worker (DESIGN §14), when MCP servers are configured.
+    pub tools: Option<turnlog_tools::ToolsConfig>,
 }
 
 impl ServiceConfigs {
@@ -79,10 +81,11 @@ impl Stack {
         // cancelled only when the stack is dropped, and are cancelled in order by `stop`.
         let all = CancellationToken::new();
         let (ended_tx, ended) = mpsc::unbounded_channel();
-        let ServiceConfigs { writer, ingress, workers } = configs;
+        let ServiceConfigs { writer, ingress, workers, tools } = configs;
         let writer = writer.map(|c| Service::spawn("writer", &all, &ended_tx, |t| turnlog_writer::run(c, t)));
-        let workers =
+        let mut workers: Vec<Service> =
             workers.into_iter().map(|w| Service::spawn(w.name(), &all, &ended_tx, |t| w.run(t))).collect();
+        workers.extend(tools.map(|c| Service::spawn("tools", &all, &ended_tx, |t| turnlog_tools::run(c, t))));
         let ingress =
             Service::spawn("ingress", &all, &ended_tx, |t| turnlog_ingress::run(ingress, listener, t));
         Ok(Stack {

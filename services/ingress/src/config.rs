@@ -45,6 +45,10 @@ pub const DEFAULT_UPLOAD_MIN_RATE: u64 = 16 * 1024;
 pub const DEFAULT_MAX_TOOL_STEPS: usize = 32;
 /// Most bytes of a tool's output the model is sent (DESIGN §14).
 pub const DEFAULT_TOOL_OUTPUT_MAX: usize = 32 * 1024;
+/// Default `TURNLOG_TOOL_TIMEOUT`.
+pub const DEFAULT_TOOL_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default `TURNLOG_PERMISSION_WAIT`.
+pub const DEFAULT_PERMISSION_WAIT: Duration = Duration::from_secs(120);
 
 /// The headers that name a session family on `POST /v1/chat/completions` by default: ours,
 /// Open WebUI's chat id (sent with `ENABLE_FORWARD_USER_INFO_HEADERS=true`), and a common one.
@@ -123,6 +127,12 @@ pub struct IngressConfig {
     /// `TURNLOG_TOOL_HISTORY`: how long a turn's tool traffic stays in the model's history
     /// (DESIGN §14); the compactor must be given the same.
     pub tool_history: turnlog_core::llm_context::ToolHistory,
+    /// `TURNLOG_TOOL_TIMEOUT`: the longest a server tool's call may run (DESIGN §14); the
+    /// tools worker must be given the same.
+    pub tool_timeout: Duration,
+    /// `TURNLOG_PERMISSION_WAIT`: how long a live turn waits for a permission answer before
+    /// it pauses (`requires_action`).
+    pub permission_wait: Duration,
 }
 
 /// An entry of `TURNLOG_CATEGORY_MODELS` that is not `category=model` of an allowed model,
@@ -169,6 +179,8 @@ impl IngressConfig {
             upload_min_rate: DEFAULT_UPLOAD_MIN_RATE,
             max_tool_steps: DEFAULT_MAX_TOOL_STEPS,
             tool_output_max: DEFAULT_TOOL_OUTPUT_MAX,
+            tool_timeout: DEFAULT_TOOL_TIMEOUT,
+            permission_wait: DEFAULT_PERMISSION_WAIT,
             tool_history: Default::default(),
         }
     }

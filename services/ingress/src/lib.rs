@@ -80,6 +80,10 @@ pub struct Ingress {
     pub upload_bytes: files::UploadBudget,
     /// The appends imports keep in flight, per partition, all imports of this copy together.
     pub imports: Arc<turnlog_runtime::import::ImportLanes>,
+    /// The tools worker's part of the bus: its catalogue, the calls sent to it (DESIGN §14).
+    pub tools: turnlog_runtime::tools::ToolsBus,
+    /// The servers' tools, as last read from the bus.
+    pub catalog: turn::server::Catalog,
 }
 
 pub type AppState = Arc<Ingress>;
@@ -94,6 +98,8 @@ impl Ingress {
         let bus = b.connect_bus().await?;
         bus.ensure_topology(b.append_max_age).await.context("creating the bus topology")?;
         let leases = TurnLeases::open(&bus).await?;
+        let tools =
+            turnlog_runtime::tools::ToolsBus::open(&bus).await.context("creating the tools' streams")?;
         let upstream = match &config.upstream {
             Some(u) => Some(UpstreamClient::new(u.clone()).context("building the model gateway client")?),
             None => None,
@@ -121,6 +127,8 @@ impl Ingress {
             uploads: tokio::sync::Semaphore::new(UPLOADS_AT_ONCE),
             upload_bytes,
             imports,
+            tools,
+            catalog: Default::default(),
         }))
     }
 

@@ -68,12 +68,22 @@ pub(crate) enum Command {
         #[command(flatten)]
         metrics: MetricsArgs,
     },
+    /// Run server tools (DESIGN §14): connect to the MCP servers TURNLOG_MCP_SERVERS names,
+    /// offer their tools, and run the calls the turns send, each at most once.
+    Tools {
+        #[command(flatten)]
+        backbone: BackboneArgs,
+        #[command(flatten)]
+        tools: ToolsArgs,
+        #[command(flatten)]
+        metrics: MetricsArgs,
+    },
     /// Serve the HTTP API: sessions, transcripts, context, memories.
     Ingress {
         #[command(flatten)]
         backbone: BackboneArgs,
         #[command(flatten)]
-        args: IngressArgs,
+        args: Box<IngressArgs>,
     },
     /// Apply the database migrations and exit. With `--bus`, instead (the database is left
     /// alone, DATABASE_URL not needed): bring every stream and the lease bucket to
@@ -206,6 +216,7 @@ impl Command {
             Command::Distiller { .. } => "turnlog-distiller",
             Command::Memory { .. } => "turnlog-memory",
             Command::Compactor { .. } => "turnlog-compactor",
+            Command::Tools { .. } => "turnlog-tools",
             Command::Ingress { .. } => "turnlog-ingress",
             Command::Dev { .. } => "turnlog-dev",
             _ => "turnlog",
@@ -373,6 +384,38 @@ pub(crate) struct CompactorArgs {
     pub facts_wait: Duration,
 }
 
+/// Flags of `turnlog tools` (and of `turnlog dev`, which runs it when servers are configured).
+#[derive(clap::Args, Clone)]
+pub(crate) struct ToolsArgs {
+    /// The MCP servers file (TOML, DESIGN §14): `[[servers]]` with a label, `command` +
+    /// `args` (stdio) or `url` (streamable HTTP), filters, owners and per-tool policies.
+    #[arg(long = "mcp-servers", env = "TURNLOG_MCP_SERVERS")]
+    pub mcp_servers: Option<PathBuf>,
+    /// The longest a call may run (e.g. 60s); give the ingress the same.
+    #[arg(long = "tool-timeout", env = "TURNLOG_TOOL_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub tool_timeout: Duration,
+    /// Calls one copy runs at once.
+    #[arg(long, env = "TURNLOG_TOOL_CONCURRENCY", default_value_t = 16, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1000))]
+    pub tool_concurrency: usize,
+    /// The bytes of a result's output the model is sent (longer is cut, with a note).
+    #[arg(long = "tool-output-max", env = "TURNLOG_TOOL_OUTPUT_MAX", default_value_t = turnlog_tools::DEFAULT_OUTPUT_MAX, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(256..=1_048_576))]
+    pub tool_output_max: usize,
+}
+
+impl ToolsArgs {
+    /// The worker's config; None without a servers file. A bad file is an error naming its line.
+    pub(crate) fn config(&self, backbone: Backbone) -> anyhow::Result<Option<turnlog_tools::ToolsConfig>> {
+        let Some(file) = self.mcp_servers.clone().filter(|f| !f.as_os_str().is_empty()) else {
+            return Ok(None);
+        };
+        let mut config = turnlog_tools::ToolsConfig::load(backbone, file)?;
+        config.timeout = self.tool_timeout;
+        config.concurrency = self.tool_concurrency;
+        config.output_max = self.tool_output_max;
+        Ok(Some(config))
+    }
+}
+
 /// Flags of `turnlog ingress` beyond the backbone (database, NATS, bus prefix, partitions).
 #[derive(clap::Args, Clone)]
 pub(crate) struct IngressArgs {
@@ -462,6 +505,12 @@ pub(crate) struct IngressArgs {
     /// The bytes of a tool's output the model is sent (longer is cut, with a note).
     #[arg(long, env = "TURNLOG_TOOL_OUTPUT_MAX", default_value_t = turnlog_ingress::config::DEFAULT_TOOL_OUTPUT_MAX, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(256..=1_048_576))]
     pub tool_output_max: usize,
+    /// The longest a server tool's call may run (e.g. 60s); give the tools worker the same.
+    #[arg(long, env = "TURNLOG_TOOL_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub tool_timeout: Duration,
+    /// How long a live turn waits for a permission answer before it pauses (e.g. 2m).
+    #[arg(long, env = "TURNLOG_PERMISSION_WAIT", default_value = "2m", value_parser = parse_duration)]
+    pub permission_wait: Duration,
 }
 
 /// The flags of `turnlog dev`: where its private servers live, the servers to use instead,
@@ -489,6 +538,12 @@ pub(crate) struct DevArgs {
     pub tuning: WorkerTuning,
     #[command(flatten)]
     pub compactor: CompactorArgs,
+    /// TURNLOG_MCP_SERVERS: when set, the tools worker runs too.
+    #[arg(long = "mcp-servers", env = "TURNLOG_MCP_SERVERS")]
+    pub mcp_servers: Option<PathBuf>,
+    /// Calls the tools worker runs at once.
+    #[arg(long, env = "TURNLOG_TOOL_CONCURRENCY", default_value_t = 16)]
+    pub tool_concurrency: usize,
 }
 
 impl BackboneArgs {
@@ -679,6 +734,8 @@ fn ingress_config(backbone: Backbone, args: IngressArgs) -> anyhow::Result<Ingre
         max_tool_steps: args.max_tool_steps,
         tool_output_max: args.tool_output_max,
         tool_history: args.tool_history,
+        tool_timeout: args.tool_timeout,
+        permission_wait: args.permission_wait,
         ..IngressConfig::new(backbone)
     };
     config.check_listen(args.listen)?;
@@ -730,6 +787,13 @@ impl DevArgs {
                 .iter()
                 .map(|&kind| worker.worker(kind, &self.compactor))
                 .collect::<anyhow::Result<_>>()?,
+            tools: ToolsArgs {
+                mcp_servers: self.mcp_servers.clone(),
+                tool_timeout: self.ingress.tool_timeout,
+                tool_concurrency: self.tool_concurrency,
+                tool_output_max: self.ingress.tool_output_max,
+            }
+            .config(backbone.backbone())?,
         };
         Ok(turnlog_dev::DevConfig {
             data_dir,

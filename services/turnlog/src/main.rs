@@ -72,8 +72,15 @@ async fn serve(command: Command) -> anyhow::Result<()> {
             serve_metrics(metrics, &shutdown).await?;
             worker.run(shutdown).await
         }
+        Command::Tools { backbone: b, tools, metrics } => {
+            let Some(config) = tools.config(b.backbone())? else {
+                anyhow::bail!("TURNLOG_MCP_SERVERS is not set: the tools worker needs a servers file");
+            };
+            serve_metrics(&metrics, &shutdown).await?;
+            turnlog_tools::run(config, shutdown).await
+        }
         Command::Ingress { backbone: b, args } => {
-            let config = b.ingress(args)?;
+            let config = b.ingress(*args)?;
             let listener = tokio::net::TcpListener::bind(config.listen)
                 .await
                 .with_context(|| format!("cannot listen on {}", config.listen))?;

@@ -57,6 +57,24 @@ pub fn json_len(value: &(impl Serialize + ?Sized)) -> usize {
     }
 }
 
+/// `output` within `max` bytes (`TURNLOG_TOOL_OUTPUT_MAX`): cut at a character boundary,
+/// then a line saying how many bytes were left out.
+pub fn capped_output(output: &str, max: usize) -> String {
+    if output.len() <= max {
+        return output.to_owned();
+    }
+    let mut cut = max;
+    while !output.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}\n[output cut: {} of {} bytes left out]", &output[..cut], output.len() - cut, output.len())
+}
+
+/// A tool output's one-line summary for the UI: its first line, at most 120 characters.
+pub fn output_digest(output: &str) -> Option<String> {
+    output.lines().next().map(|l| l.chars().take(120).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,5 +88,16 @@ mod tests {
         let payload = serde_json::json!({"partial": "\"".repeat(1000), "n": [1, 2.5, null]});
         assert_eq!(json_len(&payload), serde_json::to_vec(&payload).unwrap().len());
         assert!(json_len(&payload) > 2000);
+    }
+
+    #[test]
+    fn a_long_output_is_cut_at_a_character_boundary_with_a_note() {
+        const MAX: usize = 1001;
+        assert_eq!(capped_output("short", MAX), "short");
+        let long = "é".repeat(MAX);
+        let cut = capped_output(&long, MAX);
+        let (kept, note) = cut.split_once("\n[output cut: ").unwrap();
+        assert!(kept.len() <= MAX && kept.len() >= MAX - 1 && kept.chars().all(|c| c == 'é'));
+        assert_eq!(note, format!("{} of {} bytes left out]", long.len() - kept.len(), long.len()));
     }
 }

@@ -70,6 +70,8 @@ pub enum TurnEvent {
     ToolCall(ToolCallEvent),
     /// A tool's result, as it is recorded.
     ToolResult(ToolResultEvent),
+    /// A server tool waits for the user's permission (DESIGN §14).
+    Permission(PermissionEvent),
     /// Last, exactly once.
     End(TurnEnd),
 }
@@ -84,6 +86,7 @@ impl TurnEvent {
             TurnEvent::Error(_) => "error",
             TurnEvent::ToolCall(_) => "tool_call",
             TurnEvent::ToolResult(_) => "tool_result",
+            TurnEvent::Permission(_) => "permission",
             TurnEvent::End(_) => "end",
         }
     }
@@ -97,6 +100,7 @@ impl TurnEvent {
             TurnEvent::Error(e) => serde_json::to_value(e),
             TurnEvent::ToolCall(c) => serde_json::to_value(c),
             TurnEvent::ToolResult(r) => serde_json::to_value(r),
+            TurnEvent::Permission(p) => serde_json::to_value(p),
             TurnEvent::End(e) => serde_json::to_value(e),
         };
         // Plain structs with string keys: their JSON cannot fail.
@@ -150,6 +154,18 @@ pub struct ToolResultEvent {
     pub digest: Option<String>,
 }
 
+/// `permission`: a server tool's call waits for the user's answer to the request `id`
+/// (`POST /v1/sessions/{id}/permissions/{perm_id}`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PermissionEvent {
+    pub id: String,
+    pub call_id: String,
+    /// The namespaced name, `<label>__<tool>`.
+    pub tool: String,
+    pub args: Value,
+    pub danger_level: String,
+}
+
 /// What a paused turn waits for (`end.required`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Required {
@@ -158,6 +174,9 @@ pub struct Required {
     pub arguments: String,
     /// `tool` (a client tool's result) or `permission`.
     pub kind: String,
+    /// The permission request to answer, for `kind: permission`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permission_id: Option<String>,
 }
 
 impl Required {
@@ -167,7 +186,13 @@ impl Required {
             name: call.name.clone(),
             arguments: call.arguments.clone(),
             kind: "tool".into(),
+            permission_id: None,
         }
+    }
+
+    /// A server tool's call waiting for the answer to permission request `id`.
+    pub fn permission(call: &crate::events::ToolCall, id: &str) -> Self {
+        Self { kind: "permission".into(), permission_id: Some(id.to_owned()), ..Self::tool(call) }
     }
 }
 

@@ -14,6 +14,7 @@ pub mod read;
 mod secret;
 pub mod settings;
 pub mod telemetry;
+pub mod tools;
 pub mod trace;
 pub mod turn_worker;
 pub mod upstream;

@@ -54,6 +54,10 @@ pub struct Options {
     pub category_models: Vec<(&'static str, &'static str)>,
     /// Changes the ingress's config last (settings without a field here).
     pub ingress: Option<fn(&mut turnlog_ingress::IngressConfig)>,
+    /// The tools worker's servers file (TOML text): the worker runs when set (DESIGN §14).
+    pub mcp_servers: Option<String>,
+    /// `TURNLOG_TOOL_TIMEOUT` of the ingress and the tools worker.
+    pub tool_timeout: Duration,
 }
 
 impl Default for Options {
@@ -76,6 +80,8 @@ impl Default for Options {
             import_max_bytes: None,
             category_models: Vec::new(),
             ingress: None,
+            mcp_servers: None,
+            tool_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -170,7 +176,18 @@ impl Api {
     pub async fn with(opts: Options) -> Self {
         let mut env = test_env().await;
         env.partitions = opts.partitions;
-        let mut configs = config::stack(&env);
+        let configs = Self::configs(&env, opts);
+        Self::on(env, configs).await
+    }
+
+    /// The services [`Api::with`] runs on `env` (to start them again after a stop).
+    pub fn configs(env: &TestEnv, opts: Options) -> ServiceConfigs {
+        let mut configs = config::stack(env);
+        configs.tools = opts.mcp_servers.as_deref().map(|text| turnlog_tools::ToolsConfig {
+            timeout: opts.tool_timeout,
+            ..turnlog_tools::ToolsConfig::parse(config::backbone(env), text).unwrap()
+        });
+        configs.ingress.tool_timeout = opts.tool_timeout;
         if !opts.writer {
             configs.writer = None;
         }
@@ -206,7 +223,7 @@ impl Api {
         if let Some(change) = opts.ingress {
             change(&mut configs.ingress);
         }
-        Self::on(env, configs).await
+        configs
     }
 
     /// The harness over a stack of the caller's `configs` on `env`.

@@ -91,7 +91,7 @@ pub fn compactor(env: &TestEnv, base_url: &str, model: &str) -> CompactorConfig 
 
 /// The writer and the ingress (no tokens, no gateway), no workers.
 pub fn stack(env: &TestEnv) -> ServiceConfigs {
-    ServiceConfigs { writer: Some(writer(env)), ingress: ingress(env), workers: Vec::new() }
+    ServiceConfigs { writer: Some(writer(env)), ingress: ingress(env), workers: Vec::new(), tools: None }
 }
 
 /// [`stack`] chatting with `model` through `upstream` (its window overrides apply to the

@@ -5,6 +5,7 @@
 //! - [`api::Api`]: an HTTP client over the in-process stack `turnlog dev` runs
 //!   ([`turnlog_dev::Stack`], started by [`serve`]);
 //! - [`config`]: every service config the suites build, in one place;
+//! - [`mcp`]: the MCP servers the tool suites run (DESIGN §14);
 //! - [`history`]: a synthetic history of append requests (the ops suite, the rebuild bench).
 
 // The harness's helpers are test code too; a failed unwrap there is a failed test.
@@ -13,6 +14,7 @@
 pub mod api;
 pub mod config;
 pub mod history;
+pub mod mcp;
 pub mod rig;
 pub mod s3;
 

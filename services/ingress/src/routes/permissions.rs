@@ -1,8 +1,10 @@
-//! Resolving a tool's permission request. The resolution's event id is derived from the
-//! request's seq, so concurrent or repeated resolutions collapse into one event in the
-//! writer; the first one in the log decides, and a later different decision is a 409.
+//! Resolving a tool's permission request (DESIGN §14). The resolution's event id is derived
+//! from the request's seq, so concurrent or repeated resolutions collapse into one event in
+//! the writer; the first one in the log decides, and a later different decision is a 409.
+//! A live turn hears the answer itself; a paused one goes on, on this response's stream.
 
 use axum::extract::State;
+use axum::response::{IntoResponse as _, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use turnlog_core::events::{EventBody, EventKind, PermissionResolved};
@@ -15,12 +17,15 @@ use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath};
 use crate::writes::submit;
-use crate::{AppState, Ingress};
+use crate::{sse, turn, AppState, Ingress};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Decision {
+    /// This call.
     Allow,
+    /// This tool, for the rest of the session.
+    AllowAlways,
     Deny,
 }
 
@@ -28,6 +33,7 @@ impl Decision {
     fn as_str(self) -> &'static str {
         match self {
             Decision::Allow => "allow",
+            Decision::AllowAlways => "allow_always",
             Decision::Deny => "deny",
         }
     }
@@ -50,6 +56,8 @@ pub struct PermissionResolution {
 
 /// Resolve a pending permission request. Repeating the same decision answers the recorded
 /// resolution again (200); a different decision for an already resolved request is a 409.
+/// While the turn runs, the answer is JSON and the turn goes on on its own stream; a turn
+/// that paused for it goes on, and the response is its event stream (from `meta`).
 #[utoipa::path(
     post, path = "/v1/sessions/{id}/permissions/{perm_id}", tag = "sessions", security(("bearer" = [])),
     params(
@@ -58,7 +66,10 @@ pub struct PermissionResolution {
     ),
     request_body = ResolvePermission,
     responses(
-        (status = 200, description = "Resolved (after the writer committed it)", body = PermissionResolution),
+        (status = 200, description = "Resolved (after the writer committed it); the continued turn's events when the turn had paused for it", content(
+            (PermissionResolution = "application/json"),
+            (String = "text/event-stream"),
+        )),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
         (status = 404, description = "Unknown session or permission request", body = ErrorBody),
         (status = 409, description = "Already resolved with the other decision", body = ErrorBody),
@@ -71,7 +82,7 @@ pub async fn resolve(
     caller: Caller,
     ApiPath((id, perm_id)): ApiPath<(SessionId, String)>,
     ApiJson(body): ApiJson<ResolvePermission>,
-) -> Result<Json<PermissionResolution>, ApiError> {
+) -> Result<Response, ApiError> {
     let found = status(&app, &caller, id, &perm_id).await?;
     let request_seq =
         found.request_seq.ok_or_else(|| ApiError::NotFound("permission request not found".into()))?;
@@ -91,7 +102,12 @@ pub async fn resolve(
     if decided != body.decision.as_str() {
         return Err(ApiError::Conflict(format!("permission request already resolved: {decided}")));
     }
-    Ok(Json(PermissionResolution { id: perm_id, decision: decided, seq }))
+    if let Some(call_id) = found.call_id.as_deref() {
+        if let Some(events) = turn::continue_after_permission(&app, &caller, id, call_id).await? {
+            return Ok(sse::turn(&app, id, events));
+        }
+    }
+    Ok(Json(PermissionResolution { id: perm_id, decision: decided, seq }).into_response())
 }
 
 /// The request and its first resolution, looked up by id (never the whole log).

@@ -9,6 +9,7 @@
 mod follow;
 mod remote;
 mod runner;
+pub mod server;
 mod slots;
 mod start;
 mod tools;
@@ -31,7 +32,8 @@ pub use start::{
     take_slot, NewMessage, MAX_NAME_CHARS,
 };
 pub use tools::{
-    call_id_fits, cancel_waiting, continue_with_results, tool_offer, waiting, ToolResult, MAX_CALL_ID,
+    call_id_fits, cancel_waiting, continue_after_permission, continue_with_results, tool_offer, waiting,
+    ToolResult, MAX_CALL_ID,
 };
 pub use turnlog_core::stream::{StreamEvent, TurnEvent};
 

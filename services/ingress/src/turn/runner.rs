@@ -62,6 +62,9 @@ pub struct TurnStart {
     /// A continued turn's results just recorded (DESIGN §14): its stream tells them after
     /// its `meta`, before the next step.
     pub results: Vec<ToolResultEvent>,
+    /// A continued turn: its last step's server calls are seen to (run, asked about) before
+    /// the next step (DESIGN §14).
+    pub continued: bool,
 }
 
 /// What a client may set for one turn's request (the OpenAI-compatible routes): recorded
@@ -86,6 +89,8 @@ pub struct TurnOptions {
     /// The turn's extras when a later step runs: its first step's, so each step's request
     /// extends the previous one's (DESIGN §14). None: computed now.
     pub extras: Option<Extras>,
+    /// Offer no server tools (a Responses request offers them only by label, §14).
+    pub no_server_tools: bool,
 }
 
 impl TurnOptions {
@@ -106,6 +111,7 @@ impl TurnOptions {
             response_format: p.response_format.clone(),
             tools: ToolOffer::recorded(p),
             extras: Some(r.extras.clone()),
+            no_server_tools: true,
         }
     }
 }
@@ -202,6 +208,8 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
         request_checkpointed: false,
         tool_calls: ToolCalls::default(),
         steps_before: 0,
+        options: start.options.clone(),
+        server_names: Default::default(),
     };
     let meta = Meta {
         session_id: Some(start.session),
@@ -246,8 +254,7 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
         }.in_current_span())
     };
 
-    let ending = t.stream_answer(started).await;
-    let end = t.persist(ending, started).await;
+    let end = t.steps(started).await;
     done.cancel();
     let _ = renewing.await;
     let lease = *latest.borrow();
@@ -278,12 +285,81 @@ struct Turn<'a> {
     tool_calls: ToolCalls,
     /// The turn's steps that asked for tools before this one.
     steps_before: usize,
+    /// What this step's request is built with: the start's, then, for later steps of the
+    /// same task, with the first step's extras and tools.
+    options: TurnOptions,
+    /// The offered tools that are server tools (DESIGN §14).
+    server_names: std::collections::HashSet<String>,
 }
 
 impl Turn<'_> {
     async fn emit(&self, event: TurnEvent) {
         let e = self.turn.emit(event);
         remote::publish_live(self.app, self.start.session, &e).await;
+    }
+
+    /// The turn's steps (DESIGN §14): each model call, stored; while a step's server calls
+    /// all get results, the next step runs in this task. The turn's `end`.
+    async fn steps(&mut self, started: Instant) -> TurnEnd {
+        if self.start.continued {
+            let end = TurnEnd {
+                model: Some(self.start.model.clone()),
+                ..TurnEnd::new(Some(self.start.session), TurnStatus::RequiresAction)
+            };
+            if let Some(end) = self.settle(end, started).await {
+                return end;
+            }
+        }
+        loop {
+            let ending = self.stream_answer(started).await;
+            let end = self.persist(ending, started).await;
+            let asks_server = end.status == TurnStatus::RequiresAction
+                && end.required.iter().any(|r| self.server_names.contains(&r.name));
+            if !asks_server {
+                return end;
+            }
+            if let Some(end) = self.settle(end, started).await {
+                return end;
+            }
+        }
+    }
+
+    /// Waits for the latest step's server calls (the permission chain, the worker); None
+    /// when the next step is to run (set up for it), else the turn's `end`.
+    async fn settle(&mut self, mut end: TurnEnd, started: Instant) -> Option<TurnEnd> {
+        use super::server::{settle, Settled};
+        let settled = settle(self.app, self.turn, &self.start.owner).await;
+        end.duration_ms = Some(started.elapsed().as_millis() as u64);
+        match settled {
+            Settled::Ready => {
+                // The next step: a new attempt, with the first step's extras (and tools).
+                if let Some(r) = &self.request {
+                    self.options.extras = Some(r.extras.clone());
+                }
+                self.attempt_id = AttemptId::new();
+                tracing::Span::current().record("attempt_id", self.attempt_id.as_str());
+                self.text.clear();
+                self.text_json = 0;
+                self.reasoning.clear();
+                self.usage = None;
+                self.request = None;
+                self.request_checkpointed = false;
+                return None;
+            }
+            Settled::Paused(required) => end.required = required,
+            Settled::Stopped => {
+                end.status = match self.turn.stop_reason() {
+                    PendingReason::Stopped => TurnStatus::Stopped,
+                    PendingReason::Interrupted => TurnStatus::Interrupted,
+                }
+            }
+            Settled::Failed(message) => {
+                tracing::warn!(%message, "the turn's tools could not be seen to");
+                self.emit(TurnEvent::Error(StreamError { code: FailureCode::Unavailable, message })).await;
+                end.status = TurnStatus::Failed;
+            }
+        }
+        Some(end)
     }
 
     /// Compaction check, request, and the relay of the answer with checkpoints.
@@ -339,7 +415,7 @@ impl Turn<'_> {
                 Ok(Some(StreamItem::Finish(reason))) => finish_reason = Some(reason),
                 // A call when the turn offers no tools is the model's own mistake: the turn
                 // keeps its text.
-                Ok(Some(StreamItem::ToolCall(c))) if self.start.options.tools.is_some() => {
+                Ok(Some(StreamItem::ToolCall(c))) if self.options.tools.is_some() => {
                     if let Err(why) = self.tool_calls.add(c) {
                         return self.upstream_failed(UpstreamError::Malformed(why));
                     }
@@ -387,7 +463,14 @@ impl Turn<'_> {
     async fn build_request(&mut self) -> Result<RequestBody, Ending> {
         let app = self.app;
         let owner = &self.start.owner;
-        let options = &self.start.options;
+        // A turn's first step offers the servers' tools beside the client's (DESIGN §14);
+        // later steps offer what the first did.
+        let catalog = app.catalog.for_owner(app, owner).await;
+        if self.options.extras.is_none() && !self.options.no_server_tools {
+            self.options.tools = super::server::with_server_tools(self.options.tools.take(), &catalog);
+        }
+        self.server_names = super::server::server_names(self.options.tools.as_ref(), &catalog);
+        let options = &self.options;
         let system = options.system.as_ref().unwrap_or(&app.config.system_prompt);
         if system.len() > MAX_SYSTEM_PROMPT_BYTES {
             // Refused when the ingress starts; kept here so no turn can ever record one.
@@ -655,10 +738,11 @@ impl Turn<'_> {
                         t.ui.blocks.retain(|b| {
                             b.kind != BlockType::Text || b.text.as_deref().is_some_and(|t| !t.is_empty())
                         });
+                        let names = &self.server_names;
                         t.ui.blocks.extend(calls.iter().map(|c| Block {
                             kind: BlockType::ToolCall,
                             text: None,
-                            meta: Some(serde_json::json!({"call_id": c.id, "name": c.name, "arguments": c.arguments, "source": "client"})),
+                            meta: Some(serde_json::json!({"call_id": c.id, "name": c.name, "arguments": c.arguments, "source": source_of(names, &c.name)})),
                         }));
                         t.llm.message.tool_calls = calls;
                     }
@@ -737,7 +821,7 @@ impl Turn<'_> {
                         call_id: r.call_id.clone(),
                         name: r.name.clone(),
                         arguments: r.arguments.clone(),
-                        source: "client".into(),
+                        source: source_of(&self.server_names, &r.name),
                     };
                     self.emit(TurnEvent::ToolCall(call)).await;
                 }
@@ -833,6 +917,14 @@ impl Turn<'_> {
                 Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
             }
         }
+    }
+}
+
+/// Who runs a call: `mcp:<label>` for a server tool, else `client`.
+fn source_of(server_names: &std::collections::HashSet<String>, name: &str) -> String {
+    match name.split_once(turnlog_runtime::tools::SEPARATOR) {
+        Some((label, _)) if server_names.contains(name) => format!("mcp:{label}"),
+        _ => "client".into(),
     }
 }
 

@@ -131,6 +131,9 @@ pub async fn begin_turn(
     ready_for_turns(app)?;
     validate::turn_options(&options)?;
     let owner = caller.owner();
+    if !options.no_server_tools {
+        super::server::check_client_names(app, owner, options.tools.as_ref()).await?;
+    }
     let event_id =
         key.as_deref().map_or_else(Uuid::now_v7, |k| derived(owner, &format!("message {session}"), k));
     if key.is_some() {
@@ -193,6 +196,7 @@ pub async fn begin_turn(
             slot,
             options,
             results: Vec::new(),
+            continued: false,
         },
     );
     Ok(follow_local(turn, 0))
@@ -330,6 +334,7 @@ async fn retried(
         slot,
         options,
         results: Vec::new(),
+        continued: false,
     };
     Ok(follow_local(start_turn(app, start), 0))
 }

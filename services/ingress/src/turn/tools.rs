@@ -5,19 +5,20 @@
 //! last step recorded.
 
 use futures::stream::BoxStream;
-use turnlog_core::events::{EventBody, ToolExecution};
+use turnlog_core::events::{Event, EventBody, ToolExecution};
 use turnlog_core::ids::SessionId;
+use turnlog_core::limits::{capped_output, output_digest};
 use turnlog_core::llm_context::current_turn_start;
 use turnlog_core::stream::{waiting_calls, Required, ToolResultEvent};
 use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read;
 
 use super::follow::follow_local;
+use super::server;
 use super::start::{ready_for_turns, take_slot};
 use super::{start_turn, StreamEvent, ToolOffer, TurnOptions, TurnStart};
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::idempotency::derived;
 use crate::writes::submit;
 use crate::AppState;
 
@@ -109,19 +110,6 @@ pub struct ToolResult {
     pub is_error: bool,
 }
 
-/// `output` within `max` bytes (`TURNLOG_TOOL_OUTPUT_MAX`): cut at a character boundary,
-/// then a line saying how many bytes were left out.
-fn capped_output(output: &str, max: usize) -> String {
-    if output.len() <= max {
-        return output.to_owned();
-    }
-    let mut cut = max;
-    while !output.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{}\n[output cut: {} of {} bytes left out]", &output[..cut], output.len() - cut, output.len())
-}
-
 /// Records `results` for the turn paused in session `id` and continues it: the turn's
 /// native events, opening with `meta`, then a `tool_result` per result, then the next
 /// step. Nothing is appended unless every result names a call the turn waits for and
@@ -156,7 +144,10 @@ pub async fn continue_with_results(
     let prepared = async {
         let tail =
             read::live_tail(&app.pool, caller.owner(), id).await?.ok_or_else(ApiError::session_not_found)?;
-        let waiting = waiting_calls(&tail.events);
+        // The client's calls: the server's are the turn's to see to.
+        let sources = server::sources(&tail.events);
+        let mut waiting = waiting_calls(&tail.events);
+        waiting.retain(|c| !server::is_server(&sources, &c.id));
         let start = current_turn_start(&tail.events);
         let turn: Vec<_> = tail.events.iter().filter(|e| e.seq > start).collect();
         // The step that asked: its calls' names and arguments, and the request it recorded.
@@ -195,22 +186,7 @@ pub async fn continue_with_results(
         if !missing.is_empty() {
             return Err(ApiError::bad_request(format!("results are missing for {}", missing.join(", "))));
         }
-        let (user_seq, user_text) = tail
-            .events
-            .iter()
-            .find_map(|e| match &e.body {
-                EventBody::UserMessage(m) if e.seq == start => Some((e.seq, m.text.clone())),
-                _ => None,
-            })
-            .ok_or_else(|| ApiError::Conflict("the paused turn's message is no longer in reach".into()))?;
-        // As it was sent: what the record left for the log to give back, taken from it.
-        let recorded = step
-            .and_then(|t| t.request.as_ref())
-            .map(|r| turnlog_core::audit::resolved(&tail.events, r))
-            .transpose()
-            .map_err(ApiError::internal)?;
-        let options = recorded.as_ref().map(TurnOptions::of_recorded).unwrap_or_default();
-        let model = recorded.map(|r| r.model).unwrap_or_else(|| app.config.model.clone());
+        let (user_seq, user_text, options, model) = resume_point(app, &tail.events, step)?;
         Ok((waiting, user_seq, user_text, options, model))
     };
     let (waiting, user_seq, user_text, options, model) = match prepared.await {
@@ -225,7 +201,7 @@ pub async fn continue_with_results(
         let Some(call) = waiting.iter().find(|c| c.id == r.call_id) else { continue };
         let status = if r.is_error { "error" } else { "ok" };
         let output = capped_output(&r.output, app.config.tool_output_max);
-        let digest = output.lines().next().map(|l| l.chars().take(120).collect::<String>());
+        let digest = output_digest(&output);
         let body = EventBody::ToolExecution(ToolExecution {
             call_id: r.call_id.clone(),
             name: call.name.clone(),
@@ -254,8 +230,89 @@ pub async fn continue_with_results(
         slot,
         options,
         results: told,
+        continued: true,
     };
     Ok(follow_local(start_turn(app, start), 0))
+}
+
+/// Where a paused turn goes on from: its user message (seq, text), and the options and
+/// model its asking `step` recorded — as they were sent, what the record left out taken
+/// from the log.
+fn resume_point(
+    app: &AppState,
+    events: &[Event],
+    step: Option<&turnlog_core::events::AssistantTurn>,
+) -> Result<(i64, String, TurnOptions, String), ApiError> {
+    let start = current_turn_start(events);
+    let (user_seq, user_text) = events
+        .iter()
+        .find_map(|e| match &e.body {
+            EventBody::UserMessage(m) if e.seq == start => Some((e.seq, m.text.clone())),
+            _ => None,
+        })
+        .ok_or_else(|| ApiError::Conflict("the paused turn's message is no longer in reach".into()))?;
+    let recorded = step
+        .and_then(|t| t.request.as_ref())
+        .map(|r| turnlog_core::audit::resolved(events, r))
+        .transpose()
+        .map_err(ApiError::internal)?;
+    let options = recorded.as_ref().map(TurnOptions::of_recorded).unwrap_or_default();
+    let model = recorded.map(|r| r.model).unwrap_or_else(|| app.config.model.clone());
+    Ok((user_seq, user_text, options, model))
+}
+
+/// After a permission answer (DESIGN §14): a turn paused on call `call_id`'s prompt goes
+/// on — its events, from `meta` — unless the turn runs now (its own wait hears the answer:
+/// None) or no longer waits for that call (None).
+pub async fn continue_after_permission(
+    app: &AppState,
+    caller: &Caller,
+    id: SessionId,
+    call_id: &str,
+) -> Result<Option<BoxStream<'static, StreamEvent>>, ApiError> {
+    let waits = |events: &[Event]| waiting_calls(events).iter().any(|c| c.id == call_id);
+    let events = read::current_turn(&app.pool, caller.owner(), id, CURRENT_TURN_EVENTS)
+        .await?
+        .ok_or_else(ApiError::session_not_found)?;
+    if !waits(&events) || app.turns.get(id).is_some() {
+        return Ok(None);
+    }
+    ready_for_turns(app)?;
+    let slot = take_slot(app, caller)?;
+    // Held by a turn running elsewhere: it hears the answer itself.
+    let Some(lease) = app.leases.acquire(id, &app.instance_id).await? else { return Ok(None) };
+    let prepared = async {
+        let tail =
+            read::live_tail(&app.pool, caller.owner(), id).await?.ok_or_else(ApiError::session_not_found)?;
+        if !waits(&tail.events) {
+            return Ok(None);
+        }
+        let step = tail.events.iter().rev().find_map(|e| match &e.body {
+            EventBody::AssistantTurn(t) if t.asks_for_tools() => Some(t),
+            _ => None,
+        });
+        resume_point(app, &tail.events, step).map(Some)
+    };
+    let (user_seq, user_text, options, model) = match prepared.await {
+        Ok(Some(p)) => p,
+        other => {
+            let _ = app.leases.release(lease).await;
+            return other.map(|_| None);
+        }
+    };
+    let start = TurnStart {
+        session: id,
+        owner: caller.owner().clone(),
+        user_seq,
+        user_text,
+        model,
+        lease,
+        slot,
+        options,
+        results: Vec::new(),
+        continued: true,
+    };
+    Ok(Some(follow_local(start_turn(app, start), 0)))
 }
 
 /// Most events of the current turn read to find what a paused turn waits for (a turn of
@@ -268,18 +325,50 @@ pub async fn waiting(app: &AppState, caller: &Caller, id: SessionId) -> Result<V
     let events = read::current_turn(&app.pool, caller.owner(), id, CURRENT_TURN_EVENTS)
         .await?
         .ok_or_else(ApiError::session_not_found)?;
-    Ok(waiting_calls(&events).iter().map(Required::tool).collect())
+    Ok(required_of(&events))
+}
+
+/// What the turn in `events` waits for from its user: each client call's result, and the
+/// answer to each server call's unanswered permission request (a server call that runs,
+/// or waits to, needs nothing from them).
+fn required_of(events: &[Event]) -> Vec<Required> {
+    let sources = server::sources(events);
+    waiting_calls(events)
+        .iter()
+        .filter_map(|c| {
+            if !server::is_server(&sources, &c.id) {
+                return Some(Required::tool(c));
+            }
+            let perm = events.iter().find_map(|e| match &e.body {
+                EventBody::PermissionRequest(p) if p.call_id == c.id => Some(p.id.as_str()),
+                _ => None,
+            })?;
+            let answered =
+                events.iter().any(|e| matches!(&e.body, EventBody::PermissionResolved(r) if r.id == perm));
+            (!answered).then(|| Required::permission(c, perm))
+        })
+        .collect()
 }
 
 /// Before a new user message: the calls a paused turn still waits for are recorded as
 /// `cancelled` (DESIGN §14), each with the event id its result would have had, so a
-/// result sent later is a 409 and a resend of the message records nothing twice.
+/// result sent later is a 409 and a resend of the message records nothing twice. A server
+/// call still running is asked to stop.
 pub async fn cancel_waiting(app: &AppState, caller: &Caller, id: SessionId) -> Result<(), ApiError> {
-    for call in waiting(app, caller, id).await? {
+    let events = read::current_turn(&app.pool, caller.owner(), id, CURRENT_TURN_EVENTS)
+        .await?
+        .ok_or_else(ApiError::session_not_found)?;
+    let sources = server::sources(&events);
+    for call in waiting_calls(&events) {
+        let event_id = result_event_id(caller, id, &call.id);
+        let source = sources.get(&call.id).cloned().unwrap_or_else(|| "client".into());
+        if server::is_server(&sources, &call.id) {
+            app.tools.cancel(event_id).await;
+        }
         let body = EventBody::ToolExecution(ToolExecution {
-            call_id: call.call_id.clone(),
+            call_id: call.id.clone(),
             name: call.name.clone(),
-            source: Some("client".into()),
+            source: Some(source),
             args: serde_json::from_str(&call.arguments).ok(),
             output: Some(CANCELLED_OUTPUT.into()),
             is_error: Some(true),
@@ -287,7 +376,6 @@ pub async fn cancel_waiting(app: &AppState, caller: &Caller, id: SessionId) -> R
             status: "cancelled".into(),
             duration_ms: None,
         });
-        let event_id = result_event_id(caller, id, &call.call_id);
         submit(app, &AppendRequest::append(id, caller.owner(), event_id, &body)).await?;
     }
     Ok(())
@@ -296,24 +384,8 @@ pub async fn cancel_waiting(app: &AppState, caller: &Caller, id: SessionId) -> R
 /// The event id of a call's result in session `id`: one per call, so a resend records
 /// nothing twice and an answered call is found by it.
 fn result_event_id(caller: &Caller, id: SessionId, call_id: &str) -> uuid::Uuid {
-    derived(caller.owner(), &format!("tool result {id}"), call_id)
+    super::server::result_event_id(caller.owner(), id, call_id)
 }
 
 /// What a cancelled call's output says.
 const CANCELLED_OUTPUT: &str = "cancelled: the user sent a new message before this tool's result";
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_long_output_is_cut_at_a_character_boundary_with_a_note() {
-        const MAX: usize = 1001;
-        assert_eq!(capped_output("short", MAX), "short");
-        let long = "é".repeat(MAX);
-        let cut = capped_output(&long, MAX);
-        let (kept, note) = cut.split_once("\n[output cut: ").unwrap();
-        assert!(kept.len() <= MAX && kept.len() >= MAX - 1 && kept.chars().all(|c| c == 'é'));
-        assert_eq!(note, format!("{} of {} bytes left out]", long.len() - kept.len(), long.len()));
-    }
-}

@@ -64,6 +64,6 @@ pub use search::{search, SearchHit};
 pub use sessions::{family, forks_of, get_session, latest_active, ForkSummary, SessionRow, SESSION_COLUMNS};
 pub use transcript::{transcript_page, TranscriptPage};
 pub use turns::{
-    answered_before, attempt_event, attempt_request, current_turn, last_user_message, message_events,
-    permission_status, turn_events, PermissionStatus,
+    always_allowed, answered_before, attempt_event, attempt_request, current_turn, last_user_message,
+    message_events, permission_status, turn_events, PermissionStatus,
 };

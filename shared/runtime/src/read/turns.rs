@@ -15,6 +15,8 @@ pub struct PermissionStatus {
     pub request_seq: Option<i64>,
     /// Seq and decision of the first `permission_resolved` for it: the one that decided.
     pub resolution: Option<(i64, String)>,
+    /// The call the request is for.
+    pub call_id: Option<String>,
 }
 
 /// Permission request `perm_id` of the session, or None when the session is not the owner's.
@@ -24,12 +26,15 @@ pub async fn permission_status(
     id: SessionId,
     perm_id: &str,
 ) -> Result<Option<PermissionStatus>, sqlx::Error> {
-    let row: Option<(Option<i64>, Option<i64>, Option<String>)> = sqlx::query_as(branch_sql!(
-        "SELECT (SELECT q.seq FROM branch qb JOIN session_events q ON q.session_id = qb.sid AND q.seq <= qb.upto
-                  WHERE q.kind = 'permission_request' AND q.payload ->> 'id' = $3
-                  ORDER BY q.seq LIMIT 1),
-                r.seq, r.payload ->> 'decision'
+    /// The request's seq and call, and its first resolution's seq and decision.
+    type Row = (Option<i64>, Option<String>, Option<i64>, Option<String>);
+    let row: Option<Row> = sqlx::query_as(branch_sql!(
+        "SELECT q.seq, q.payload ->> 'call_id', r.seq, r.payload ->> 'decision'
            FROM (SELECT 1) one
+           LEFT JOIN LATERAL (SELECT e.seq, e.payload
+                                FROM branch qb JOIN session_events e ON e.session_id = qb.sid AND e.seq <= qb.upto
+                               WHERE e.kind = 'permission_request' AND e.payload ->> 'id' = $3
+                               ORDER BY e.seq LIMIT 1) q ON true
            LEFT JOIN LATERAL (SELECT e.seq, e.payload
                                 FROM branch rb JOIN session_events e ON e.session_id = rb.sid AND e.seq <= rb.upto
                                WHERE e.kind = 'permission_resolved' AND e.payload ->> 'id' = $3
@@ -41,8 +46,27 @@ pub async fn permission_status(
     .bind(perm_id)
     .fetch_optional(pool)
     .await?;
-    Ok(row
-        .map(|(request_seq, seq, decision)| PermissionStatus { request_seq, resolution: seq.zip(decision) }))
+    Ok(row.map(|(request_seq, call_id, seq, decision)| PermissionStatus {
+        request_seq,
+        resolution: seq.zip(decision),
+        call_id,
+    }))
+}
+
+/// The tools the user allowed for the rest of the session (`allow_always`, DESIGN §14).
+pub async fn always_allowed(pool: &PgPool, owner: &Owner, id: SessionId) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar(branch_sql!(
+        "SELECT DISTINCT q.payload ->> 'tool'
+           FROM branch rb JOIN session_events r ON r.session_id = rb.sid AND r.seq <= rb.upto
+           JOIN branch qb ON true
+           JOIN session_events q ON q.session_id = qb.sid AND q.seq <= qb.upto
+          WHERE r.kind = 'permission_resolved' AND r.payload ->> 'decision' = 'allow_always'
+            AND q.kind = 'permission_request' AND q.payload ->> 'id' = r.payload ->> 'id'"
+    ))
+    .bind(id.0)
+    .bind(owner.as_str())
+    .fetch_all(pool)
+    .await
 }
 
 /// The session's last user message (seq and payload) and whether an answer follows it
@@ -76,9 +100,10 @@ pub async fn last_user_message(
 }
 
 /// The current turn's messages, steps and tool results — its user message and the
-/// `assistant_turn`s and `tool_execution`s after it (at most `limit`; not its checkpoints,
-/// which can be large) — or None when the session is not the owner's. What a paused turn
-/// waits for is read from them ([`turnlog_core::stream::waiting_calls`]).
+/// `assistant_turn`s, `tool_execution`s and permission requests and answers after it (at
+/// most `limit`; not its checkpoints, which can be large) — or None when the session is not
+/// the owner's. What a paused turn waits for is read from them
+/// ([`turnlog_core::stream::waiting_calls`]).
 pub async fn current_turn(
     pool: &PgPool,
     owner: &Owner,
@@ -89,7 +114,8 @@ pub async fn current_turn(
         "SELECT ",
         event_columns!(),
         " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
-          WHERE e.kind IN ('user_message', 'assistant_turn', 'tool_execution')
+          WHERE e.kind IN ('user_message', 'assistant_turn', 'tool_execution', 'permission_request',
+                           'permission_resolved')
             AND e.seq >= COALESCE((SELECT max(x.seq) FROM branch ub, LATERAL (
                     SELECT u.seq FROM session_events u
                      WHERE u.session_id = ub.sid AND u.seq <= ub.upto AND u.kind = 'user_message'

@@ -10,6 +10,7 @@ mod export;
 mod gateway;
 mod import;
 mod local_mode;
+mod mcp;
 mod openapi;
 mod owners;
 mod paging;

@@ -55,6 +55,10 @@ impl Answer {
                 self.end = Some(end.clone());
                 None
             }
+            // The server's tools run within the turn (DESIGN §14): the client sees their
+            // effect in the answer, never a call it must make.
+            TurnEvent::ToolCall(c) if c.source != "client" => None,
+            TurnEvent::Permission(_) => None,
             // A call streams whole: its id, name and all its arguments in one chunk.
             TurnEvent::ToolCall(c) => {
                 let call = json!({
@@ -292,6 +296,7 @@ mod tests {
             name: "weather".into(),
             arguments: "{}".into(),
             kind: "tool".into(),
+            permission_id: None,
         }];
         a.on(&TurnEvent::End(end));
         assert_eq!(end_chunks(&a, false)[0]["choices"][0]["finish_reason"], "tool_calls");

@@ -389,6 +389,7 @@ impl CreateResponse {
             reasoning_effort: effort,
             response_format: self.response_format()?,
             tools: self.tool_offer()?,
+            no_server_tools: true,
             ..Default::default()
         };
         validate::turn_options(&options)?;

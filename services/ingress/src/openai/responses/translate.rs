@@ -393,6 +393,9 @@ impl Translator {
                     "output_index": *index, "content_index": 0, "delta": delta, "logprobs": []}));
             }
             TurnEvent::Error(e) => *failure = Some(e.message.clone()),
+            // Server tools are offered only to a request naming their label (not built yet).
+            TurnEvent::ToolCall(c) if c.source != "client" => {}
+            TurnEvent::Permission(_) => {}
             // A call streams whole once the step has made it, after the step's text.
             TurnEvent::ToolCall(c) => {
                 close_open(r, open, index, "completed", &mut out);
