@@ -6,11 +6,12 @@
 
 import { spawn, execFileSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { existsSync, mkdtempSync, openSync, readFileSync, rmSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, openSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { once } from 'node:events';
+import { fileURLToPath } from 'node:url';
 
 const READY_TIMEOUT_MS = 180_000; // a first private Postgres runs initdb
 const STOP_TIMEOUT_MS = 45_000;
@@ -38,6 +39,18 @@ export async function startTurnlog({ logFile, tokens = true, secondOwner = false
   if (tokens) env.TURNLOG_API_TOKENS = `${owner}:${token}` + (token2 ? `,${owner}-b:${token2}` : '');
   else delete env.TURNLOG_API_TOKENS;
   delete env.TURNLOG_LLM_URL; // the built-in mock model answers
+  // Server tools: the reference filesystem server (pinned in tests/mcp) on a workspace of
+  // this run's own, its write_file behind a prompt.
+  const workspace = path.join(dir, 'workspace');
+  mkdirSync(workspace, { recursive: true });
+  const mcp = execFileSync('bash', [fileURLToPath(new URL('../mcp/setup', import.meta.url))], { encoding: 'utf8' }).trim();
+  const servers = path.join(dir, 'mcp-servers.toml');
+  writeFileSync(
+    servers,
+    `[[servers]]\nlabel = "files"\ncommand = "${path.join(mcp, 'node_modules/.bin/mcp-server-filesystem')}"\n` +
+      `args = ["${workspace}"]\n[servers.tools.write_file]\npolicy = "ask"\ndanger_level = "high"\n`,
+  );
+  env.TURNLOG_MCP_SERVERS = servers;
 
   const cleanups = [() => rmSync(dir, { recursive: true, force: true })];
   const cleanUp = async () => {
@@ -98,7 +111,7 @@ export async function startTurnlog({ logFile, tokens = true, secondOwner = false
       exited = once(child, 'exit');
       await waitReady(base, exited, logFile);
     };
-    return { base, port, token, token2, owner, stop, killAndRestart, logFile };
+    return { base, port, token, token2, owner, stop, killAndRestart, logFile, workspace };
   } catch (e) {
     await cleanUp();
     throw e;

@@ -651,7 +651,7 @@ check('renders every transcript item kind, markdown safely, and answers permissi
   await page.locator('[data-kind=tool] summary').click();
   await shot('kinds');
 
-  await page.locator('[data-kind=permission] button', { hasText: 'Allow' }).click();
+  await page.locator('[data-kind=permission]').getByRole('button', { name: 'Allow', exact: true }).click();
   await page.locator('[data-kind=permission]').waitFor({ state: 'detached' });
   assert.deepEqual(resolved, { decision: 'allow' });
   await page.unrouteAll();
@@ -1762,6 +1762,51 @@ check('a tool turn shows its calls and results, says what a paused turn waits fo
   const kinds = after.items.map((i) => i.kind).filter((k) => k !== 'interrupted');
   assert.deepEqual(kinds, ['user', 'assistant', 'tool', 'assistant', 'tool', 'assistant']);
   await shot('tool-turn');
+});
+
+check('a server tool asks in the chat, runs once the page allows it, and the turn shows it', async () => {
+  const session = (await api('POST', '/v1/sessions', { title: 'Server tool' })).json;
+  await turnVia(session.id, 'Hello [mock words=2]');
+  await openPage(session.id);
+  const target = path.join(server.workspace, 'from-the-page.txt');
+  await send(`Save a note [mock tool=files__write_file:{"path":"${target}","content":"written-from-the-page"} words=4]`);
+  // The prompt streams into the live answer: the tool, its danger level, its arguments.
+  const card = page.locator('[data-kind=live] .permission-card');
+  await card.waitFor({ timeout: WAIT });
+  assert.match(await card.textContent(), /files__write_file/);
+  assert.match(await card.textContent(), /high/);
+  assert.match(await card.textContent(), /written-from-the-page/);
+  await shot('tool-permission');
+  await card.getByRole('button', { name: 'Allow', exact: true }).click();
+  // The turn goes on on the same stream: the result, then the answer.
+  await page.locator('[data-kind=live]').waitFor({ state: 'detached', timeout: WAIT });
+  assert.equal(readFileSync(target, 'utf8'), 'written-from-the-page');
+  const tool = page.locator('#transcript article.item.tool').last();
+  assert.equal(await tool.locator('summary strong').textContent(), 'files__write_file');
+  assert.match(await tool.locator('summary .digest').textContent(), /Successfully wrote to/);
+  const after = await stored(session.id);
+  const kinds = after.items.map((i) => i.kind).filter((k) => k !== 'interrupted');
+  assert.deepEqual(kinds, ['user', 'assistant', 'user', 'assistant', 'tool', 'assistant']);
+  // Written once, and every step's request rebuilds from the log (§11).
+  const events = (await api('GET', `/v1/sessions/${session.id}/events?limit=1000`)).json.events;
+  assert.equal(events.filter((e) => e.kind === 'tool_execution').length, 1);
+  for (const step of events.filter((e) => e.kind === 'assistant_turn')) {
+    const audit = await api('GET', `/v1/sessions/${session.id}/requests/${step.seq}`);
+    assert.equal(audit.json.verified, true, JSON.stringify(audit.json));
+  }
+  // The distiller read the tool traffic: the turn's residue names the file.
+  const deadline = Date.now() + WAIT;
+  for (;;) {
+    const evs = (await api('GET', `/v1/sessions/${session.id}/events?limit=1000`)).json.events;
+    const memory = evs.find((e) => e.kind === 'turn_memory');
+    if (memory) {
+      assert.ok(memory.payload.files_changed.includes(target), JSON.stringify(memory.payload));
+      break;
+    }
+    assert.ok(Date.now() < deadline, 'no turn_memory');
+    await page.waitForTimeout(100);
+  }
+  await shot('tool-permission-done');
 });
 
 check('no script error or content security policy violation happened in any test', () => {

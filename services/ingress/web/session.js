@@ -11,7 +11,7 @@ import { markCurrentRow, updateListRow } from './session-list.js';
 import { clearSnapshot, snapshotFor } from './snapshot.js';
 import { showMenu, showPane, state } from './state.js';
 import { renderItem, waitingView } from './transcript.js';
-import { attach, leaveTurn, sendToolResults, updateComposer } from './turn.js';
+import { answerPaused, attach, leaveTurn, sendToolResults, updateComposer } from './turn.js';
 
 // Transcript items per request; older ones load as the transcript scrolls up.
 const TRANSCRIPT_PAGE = 50;
@@ -232,7 +232,7 @@ export function renderTranscript() {
     nodes.push(pending);
   }
   if (state.turn) nodes.push(state.turn.view.node);
-  else if (state.current?.requiresAction?.length) nodes.push(waitingView(state.current.requiresAction, sendToolResults));
+  else if (state.current?.requiresAction?.some((r) => r.kind === 'tool')) nodes.push(waitingView(state.current.requiresAction, sendToolResults));
   if (!nodes.length && !state.current?.earlier) {
     nodes.push(
       h(
@@ -260,6 +260,12 @@ export function renderTranscript() {
 async function answerPermission(item, decision) {
   const { id, tool } = item.permission;
   const current = state.current;
+  // A turn paused on this prompt goes on with the answer: follow it.
+  if (!state.turn && current.requiresAction?.some((r) => r.permission_id === id)) {
+    current.items = current.items.filter((i) => i.kind !== 'permission' || i.permission?.id !== id);
+    answerPaused(id, decision);
+    return;
+  }
   try {
     await api(`/v1/sessions/${current.id}/permissions/${encodeURIComponent(id)}`, {
       method: 'POST',
@@ -267,7 +273,7 @@ async function answerPermission(item, decision) {
     });
     // An answered request leaves the transcript, also from an older page kept on screen.
     current.items = current.items.filter((i) => i.kind !== 'permission' || i.permission?.id !== id);
-    toast(decision === 'allow' ? `Allowed ${tool}.` : `Denied ${tool}.`, 'info');
+    toast(decision === 'deny' ? `Denied ${tool}.` : `Allowed ${tool}.`, 'info');
   } catch (e) {
     toast(`Could not answer: ${e.message}`);
   }

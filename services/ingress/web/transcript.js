@@ -173,35 +173,7 @@ const RENDERERS = {
   },
 
   permission(item, actions) {
-    const p = item.permission ?? {};
-    const answer = (decision, button) => {
-      for (const b of button.parentElement.querySelectorAll('button')) b.disabled = true;
-      actions.answerPermission(item, decision);
-    };
-    return h(
-      'article',
-      { class: 'item permission' },
-      h(
-        'div',
-        { class: 'card' },
-        h(
-          'div',
-          { class: 'card-head' },
-          h('span', { class: 'label', text: 'Permission needed' }),
-          h('strong', { text: p.tool ?? '?' }),
-          h('span', { class: `badge danger-${p.danger_level}`, text: p.danger_level ?? '' }),
-        ),
-        p.rationale ? h('p', { text: p.rationale }) : null,
-        json(p.args ?? {}),
-        h(
-          'div',
-          { class: 'actions' },
-          h('button', { class: 'primary', text: 'Allow', onclick: (e) => answer('allow', e.currentTarget) }),
-          h('button', { class: 'danger', text: 'Deny', onclick: (e) => answer('deny', e.currentTarget) }),
-        ),
-      ),
-      meta(item),
-    );
+    return h('article', { class: 'item permission' }, permissionCard(item.permission ?? {}, (decision) => actions.answerPermission(item, decision)), meta(item));
   },
 
   compaction(item) {
@@ -248,6 +220,36 @@ const RENDERERS = {
     );
   },
 };
+
+/** A server tool's permission prompt (DESIGN §14): the tool, its danger level, why the
+ * model asks, its arguments, and the answers — `answer(decision)` with `allow`,
+ * `allow_always` (this tool for the rest of the session) or `deny`. */
+export function permissionCard(p, answer) {
+  const decide = (decision, button) => {
+    for (const b of button.parentElement.querySelectorAll('button')) b.disabled = true;
+    answer(decision);
+  };
+  return h(
+    'div',
+    { class: 'card permission-card' },
+    h(
+      'div',
+      { class: 'card-head' },
+      h('span', { class: 'label', text: 'Permission needed' }),
+      h('strong', { text: p.tool ?? '?' }),
+      h('span', { class: `badge danger-${p.danger_level}`, text: p.danger_level ?? '' }),
+    ),
+    p.rationale ? h('p', { text: p.rationale }) : null,
+    json(p.args ?? {}),
+    h(
+      'div',
+      { class: 'actions' },
+      h('button', { class: 'primary', text: 'Allow', onclick: (e) => decide('allow', e.currentTarget) }),
+      h('button', { text: 'Always allow', title: 'Allow this tool for the rest of the session', onclick: (e) => decide('allow_always', e.currentTarget) }),
+      h('button', { class: 'danger', text: 'Deny', onclick: (e) => decide('deny', e.currentTarget) }),
+    ),
+  );
+}
 
 /** A turn paused for the client's tools (DESIGN §14): what it waits for, each call with a
  * box for its result, and the button that sends them and follows the turn as it goes on. */

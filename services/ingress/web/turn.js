@@ -11,7 +11,7 @@ import { refreshCurrent, renderHeader, renderTranscript } from './session.js';
 import { clearSnapshot, saveSnapshotSoon } from './snapshot.js';
 import { readEvents } from './sse.js';
 import { state } from './state.js';
-import { liveView } from './transcript.js';
+import { liveView, permissionCard } from './transcript.js';
 
 const RECONNECTS = 3;
 const TITLE_CHARS = 60;
@@ -36,19 +36,31 @@ function drawLive(turn) {
   v.md.replaceChildren(renderMarkdown(turn.text));
   if (turn.checkpoint) turn.checkpoint.node.hidden = turn.text.startsWith(turn.checkpoint.text);
   v.errors.replaceChildren(...turn.errors.map((e) => h('p', { class: 'error-line', text: `${e.code}: ${e.message}` })));
-  // This stream's tool traffic: each result sent, each call the model makes.
+  // This stream's tool traffic in order: each call the model makes, each prompt a server
+  // tool raises (answered here, the turn goes on on this stream), each result.
   v.tools.replaceChildren(
-    ...turn.results.map((r) => h('p', { class: 'tool-line', text: `Result of ${r.call_id}: ${r.status}${r.digest ? ` — ${r.digest}` : ''}` })),
-    ...turn.calls.map((c) => h('p', { class: 'tool-line', text: `Tool call: ${c.name}(${c.arguments})` })),
+    ...turn.tools.map((t) => {
+      if (t.kind === 'call') return h('p', { class: 'tool-line', text: `Tool call: ${t.name}(${t.arguments})` });
+      if (t.kind === 'result') return h('p', { class: 'tool-line', text: `Result of ${t.call_id}: ${t.status}${t.digest ? ` — ${t.digest}` : ''}` });
+      if (t.answered) return h('p', { class: 'tool-line', text: `${t.answered === 'deny' ? 'Denied' : 'Allowed'} ${t.tool}` });
+      return permissionCard(t, (decision) => answerLive(turn, t, decision));
+    }),
   );
   const started = turn.text || turn.reasoning;
+  const asking = turn.tools.some((t) => t.kind === 'permission' && !t.answered);
+  const done = new Set(turn.tools.filter((t) => t.kind === 'result').map((t) => t.call_id));
+  const running = turn.tools.some((t) => t.kind === 'call' && t.source !== 'client' && !done.has(t.call_id));
   v.status.textContent = turn.stopping
     ? 'Stopping…'
-    : started
-      ? 'Answering…'
-      : turn.waiting
-        ? 'Waiting for the previous turn to end…'
-        : 'Waiting for the model…';
+    : asking
+      ? 'Waiting for your answer…'
+      : running
+        ? 'Running tools…'
+        : started
+          ? 'Answering…'
+          : turn.waiting
+            ? 'Waiting for the previous turn to end…'
+            : 'Waiting for the model…';
   if (atBottom) transcript.scrollTop = transcript.scrollHeight;
 }
 
@@ -66,8 +78,7 @@ export async function runTurn(sessionId, open, { resume = null, reattached = fal
     lastId: resume?.lastId ?? 0,
     userSeq: resume?.userSeq ?? null,
     errors: [],
-    calls: [],
-    results: [],
+    tools: [],
     ended: null,
     stopping: false,
     controller: new AbortController(),
@@ -177,10 +188,13 @@ function onTurnEvent(turn, event) {
       turn.errors.push(data);
       break;
     case 'tool_call':
-      turn.calls.push(data);
+      turn.tools.push({ kind: 'call', ...data });
+      break;
+    case 'permission':
+      turn.tools.push({ kind: 'permission', ...data });
       break;
     case 'tool_result':
-      turn.results.push(data);
+      turn.tools.push({ kind: 'result', ...data });
       break;
     case 'end':
       turn.ended = data;
@@ -190,6 +204,28 @@ function onTurnEvent(turn, event) {
   }
   saveSnapshotSoon(turn);
   scheduleRender(turn);
+}
+
+/** Answers a prompt of the turn being streamed: the turn hears it and goes on here. */
+async function answerLive(turn, prompt, decision) {
+  try {
+    await api(`/v1/sessions/${turn.sessionId}/permissions/${encodeURIComponent(prompt.id)}`, { method: 'POST', body: { decision } });
+    prompt.answered = decision;
+  } catch (e) {
+    toast(`Could not answer: ${e.message}`);
+  }
+  scheduleRender(turn);
+}
+
+/** Answers the prompt a paused turn waits for and follows the turn as it goes on (the
+ * answer's response is its stream; JSON when the turn runs elsewhere, which the
+ * re-attach then follows). */
+export function answerPaused(permissionId, decision) {
+  const id = state.current?.id;
+  if (!id || state.turn) return;
+  runTurn(id, (signal) =>
+    api(`/v1/sessions/${id}/permissions/${encodeURIComponent(permissionId)}`, { method: 'POST', body: { decision }, raw: true, signal }),
+  );
 }
 
 /** Stops reading the open session's stream (the turn itself goes on at the server). */

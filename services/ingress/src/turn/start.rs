@@ -301,17 +301,18 @@ async fn retried(
         }
     };
     let (user_seq, message) = last;
-    // A turn paused for tools goes on with their results, not a retry; one whose results
-    // are in (its next step never ran) continues from the log with its last step's options.
-    let (options, recorded_model) = match continued_options(app, caller, id).await {
+    // A turn paused for client tools goes on with their results, not a retry; one whose
+    // results are in (its next step never ran), or that waits only for server calls (the
+    // copy running it went away), continues from the log with its last step's options.
+    let (options, recorded_model, continued) = match continued_options(app, caller, id).await {
         Ok(Continued::Waiting) => {
             let _ = app.leases.release(lease).await;
             return Err(ApiError::Conflict(
                 "the turn waits for tool results: send them with POST /v1/sessions/{id}/tool_results".into(),
             ));
         }
-        Ok(Continued::Step(o, m)) => (*o, Some(m)),
-        Ok(Continued::Fresh) => (options, None),
+        Ok(Continued::Step(o, m, settle)) => (*o, Some(m), settle),
+        Ok(Continued::Fresh) => (options, None, false),
         Err(e) => {
             let _ = app.leases.release(lease).await;
             return Err(e);
@@ -334,17 +335,18 @@ async fn retried(
         slot,
         options,
         results: Vec::new(),
-        continued: false,
+        continued,
     };
     Ok(follow_local(start_turn(app, start), 0))
 }
 
 /// What a retry of the session's current turn runs with (DESIGN §14).
 enum Continued {
-    /// A step asked for tools that have no result yet.
+    /// A step asked for client tools that have no result yet.
     Waiting,
-    /// Its steps' results are in: the last step's recorded options and model.
-    Step(Box<TurnOptions>, String),
+    /// The last step's recorded options and model: its results are in, or (true) its
+    /// server calls are still to be seen to (DESIGN §14).
+    Step(Box<TurnOptions>, String, bool),
     /// No step asked for tools: the retry's own options.
     Fresh,
 }
@@ -352,7 +354,9 @@ enum Continued {
 async fn continued_options(app: &Ingress, caller: &Caller, id: SessionId) -> Result<Continued, ApiError> {
     let tail =
         read::live_tail(&app.pool, caller.owner(), id).await?.ok_or_else(ApiError::session_not_found)?;
-    if !turnlog_core::stream::waiting_calls(&tail.events).is_empty() {
+    let waiting = turnlog_core::stream::waiting_calls(&tail.events);
+    let sources = super::server::sources(&tail.events);
+    if waiting.iter().any(|c| !super::server::is_server(&sources, &c.id)) {
         return Ok(Continued::Waiting);
     }
     let start = turnlog_core::llm_context::current_turn_start(&tail.events);
@@ -363,5 +367,5 @@ async fn continued_options(app: &Ingress, caller: &Caller, id: SessionId) -> Res
     let Some(recorded) = step else { return Ok(Continued::Fresh) };
     // As it was sent: what the record left for the log to give back, taken from it.
     let r = turnlog_core::audit::resolved(&tail.events, recorded).map_err(ApiError::internal)?;
-    Ok(Continued::Step(Box::new(TurnOptions::of_recorded(&r)), r.model.clone()))
+    Ok(Continued::Step(Box::new(TurnOptions::of_recorded(&r)), r.model.clone(), !waiting.is_empty()))
 }

@@ -541,3 +541,48 @@ async fn a_call_delivered_again_after_its_worker_was_killed_runs_once() {
     shutdown.cancel();
     second.await.unwrap().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_cut_off_while_its_call_waits_is_retried_from_the_log() {
+    let files = files_dir("cut");
+    let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
+    let with_worker = || options(&mock, servers(&files));
+    // First without a tools worker: the call waits on the bus when every service stops.
+    let env = turnlog_testkit::test_env().await;
+    let mut configs = Api::configs(&env, with_worker());
+    let tools = configs.tools.take();
+    let api = Api::on(env, configs).await;
+    // The catalogue a worker published before (the one started below, once, for it).
+    let publisher = tokio::spawn(turnlog_tools::run(tools.unwrap(), CancellationToken::new()));
+    catalog_ready(&api.bus, &["everything"]).await;
+    publisher.abort();
+    let _ = publisher.await;
+    let id = api.create(ALICE, None).await;
+    let resp = api
+        .message_request(id, ALICE, "Echo [mock tool=everything__echo:{\"message\":\"later\"} words=3]")
+        .await;
+    let mut events = resp.bytes_stream().eventsource();
+    while let Some(e) = events.next().await {
+        if e.unwrap().event == "tool_call" {
+            break;
+        }
+    }
+    drop(events);
+    let env = api.stop().await;
+
+    // Everything starts again, the worker too: it runs the call that waited, once.
+    let configs = Api::configs(&env, with_worker());
+    let api = Api::on(env, configs).await;
+    let call_id = payloads(&api, id, "assistant_turn").await[0]["llm"]["message"]["tool_calls"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let result = recorded(&api, id, &call_id, Duration::from_secs(30)).await;
+    assert_eq!((result["status"].as_str(), result["output"].as_str()), (Some("ok"), Some("Echo: later")));
+    // A retry goes on from the log: the next step, not the question again.
+    let retry =
+        api.turn(Method::POST, &format!("/v1/sessions/{id}/retry"), ALICE, Some(json!({})), &[]).await;
+    assert_eq!(retry.end()["status"], "completed", "{:?}", retry.events);
+    assert_eq!(payloads(&api, id, "user_message").await.len(), 1);
+    assert_eq!(payloads(&api, id, "tool_execution").await.len(), 1);
+}
