@@ -55,14 +55,18 @@ pub(crate) fn task(messages: &[WireMessage]) -> Task {
 }
 
 /// The question being answered: the last user message that is not turnlog's per-turn
-/// extras (which ride after the history).
+/// extras (which ride after the history) nor a turn's residue note (which lands after the
+/// next question when the distiller finishes after it was asked).
 pub(crate) fn last_user_text(messages: &[WireMessage]) -> String {
     messages
         .iter()
         .rev()
         .filter(|m| m.role == "user")
         .map(WireMessage::text)
-        .find(|t| !t.starts_with(turnlog_core::request::EXTRAS_MARKER))
+        .find(|t| {
+            !t.starts_with(turnlog_core::request::EXTRAS_MARKER)
+                && !t.starts_with(turnlog_core::llm_context::TURN_MEMORY_MARKER)
+        })
         .unwrap_or_default()
 }
 

@@ -227,12 +227,15 @@ fn pending_message(p: &PendingState) -> ChatMessage {
     ChatMessage::text(Role::Assistant, text)
 }
 
+/// How a turn's residue note begins (`[turn memory of turn #<seq>]`).
+pub const TURN_MEMORY_MARKER: &str = "[turn memory of turn #";
+
 /// A user-role note, never assistant-role: models imitate what they seem to have written.
 fn turn_memory_note(m: &TurnMemory) -> Option<ChatMessage> {
     if m.is_empty() {
         return None;
     }
-    let mut text = format!("[turn memory of turn #{}]", m.turn_seq);
+    let mut text = format!("{TURN_MEMORY_MARKER}{}]", m.turn_seq);
     if !m.files_changed.is_empty() {
         text.push_str(&format!("\nfiles changed: {}", m.files_changed.join(", ")));
     }

@@ -7,6 +7,7 @@ mod context;
 mod files;
 mod import;
 mod ingress;
+mod mcp;
 mod rebuild;
 mod scale;
 mod soak;
@@ -38,8 +39,9 @@ fn main() -> anyhow::Result<()> {
         Some("scale") => runtime()?.block_on(scale::run()),
         Some("tracing") => runtime()?.block_on(tracing_cost::run()),
         Some("tools") => runtime()?.block_on(tools::run()),
+        Some("mcp") => runtime()?.block_on(mcp::run()),
         other => {
-            eprintln!("usage: turnlog-bench <context|tokenizer|writer|rebuild|ingress|cache|files|import|soak|scale|tracing|tools>  (got {other:?})");
+            eprintln!("usage: turnlog-bench <context|tokenizer|writer|rebuild|ingress|cache|files|import|soak|scale|tracing|tools|mcp>  (got {other:?})");
             std::process::exit(2);
         }
     }

@@ -34,6 +34,14 @@ pub(crate) struct Settings {
 
 impl System {
     pub(crate) async fn start(settings: Settings) -> anyhow::Result<Self> {
+        Self::start_with_tools(settings, None).await
+    }
+
+    /// [`System::start`] with the tools worker on the servers file `mcp_servers` (TOML).
+    pub(crate) async fn start_with_tools(
+        settings: Settings,
+        mcp_servers: Option<&str>,
+    ) -> anyhow::Result<Self> {
         let env = test_env().await;
         let mock = turnlog_mock_llm::spawn(MockConfig::default()).await?;
         let upstream = UpstreamConfig {
@@ -42,6 +50,9 @@ impl System {
             ..config::upstream_at(&mock.base_url())
         };
         let mut configs = config::chat_stack(&env, upstream, settings.model);
+        configs.tools = mcp_servers
+            .map(|text| turnlog_tools::ToolsConfig::parse(config::backbone(&env), text))
+            .transpose()?;
         configs.ingress.system_prompt = settings.system_prompt.into();
         configs.ingress.turn_limits = settings.turn_limits;
         let files_dir = std::env::temp_dir().join("turnlog-bench-files").join(&env.bus_prefix);

@@ -122,6 +122,8 @@ pub fn conversation_items(events: &[Event]) -> Vec<Value> {
     let attempt_of = |attempt: &Option<AttemptId>, event: Uuid| {
         attempt.as_ref().and_then(AttemptId::as_uuid).unwrap_or(event)
     };
+    let sources = crate::turn::server::sources(events);
+    let server = |id: &str| crate::turn::server::is_server(&sources, id);
     let mut items = Vec::new();
     for e in events.iter().filter(|e| shown.contains(&e.seq)) {
         match &e.body {
@@ -132,7 +134,7 @@ pub fn conversation_items(events: &[Event]) -> Vec<Value> {
                 if !text.is_empty() || !a.asks_for_tools() {
                     items.push(output_message(&message_id(attempt), &text, "completed"));
                 }
-                for (i, c) in a.llm.message.tool_calls.iter().enumerate() {
+                for (i, c) in a.llm.message.tool_calls.iter().enumerate().filter(|(_, c)| !server(&c.id)) {
                     items.push(function_call_item(attempt, i, c, "completed"));
                 }
             }
@@ -141,6 +143,21 @@ pub fn conversation_items(events: &[Event]) -> Vec<Value> {
                 &p.partial,
                 "incomplete",
             )),
+            // A server call and its result, as one item.
+            EventBody::ToolExecution(t) if server(&t.call_id) => {
+                let (label, tool) =
+                    t.name.split_once(turnlog_runtime::tools::SEPARATOR).unwrap_or(("", &t.name));
+                let ok = t.status == "ok";
+                let output = t.output.clone().unwrap_or_default();
+                items.push(json!({
+                    "type": "mcp_call", "id": format!("mcp_{}", e.event_id.as_uuid().simple()),
+                    "server_label": label, "name": tool,
+                    "arguments": t.args.as_ref().map(Value::to_string).unwrap_or_default(),
+                    "output": ok.then_some(&output),
+                    "error": (!ok).then(|| json!({"type": "mcp_tool_execution_error", "content": [{"type": "text", "text": output}]})),
+                    "status": if ok { "completed" } else { "failed" },
+                }));
+            }
             EventBody::ToolExecution(t) => items.push(json!({
                 "type": "function_call_output", "id": format!("fco_{}", e.event_id.as_uuid().simple()),
                 "call_id": t.call_id, "output": t.output.clone().unwrap_or_default(), "status": "completed",

@@ -249,23 +249,93 @@ pub enum ReasoningType {
     Reasoning,
 }
 
-/// An item of a response's output: its reasoning, then its answer, then the calls of a
-/// step that asks for the client's tools.
+/// An item of a response's output: its reasoning, the tools of the MCP servers it names,
+/// its server calls and prompts, its answer, then the calls of a step that asks for the
+/// client's tools (DESIGN §14).
 #[derive(Serialize, ToSchema)]
 #[serde(untagged)]
 pub enum OutputItem {
     Reasoning(ReasoningItem),
+    McpListTools(McpListToolsItem),
+    McpCall(McpCallItem),
+    McpApprovalRequest(McpApprovalRequestItem),
     Message(MessageItem),
     FunctionCall(FunctionCallItem),
 }
 
-/// An item of a conversation: a message, a step's tool call, or its result (DESIGN §14).
+/// An item of a conversation: a message, a step's tool call, or its result; a server
+/// tool's call and result as one `mcp_call` (DESIGN §14).
 #[derive(Serialize, ToSchema)]
 #[serde(untagged)]
 pub enum ConversationItem {
     Message(MessageItem),
     FunctionCall(FunctionCallItem),
     FunctionCallOutput(FunctionCallOutputItem),
+    McpCall(McpCallItem),
+}
+
+/// The tools of an MCP server a request names (`mcpl_`, the response's attempt and the
+/// server's place, 4 hex digits).
+#[derive(Serialize, ToSchema)]
+pub struct McpListToolsItem {
+    #[serde(rename = "type")]
+    #[schema(inline)]
+    pub kind: McpListToolsType,
+    pub id: String,
+    pub server_label: String,
+    /// `{name, description, input_schema, annotations}` each.
+    #[schema(value_type = Vec<Object>)]
+    pub tools: Vec<serde_json::Value>,
+    pub error: Option<String>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum McpListToolsType {
+    McpListTools,
+}
+
+/// A server tool's call (`mcp_`): its server, the tool's own name, the model's arguments,
+/// and its output, or its error (`{type: "mcp_tool_execution_error", content}`).
+#[derive(Serialize, ToSchema)]
+pub struct McpCallItem {
+    #[serde(rename = "type")]
+    #[schema(inline)]
+    pub kind: McpCallType,
+    pub id: String,
+    pub server_label: String,
+    pub name: String,
+    pub arguments: String,
+    pub output: Option<String>,
+    #[schema(value_type = Option<Object>)]
+    pub error: Option<serde_json::Value>,
+    /// `in_progress`, `completed` or `failed`.
+    pub status: String,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum McpCallType {
+    McpCall,
+}
+
+/// A server tool's call waiting for the user's approval: its id is the permission
+/// request's, which an `mcp_approval_response` input item answers.
+#[derive(Serialize, ToSchema)]
+pub struct McpApprovalRequestItem {
+    #[serde(rename = "type")]
+    #[schema(inline)]
+    pub kind: McpApprovalRequestType,
+    pub id: String,
+    pub server_label: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum McpApprovalRequestType {
+    McpApprovalRequest,
 }
 
 /// A step's call of a client tool (`fc_`, the attempt id of the response that made it and

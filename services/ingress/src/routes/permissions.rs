@@ -7,17 +7,13 @@ use axum::extract::State;
 use axum::response::{IntoResponse as _, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
-use turnlog_core::events::{EventBody, EventKind, PermissionResolved};
-use turnlog_core::ids::{EventId, SessionId};
-use turnlog_runtime::bus::AppendRequest;
-use turnlog_runtime::read;
+use turnlog_core::ids::SessionId;
 use utoipa::ToSchema;
 
 use crate::auth::Caller;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiJson, ApiPath};
-use crate::writes::submit;
-use crate::{sse, turn, AppState, Ingress};
+use crate::{sse, turn, AppState};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
@@ -83,41 +79,13 @@ pub async fn resolve(
     ApiPath((id, perm_id)): ApiPath<(SessionId, String)>,
     ApiJson(body): ApiJson<ResolvePermission>,
 ) -> Result<Response, ApiError> {
-    let found = status(&app, &caller, id, &perm_id).await?;
-    let request_seq =
-        found.request_seq.ok_or_else(|| ApiError::NotFound("permission request not found".into()))?;
-    if found.resolution.is_none() {
-        let event = EventBody::PermissionResolved(PermissionResolved {
-            id: perm_id.clone(),
-            decision: body.decision.as_str().into(),
-        });
-        let event_id = EventId::derived(id, request_seq, EventKind::PermissionResolved.as_str());
-        submit(&app, &AppendRequest::append(id, caller.owner(), event_id.0, &event)).await?;
-    }
-    // Whoever resolved first (this request, a retry of it, or a racing one) decided.
-    let (seq, decided) = status(&app, &caller, id, &perm_id)
-        .await?
-        .resolution
-        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("resolution committed but not in the log")))?;
-    if decided != body.decision.as_str() {
-        return Err(ApiError::Conflict(format!("permission request already resolved: {decided}")));
-    }
-    if let Some(call_id) = found.call_id.as_deref() {
-        if let Some(events) = turn::continue_after_permission(&app, &caller, id, call_id).await? {
+    let resolved =
+        turn::server::resolve_permission(&app, &caller, id, &perm_id, body.decision.as_str()).await?;
+    if let Some(call_id) = resolved.call_id.as_deref() {
+        if let Some(events) = turn::continue_after_permission(&app, &caller, id, call_id, None).await? {
             return Ok(sse::turn(&app, id, events));
         }
     }
-    Ok(Json(PermissionResolution { id: perm_id, decision: decided, seq }).into_response())
-}
-
-/// The request and its first resolution, looked up by id (never the whole log).
-async fn status(
-    app: &Ingress,
-    caller: &Caller,
-    id: SessionId,
-    perm_id: &str,
-) -> Result<read::PermissionStatus, ApiError> {
-    read::permission_status(&app.pool, caller.owner(), id, perm_id)
-        .await?
-        .ok_or_else(ApiError::session_not_found)
+    let answer = PermissionResolution { id: perm_id, decision: resolved.decision, seq: resolved.seq };
+    Ok(Json(answer).into_response())
 }

@@ -25,7 +25,7 @@ use turnlog_core::ids::{AttemptId, Owner, SessionId};
 
 pub use follow::{attach, follow_local};
 pub use remote::{remote_attempt, remote_stop, remote_stream};
-pub use runner::{start_turn, ToolOffer, TurnOptions, TurnStart};
+pub use runner::{start_turn, NamedServer, ServerTools, ToolOffer, TurnOptions, TurnStart};
 pub use slots::{CapReached, TurnLimits, TurnSlot};
 pub use start::{
     begin_turn, chat_session, edit_fork, prepared, ready_for_turns, regenerate, regenerate_fork, retry_last,

@@ -89,8 +89,29 @@ pub struct TurnOptions {
     /// The turn's extras when a later step runs: its first step's, so each step's request
     /// extends the previous one's (DESIGN §14). None: computed now.
     pub extras: Option<Extras>,
-    /// Offer no server tools (a Responses request offers them only by label, §14).
-    pub no_server_tools: bool,
+    /// The servers whose tools the turn's first step offers (DESIGN §14).
+    pub server_tools: ServerTools,
+    /// How long the turn waits for a permission answer before it pauses; None: the
+    /// configured `TURNLOG_PERMISSION_WAIT` (a Responses turn pauses at once, §14).
+    pub permission_wait: Option<std::time::Duration>,
+}
+
+/// Which servers' tools a turn offers beside the client's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum ServerTools {
+    /// Every server that serves the owner (native and Chat Completions turns).
+    #[default]
+    All,
+    /// Those named (a Responses request's `mcp` tools), each with the tools it allows
+    /// (None: all); none when empty (and for a later step, which offers what the first did).
+    Named(Vec<NamedServer>),
+}
+
+/// A server a request names, and the tools of it the request allows (None: all).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedServer {
+    pub label: String,
+    pub allowed_tools: Option<Vec<String>>,
 }
 
 impl TurnOptions {
@@ -111,7 +132,8 @@ impl TurnOptions {
             response_format: p.response_format.clone(),
             tools: ToolOffer::recorded(p),
             extras: Some(r.extras.clone()),
-            no_server_tools: true,
+            server_tools: ServerTools::Named(Vec::new()),
+            permission_wait: None,
         }
     }
 }
@@ -328,7 +350,8 @@ impl Turn<'_> {
     /// when the next step is to run (set up for it), else the turn's `end`.
     async fn settle(&mut self, mut end: TurnEnd, started: Instant) -> Option<TurnEnd> {
         use super::server::{settle, Settled};
-        let settled = settle(self.app, self.turn, &self.start.owner).await;
+        let wait = self.options.permission_wait.unwrap_or(self.app.config.permission_wait);
+        let settled = settle(self.app, self.turn, &self.start.owner, wait).await;
         end.duration_ms = Some(started.elapsed().as_millis() as u64);
         match settled {
             Settled::Ready => {
@@ -466,8 +489,9 @@ impl Turn<'_> {
         // A turn's first step offers the servers' tools beside the client's (DESIGN §14);
         // later steps offer what the first did.
         let catalog = app.catalog.for_owner(app, owner).await;
-        if self.options.extras.is_none() && !self.options.no_server_tools {
-            self.options.tools = super::server::with_server_tools(self.options.tools.take(), &catalog);
+        if self.options.extras.is_none() {
+            let offered = super::server::offered(&catalog, &self.options.server_tools);
+            self.options.tools = super::server::with_server_tools(self.options.tools.take(), &offered);
         }
         self.server_names = super::server::server_names(self.options.tools.as_ref(), &catalog);
         let options = &self.options;

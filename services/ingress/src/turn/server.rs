@@ -17,7 +17,7 @@ use turnlog_runtime::bus::AppendRequest;
 use turnlog_runtime::read;
 use turnlog_runtime::tools::{namespaced, CatalogTool, Policy, ServerCatalog, ToolCallRequest, SEPARATOR};
 
-use super::{remote, ActiveTurn, ToolOffer};
+use super::{remote, ActiveTurn, ServerTools, ToolOffer};
 use crate::idempotency::derived;
 use crate::writes::submit;
 use crate::Ingress;
@@ -64,6 +64,24 @@ fn find<'a>(catalog: &'a [ServerCatalog], name: &str) -> Option<(&'a ServerCatal
     let (label, tool) = name.split_once(SEPARATOR)?;
     let server = catalog.iter().find(|s| s.label == label)?;
     Some((server, server.tools.iter().find(|t| t.name == tool)?))
+}
+
+/// The catalogue's part a turn offers: every entry, or the named servers with the tools
+/// each allows.
+pub fn offered(catalog: &[ServerCatalog], which: &ServerTools) -> Vec<ServerCatalog> {
+    match which {
+        ServerTools::All => catalog.to_vec(),
+        ServerTools::Named(named) => named
+            .iter()
+            .filter_map(|n| {
+                let mut entry = catalog.iter().find(|s| s.label == n.label)?.clone();
+                if let Some(allowed) = &n.allowed_tools {
+                    entry.tools.retain(|t| allowed.contains(&t.name));
+                }
+                Some(entry)
+            })
+            .collect(),
+    }
 }
 
 /// The names the model may call that are server tools: the catalogue's tools among `offer`'s.
@@ -121,6 +139,59 @@ pub async fn check_client_names(
     Ok(())
 }
 
+/// A permission request's answer as the log holds it: the first one decides.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub seq: i64,
+    pub decision: String,
+    /// The call the request is for.
+    pub call_id: Option<String>,
+}
+
+/// Records `decision` (`allow`, `allow_always`, `deny`) for permission request `perm_id`
+/// of session `id`, unless it is answered already. The resolution's event id is derived
+/// from the request's seq, so concurrent or repeated answers collapse into one event; the
+/// first in the log decides, and a different later decision is a 409. An unknown session
+/// or request is a 404.
+pub async fn resolve_permission(
+    app: &Ingress,
+    caller: &crate::auth::Caller,
+    id: SessionId,
+    perm_id: &str,
+    decision: &str,
+) -> Result<Resolved, crate::ApiError> {
+    use crate::ApiError;
+    let status = || async {
+        read::permission_status(&app.pool, caller.owner(), id, perm_id)
+            .await?
+            .ok_or_else(ApiError::session_not_found)
+    };
+    let found = status().await?;
+    let request_seq =
+        found.request_seq.ok_or_else(|| ApiError::NotFound("permission request not found".into()))?;
+    if found.resolution.is_none() {
+        let event = EventBody::PermissionResolved(turnlog_core::events::PermissionResolved {
+            id: perm_id.to_owned(),
+            decision: decision.to_owned(),
+        });
+        let event_id = turnlog_core::ids::EventId::derived(
+            id,
+            request_seq,
+            turnlog_core::events::EventKind::PermissionResolved.as_str(),
+        );
+        submit(app, &AppendRequest::append(id, caller.owner(), event_id.0, &event)).await?;
+    }
+    // Whoever resolved first (this request, a retry of it, or a racing one) decided.
+    let (seq, decided) = status()
+        .await?
+        .resolution
+        .ok_or_else(|| ApiError::internal(anyhow::anyhow!("resolution committed but not in the log")))?;
+    if decided != decision {
+        return Err(ApiError::Conflict(format!("permission request already resolved: {decided}")));
+    }
+    Ok(Resolved { seq, decision: decided, call_id: found.call_id })
+}
+
 /// How waiting for a step's server calls ended.
 pub(super) enum Settled {
     /// Every call of the step has its result: the next step runs.
@@ -142,7 +213,7 @@ fn permission_ids(owner: &Owner, session: SessionId, call_id: &str) -> (uuid::Uu
 
 /// The event id of a call's result (the same for a client's result, the worker's, or the
 /// turn's own record of a denial, a timeout or a cancellation).
-pub(super) fn result_event_id(owner: &Owner, session: SessionId, call_id: &str) -> uuid::Uuid {
+pub fn result_event_id(owner: &Owner, session: SessionId, call_id: &str) -> uuid::Uuid {
     derived(owner, &format!("tool result {session}"), call_id)
 }
 
@@ -159,7 +230,12 @@ struct Waiting {
 /// Runs the server calls of the turn's latest step through the permission chain and waits
 /// for their results, telling the stream each prompt and result. Returns when the step
 /// has every result, or the turn must pause or stop.
-pub(super) async fn settle(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, owner: &Owner) -> Settled {
+pub(super) async fn settle(
+    app: &Arc<Ingress>,
+    turn: &Arc<ActiveTurn>,
+    owner: &Owner,
+    permission_wait: Duration,
+) -> Settled {
     let session = turn.session;
     // Woken by the writer's feed of this session's events (core NATS sees JetStream's
     // subjects); a re-read every few seconds covers a missed message.
@@ -171,7 +247,7 @@ pub(super) async fn settle(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, owner: &O
                 None
             }
         };
-    let permission_deadline = Instant::now() + app.config.permission_wait;
+    let permission_deadline = Instant::now() + permission_wait;
     let mut w = Waiting { dispatched: HashMap::new(), told: HashSet::new(), raised: HashSet::new() };
     let mut first = true;
     loop {
@@ -345,7 +421,7 @@ async fn emit(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, event: TurnEvent) {
 }
 
 /// Each call's `source` in the turn's steps, by call id (from its `tool_call` block).
-pub(super) fn sources(events: &[Event]) -> HashMap<String, String> {
+pub fn sources(events: &[Event]) -> HashMap<String, String> {
     let mut out = HashMap::new();
     for e in events {
         if let EventBody::AssistantTurn(t) = &e.body {
@@ -362,7 +438,7 @@ pub(super) fn sources(events: &[Event]) -> HashMap<String, String> {
 }
 
 /// Whether call `id` is a server tool's (by its `source`).
-pub(super) fn is_server(sources: &HashMap<String, String>, id: &str) -> bool {
+pub fn is_server(sources: &HashMap<String, String>, id: &str) -> bool {
     sources.get(id).is_some_and(|s| s.starts_with("mcp:"))
 }
 

@@ -131,9 +131,7 @@ pub async fn begin_turn(
     ready_for_turns(app)?;
     validate::turn_options(&options)?;
     let owner = caller.owner();
-    if !options.no_server_tools {
-        super::server::check_client_names(app, owner, options.tools.as_ref()).await?;
-    }
+    super::server::check_client_names(app, owner, options.tools.as_ref()).await?;
     let event_id =
         key.as_deref().map_or_else(Uuid::now_v7, |k| derived(owner, &format!("message {session}"), k));
     if key.is_some() {

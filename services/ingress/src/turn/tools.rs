@@ -269,6 +269,7 @@ pub async fn continue_after_permission(
     caller: &Caller,
     id: SessionId,
     call_id: &str,
+    permission_wait: Option<std::time::Duration>,
 ) -> Result<Option<BoxStream<'static, StreamEvent>>, ApiError> {
     let waits = |events: &[Event]| waiting_calls(events).iter().any(|c| c.id == call_id);
     let events = read::current_turn(&app.pool, caller.owner(), id, CURRENT_TURN_EVENTS)
@@ -293,13 +294,14 @@ pub async fn continue_after_permission(
         });
         resume_point(app, &tail.events, step).map(Some)
     };
-    let (user_seq, user_text, options, model) = match prepared.await {
+    let (user_seq, user_text, mut options, model) = match prepared.await {
         Ok(Some(p)) => p,
         other => {
             let _ = app.leases.release(lease).await;
             return other.map(|_| None);
         }
     };
+    options.permission_wait = permission_wait;
     let start = TurnStart {
         session: id,
         owner: caller.owner().clone(),

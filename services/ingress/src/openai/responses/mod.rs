@@ -11,6 +11,6 @@ pub mod stream;
 pub mod translate;
 
 pub use locate::{locate, target, Located};
-pub use request::{CreateResponse, RetrieveParams, StoredInput};
-pub use stream::{answer, created_response, last_response, numbered};
-pub use translate::{from_log, replay_finished, Echo};
+pub use request::{Approval, CreateResponse, RetrieveParams, StoredInput};
+pub use stream::{answer, created_response, last_response, numbered, stored_response};
+pub use translate::{replay_finished, Echo, McpList};

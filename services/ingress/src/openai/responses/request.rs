@@ -14,7 +14,9 @@ use super::translate::Echo;
 use crate::config::IngressConfig;
 use crate::openai::params::{self, TextParam};
 use crate::openai::OaiError;
-use crate::turn::{call_id_fits, NewMessage, ToolOffer, ToolResult, TurnOptions, MAX_CALL_ID};
+use crate::turn::{
+    call_id_fits, NamedServer, NewMessage, ServerTools, ToolOffer, ToolResult, TurnOptions, MAX_CALL_ID,
+};
 use crate::validate;
 
 /// The body of `POST /v1/responses`; fields OpenAI defines that turnlog does not act on
@@ -104,6 +106,11 @@ pub struct InputItem {
     /// A `function_call_output`'s output: a string, or input parts (their text counts).
     #[serde(default)]
     pub output: Option<Content>,
+    /// An `mcp_approval_response`'s answer to the approval request it names (DESIGN §14).
+    #[serde(default)]
+    pub approval_request_id: Option<String>,
+    #[serde(default)]
+    pub approve: Option<bool>,
 }
 
 impl InputItem {
@@ -125,6 +132,22 @@ impl InputItem {
 
     fn is_output(&self) -> bool {
         self.kind.as_deref() == Some("function_call_output")
+    }
+
+    fn is_approval(&self) -> bool {
+        self.kind.as_deref() == Some("mcp_approval_response")
+    }
+
+    /// An `mcp_approval_response` as the permission answer it gives.
+    fn approval(&self) -> Result<Approval, OaiError> {
+        match (self.approval_request_id.as_deref(), self.approve) {
+            (Some(id), Some(approve)) if !id.is_empty() && id.len() <= 64 => {
+                Ok(Approval { request_id: id.to_owned(), approve })
+            }
+            _ => Err(OaiError::bad_request(
+                "an mcp_approval_response names its request by approval_request_id and says approve: true or false",
+            )),
+        }
     }
 
     /// A `function_call_output` as the result it sends.
@@ -177,12 +200,22 @@ pub enum ToolItem {
     Output(ToolResult),
 }
 
+/// The answer to a server tool's approval request (an `mcp_approval_request` item's id).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Approval {
+    pub request_id: String,
+    pub approve: bool,
+}
+
 /// What a stored response's input is.
 #[derive(Debug)]
 pub enum StoredInput {
     /// The results of the tool calls the named conversation's turn waits for (only
     /// `function_call_output` items, with `previous_response_id` or `conversation`).
     ToolResults(Vec<ToolResult>),
+    /// Answers to the approval requests the named conversation's turn waits for (only
+    /// `mcp_approval_response` items, with `previous_response_id` or `conversation`).
+    Approvals(Vec<Approval>),
     /// This turn's user text and files: a string, or user items (joined).
     Turn(NewMessage),
     /// A history: earlier turns (assistant messages, references to turnlog's items, or
@@ -217,6 +250,7 @@ impl CreateResponse {
         crate::extract::json_object(body)?;
         // Every field that changes the answer reaches the model or is refused.
         req.tool_offer()?;
+        req.mcp_servers()?;
         params::unsupported("prompt", req.prompt.as_ref(), "turnlog keeps no prompt templates")?;
         req.response_format()?;
         Ok(req)
@@ -231,9 +265,13 @@ impl CreateResponse {
         let mut chat = Vec::with_capacity(tools.len());
         for t in tools {
             let kind = t.get("type").and_then(Value::as_str).unwrap_or_default();
+            if kind == "mcp" {
+                continue; // the servers' tools: `mcp_servers`
+            }
             let Some(spec) = t.as_object().filter(|_| kind == "function") else {
                 return Err(OaiError::bad_request(format!(
-                    "tools of type {kind:?} are not supported: turnlog offers function tools, which the client runs"
+                    "tools of type {kind:?} are not supported: turnlog offers function tools, which the client runs, \
+                     and mcp tools naming its operator's MCP servers"
                 )));
             };
             let function: serde_json::Map<String, Value> = spec
@@ -255,6 +293,66 @@ impl CreateResponse {
             other => other.clone(),
         };
         params::tools(&chat, choice.as_ref(), self.parallel_tool_calls)
+    }
+
+    /// The MCP servers the request names (`{type: "mcp", server_label, allowed_tools?}`,
+    /// DESIGN §14): only the operator's, by label; a request never names where to connect.
+    pub fn mcp_servers(&self) -> Result<Vec<NamedServer>, OaiError> {
+        let mut named: Vec<NamedServer> = Vec::new();
+        for t in self.tools.as_deref().unwrap_or_default() {
+            if t.get("type").and_then(Value::as_str) != Some("mcp") {
+                continue;
+            }
+            let spec = t.as_object().map(|m| m.iter().collect::<Vec<_>>()).unwrap_or_default();
+            let mut label = None;
+            let mut allowed_tools = None;
+            for (key, value) in spec {
+                match key.as_str() {
+                    "type" => {}
+                    "server_label" => label = value.as_str(),
+                    "allowed_tools" if value.is_null() => {}
+                    "allowed_tools" => {
+                        let names = value.get("tool_names").unwrap_or(value);
+                        let list: Option<Vec<String>> = names
+                            .as_array()
+                            .and_then(|a| a.iter().map(|n| n.as_str().map(str::to_owned)).collect());
+                        let read_only = value.get("read_only").is_some_and(|r| !r.is_null());
+                        match list {
+                            Some(list) if !read_only && list.len() <= 128 => allowed_tools = Some(list),
+                            _ => {
+                                return Err(OaiError::bad_request(
+                                    "allowed_tools is a list of tool names, or {tool_names: [...]}",
+                                ))
+                            }
+                        }
+                    }
+                    "server_url" | "connector_id" | "tunnel_id" | "authorization" | "headers" => {
+                        return Err(OaiError::bad_request(format!(
+                            "mcp tools name one of turnlog's configured MCP servers by server_label; {key} \
+                             is not accepted: turnlog connects only where its operator configured"
+                        )))
+                    }
+                    "require_approval" if value.is_null() => {}
+                    "require_approval" => {
+                        return Err(OaiError::bad_request(
+                            "require_approval is not accepted: turnlog's operator sets each tool's approval \
+                             (allow, ask or deny) in TURNLOG_MCP_SERVERS",
+                        ))
+                    }
+                    other => {
+                        return Err(OaiError::bad_request(format!("mcp tools do not take {other}")));
+                    }
+                }
+            }
+            let Some(label) = label.filter(|l| !l.is_empty() && l.len() <= 64) else {
+                return Err(OaiError::bad_request("an mcp tool names its server by server_label"));
+            };
+            if named.iter().any(|n| n.label == label) {
+                return Err(OaiError::bad_request(format!("the MCP server {label:?} is named twice")));
+            }
+            named.push(NamedServer { label: label.to_owned(), allowed_tools });
+        }
+        Ok(named)
     }
 
     /// The answer's format the request asks for (none for plain text).
@@ -330,6 +428,20 @@ impl CreateResponse {
         };
         let mut rest =
             items.iter().filter(|i| !i.is_system() && i.kind.as_deref() != Some("reasoning")).peekable();
+        let named = self.conversation.is_some() || self.previous_response_id.is_some();
+        if items.iter().any(InputItem::is_approval) {
+            if !items.iter().all(|i| i.is_approval() || i.is_system()) || !named {
+                return Err(OaiError::bad_request(
+                    "mcp_approval_response items continue a response: send them alone, with \
+                     previous_response_id or conversation",
+                ));
+            }
+            if items.len() > MAX_HISTORY_ITEMS {
+                return Err(OaiError::bad_request(format!("input holds at most {MAX_HISTORY_ITEMS} items")));
+            }
+            let approvals = items.iter().filter(|i| i.is_approval()).map(InputItem::approval);
+            return approvals.collect::<Result<_, _>>().map(StoredInput::Approvals);
+        }
         if rest.peek().is_some() && rest.all(InputItem::is_output) {
             if self.conversation.is_none() && self.previous_response_id.is_none() {
                 return Err(OaiError::bad_request(
@@ -389,7 +501,9 @@ impl CreateResponse {
             reasoning_effort: effort,
             response_format: self.response_format()?,
             tools: self.tool_offer()?,
-            no_server_tools: true,
+            server_tools: ServerTools::Named(self.mcp_servers()?),
+            // A prompt ends the response: the client answers with mcp_approval_response.
+            permission_wait: Some(std::time::Duration::ZERO),
             ..Default::default()
         };
         validate::turn_options(&options)?;
@@ -411,6 +525,7 @@ impl CreateResponse {
             tools: self.tools.clone().unwrap_or_default(),
             tool_choice: self.tool_choice.clone().filter(|c| !c.is_null()),
             parallel_tool_calls: self.parallel_tool_calls,
+            mcp: Vec::new(),
         }
     }
 
@@ -661,7 +776,7 @@ mod tests {
         let id = "msg_0123456789abcdef0123456789abcdef";
         let history = |items: Value| match req(serde_json::json!({"input": items})).unwrap().stored_input() {
             Ok(StoredInput::History(h)) => Some(h),
-            Ok(StoredInput::Turn(_) | StoredInput::ToolResults(_)) => None,
+            Ok(StoredInput::Turn(_) | StoredInput::ToolResults(_) | StoredInput::Approvals(_)) => None,
             Err(e) => panic!("{e:?}"),
         };
         let h = history(serde_json::json!([

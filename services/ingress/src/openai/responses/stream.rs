@@ -8,7 +8,7 @@ use axum::Json;
 use futures::stream::BoxStream;
 use futures::StreamExt as _;
 use serde_json::{json, Value};
-use turnlog_core::ids::{Owner, SessionId};
+use turnlog_core::ids::{AttemptId, Owner, SessionId};
 use turnlog_core::stream::{StreamEvent, TurnEnd, TurnEvent};
 use turnlog_runtime::read;
 
@@ -33,8 +33,14 @@ pub fn translate(
         let e = events.next().await?;
         let out = match &e.event {
             TurnEvent::End(end) => {
-                let stored = stored_outcome(&app, &owner, t.session(), end, t.echo()).await;
+                let stored =
+                    stored_outcome(&app, &owner, t.session(), end, t.first_attempt(), t.echo()).await;
                 t.end(end, stored)
+            }
+            // A server call's result: its whole output, as the log holds it.
+            TurnEvent::ToolResult(res) if t.shows_result(&res.call_id) => {
+                let output = tool_output(&app, &owner, t.session(), &res.call_id).await;
+                t.result(res, output)
             }
             event => t.on(event),
         };
@@ -44,20 +50,51 @@ pub fn translate(
     .boxed()
 }
 
-/// The response object of a turn's stored outcome (the `end` names its seq), with the
-/// request's echo; None when there is none or it cannot be read.
+/// The response object of a turn's stored outcome (when the `end` names one), read from
+/// the log from the response's first step, with the request's echo; None when there is
+/// none or it cannot be read.
 async fn stored_outcome(
     app: &AppState,
     owner: &Owner,
     session: SessionId,
     end: &TurnEnd,
+    first: Option<AttemptId>,
     echo: &Echo,
 ) -> Option<Value> {
-    let seq = end.outcome?.seq();
-    let event = read::event_at(&app.pool, owner, session, seq).await.ok()??;
-    let mut response = from_log(&event, echo);
+    end.outcome?;
+    let event = read::attempt_event(&app.pool, owner, &first?).await.ok()??;
+    let mut response = stored_response(app, owner, event, echo).await.ok()?;
     response["conversation"] = json!({"id": conversation_id(session)});
     Some(response)
+}
+
+/// Most events after a response's first step read to build it (a turn of
+/// `TURNLOG_MAX_TOOL_STEPS` steps with their results fits).
+const RESPONSE_EVENTS: i64 = 2_000;
+
+/// A stored response's object: its first step's event (`first`, the attempt its id names)
+/// and the steps and results after it (DESIGN §14).
+pub async fn stored_response(
+    app: &AppState,
+    owner: &Owner,
+    first: read::StoredEvent,
+    echo: &Echo,
+) -> Result<Value, sqlx::Error> {
+    let session = SessionId(first.session_id);
+    let later =
+        read::events_page(&app.pool, owner, session, first.seq, RESPONSE_EVENTS).await?.unwrap_or_default();
+    let mut events = Vec::with_capacity(later.len() + 1);
+    events.push(first);
+    events.extend(later);
+    Ok(from_log(&events, echo))
+}
+
+/// The output the log holds for call `call_id`'s result (None when it cannot be read).
+async fn tool_output(app: &AppState, owner: &Owner, session: SessionId, call_id: &str) -> Option<String> {
+    let event_id = crate::turn::server::result_event_id(owner, session, call_id);
+    let seq = read::recorded_outcome(&app.pool, event_id).await.ok()??.seq?;
+    let event = read::event_at(&app.pool, owner, session, seq).await.ok()??;
+    event.payload.get("output").and_then(Value::as_str).map(str::to_owned)
 }
 
 /// A created response's answer: with `stream`, its events; with `background`, its object

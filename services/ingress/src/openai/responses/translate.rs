@@ -5,8 +5,9 @@
 use serde_json::{json, Value};
 use turnlog_core::events::{BlockType, EventBody, ToolCall};
 use turnlog_core::ids::{AttemptId, SessionId};
-use turnlog_core::stream::{turn_end_from_log, Text, TurnEnd, TurnEvent, TurnStatus};
+use turnlog_core::stream::{turn_end_from_log, Text, ToolResultEvent, TurnEnd, TurnEvent, TurnStatus};
 use turnlog_runtime::read::StoredEvent;
+use turnlog_runtime::tools::SEPARATOR;
 use uuid::Uuid;
 
 use crate::openai::{
@@ -32,6 +33,50 @@ pub struct Echo {
     pub tools: Vec<Value>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// The MCP servers the request names, as its `mcp_list_tools` items list them (§14).
+    pub mcp: Vec<McpList>,
+}
+
+/// A server's tools as an `mcp_list_tools` item lists them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct McpList {
+    pub label: String,
+    pub tools: Vec<Value>,
+}
+
+impl McpList {
+    pub fn of(entry: turnlog_runtime::tools::ServerCatalog) -> Self {
+        let tools = entry
+            .tools
+            .into_iter()
+            .map(|t| json!({"name": t.name, "description": t.description, "input_schema": t.input_schema, "annotations": null}))
+            .collect();
+        Self { label: entry.label, tools }
+    }
+
+    fn item(&self, attempt: Uuid, index: usize) -> Value {
+        json!({"type": "mcp_list_tools", "id": format!("mcpl_{}{index:04x}", attempt.simple()),
+            "server_label": self.label, "tools": self.tools, "error": null})
+    }
+}
+
+/// A server call's `mcp_call` item: `mcp_`, the response's attempt id and the call's place
+/// among its server calls (4 hex digits); its output, or its error as the server gave it.
+fn mcp_call_item(attempt: Uuid, index: usize, call: &ToolCall, status: &str, output: Option<&str>) -> Value {
+    let (label, tool) = call.name.split_once(SEPARATOR).unwrap_or(("", call.name.as_str()));
+    let ok = status == "ok";
+    let error = (!ok).then(|| {
+        json!({"type": "mcp_tool_execution_error", "content": [{"type": "text", "text": output.unwrap_or(status)}]})
+    });
+    json!({"type": "mcp_call", "id": format!("mcp_{}{index:04x}", attempt.simple()), "server_label": label,
+        "name": tool, "arguments": call.arguments, "output": if ok { output } else { None },
+        "error": error, "status": if ok { "completed" } else { "failed" }})
+}
+
+/// A server call's `mcp_approval_request` item: its id is the permission request's.
+fn approval_item(id: &str, call: &ToolCall) -> Value {
+    let (label, tool) = call.name.split_once(SEPARATOR).unwrap_or(("", call.name.as_str()));
+    json!({"type": "mcp_approval_request", "id": id, "server_label": label, "name": tool, "arguments": call.arguments})
 }
 
 impl Default for Echo {
@@ -49,46 +94,133 @@ impl Default for Echo {
             tools: Vec::new(),
             tool_choice: None,
             parallel_tool_calls: None,
+            mcp: Vec::new(),
         }
     }
 }
 
-/// A response's object read from its attempt's newest event; how it ended is the log's
-/// word ([`turn_end_from_log`]).
-pub fn from_log(event: &StoredEvent, echo: &Echo) -> Value {
-    let session = SessionId(event.session_id);
+/// A response's object read from the log: `events` are its first step's outcome (the
+/// attempt the response id names) and the session's events after it. A response spans
+/// the steps one task ran (DESIGN §14): a step whose calls are all server calls that ran
+/// without a prompt is followed by the next step of the same response; the response ends
+/// with an answer, a failure, a step with client calls, or one whose prompt paused it. How
+/// it ended is the log's word ([`turn_end_from_log`]) on its last step.
+pub fn from_log(events: &[StoredEvent], echo: &Echo) -> Value {
+    let Some(first) = events.first() else {
+        return Snapshot::new(SessionId(Uuid::nil()), echo.clone())
+            .finish(Status::Failed("the response could not be read".into()));
+    };
+    let session = SessionId(first.session_id);
     let mut r = Snapshot::new(session, echo.clone());
     let unreadable = || Status::Failed("the response could not be read".into());
-    let Ok(e) = event.decode() else { return r.finish(unreadable()) };
-    let (length, failure) = match &e.body {
-        EventBody::AssistantTurn(a) => {
-            r.set_attempt(a.attempt_id.as_ref());
-            r.model = a.model.clone().unwrap_or_default();
-            for b in &a.ui.blocks {
-                if b.kind == BlockType::Reasoning {
-                    r.reasoning.push_str(b.text.as_deref().unwrap_or_default());
-                }
-            }
-            r.text = a.ui_text();
-            r.calls = a.llm.message.tool_calls.clone();
-            r.usage = a.usage.map(|u| (u.input_tokens, u.output_tokens, u.cached_input_tokens.unwrap_or(0)));
-            (a.finish_reason.as_deref() == Some("length"), None)
-        }
-        EventBody::PendingState(p) => {
-            r.set_attempt(p.attempt_id.as_ref());
-            r.model = p.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
-            r.text = p.partial.clone();
-            (false, None)
-        }
-        EventBody::TurnFailed(f) => {
-            r.set_attempt(f.attempt_id.as_ref());
-            r.model = f.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
-            (false, Some(f.message.clone()))
-        }
+    let decoded: Vec<_> =
+        events.iter().map(StoredEvent::decode).take_while(Result::is_ok).flatten().collect();
+    let Some(e) = decoded.first() else { return r.finish(unreadable()) };
+    let attempt = match &e.body {
+        EventBody::AssistantTurn(a) => a.attempt_id.as_ref(),
+        EventBody::PendingState(p) => p.attempt_id.as_ref(),
+        EventBody::TurnFailed(f) => f.attempt_id.as_ref(),
         _ => return r.finish(unreadable()),
     };
-    let end = turn_end_from_log(session, [&e]);
+    r.set_attempt(attempt);
+    let sources = crate::turn::server::sources(&decoded);
+    let mut last;
+    let mut usage: Option<(u64, u64, u64)> = None;
+    let mut length = false;
+    let mut failure = None;
+    let mut at = 0;
+    loop {
+        let step = &decoded[at];
+        last = step;
+        match &step.body {
+            EventBody::AssistantTurn(a) => {
+                if r.model.is_empty() {
+                    r.model = a.model.clone().unwrap_or_default();
+                }
+                for b in &a.ui.blocks {
+                    if b.kind == BlockType::Reasoning {
+                        r.reasoning.push_str(b.text.as_deref().unwrap_or_default());
+                    }
+                }
+                r.text.push_str(&a.ui_text());
+                if let Some(u) = a.usage {
+                    let (i, o, c) = usage.unwrap_or_default();
+                    usage = Some((
+                        i + u.input_tokens,
+                        o + u.output_tokens,
+                        c + u.cached_input_tokens.unwrap_or(0),
+                    ));
+                }
+                length = a.finish_reason.as_deref() == Some("length");
+                let mut paused = false;
+                for call in &a.llm.message.tool_calls {
+                    if !crate::turn::server::is_server(&sources, &call.id) {
+                        r.calls.push(call.clone());
+                        paused = true;
+                        continue;
+                    }
+                    let asked = decoded[at..].iter().find_map(|e| match &e.body {
+                        EventBody::PermissionRequest(p) if p.call_id == call.id => Some(p.id.clone()),
+                        _ => None,
+                    });
+                    if let Some(id) = asked {
+                        r.items.push(approval_item(&id, call));
+                        paused = true;
+                        continue;
+                    }
+                    let result = decoded[at..].iter().find_map(|e| match &e.body {
+                        EventBody::ToolExecution(x) if x.call_id == call.id => Some(x),
+                        _ => None,
+                    });
+                    let index = r.mcp_calls;
+                    r.mcp_calls += 1;
+                    r.items.push(match result {
+                        Some(x) => mcp_call_item(r.attempt(), index, call, &x.status, x.output.as_deref()),
+                        None => paused_call(mcp_call_item(r.attempt(), index, call, "ok", None)),
+                    });
+                    paused |= result.is_none();
+                }
+                if !a.asks_for_tools() || paused {
+                    break;
+                }
+            }
+            EventBody::PendingState(p) => {
+                if r.model.is_empty() {
+                    r.model = p.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
+                }
+                r.text.push_str(&p.partial);
+                break;
+            }
+            EventBody::TurnFailed(f) => {
+                if r.model.is_empty() {
+                    r.model = f.request.as_ref().map(|q| q.model.clone()).unwrap_or_default();
+                }
+                failure = Some(f.message.clone());
+                break;
+            }
+            _ => break,
+        }
+        // The next step of the same response: the next outcome before a new message.
+        let next = decoded[at + 1..].iter().position(|e| match &e.body {
+            EventBody::AssistantTurn(_) | EventBody::TurnFailed(_) | EventBody::UserMessage(_) => true,
+            EventBody::PendingState(p) => p.reason.is_some(),
+            _ => false,
+        });
+        match next.map(|n| at + 1 + n) {
+            Some(n) if !matches!(decoded[n].body, EventBody::UserMessage(_)) => at = n,
+            _ => break,
+        }
+    }
+    r.usage = usage;
+    let end = turn_end_from_log(session, [last]);
     r.finish(Status::of(end.status, length, failure))
+}
+
+/// An `mcp_call` item whose call has no result (yet): in progress, nothing out.
+fn paused_call(mut item: Value) -> Value {
+    item["status"] = json!("in_progress");
+    item["output"] = Value::Null;
+    item
 }
 
 /// The events of a finished response, as a re-attach replays them.
@@ -108,6 +240,10 @@ pub fn replay_finished(response: Value) -> Vec<Value> {
         events.push(json!({"type": "response.output_item.added", "output_index": index, "item": added}));
         if item["type"] == "function_call" {
             events.extend(call_events(index, item));
+            continue;
+        }
+        if let Some(mcp) = mcp_events(index, item) {
+            events.extend(mcp);
             continue;
         }
         let part = &item["content"][0];
@@ -144,6 +280,58 @@ fn call_events(index: usize, item: &Value) -> Vec<Value> {
         json!({"type": "response.function_call_arguments.done", "item_id": id, "output_index": index, "arguments": arguments}),
         json!({"type": "response.output_item.done", "output_index": index, "item": item}),
     ]
+}
+
+/// An MCP item's events after its `response.output_item.added` (None for other items).
+fn mcp_events(index: usize, item: &Value) -> Option<Vec<Value>> {
+    let id = &item["id"];
+    let mut events = match item["type"].as_str()? {
+        "mcp_list_tools" => vec![
+            json!({"type": "response.mcp_list_tools.in_progress", "item_id": id, "output_index": index}),
+            json!({"type": "response.mcp_list_tools.completed", "item_id": id, "output_index": index}),
+        ],
+        "mcp_call" => {
+            let args = &item["arguments"];
+            let mut e = vec![
+                json!({"type": "response.mcp_call_arguments.delta", "item_id": id, "output_index": index, "delta": args}),
+                json!({"type": "response.mcp_call_arguments.done", "item_id": id, "output_index": index, "arguments": args}),
+                json!({"type": "response.mcp_call.in_progress", "item_id": id, "output_index": index}),
+            ];
+            match item["status"].as_str() {
+                Some("completed") => e.push(
+                    json!({"type": "response.mcp_call.completed", "item_id": id, "output_index": index}),
+                ),
+                Some("failed") => {
+                    e.push(json!({"type": "response.mcp_call.failed", "item_id": id, "output_index": index}))
+                }
+                _ => {}
+            }
+            e
+        }
+        "mcp_approval_request" => Vec::new(),
+        _ => return None,
+    };
+    events.push(json!({"type": "response.output_item.done", "output_index": index, "item": item}));
+    Some(events)
+}
+
+/// An MCP item's `response.output_item.added` (as it starts: a list without its tools, a
+/// call in progress without its output) and the events that finish it.
+fn mcp_item_events(index: usize, item: &Value) -> Vec<Value> {
+    let mut added = item.clone();
+    match item["type"].as_str() {
+        Some("mcp_list_tools") => added["tools"] = json!([]),
+        Some("mcp_call") => {
+            added["status"] = json!("in_progress");
+            added["output"] = Value::Null;
+            added["error"] = Value::Null;
+            added["arguments"] = json!("");
+        }
+        _ => {}
+    }
+    let mut out = vec![json!({"type": "response.output_item.added", "output_index": index, "item": added})];
+    out.extend(mcp_events(index, item).unwrap_or_default());
+    out
 }
 
 fn empty_part(kind: &str) -> Value {
@@ -202,6 +390,10 @@ struct Snapshot {
     text: String,
     reasoning: String,
     calls: Vec<ToolCall>,
+    /// Server tools' items (`mcp_call`, `mcp_approval_request`), in order (§14).
+    items: Vec<Value>,
+    /// The server calls numbered so far (their items' ids).
+    mcp_calls: usize,
     usage: Option<(u64, u64, u64)>,
     echo: Echo,
     message_item: String,
@@ -217,6 +409,8 @@ impl Snapshot {
             text: String::new(),
             reasoning: String::new(),
             calls: Vec::new(),
+            items: Vec::new(),
+            mcp_calls: 0,
             usage: None,
             echo,
             message_item: message_id(Uuid::nil()),
@@ -292,6 +486,8 @@ impl Snapshot {
         if !self.reasoning.is_empty() {
             output.push(reasoning_item(self.reasoning_id(), &self.reasoning));
         }
+        output.extend(self.echo.mcp.iter().enumerate().map(|(i, l)| l.item(self.attempt(), i)));
+        output.extend(self.items.iter().cloned());
         if !self.text.is_empty() {
             output.push(output_message(self.message_id(), &self.text, item_status));
         }
@@ -328,16 +524,30 @@ pub(super) struct Translator {
     open: Open,
     index: usize,
     failure: Option<String>,
+    /// Server calls of this response waiting for their result or prompt, each with its
+    /// place among the response's server calls.
+    pending: Vec<(ToolCall, usize)>,
 }
 
 impl Translator {
     pub(super) fn new(echo: Echo) -> Self {
-        Self { r: Snapshot::new(SessionId(Uuid::nil()), echo), open: Open::None, index: 0, failure: None }
+        Self {
+            r: Snapshot::new(SessionId(Uuid::nil()), echo),
+            open: Open::None,
+            index: 0,
+            failure: None,
+            pending: Vec::new(),
+        }
     }
 
     /// The session the response runs in (once the `meta` named it).
     pub(super) fn session(&self) -> SessionId {
         self.r.session
+    }
+
+    /// The response's first step's attempt (its id), once the `meta` named it.
+    pub(super) fn first_attempt(&self) -> Option<AttemptId> {
+        self.r.attempt.map(AttemptId::from)
     }
 
     pub(super) fn echo(&self) -> &Echo {
@@ -346,7 +556,7 @@ impl Translator {
 
     /// The OpenAI events of one native event.
     pub(super) fn on(&mut self, e: &TurnEvent) -> Vec<Value> {
-        let Self { r, open, index, failure } = self;
+        let Self { r, open, index, failure, pending } = self;
         let mut out = Vec::new();
         match e {
             TurnEvent::Meta(m) => {
@@ -358,6 +568,11 @@ impl Translator {
                 out.push(
                     json!({"type": "response.in_progress", "response": r.object("in_progress", Vec::new())}),
                 );
+                // The named servers' tools (DESIGN §14), before anything the model does.
+                for (i, list) in r.echo.mcp.iter().enumerate() {
+                    out.extend(mcp_item_events(*index, &list.item(r.attempt(), i)));
+                    *index += 1;
+                }
             }
             TurnEvent::Reasoning(Text { text: delta }) if *open != Open::Message => {
                 if *open == Open::None {
@@ -393,9 +608,24 @@ impl Translator {
                     "output_index": *index, "content_index": 0, "delta": delta, "logprobs": []}));
             }
             TurnEvent::Error(e) => *failure = Some(e.message.clone()),
-            // Server tools are offered only to a request naming their label (not built yet).
-            TurnEvent::ToolCall(c) if c.source != "client" => {}
-            TurnEvent::Permission(_) => {}
+            // A server call shows once its result (an `mcp_call`) or its prompt (an
+            // `mcp_approval_request`, which ends the response) is known.
+            TurnEvent::ToolCall(c) if c.source != "client" => {
+                let call =
+                    ToolCall { id: c.call_id.clone(), name: c.name.clone(), arguments: c.arguments.clone() };
+                pending.push((call, r.mcp_calls));
+                r.mcp_calls += 1;
+            }
+            TurnEvent::Permission(p) => {
+                if let Some(at) = pending.iter().position(|(c, _)| c.id == p.call_id) {
+                    let (call, _) = pending.remove(at);
+                    close_open(r, open, index, "completed", &mut out);
+                    let item = approval_item(&p.id, &call);
+                    out.extend(mcp_item_events(*index, &item));
+                    r.items.push(item);
+                    *index += 1;
+                }
+            }
             // A call streams whole once the step has made it, after the step's text.
             TurnEvent::ToolCall(c) => {
                 close_open(r, open, index, "completed", &mut out);
@@ -412,10 +642,31 @@ impl Translator {
                 r.calls.push(call);
                 *index += 1;
             }
-            // The results the client sent: nothing to stream back.
-            TurnEvent::ToolResult(_) => {}
+            // The results the client sent: nothing to stream back (a server call's come
+            // through `result`).
+            TurnEvent::ToolResult(res) => return self.result(res, None),
             TurnEvent::End(end) => return self.end(end, None),
         }
+        out
+    }
+
+    /// Whether the response shows the result of call `call_id` (a server call of its own).
+    pub(super) fn shows_result(&self, call_id: &str) -> bool {
+        self.pending.iter().any(|(c, _)| c.id == call_id)
+    }
+
+    /// A server call's result, with the output the log holds: its `mcp_call` item.
+    pub(super) fn result(&mut self, res: &ToolResultEvent, output: Option<String>) -> Vec<Value> {
+        let Self { r, open, index, pending, .. } = self;
+        let mut out = Vec::new();
+        let Some(at) = pending.iter().position(|(c, _)| c.id == res.call_id) else { return out };
+        let (call, n) = pending.remove(at);
+        close_open(r, open, index, "completed", &mut out);
+        let output = output.or_else(|| res.digest.clone());
+        let item = mcp_call_item(r.attempt(), n, &call, &res.status, output.as_deref());
+        out.extend(mcp_item_events(*index, &item));
+        r.items.push(item);
+        *index += 1;
         out
     }
 
@@ -423,7 +674,7 @@ impl Translator {
     /// response is `stored` (read from the log by the outcome's seq) when there is one, else
     /// built from the stream and the `end` (`store: false`, or a log that could not be read).
     pub(super) fn end(&mut self, end: &TurnEnd, stored: Option<Value>) -> Vec<Value> {
-        let Self { r, open, index, failure } = self;
+        let Self { r, open, index, failure, .. } = self;
         let mut out = Vec::new();
         let response = stored.unwrap_or_else(|| {
             if let Some(u) = end.usage {
@@ -637,7 +888,7 @@ mod tests {
     fn a_response_read_from_the_log_ends_as_its_outcome_says() {
         let attempt = Uuid::now_v7().to_string();
         let status = |kind: &str, payload: Value| {
-            let r = from_log(&stored(kind, payload), &Echo::default());
+            let r = from_log(&[stored(kind, payload)], &Echo::default());
             (r["status"].as_str().unwrap_or_default().to_owned(), r["error"]["message"].clone())
         };
         let failed = |code: &str, message: &str| {

@@ -18,8 +18,8 @@ use crate::error::ErrorBody;
 use crate::openai::chat::{reconcile, run, Reconciled, Turn};
 use crate::openai::responses::stream::translate;
 use crate::openai::responses::{
-    answer, created_response, from_log, history, last_response, locate, numbered, replay_finished, target,
-    CreateResponse, Echo, Located, RetrieveParams, StoredInput,
+    answer, created_response, history, last_response, locate, numbered, replay_finished, stored_response,
+    target, Approval, CreateResponse, Echo, Located, McpList, RetrieveParams, StoredInput,
 };
 use crate::openai::wire::{ItemList, ResponseObject};
 use crate::openai::{
@@ -89,6 +89,15 @@ pub async fn create(
             }
             (session, turn::continue_with_results(&app, &caller, session, results).await?)
         }
+        StoredInput::Approvals(approvals) => {
+            let (session, create) = target(&app, &caller, &req).await?;
+            if create.is_some() {
+                return Err(OaiError(crate::error::ApiError::Conflict(
+                    "the previous response's turn is over: its conversation went on".into(),
+                )));
+            }
+            (session, approve(&app, &caller, session, approvals).await?)
+        }
         StoredInput::History(items) => {
             let (family, conversation) =
                 history::conversation(&app, &caller, items, options.system.clone()).await?;
@@ -101,8 +110,60 @@ pub async fn create(
         }
     };
     tracing::Span::current().record("session_id", tracing::field::display(session));
-    let translated = translate(app.clone(), owner, events, req.echo());
+    let mut echo = req.echo();
+    echo.mcp = mcp_lists(&app, &caller, &req).await?;
+    let translated = translate(app.clone(), owner, events, echo);
     answer(translated, req.stream, req.background).await
+}
+
+/// The servers a request names, as its `mcp_list_tools` items show them (DESIGN §14); an
+/// unknown label (or one that does not serve the caller) is a 400.
+async fn mcp_lists(app: &AppState, caller: &Caller, req: &CreateResponse) -> Result<Vec<McpList>, OaiError> {
+    let named = req.mcp_servers()?;
+    if named.is_empty() {
+        return Ok(Vec::new());
+    }
+    let catalog = app.catalog.for_owner(app, caller.owner()).await;
+    let offered = turn::server::offered(&catalog, &turn::ServerTools::Named(named.clone()));
+    for n in &named {
+        if !offered.iter().any(|s| s.label == n.label) {
+            return Err(OaiError::bad_request(format!("no MCP server {:?} is configured", n.label)));
+        }
+    }
+    Ok(offered.into_iter().map(McpList::of).collect())
+}
+
+/// Answers the approval requests a paused turn waits for and continues it (a response
+/// pauses at its first prompt, §14): the continued turn's events.
+async fn approve(
+    app: &AppState,
+    caller: &Caller,
+    session: SessionId,
+    approvals: Vec<Approval>,
+) -> Result<futures::stream::BoxStream<'static, turn::StreamEvent>, OaiError> {
+    let mut call = None;
+    for a in &approvals {
+        let decision = if a.approve { "allow" } else { "deny" };
+        let resolved = turn::server::resolve_permission(app, caller, session, &a.request_id, decision)
+            .await
+            .map_err(|e| match e {
+                crate::error::ApiError::NotFound(_) => OaiError::not_found("approval request"),
+                e => OaiError(e),
+            })?;
+        call = call.or(resolved.call_id);
+    }
+    let waits = match call {
+        Some(call) => {
+            turn::continue_after_permission(app, caller, session, &call, Some(std::time::Duration::ZERO))
+                .await?
+        }
+        None => None,
+    };
+    waits.ok_or_else(|| {
+        OaiError(crate::error::ApiError::Conflict(
+            "no response waits for this approval (its turn went on, or runs now)".into(),
+        ))
+    })
 }
 
 /// Retrieve a response; with `stream=true`, re-attach: its events from `response.created`
@@ -136,7 +197,7 @@ pub async fn retrieve(
             Ok(Json(created_response(translated).await).into_response())
         }
         Located::Stored(event) => {
-            let response = from_log(&event, &Echo::default());
+            let response = stored_response(&app, &owner, event, &Echo::default()).await?;
             if params.stream == Some(true) {
                 let events = replay_finished(response);
                 return Ok(numbered(futures::stream::iter(events).boxed(), starting_after));
@@ -180,7 +241,7 @@ pub async fn cancel(
     let event = read::attempt_event(&app.pool, &owner, &attempt)
         .await?
         .ok_or_else(|| OaiError::not_found("response"))?;
-    Ok(Json(from_log(&event, &Echo::default())).into_response())
+    Ok(Json(stored_response(&app, &owner, event, &Echo::default()).await?).into_response())
 }
 
 /// The input items of a response: the user message its turn answered.
