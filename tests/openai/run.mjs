@@ -10,7 +10,7 @@ import { startTurnlog, tail } from '../web/harness.mjs';
 
 const here = path.dirname(fileURLToPath(import.meta.url));
 const logFile = path.join(here, 'turnlog-dev.log');
-const server = await startTurnlog({ logFile, secondOwner: true });
+const server = await startTurnlog({ logFile, secondOwner: true, mcp: true });
 // The tests ask for a crash of `turnlog dev` (SIGKILL, then a restart) with a POST here,
 // when the servers outlive it.
 const control = http.createServer(async (req, res) => {
@@ -26,7 +26,13 @@ const restartable = Boolean(process.env.DATABASE_URL?.trim() && process.env.NATS
 let status = 1;
 try {
   const python = process.env.PYTHON || 'python3';
-  const env = { ...process.env, TURNLOG_BASE: server.base, TURNLOG_TOKEN: server.token, TURNLOG_TOKEN2: server.token2 };
+  const env = {
+    ...process.env,
+    TURNLOG_BASE: server.base,
+    TURNLOG_TOKEN: server.token,
+    TURNLOG_TOKEN2: server.token2,
+    TURNLOG_WORKSPACE: server.workspace,
+  };
   if (restartable) env.TURNLOG_RESTART_URL = `http://127.0.0.1:${control.address().port}/restart`;
   // Asynchronous, so this process can serve the restart requests meanwhile.
   const child = spawn(python, [path.join(here, 'test_sdk.py'), '-v'], { stdio: 'inherit', env });

@@ -943,5 +943,86 @@ class ToolLoops(unittest.TestCase):
             self.client.responses.create(model="mock", input="Hi", tools=[{"type": "web_search"}])
 
 
+class McpTools(unittest.TestCase):
+    """Server tools over MCP on the Responses API (DESIGN §14): `mcp` tools naming the
+    operator's server by label, its tools listed, a call behind a prompt as an
+    `mcp_approval_request` answered by an `mcp_approval_response`, an allowed call run
+    within the response as an `mcp_call`, all parsed by the SDK's own models."""
+
+    def setUp(self):
+        self.client = client()
+        self.files = {"type": "mcp", "server_label": "files"}
+
+    def test_an_approval_then_a_call_within_a_response(self):
+        target = os.path.join(os.environ["TURNLOG_WORKSPACE"], f"sdk-{time.time_ns()}.txt")
+        ask = f'Save it [mock tool=files__write_file:{{"path":"{target}","content":"from-the-sdk"}} words=3]'
+        events, r1 = streamed(self.client.responses.create(model="mock", input=ask, tools=[self.files], stream=True))
+        types = [e.type for e in events]
+        self.assertIn("response.mcp_list_tools.completed", types)
+        self.assertEqual(r1.status, "completed")
+        self.assertEqual([i.type for i in r1.output], ["mcp_list_tools", "mcp_approval_request"])
+        listed = {t.name for t in r1.output[0].tools}
+        self.assertIn("write_file", listed)
+        request = r1.output[1]
+        self.assertEqual((request.server_label, request.name), ("files", "write_file"))
+        self.assertEqual(json.loads(request.arguments)["content"], "from-the-sdk")
+        self.assertFalse(os.path.exists(target), "nothing runs before the approval")
+        self.assertEqual(r1.tools[0].server_label, "files")
+
+        # The approval continues the same turn, in a new response: the call runs, once.
+        approval = {"type": "mcp_approval_response", "approval_request_id": request.id, "approve": True}
+        r2 = self.client.responses.create(model="mock", previous_response_id=r1.id, input=[approval], tools=[self.files])
+        self.assertEqual(r2.status, "completed")
+        self.assertEqual(len(r2.output_text.split()), 3)
+        with open(target) as f:
+            self.assertEqual(f.read(), "from-the-sdk")
+        # The same approval again: the turn no longer waits for it.
+        with self.assertRaises(openai.ConflictError):
+            self.client.responses.create(model="mock", previous_response_id=r1.id, input=[approval], tools=[self.files])
+
+        # A tool the operator allows runs within the response: an mcp_call with its output.
+        read = f'Read it [mock tool=files__read_text_file:{{"path":"{target}"}} words=2]'
+        events, r3 = streamed(
+            self.client.responses.create(
+                model="mock", input=read, tools=[self.files], previous_response_id=r2.id, stream=True
+            )
+        )
+        self.assertEqual([i.type for i in r3.output], ["mcp_list_tools", "mcp_call", "message"])
+        call = r3.output[1]
+        self.assertEqual((call.name, call.status, call.output), ("read_text_file", "completed", "from-the-sdk"))
+        types = [e.type for e in events]
+        for t in ("response.mcp_call.in_progress", "response.mcp_call_arguments.done", "response.mcp_call.completed"):
+            self.assertIn(t, types)
+        # Read back from the log, it is the same response; the conversation shows the calls.
+        again = self.client.responses.retrieve(r3.id)
+        self.assertEqual([i.type for i in again.output], ["mcp_call", "message"])
+        self.assertEqual(again.output[0].output, "from-the-sdk")
+        self.assertEqual(again.output_text, r3.output_text)
+        items = list(self.client.conversations.items.list(r3.conversation.id, order="asc"))
+        calls = [i for i in items if i.type == "mcp_call"]
+        self.assertEqual([c.name for c in calls], ["write_file", "read_text_file"])
+
+        # Declined: the call is recorded denied and the model goes on.
+        other = os.path.join(os.environ["TURNLOG_WORKSPACE"], f"sdk-no-{time.time_ns()}.txt")
+        ask = f'Save [mock tool=files__write_file:{{"path":"{other}","content":"no"}} words=2]'
+        r4 = self.client.responses.create(model="mock", input=ask, tools=[self.files])
+        decline = {"type": "mcp_approval_response", "approval_request_id": r4.output[1].id, "approve": False}
+        r5 = self.client.responses.create(model="mock", previous_response_id=r4.id, input=[decline], tools=[self.files])
+        self.assertEqual(r5.status, "completed")
+        self.assertFalse(os.path.exists(other))
+
+    def test_only_configured_servers_by_label(self):
+        for tool in (
+            {"type": "mcp", "server_label": "nowhere"},
+            {"type": "mcp", "server_label": "files", "server_url": "https://mcp.example.com/sse"},
+            {"type": "mcp", "server_label": "files", "require_approval": "never"},
+        ):
+            with self.subTest(tool=tool), self.assertRaises(openai.BadRequestError):
+                self.client.responses.create(model="mock", input="Hi [mock words=2]", tools=[tool])
+        # Without the label, a response offers no server tools.
+        r = self.client.responses.create(model="mock", input="Hi [mock words=2]")
+        self.assertEqual([i.type for i in r.output], ["message"])
+
+
 if __name__ == "__main__":
     unittest.main()

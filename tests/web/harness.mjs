@@ -18,7 +18,7 @@ const STOP_TIMEOUT_MS = 45_000;
 
 const nonEmpty = (v) => typeof v === 'string' && v.trim() !== '';
 
-export async function startTurnlog({ logFile, tokens = true, secondOwner = false }) {
+export async function startTurnlog({ logFile, tokens = true, secondOwner = false, mcp = false }) {
   const targetDir = process.env.CARGO_TARGET_DIR || '/var/tmp/turnlog-target';
   const binary = path.join(targetDir, 'debug', 'turnlog');
   if (!existsSync(binary)) throw new Error(`${binary} is missing: run \`cargo build -p turnlog\` first`);
@@ -39,18 +39,23 @@ export async function startTurnlog({ logFile, tokens = true, secondOwner = false
   if (tokens) env.TURNLOG_API_TOKENS = `${owner}:${token}` + (token2 ? `,${owner}-b:${token2}` : '');
   else delete env.TURNLOG_API_TOKENS;
   delete env.TURNLOG_LLM_URL; // the built-in mock model answers
-  // Server tools: the reference filesystem server (pinned in tests/mcp) on a workspace of
-  // this run's own, its write_file behind a prompt.
+  // With `mcp`, server tools: the reference filesystem server (pinned in tests/mcp) on a
+  // workspace of this run's own, its write_file behind a prompt, its reads allowed.
   const workspace = path.join(dir, 'workspace');
-  mkdirSync(workspace, { recursive: true });
-  const mcp = execFileSync('bash', [fileURLToPath(new URL('../mcp/setup', import.meta.url))], { encoding: 'utf8' }).trim();
-  const servers = path.join(dir, 'mcp-servers.toml');
-  writeFileSync(
-    servers,
-    `[[servers]]\nlabel = "files"\ncommand = "${path.join(mcp, 'node_modules/.bin/mcp-server-filesystem')}"\n` +
-      `args = ["${workspace}"]\n[servers.tools.write_file]\npolicy = "ask"\ndanger_level = "high"\n`,
-  );
-  env.TURNLOG_MCP_SERVERS = servers;
+  if (mcp) {
+    mkdirSync(workspace, { recursive: true });
+    const installed = execFileSync('bash', [fileURLToPath(new URL('../mcp/setup', import.meta.url))], { encoding: 'utf8' }).trim();
+    const servers = path.join(dir, 'mcp-servers.toml');
+    writeFileSync(
+      servers,
+      `[[servers]]\nlabel = "files"\ncommand = "${path.join(installed, 'node_modules/.bin/mcp-server-filesystem')}"\n` +
+        `args = ["${workspace}"]\n[servers.tools.write_file]\npolicy = "ask"\ndanger_level = "high"\n` +
+        `[servers.tools.read_text_file]\npolicy = "allow"\ndanger_level = "low"\n`,
+    );
+    env.TURNLOG_MCP_SERVERS = servers;
+  } else {
+    delete env.TURNLOG_MCP_SERVERS;
+  }
 
   const cleanups = [() => rmSync(dir, { recursive: true, force: true })];
   const cleanUp = async () => {

@@ -31,7 +31,7 @@ let firstSession;
 
 before(async () => {
   mkdirSync(SHOTS, { recursive: true });
-  server = await startTurnlog({ logFile: path.join(SHOTS, 'turnlog.log') });
+  server = await startTurnlog({ logFile: path.join(SHOTS, 'turnlog.log'), mcp: true });
   profile = mkdtempSync(path.join(os.tmpdir(), 'turnlog-web-chromium-'));
   context = await chromium.launchPersistentContext(profile, {
     executablePath: CHROMIUM,

@@ -355,10 +355,11 @@ impl Turn<'_> {
         end.duration_ms = Some(started.elapsed().as_millis() as u64);
         match settled {
             Settled::Ready => {
-                // The next step: a new attempt, with the first step's extras (and tools).
-                if let Some(r) = &self.request {
-                    self.options.extras = Some(r.extras.clone());
-                }
+                // The next step: after a step of this task, a new attempt with the first
+                // step's extras (and tools); a continued turn's first step keeps the
+                // attempt its `meta` named (the response's id).
+                let Some(r) = &self.request else { return None };
+                self.options.extras = Some(r.extras.clone());
                 self.attempt_id = AttemptId::new();
                 tracing::Span::current().record("attempt_id", self.attempt_id.as_str());
                 self.text.clear();

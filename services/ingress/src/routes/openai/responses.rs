@@ -63,6 +63,9 @@ pub async fn create(
     }
     req.check_stored()?;
     let options = req.options()?;
+    // The servers it names, checked before anything is written.
+    let mut echo = req.echo();
+    echo.mcp = mcp_lists(&app, &caller, &req).await?;
     let (session, events) = match req.stored_input()? {
         StoredInput::Turn(message) => {
             let named = req.conversation.is_some() || req.previous_response_id.is_some();
@@ -71,7 +74,7 @@ pub async fn create(
                     let model = message.model.clone();
                     tracing::Span::current().record("session_id", tracing::field::display(session));
                     let events = turn::retry_last(&app, &caller, session, model, options).await?;
-                    let translated = translate(app.clone(), owner, events, req.echo());
+                    let translated = translate(app.clone(), owner, events, echo);
                     return answer(translated, req.stream, req.background).await;
                 }
             }
@@ -110,8 +113,6 @@ pub async fn create(
         }
     };
     tracing::Span::current().record("session_id", tracing::field::display(session));
-    let mut echo = req.echo();
-    echo.mcp = mcp_lists(&app, &caller, &req).await?;
     let translated = translate(app.clone(), owner, events, echo);
     answer(translated, req.stream, req.background).await
 }
