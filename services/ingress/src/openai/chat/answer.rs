@@ -88,7 +88,10 @@ impl Answer {
         let Some(end) = &self.end else { return failed() };
         match end.status {
             TurnStatus::Completed if end.hit_length() => Ok("length"),
-            TurnStatus::RequiresAction => Ok("tool_calls"),
+            // Waiting for the client's tools; a turn paused only on a server tool's prompt
+            // (answered in the web client or the native API) has nothing for the client to run.
+            TurnStatus::RequiresAction if end.required.iter().any(|r| r.kind == "tool") => Ok("tool_calls"),
+            TurnStatus::RequiresAction => Ok("stop"),
             TurnStatus::Completed | TurnStatus::Stopped => Ok("stop"),
             TurnStatus::Interrupted => Err(NoAnswer::Interrupted(end.session_id)),
             TurnStatus::Failed => failed(),
@@ -300,5 +303,36 @@ mod tests {
         }];
         a.on(&TurnEvent::End(end));
         assert_eq!(end_chunks(&a, false)[0]["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    #[test]
+    fn server_calls_stream_nothing_and_a_prompt_alone_finishes_as_stop() {
+        use turnlog_core::events::ToolCall;
+        use turnlog_core::stream::{PermissionEvent, Required, ToolCallEvent};
+        let mut a = Answer::default();
+        a.on(&TurnEvent::Meta(Meta { model: Some("m".into()), ..Default::default() }));
+        let call = ToolCallEvent {
+            call_id: "call_1".into(),
+            name: "files__write_file".into(),
+            arguments: "{}".into(),
+            source: "mcp:files".into(),
+        };
+        assert_eq!(a.on(&TurnEvent::ToolCall(call)), None);
+        let prompt = PermissionEvent {
+            id: "perm_1".into(),
+            call_id: "call_1".into(),
+            tool: "files__write_file".into(),
+            args: json!({}),
+            danger_level: "high".into(),
+        };
+        assert_eq!(a.on(&TurnEvent::Permission(prompt)), None);
+        let mut end = TurnEnd::new(None, TurnStatus::RequiresAction);
+        let asked =
+            ToolCall { id: "call_1".into(), name: "files__write_file".into(), arguments: "{}".into() };
+        end.required = vec![Required::permission(&asked, "perm_1")];
+        a.on(&TurnEvent::End(end));
+        let last = end_chunks(&a, false);
+        assert_eq!(last[0]["choices"][0]["finish_reason"], "stop");
+        assert!(a.tool_calls.is_empty());
     }
 }
