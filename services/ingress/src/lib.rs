@@ -99,7 +99,7 @@ impl Ingress {
         bus.ensure_topology(b.append_max_age).await.context("creating the bus topology")?;
         let leases = TurnLeases::open(&bus).await?;
         let tools =
-            turnlog_runtime::tools::ToolsBus::open(&bus).await.context("creating the tools' streams")?;
+            turnlog_runtime::tools::ToolsBus::open(&bus).await.context("opening the tools' buckets")?;
         let upstream = match &config.upstream {
             Some(u) => Some(UpstreamClient::new(u.clone()).context("building the model gateway client")?),
             None => None,

@@ -95,7 +95,8 @@ pub async fn run(config: ToolsConfig, shutdown: CancellationToken) -> anyhow::Re
     let b = &config.backbone;
     let pool = b.connect_reads(4).await.context("connecting to Postgres")?;
     let bus = b.connect_bus().await?;
-    let tools = ToolsBus::open(&bus).await.context("creating the tools' streams")?;
+    bus.ensure_topology(b.append_max_age).await.context("creating the bus topology")?;
+    let tools = ToolsBus::open(&bus).await.context("opening the tools' buckets")?;
     let metrics = metrics::Metrics::register();
     let registry = turnlog_runtime::telemetry::registry();
     registry.ready_while_postgres_answers("tools", pool.clone());

@@ -30,9 +30,17 @@ fn prefix() -> String {
 }
 
 /// The four streams ensure_topology makes, in its order.
-fn streams(prefix: &str) -> [String; 4] {
+fn streams(prefix: &str) -> [String; 7] {
     let n = BusNames::new(prefix).unwrap();
-    [n.append_stream(), n.events_stream(), n.dead_stream(), format!("KV_{}", n.turns_bucket())]
+    [
+        n.append_stream(),
+        n.events_stream(),
+        n.dead_stream(),
+        format!("KV_{}", n.turns_bucket()),
+        n.tool_calls_stream(),
+        format!("KV_{}", n.tool_catalog_bucket()),
+        format!("KV_{}", n.tool_claims_bucket()),
+    ]
 }
 
 /// A stream's configured replicas and the peers its cluster info lists beside the leader.

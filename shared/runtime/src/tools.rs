@@ -14,7 +14,7 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::{self, kv, stream};
+use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -112,10 +112,7 @@ pub struct ToolCallRequest {
     pub deadline: DateTime<Utc>,
 }
 
-/// How long a call's claim is kept: far beyond any call's deadline.
-const CLAIM_TTL: Duration = Duration::from_secs(24 * 3600);
-
-/// The tools' part of the bus (created by whoever opens it first).
+/// The tools' part of the bus (DESIGN §6: the streams are the topology's).
 #[derive(Clone)]
 pub struct ToolsBus {
     pub bus: Bus,
@@ -124,69 +121,11 @@ pub struct ToolsBus {
 }
 
 impl ToolsBus {
-    pub fn calls_stream(bus: &Bus) -> String {
-        format!("{}_TOOL_CALLS", bus.names.prefix().to_ascii_uppercase())
-    }
-    fn catalog_bucket(bus: &Bus) -> String {
-        format!("{}_TOOL_CATALOG", bus.names.prefix().to_ascii_uppercase())
-    }
-    fn claims_bucket(bus: &Bus) -> String {
-        format!("{}_TOOL_CLAIMS", bus.names.prefix().to_ascii_uppercase())
-    }
-    pub fn call_subject(bus: &Bus, session: SessionId) -> String {
-        format!("{}.tools.call.{session}", bus.names.prefix())
-    }
-    pub fn cancel_subject(bus: &Bus, event_id: Uuid) -> String {
-        format!("{}.tools.cancel.{event_id}", bus.names.prefix())
-    }
-
-    /// Creates (or finds) the calls stream and the two buckets.
+    /// The catalogue's and the claims' buckets (made by [`Bus::ensure_topology`]).
     pub async fn open(bus: &Bus) -> Result<Self, BusError> {
         let err = |e: &dyn std::fmt::Display| BusError::JetStream(e.to_string());
-        let p = bus.names.prefix();
-        let calls = stream::Config {
-            name: Self::calls_stream(bus),
-            subjects: vec![format!("{p}.tools.call.*")],
-            retention: stream::RetentionPolicy::WorkQueue,
-            storage: stream::StorageType::File,
-            duplicate_window: Duration::from_secs(120),
-            num_replicas: bus.replicas,
-            ..Default::default()
-        };
-        // The buckets through their backing streams, as the turn leases (nats-server 2.9).
-        let bucket = |name: String, max_age: Duration| stream::Config {
-            subjects: vec![format!("$KV.{name}.>")],
-            name: format!("KV_{name}"),
-            max_messages_per_subject: 1,
-            max_age,
-            allow_rollup: true,
-            allow_direct: true,
-            discard: stream::DiscardPolicy::New,
-            storage: stream::StorageType::File,
-            num_replicas: bus.replicas,
-            ..Default::default()
-        };
-        let configs = [
-            calls,
-            bucket(Self::catalog_bucket(bus), Duration::ZERO),
-            bucket(Self::claims_bucket(bus), CLAIM_TTL),
-        ];
-        for config in configs {
-            let mut attempt = 0;
-            loop {
-                match bus.js.get_or_create_stream(config.clone()).await {
-                    Ok(_) => break,
-                    // Two services starting together race to create it.
-                    Err(_) if attempt < 5 => {
-                        attempt += 1;
-                        tokio::time::sleep(Duration::from_millis(50 * attempt)).await;
-                    }
-                    Err(e) => return Err(err(&e)),
-                }
-            }
-        }
-        let catalog = bus.js.get_key_value(Self::catalog_bucket(bus)).await.map_err(|e| err(&e))?;
-        let claims = bus.js.get_key_value(Self::claims_bucket(bus)).await.map_err(|e| err(&e))?;
+        let catalog = bus.js.get_key_value(bus.names.tool_catalog_bucket()).await.map_err(|e| err(&e))?;
+        let claims = bus.js.get_key_value(bus.names.tool_claims_bucket()).await.map_err(|e| err(&e))?;
         Ok(Self { bus: bus.clone(), catalog, claims })
     }
 
@@ -227,7 +166,7 @@ impl ToolsBus {
         if let Some(t) = crate::trace::current_traceparent() {
             headers.insert(crate::trace::TRACEPARENT, t.as_str());
         }
-        let subject = Self::call_subject(&self.bus, call.session_id);
+        let subject = self.bus.names.tool_call_subject(call.session_id);
         let ack =
             self.bus.js.publish_with_headers(subject, headers, body.into()).await.map_err(|e| err(&e))?;
         ack.await.map_err(|e| err(&e))?;
@@ -236,7 +175,7 @@ impl ToolsBus {
 
     /// Asks the copy running the call to cancel it (nobody may be listening).
     pub async fn cancel(&self, event_id: Uuid) {
-        let subject = Self::cancel_subject(&self.bus, event_id);
+        let subject = self.bus.names.tool_cancel_subject(event_id);
         if let Err(e) = self.bus.client.publish(subject, Bytes::new()).await {
             tracing::debug!(error = %e, "tool call cancellation not sent");
         }
@@ -258,7 +197,7 @@ impl ToolsBus {
         max_deliver: i64,
     ) -> Result<jetstream::consumer::PullConsumer, BusError> {
         let err = |e: &dyn std::fmt::Display| BusError::JetStream(e.to_string());
-        let stream = self.bus.js.get_stream(Self::calls_stream(&self.bus)).await.map_err(|e| err(&e))?;
+        let stream = self.bus.js.get_stream(self.bus.names.tool_calls_stream()).await.map_err(|e| err(&e))?;
         stream
             .get_or_create_consumer(
                 "tools",

@@ -37,6 +37,23 @@ impl BusNames {
     pub fn turns_bucket(&self) -> String {
         format!("{}_TURNS", self.upper)
     }
+    /// The server tools' calls (DESIGN §14), a work queue.
+    pub fn tool_calls_stream(&self) -> String {
+        format!("{}_TOOL_CALLS", self.upper)
+    }
+    pub fn tool_catalog_bucket(&self) -> String {
+        format!("{}_TOOL_CATALOG", self.upper)
+    }
+    pub fn tool_claims_bucket(&self) -> String {
+        format!("{}_TOOL_CLAIMS", self.upper)
+    }
+    pub fn tool_call_subject(&self, session: SessionId) -> String {
+        format!("{}.tools.call.{session}", self.prefix)
+    }
+    /// Heard by the tools worker's copy running the call appended with `event_id`.
+    pub fn tool_cancel_subject(&self, event_id: uuid::Uuid) -> String {
+        format!("{}.tools.cancel.{event_id}", self.prefix)
+    }
     pub fn append_subject(&self, partition: u32, session: SessionId) -> String {
         format!("{}.append.{partition}.{session}", self.prefix)
     }

@@ -1,6 +1,6 @@
-//! The bus's topology (DESIGN §6 "Scale-out"): the three streams and the turn-lease
-//! bucket every service creates or verifies at start, and `turnlog migrate --bus`, which
-//! changes their replicas.
+//! The bus's topology (DESIGN §6 "Scale-out"): the streams and buckets every service
+//! creates or verifies at start (the log's three, the turn leases, the server tools'),
+//! and `turnlog migrate --bus`, which changes their replicas.
 
 use std::time::Duration;
 
@@ -13,6 +13,8 @@ use super::{js_err, Bus, BusError};
 pub(crate) const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
 /// The turn lease expires unless renewed within this.
 pub(crate) const TURN_LEASE_TTL: Duration = Duration::from_secs(10);
+/// A server tool call's claim is kept this long: far beyond any call's deadline.
+const TOOL_CLAIM_TTL: Duration = Duration::from_secs(24 * 3600);
 /// The streams' replica counts one can configure (`TURNLOG_STREAM_REPLICAS`): a JetStream
 /// cluster needs an odd count to keep a majority.
 pub const STREAM_REPLICAS: [usize; 3] = [1, 3, 5];
@@ -49,7 +51,7 @@ impl std::fmt::Display for ReplicaChange {
 }
 
 impl Bus {
-    /// Creates the streams and the turn-lease bucket with [`Bus::replicas`] replicas, or
+    /// Creates the streams and the buckets with [`Bus::replicas`] replicas, or
     /// verifies that existing ones carry the expected subjects (and warns, naming `turnlog
     /// migrate --bus`, about one with fewer replicas). `append_max_age` None keeps appends
     /// forever (rebuildable).
@@ -64,9 +66,10 @@ impl Bus {
         Ok(())
     }
 
-    /// The four streams' configs, in order: TURNLOG_APPEND, TURNLOG_EVENTS, TURNLOG_DEAD and
-    /// the lease bucket's backing stream `KV_<bucket>`.
-    fn topology(&self, append_max_age: Option<Duration>) -> [stream::Config; 4] {
+    /// Every stream's config, in order: TURNLOG_APPEND, TURNLOG_EVENTS, TURNLOG_DEAD, the
+    /// lease bucket's backing stream `KV_<bucket>`, then the server tools' (DESIGN §14):
+    /// TURNLOG_TOOL_CALLS and the catalogue's and the claims' buckets.
+    fn topology(&self, append_max_age: Option<Duration>) -> Vec<stream::Config> {
         let n = &self.names;
         let num_replicas = self.replicas;
         let log_stream = |name: String, subject: String, max_age: Duration| stream::Config {
@@ -80,27 +83,33 @@ impl Bus {
             ..Default::default()
         };
         let p = n.prefix();
-        // The KV bucket through its backing stream: on nats-server 2.9 async-nats'
+        // The KV buckets through their backing streams: on nats-server 2.9 async-nats'
         // create_key_value cannot parse the server's account reply.
-        let bucket = n.turns_bucket();
-        [
+        let bucket = |name: String, max_age: Duration, duplicate_window: Duration| stream::Config {
+            subjects: vec![format!("$KV.{name}.>")],
+            name: format!("KV_{name}"),
+            max_messages_per_subject: 1,
+            max_age,
+            allow_rollup: true,
+            deny_delete: true,
+            allow_direct: true,
+            discard: stream::DiscardPolicy::New,
+            storage: stream::StorageType::File,
+            duplicate_window,
+            num_replicas,
+            ..Default::default()
+        };
+        vec![
             log_stream(n.append_stream(), format!("{p}.append.>"), append_max_age.unwrap_or_default()),
             log_stream(n.events_stream(), format!("{p}.events.>"), Duration::ZERO),
             log_stream(n.dead_stream(), format!("{p}.dead.>"), Duration::ZERO),
+            bucket(n.turns_bucket(), TURN_LEASE_TTL, Duration::from_secs(2)),
             stream::Config {
-                name: format!("KV_{bucket}"),
-                subjects: vec![format!("$KV.{bucket}.>")],
-                max_messages_per_subject: 1,
-                max_age: TURN_LEASE_TTL,
-                allow_rollup: true,
-                deny_delete: true,
-                allow_direct: true,
-                discard: stream::DiscardPolicy::New,
-                storage: stream::StorageType::File,
-                duplicate_window: Duration::from_secs(2),
-                num_replicas,
-                ..Default::default()
+                retention: stream::RetentionPolicy::WorkQueue,
+                ..log_stream(n.tool_calls_stream(), format!("{p}.tools.call.*"), Duration::ZERO)
             },
+            bucket(n.tool_catalog_bucket(), Duration::ZERO, DUPLICATE_WINDOW),
+            bucket(n.tool_claims_bucket(), TOOL_CLAIM_TTL, DUPLICATE_WINDOW),
         ]
     }
 
@@ -136,7 +145,7 @@ impl Bus {
         Ok(info.config.num_replicas.max(1))
     }
 
-    /// `turnlog migrate --bus`: brings each of the four streams to [`Bus::replicas`] with a
+    /// `turnlog migrate --bus`: brings each stream of the topology to [`Bus::replicas`] with a
     /// stream update of its own config (the KV bucket's backing stream too: async-nats'
     /// `update_key_value` asks `query_account`, which fails on nats-server 2.9), creates
     /// any that is missing, and says what it did to each, in topology order.
