@@ -976,6 +976,17 @@ class McpTools(unittest.TestCase):
         self.assertEqual(len(r2.output_text.split()), 3)
         with open(target) as f:
             self.assertEqual(f.read(), "from-the-sdk")
+        # The approved call shows in the response it ran in, naming its approval; so it
+        # reads back from the log.
+        self.assertEqual([i.type for i in r2.output], ["mcp_list_tools", "mcp_call", "message"])
+        ran = r2.output[1]
+        self.assertEqual((ran.name, ran.status, ran.approval_request_id), ("write_file", "completed", request.id))
+        self.assertIn("Successfully wrote", ran.output)
+        back = self.client.responses.retrieve(r2.id)
+        self.assertEqual([i.type for i in back.output], ["mcp_call", "message"])
+        self.assertEqual((back.output[0].id, back.output[0].approval_request_id), (ran.id, request.id))
+        first = self.client.responses.retrieve(r1.id)
+        self.assertEqual([i.type for i in first.output], ["mcp_approval_request"])
         # The same approval again: the turn no longer waits for it.
         with self.assertRaises(openai.ConflictError):
             self.client.responses.create(model="mock", previous_response_id=r1.id, input=[approval], tools=[self.files])

@@ -81,11 +81,17 @@ fn options(mock: &MockHandle, servers: String) -> Options {
 async fn with_servers(files: &std::path::Path) -> (Api, MockHandle) {
     let mock = turnlog_mock_llm::spawn(MockConfig::default()).await.unwrap();
     let env = turnlog_testkit::test_env().await;
-    let mut configs = Api::configs(&env, options(&mock, servers(files)));
+    // And a server for Bob only: Alice's turns never see it.
+    let bobs = format!(
+        "{}\n[[servers]]\nlabel = \"bobs\"\ncommand = \"{}\"\nowners = [\"bob\"]\n",
+        servers(files),
+        bin("mcp-server-everything")
+    );
+    let mut configs = Api::configs(&env, options(&mock, bobs));
     let distiller = turnlog_e2e::config::distiller(&env, &mock.base_url());
     configs.workers.push(turnlog_dev::Worker::Distiller(distiller));
     let api = Api::on(env, configs).await;
-    catalog_ready(&api.bus, &["fs", "everything", "changing"]).await;
+    catalog_ready(&api.bus, &["fs", "everything", "changing", "bobs"]).await;
     (api, mock)
 }
 
@@ -200,6 +206,7 @@ async fn a_tool_behind_ask_runs_once_the_user_allows_it() {
         .collect();
     assert!(offered.contains(&"fs__write_file") && offered.contains(&"everything__echo"), "{offered:?}");
     assert!(!offered.contains(&"fs__move_file"), "the filter leaves it out");
+    assert!(!offered.iter().any(|t| t.starts_with("bobs__")), "another owner's server");
     let last = sent[1]["messages"].as_array().unwrap().last().unwrap();
     assert_eq!((last["role"].as_str(), last["content"].as_str()), (Some("tool"), Some(output)));
     // Every step's request rebuilds from the log (§11).

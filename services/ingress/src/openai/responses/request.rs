@@ -526,6 +526,7 @@ impl CreateResponse {
             tool_choice: self.tool_choice.clone().filter(|c| !c.is_null()),
             parallel_tool_calls: self.parallel_tool_calls,
             mcp: Vec::new(),
+            approved: Vec::new(),
         }
     }
 

@@ -71,6 +71,8 @@ async fn stored_outcome(
 /// Most events after a response's first step read to build it (a turn of
 /// `TURNLOG_MAX_TOOL_STEPS` steps with their results fits).
 const RESPONSE_EVENTS: i64 = 2_000;
+/// Most events before a response's first step read for the calls its approvals let run.
+const EVENTS_BEFORE: i64 = 256;
 
 /// A stored response's object: its first step's event (`first`, the attempt its id names)
 /// and the steps and results after it (DESIGN §14).
@@ -81,12 +83,16 @@ pub async fn stored_response(
     echo: &Echo,
 ) -> Result<Value, sqlx::Error> {
     let session = SessionId(first.session_id);
+    let from = (first.seq - 1 - EVENTS_BEFORE).max(0);
+    let mut before =
+        read::events_page(&app.pool, owner, session, from, EVENTS_BEFORE).await?.unwrap_or_default();
+    before.retain(|e| e.seq < first.seq);
     let later =
         read::events_page(&app.pool, owner, session, first.seq, RESPONSE_EVENTS).await?.unwrap_or_default();
     let mut events = Vec::with_capacity(later.len() + 1);
     events.push(first);
     events.extend(later);
-    Ok(from_log(&events, echo))
+    Ok(from_log(&before, &events, echo))
 }
 
 /// The output the log holds for call `call_id`'s result (None when it cannot be read).

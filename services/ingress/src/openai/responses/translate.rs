@@ -35,6 +35,9 @@ pub struct Echo {
     pub parallel_tool_calls: Option<bool>,
     /// The MCP servers the request names, as its `mcp_list_tools` items list them (§14).
     pub mcp: Vec<McpList>,
+    /// The server calls this response's approvals let run (each with its approval
+    /// request's id): their `mcp_call` items come first.
+    pub approved: Vec<(ToolCall, String)>,
 }
 
 /// A server's tools as an `mcp_list_tools` item lists them.
@@ -73,6 +76,13 @@ fn mcp_call_item(attempt: Uuid, index: usize, call: &ToolCall, status: &str, out
         "error": error, "status": if ok { "completed" } else { "failed" }})
 }
 
+/// A server call's `mcp_call` item after its approval, naming the approval request.
+fn approved_call_item(item: Value, approval_request_id: &str) -> Value {
+    let mut item = item;
+    item["approval_request_id"] = json!(approval_request_id);
+    item
+}
+
 /// A server call's `mcp_approval_request` item: its id is the permission request's.
 fn approval_item(id: &str, call: &ToolCall) -> Value {
     let (label, tool) = call.name.split_once(SEPARATOR).unwrap_or(("", call.name.as_str()));
@@ -95,6 +105,7 @@ impl Default for Echo {
             tool_choice: None,
             parallel_tool_calls: None,
             mcp: Vec::new(),
+            approved: Vec::new(),
         }
     }
 }
@@ -105,7 +116,7 @@ impl Default for Echo {
 /// without a prompt is followed by the next step of the same response; the response ends
 /// with an answer, a failure, a step with client calls, or one whose prompt paused it. How
 /// it ended is the log's word ([`turn_end_from_log`]) on its last step.
-pub fn from_log(events: &[StoredEvent], echo: &Echo) -> Value {
+pub fn from_log(before: &[StoredEvent], events: &[StoredEvent], echo: &Echo) -> Value {
     let Some(first) = events.first() else {
         return Snapshot::new(SessionId(Uuid::nil()), echo.clone())
             .finish(Status::Failed("the response could not be read".into()));
@@ -124,6 +135,14 @@ pub fn from_log(events: &[StoredEvent], echo: &Echo) -> Value {
     };
     r.set_attempt(attempt);
     let sources = crate::turn::server::sources(&decoded);
+    // The calls approvals let run before this response's first step (they ran in its task).
+    let earlier: Vec<_> = before.iter().filter_map(|e| e.decode().ok()).collect();
+    for (call, approval, result) in approved_before(&earlier) {
+        let index = r.mcp_calls;
+        r.mcp_calls += 1;
+        let item = mcp_call_item(r.attempt(), index, &call, &result.status, result.output.as_deref());
+        r.items.push(approved_call_item(item, &approval));
+    }
     let mut last;
     let mut usage: Option<(u64, u64, u64)> = None;
     let mut length = false;
@@ -214,6 +233,41 @@ pub fn from_log(events: &[StoredEvent], echo: &Echo) -> Value {
     r.usage = usage;
     let end = turn_end_from_log(session, [last]);
     r.finish(Status::of(end.status, length, failure))
+}
+
+/// In the events before a response's first step: the server calls of the step before it
+/// that had a prompt, were approved, and have a result — each with its approval request's id.
+fn approved_before(
+    events: &[turnlog_core::events::Event],
+) -> Vec<(ToolCall, String, turnlog_core::events::ToolExecution)> {
+    let Some(at) = events.iter().rposition(|e| matches!(&e.body, EventBody::AssistantTurn(_))) else {
+        return Vec::new();
+    };
+    let EventBody::AssistantTurn(step) = &events[at].body else { return Vec::new() };
+    let after = &events[at..];
+    // A new message since: this response is a new turn's.
+    if after.iter().any(|e| matches!(&e.body, EventBody::UserMessage(_))) {
+        return Vec::new();
+    }
+    step.llm
+        .message
+        .tool_calls
+        .iter()
+        .filter_map(|call| {
+            let approval = after.iter().find_map(|e| match &e.body {
+                EventBody::PermissionRequest(p) if p.call_id == call.id => Some(p.id.clone()),
+                _ => None,
+            })?;
+            let approved = after.iter().any(|e| {
+                matches!(&e.body, EventBody::PermissionResolved(r) if r.id == approval && r.decision != "deny")
+            });
+            let result = after.iter().find_map(|e| match &e.body {
+                EventBody::ToolExecution(x) if x.call_id == call.id => Some(x.clone()),
+                _ => None,
+            })?;
+            approved.then(|| (call.clone(), approval, result))
+        })
+        .collect()
 }
 
 /// An `mcp_call` item whose call has no result (yet): in progress, nothing out.
@@ -525,19 +579,23 @@ pub(super) struct Translator {
     index: usize,
     failure: Option<String>,
     /// Server calls of this response waiting for their result or prompt, each with its
-    /// place among the response's server calls.
-    pending: Vec<(ToolCall, usize)>,
+    /// place among the response's server calls and the approval that let it run, if any.
+    pending: Vec<(ToolCall, usize, Option<String>)>,
 }
 
 impl Translator {
     pub(super) fn new(echo: Echo) -> Self {
-        Self {
-            r: Snapshot::new(SessionId(Uuid::nil()), echo),
-            open: Open::None,
-            index: 0,
-            failure: None,
-            pending: Vec::new(),
-        }
+        let mut r = Snapshot::new(SessionId(Uuid::nil()), echo);
+        // The approved calls run first, before the response's first step.
+        let pending = r
+            .echo
+            .approved
+            .iter()
+            .enumerate()
+            .map(|(n, (call, approval))| (call.clone(), n, Some(approval.clone())))
+            .collect();
+        r.mcp_calls = r.echo.approved.len();
+        Self { r, open: Open::None, index: 0, failure: None, pending }
     }
 
     /// The session the response runs in (once the `meta` named it).
@@ -613,12 +671,12 @@ impl Translator {
             TurnEvent::ToolCall(c) if c.source != "client" => {
                 let call =
                     ToolCall { id: c.call_id.clone(), name: c.name.clone(), arguments: c.arguments.clone() };
-                pending.push((call, r.mcp_calls));
+                pending.push((call, r.mcp_calls, None));
                 r.mcp_calls += 1;
             }
             TurnEvent::Permission(p) => {
-                if let Some(at) = pending.iter().position(|(c, _)| c.id == p.call_id) {
-                    let (call, _) = pending.remove(at);
+                if let Some(at) = pending.iter().position(|(c, _, _)| c.id == p.call_id) {
+                    let (call, _, _) = pending.remove(at);
                     close_open(r, open, index, "completed", &mut out);
                     let item = approval_item(&p.id, &call);
                     out.extend(mcp_item_events(*index, &item));
@@ -652,18 +710,21 @@ impl Translator {
 
     /// Whether the response shows the result of call `call_id` (a server call of its own).
     pub(super) fn shows_result(&self, call_id: &str) -> bool {
-        self.pending.iter().any(|(c, _)| c.id == call_id)
+        self.pending.iter().any(|(c, _, _)| c.id == call_id)
     }
 
     /// A server call's result, with the output the log holds: its `mcp_call` item.
     pub(super) fn result(&mut self, res: &ToolResultEvent, output: Option<String>) -> Vec<Value> {
         let Self { r, open, index, pending, .. } = self;
         let mut out = Vec::new();
-        let Some(at) = pending.iter().position(|(c, _)| c.id == res.call_id) else { return out };
-        let (call, n) = pending.remove(at);
+        let Some(at) = pending.iter().position(|(c, _, _)| c.id == res.call_id) else { return out };
+        let (call, n, approval) = pending.remove(at);
         close_open(r, open, index, "completed", &mut out);
         let output = output.or_else(|| res.digest.clone());
-        let item = mcp_call_item(r.attempt(), n, &call, &res.status, output.as_deref());
+        let mut item = mcp_call_item(r.attempt(), n, &call, &res.status, output.as_deref());
+        if let Some(approval) = approval {
+            item = approved_call_item(item, &approval);
+        }
         out.extend(mcp_item_events(*index, &item));
         r.items.push(item);
         *index += 1;
@@ -888,7 +949,7 @@ mod tests {
     fn a_response_read_from_the_log_ends_as_its_outcome_says() {
         let attempt = Uuid::now_v7().to_string();
         let status = |kind: &str, payload: Value| {
-            let r = from_log(&[stored(kind, payload)], &Echo::default());
+            let r = from_log(&[], &[stored(kind, payload)], &Echo::default());
             (r["status"].as_str().unwrap_or_default().to_owned(), r["error"]["message"].clone())
         };
         let failed = |code: &str, message: &str| {

@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::StreamExt as _;
 use serde_json::Value;
-use turnlog_core::events::{EventBody, PendingReason};
+use turnlog_core::events::{EventBody, PendingReason, ToolCall};
 use turnlog_core::ids::SessionId;
 use turnlog_core::stream::TurnEvent;
 use turnlog_runtime::read;
@@ -99,7 +99,9 @@ pub async fn create(
                     "the previous response's turn is over: its conversation went on".into(),
                 )));
             }
-            (session, approve(&app, &caller, session, approvals).await?)
+            let (approved, events) = approve(&app, &caller, session, approvals).await?;
+            echo.approved = approved;
+            (session, events)
         }
         StoredInput::History(items) => {
             let (family, conversation) =
@@ -134,14 +136,23 @@ async fn mcp_lists(app: &AppState, caller: &Caller, req: &CreateResponse) -> Res
     Ok(offered.into_iter().map(McpList::of).collect())
 }
 
+/// The approved calls and the continued turn's events.
+type Approved = (Vec<(ToolCall, String)>, futures::stream::BoxStream<'static, turn::StreamEvent>);
+
 /// Answers the approval requests a paused turn waits for and continues it (a response
-/// pauses at its first prompt, §14): the continued turn's events.
+/// pauses at its first prompt, §14): the calls let run (each with its approval request's
+/// id), which the new response shows first, and the continued turn's events.
 async fn approve(
     app: &AppState,
     caller: &Caller,
     session: SessionId,
     approvals: Vec<Approval>,
-) -> Result<futures::stream::BoxStream<'static, turn::StreamEvent>, OaiError> {
+) -> Result<Approved, OaiError> {
+    // The calls the approvals are for, from the paused step.
+    let events = read::current_turn(&app.pool, caller.owner(), session, 20_000)
+        .await?
+        .ok_or_else(|| OaiError::not_found("conversation"))?;
+    let mut approved = Vec::new();
     let mut call = None;
     for a in &approvals {
         let decision = if a.approve { "allow" } else { "deny" };
@@ -151,6 +162,19 @@ async fn approve(
                 crate::error::ApiError::NotFound(_) => OaiError::not_found("approval request"),
                 e => OaiError(e),
             })?;
+        if a.approve {
+            let made = events.iter().rev().find_map(|e| match &e.body {
+                EventBody::AssistantTurn(t) => t
+                    .llm
+                    .message
+                    .tool_calls
+                    .iter()
+                    .find(|c| Some(&c.id) == resolved.call_id.as_ref())
+                    .cloned(),
+                _ => None,
+            });
+            approved.extend(made.map(|c| (c, a.request_id.clone())));
+        }
         call = call.or(resolved.call_id);
     }
     let waits = match call {
@@ -160,11 +184,12 @@ async fn approve(
         }
         None => None,
     };
-    waits.ok_or_else(|| {
+    let events = waits.ok_or_else(|| {
         OaiError(crate::error::ApiError::Conflict(
             "no response waits for this approval (its turn went on, or runs now)".into(),
         ))
-    })
+    })?;
+    Ok((approved, events))
 }
 
 /// Retrieve a response; with `stream=true`, re-attach: its events from `response.created`
