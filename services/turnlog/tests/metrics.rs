@@ -397,3 +397,63 @@ async fn the_pre_send_check_joins_the_turns_trace() {
         p.terminate();
     }
 }
+
+/// A server tool's call (DESIGN §14) runs in `turnlog tools`, a process of its own, in a
+/// span of the turn's trace: the tools worker's `tool_call` span's parent is the ingress's.
+/// Its metrics count the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_tool_call_joins_the_turns_trace() {
+    let env = test_env().await;
+    let mock = turnlog_mock_llm::spawn(turnlog_mock_llm::MockConfig::default()).await.unwrap();
+    let llm = mock.base_url();
+    let (otlp, spans) = otlp_receiver().await;
+    let servers = std::env::temp_dir().join(format!("turnlog-mcp-{}.toml", uuid::Uuid::new_v4().simple()));
+    let everything = turnlog_e2e::mcp::bin("mcp-server-everything");
+    std::fs::write(
+        &servers,
+        format!("[[servers]]\nlabel = \"everything\"\ncommand = \"{everything}\"\n[servers.tools.echo]\npolicy = \"allow\"\n"),
+    )
+    .unwrap();
+    let servers_path = servers.display().to_string();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let metrics_listen = format!("127.0.0.1:{}", free_port());
+    let vars = [
+        ("TURNLOG_LLM_URL", llm.as_str()),
+        ("TURNLOG_MODEL", "mock"),
+        ("TURNLOG_LISTEN", listen.as_str()),
+        ("TURNLOG_MCP_SERVERS", servers_path.as_str()),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.as_str()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ];
+    let mut processes: Vec<TurnlogProcess> =
+        ["writer", "ingress"].iter().map(|role| TurnlogProcess::start(BIN, &env, &[role], &vars)).collect();
+    let mut tools_vars = vars.to_vec();
+    tools_vars.push(("TURNLOG_METRICS_LISTEN", metrics_listen.as_str()));
+    processes.push(TurnlogProcess::start(BIN, &env, &["tools"], &tools_vars));
+    let bus = turnlog_runtime::bus::Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
+    turnlog_e2e::mcp::catalog_ready(&bus, &["everything"]).await;
+    let http = reqwest::Client::new();
+    let ingress = format!("http://{listen}");
+    let trace_id = uuid::Uuid::new_v4().simple().to_string();
+    let traceparent = format!("00-{trace_id}-00f067aa0ba902b7-01");
+    let text = "Echo it [mock tool=everything__echo:{\"message\":\"traced\"} words=2]";
+    let (_, turn) = traced_turn(&http, &ingress, &traceparent, text).await;
+    let body = String::from_utf8(turn.bytes().await.unwrap().to_vec()).unwrap();
+    assert!(body.contains("\"status\":\"completed\""), "{body}");
+    let call = eventually(Duration::from_secs(20), || async {
+        let got = spans.lock().unwrap().clone();
+        let call = got.iter().find(|s| s.trace_id == trace_id && s.name == "tool_call")?.clone();
+        let parent = got.iter().find(|s| s.span_id == call.parent)?.clone();
+        Some((call, parent))
+    })
+    .await;
+    assert_eq!(call.0.service, "turnlog-tools");
+    assert_eq!((call.1.service.as_str(), call.1.trace_id.as_str()), ("turnlog-ingress", trace_id.as_str()));
+    let exposition = scrape(&http, &format!("http://{metrics_listen}")).await;
+    let labels = [("server", "everything"), ("tool", "echo"), ("status", "ok")];
+    assert_eq!(value(&exposition, "turnlog_tool_calls_total", &labels), Some(1.0));
+    for p in &mut processes {
+        p.terminate();
+    }
+    let _ = std::fs::remove_file(servers);
+}

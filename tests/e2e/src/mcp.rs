@@ -42,10 +42,19 @@ pub fn script(name: &str) -> String {
     servers_dir().join(name).display().to_string()
 }
 
-/// Waits until the catalogue lists every server of `labels` as up, and returns it.
+/// Waits until the catalogue lists every server of `labels` as up (the bus's topology
+/// made by a service that may still be starting), and returns it.
 pub async fn catalog_ready(bus: &Bus, labels: &[&str]) -> Vec<ServerCatalog> {
-    let tools = ToolsBus::open(bus).await.unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let tools = loop {
+        match ToolsBus::open(bus).await {
+            Ok(tools) => break tools,
+            Err(_) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("the tools' buckets never came: {e}"),
+        }
+    };
     loop {
         let catalog = tools.catalog().await.unwrap();
         if labels.iter().all(|l| catalog.iter().any(|s| s.label == *l && s.up)) {
