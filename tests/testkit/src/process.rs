@@ -210,9 +210,24 @@ impl ExternalProcess {
         self.signal("TERM");
     }
 
-    /// SIGSTOP: the process freezes (its sockets stay open, nothing answers).
+    /// SIGSTOP: the process freezes (its sockets stay open, nothing answers). Returns once
+    /// every thread is stopped: a signal reaches a busy process's threads one by one, and
+    /// one still running could answer a request sent right after.
     pub fn stop(&mut self) {
         self.signal("STOP");
+        let tasks = format!("/proc/{}/task", self.last_pid);
+        let stopped = || {
+            let Ok(entries) = std::fs::read_dir(&tasks) else { return true };
+            entries.flatten().all(|t| {
+                let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                // The state follows the parenthesized command name.
+                stat.rsplit_once(") ").is_none_or(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+            })
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        while !stopped() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// SIGCONT after [`stop`](Self::stop).

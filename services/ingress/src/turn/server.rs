@@ -130,6 +130,9 @@ pub async fn check_client_names(
     owner: &Owner,
     offer: Option<&ToolOffer>,
 ) -> Result<(), crate::ApiError> {
+    if offer.is_none() {
+        return Ok(());
+    }
     let catalog = app.catalog.for_owner(app, owner).await;
     if let Some(name) = server_names(offer, &catalog).into_iter().next() {
         return Err(crate::ApiError::bad_request(format!(
