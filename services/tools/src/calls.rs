@@ -240,7 +240,8 @@ async fn record(
     finished: Finished,
     duration_ms: Option<u64>,
 ) -> anyhow::Result<()> {
-    let output = capped_output(&finished.output, shared.output_max);
+    // A server's NUL would make the result unstorable: it is shown as U+FFFD.
+    let output = capped_output(&finished.output.replace('\0', "\u{FFFD}"), shared.output_max);
     let body = EventBody::ToolExecution(ToolExecution {
         call_id: call.call_id.clone(),
         name: name.to_owned(),

@@ -96,11 +96,18 @@ async fn connect(
     }
 }
 
-/// The server's tools, filtered and with their rules, as the catalogue holds them. A tool
-/// whose namespaced name a model would refuse (over 64 characters, or other than letters,
-/// digits, `_` and `-`) is left out, and said so.
+/// Most bytes one server's tools may take in the catalogue (each turn sends them to the
+/// model, and each step records them), and most tools.
+const MAX_SERVER_TOOLS_BYTES: usize = 64 * 1024;
+const MAX_SERVER_TOOLS: usize = 128;
+
+/// The server's tools, filtered and with their rules, as the catalogue holds them. Left
+/// out, and said so: a tool whose namespaced name a model would refuse (over 64
+/// characters, or other than letters, digits, `_` and `-`), one the log cannot store (NUL
+/// in its description or schema), and those past the server's share of a request.
 async fn list(config: &ServerConfig, peer: &Peer<RoleClient>) -> anyhow::Result<Vec<CatalogTool>> {
     let mut tools = Vec::new();
+    let mut bytes = 0;
     for tool in peer.list_all_tools().await? {
         let name = tool.name.to_string();
         if !config.offers(&name) {
@@ -112,13 +119,24 @@ async fn list(config: &ServerConfig, peer: &Peer<RoleClient>) -> anyhow::Result<
             continue;
         }
         let rule = config.rule(&name);
-        tools.push(CatalogTool {
+        let entry = CatalogTool {
             name,
             description: tool.description.map(|d| d.to_string()),
             input_schema: serde_json::Value::Object((*tool.input_schema).clone()),
             policy: rule.policy,
             danger_level: rule.danger_level,
-        });
+        };
+        let json = serde_json::to_value(&entry)?;
+        if turnlog_core::storable::has_nul(&json) {
+            tracing::warn!(server = %config.label, tool = %entry.name, "tool left out: its description or schema holds NUL");
+            continue;
+        }
+        bytes += turnlog_core::limits::json_len(&json);
+        if bytes > MAX_SERVER_TOOLS_BYTES || tools.len() >= MAX_SERVER_TOOLS {
+            tracing::warn!(server = %config.label, tool = %entry.name, "tool left out: the server's tools are over {MAX_SERVER_TOOLS} or {MAX_SERVER_TOOLS_BYTES} bytes");
+            continue;
+        }
+        tools.push(entry);
     }
     Ok(tools)
 }

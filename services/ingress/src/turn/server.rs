@@ -98,21 +98,34 @@ pub(super) fn server_names(offer: Option<&ToolOffer>, catalog: &[ServerCatalog])
         .collect()
 }
 
-/// `offer` with the servers' tools after the client's (whose text is kept byte for byte);
-/// None when neither has any.
+/// Most tools a turn offers in all, and most bytes the servers' may add to a request.
+const MAX_OFFERED_TOOLS: usize = 128;
+const MAX_SERVER_TOOLS_BYTES: usize = 128 * 1024;
+
+/// `offer` with the servers' tools after the client's (whose text is kept byte for byte),
+/// as many as fit [`MAX_OFFERED_TOOLS`] and [`MAX_SERVER_TOOLS_BYTES`] (the rest left out,
+/// and logged); None when neither has any.
 pub(super) fn with_server_tools(offer: Option<ToolOffer>, catalog: &[ServerCatalog]) -> Option<ToolOffer> {
-    let tools: Vec<String> = catalog
-        .iter()
-        .flat_map(|s| s.tools.iter().map(move |t| (s, t)))
-        .map(|(s, t)| {
-            let mut function =
-                serde_json::json!({"name": namespaced(&s.label, &t.name), "parameters": t.input_schema});
-            if let Some(d) = &t.description {
-                function["description"] = d.as_str().into();
-            }
-            serde_json::json!({"type": "function", "function": function}).to_string()
-        })
-        .collect();
+    let client_tools = offer
+        .as_ref()
+        .and_then(|o| serde_json::from_str::<Vec<serde_json::Value>>(&o.tools).ok())
+        .map_or(0, |t| t.len());
+    let mut bytes = 0;
+    let mut tools: Vec<String> = Vec::new();
+    for (s, t) in catalog.iter().flat_map(|s| s.tools.iter().map(move |t| (s, t))) {
+        let mut function =
+            serde_json::json!({"name": namespaced(&s.label, &t.name), "parameters": t.input_schema});
+        if let Some(d) = &t.description {
+            function["description"] = d.as_str().into();
+        }
+        let text = serde_json::json!({"type": "function", "function": function}).to_string();
+        bytes += text.len();
+        if client_tools + tools.len() >= MAX_OFFERED_TOOLS || bytes > MAX_SERVER_TOOLS_BYTES {
+            tracing::warn!(server = %s.label, tool = %t.name, "server tool not offered: the turn's tools are full");
+            continue;
+        }
+        tools.push(text);
+    }
     if tools.is_empty() {
         return offer;
     }
@@ -568,5 +581,20 @@ mod tests {
         let only = with_server_tools(None, &catalog()).unwrap();
         assert_eq!(serde_json::from_str::<Vec<serde_json::Value>>(&only.tools).unwrap().len(), 1);
         assert!(with_server_tools(None, &[]).is_none());
+    }
+
+    #[test]
+    fn a_turn_offers_at_most_128_tools_however_many_the_servers_have() {
+        let mut many = catalog();
+        let tool = many[0].tools[0].clone();
+        many[0].tools = (0..300).map(|i| CatalogTool { name: format!("t{i}"), ..tool.clone() }).collect();
+        let client = ToolOffer {
+            tools: r#"[{"type":"function","function":{"name":"w"}}]"#.into(),
+            ..Default::default()
+        };
+        let merged = with_server_tools(Some(client), &many).unwrap();
+        let list: Vec<serde_json::Value> = serde_json::from_str(&merged.tools).unwrap();
+        assert_eq!(list.len(), MAX_OFFERED_TOOLS);
+        assert_eq!(list[0]["function"]["name"], "w");
     }
 }

@@ -16,11 +16,12 @@ use turnlog_runtime::read;
 use super::follow::follow_local;
 use super::server;
 use super::start::{ready_for_turns, take_slot};
-use super::{start_turn, StreamEvent, ToolOffer, TurnOptions, TurnStart};
+use super::{start_turn, StreamEvent, ToolOffer, TurnOptions, TurnSlot, TurnStart};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::writes::submit;
 use crate::AppState;
+use turnlog_runtime::lease::Lease;
 
 /// Most results one request may send.
 const MAX_RESULTS: usize = 128;
@@ -186,10 +187,9 @@ pub async fn continue_with_results(
         if !missing.is_empty() {
             return Err(ApiError::bad_request(format!("results are missing for {}", missing.join(", "))));
         }
-        let (user_seq, user_text, options, model) = resume_point(app, &tail.events, step)?;
-        Ok((waiting, user_seq, user_text, options, model))
+        Ok((waiting, resume_point(app, &tail.events, step)?))
     };
-    let (waiting, user_seq, user_text, options, model) = match prepared.await {
+    let (waiting, resumed) = match prepared.await {
         Ok(p) => p,
         Err(e) => {
             let _ = app.leases.release(lease).await;
@@ -220,29 +220,50 @@ pub async fn continue_with_results(
         }
         told.push(ToolResultEvent { call_id: r.call_id, status: status.into(), digest });
     }
-    let start = TurnStart {
-        session: id,
-        owner: caller.owner().clone(),
-        user_seq,
-        user_text,
-        model,
-        lease,
-        slot,
-        options,
-        results: told,
-        continued: true,
-    };
-    Ok(follow_local(start_turn(app, start), 0))
+    Ok(follow_local(start_turn(app, resumed.start(caller, id, lease, slot, told)), 0))
 }
 
-/// Where a paused turn goes on from: its user message (seq, text), and the options and
-/// model its asking `step` recorded — as they were sent, what the record left out taken
-/// from the log.
+/// Where a paused turn goes on from: its user message, and the options and model its
+/// asking step recorded.
+struct Resumed {
+    user_seq: i64,
+    user_text: String,
+    options: TurnOptions,
+    model: String,
+}
+
+impl Resumed {
+    /// The continued turn's start, telling `results` (just recorded) after its `meta`.
+    fn start(
+        self,
+        caller: &Caller,
+        id: SessionId,
+        lease: Lease,
+        slot: TurnSlot,
+        results: Vec<ToolResultEvent>,
+    ) -> TurnStart {
+        TurnStart {
+            session: id,
+            owner: caller.owner().clone(),
+            user_seq: self.user_seq,
+            user_text: self.user_text,
+            model: self.model,
+            lease,
+            slot,
+            options: self.options,
+            results,
+            continued: true,
+        }
+    }
+}
+
+/// Where a paused turn goes on from: its user message, and the options and model its
+/// asking `step` recorded — as they were sent, what the record left out taken from the log.
 fn resume_point(
     app: &AppState,
     events: &[Event],
     step: Option<&turnlog_core::events::AssistantTurn>,
-) -> Result<(i64, String, TurnOptions, String), ApiError> {
+) -> Result<Resumed, ApiError> {
     let start = current_turn_start(events);
     let (user_seq, user_text) = events
         .iter()
@@ -258,7 +279,7 @@ fn resume_point(
         .map_err(ApiError::internal)?;
     let options = recorded.as_ref().map(TurnOptions::of_recorded).unwrap_or_default();
     let model = recorded.map(|r| r.model).unwrap_or_else(|| app.config.model.clone());
-    Ok((user_seq, user_text, options, model))
+    Ok(Resumed { user_seq, user_text, options, model })
 }
 
 /// After a permission answer (DESIGN §14): a turn paused on call `call_id`'s prompt goes
@@ -294,27 +315,15 @@ pub async fn continue_after_permission(
         });
         resume_point(app, &tail.events, step).map(Some)
     };
-    let (user_seq, user_text, mut options, model) = match prepared.await {
+    let mut resumed = match prepared.await {
         Ok(Some(p)) => p,
         other => {
             let _ = app.leases.release(lease).await;
             return other.map(|_| None);
         }
     };
-    options.permission_wait = permission_wait;
-    let start = TurnStart {
-        session: id,
-        owner: caller.owner().clone(),
-        user_seq,
-        user_text,
-        model,
-        lease,
-        slot,
-        options,
-        results: Vec::new(),
-        continued: true,
-    };
-    Ok(Some(follow_local(start_turn(app, start), 0)))
+    resumed.options.permission_wait = permission_wait;
+    Ok(Some(follow_local(start_turn(app, resumed.start(caller, id, lease, slot, Vec::new())), 0)))
 }
 
 /// Most events of the current turn read to find what a paused turn waits for (a turn of
