@@ -7,6 +7,8 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
+use chrono::{DateTime, Utc};
+use serde_json::Value;
 use sqlx::PgPool;
 use turnlog_core::events::EventKind;
 use turnlog_core::ids::SessionId;
@@ -24,26 +26,73 @@ const INDEX_BATCH: usize = 5_000;
 /// partition take, so that a delete never leaves behind rows indexed meanwhile ("TLSX").
 pub(crate) const LOCK_CLASS: i32 = 0x544C_5358;
 
-/// What a batch of commits leaves to index: the events that are found by search, and the
-/// APPEND sequence the index is then complete through.
+/// What a batch of commits leaves to index: the rows of the events that are found by
+/// search, and the APPEND sequence the index is then complete through.
 pub(crate) struct Committed {
-    pub events: Vec<(SessionId, i64)>,
+    pub events: Vec<Entry>,
     pub through: i64,
 }
 
+/// One `search_entries` row.
+pub(crate) struct Entry {
+    session: SessionId,
+    seq: i64,
+    owner: String,
+    /// `user` or `assistant`.
+    kind: &'static str,
+    body: String,
+    created_at: DateTime<Utc>,
+}
+
 impl Committed {
+    /// The rows of the committed `events`, their text taken from the payloads in hand (no
+    /// read of the stored events, no SQL function per row).
     pub(crate) fn of<'a>(events: impl IntoIterator<Item = &'a EventRow>, through: i64) -> Self {
         let events = events
             .into_iter()
-            .filter(|e| searchable(e.event.kind))
-            .map(|e| (e.event.session_id, e.event.seq))
+            .filter_map(|e| {
+                let e = &e.event;
+                let body = search_text(e.kind, &e.payload)?;
+                Some(Entry {
+                    session: e.session_id,
+                    seq: e.seq,
+                    owner: e.owner.as_str().to_owned(),
+                    kind: if e.kind == EventKind::UserMessage { "user" } else { "assistant" },
+                    body,
+                    created_at: e.created_at,
+                })
+            })
             .collect();
         Self { events, through }
     }
 }
 
-fn searchable(kind: EventKind) -> bool {
-    matches!(kind, EventKind::UserMessage | EventKind::AssistantTurn)
+/// Characters of an event's text that are indexed: a tsvector holds at most 1 MB.
+const MAX_SEARCH_CHARS: usize = 65_536;
+
+/// An event's searchable text, as `turnlog_search_text` (migrations/0007 and 0012, used
+/// for the bulk paths: catch-up, rebuild) computes it from the stored payload: a user
+/// message's `text`; an answer's text blocks (`ui.blocks[*]` of type `text`) joined; none
+/// when empty or for any other kind; the first [`MAX_SEARCH_CHARS`] characters. The
+/// payloads are the writer's own (their text fields are strings); a test compares both.
+pub(crate) fn search_text(kind: EventKind, payload: &Value) -> Option<String> {
+    let mut text = match kind {
+        EventKind::UserMessage => payload.get("text").and_then(Value::as_str)?.to_owned(),
+        EventKind::AssistantTurn => {
+            let blocks = payload.get("ui").and_then(|ui| ui.get("blocks")).and_then(Value::as_array);
+            blocks
+                .into_iter()
+                .flatten()
+                .filter(|b| b.get("type").and_then(Value::as_str) == Some("text"))
+                .filter_map(|b| b.get("text").and_then(Value::as_str))
+                .collect()
+        }
+        _ => return None,
+    };
+    if let Some((cut, _)) = text.char_indices().nth(MAX_SEARCH_CHARS) {
+        text.truncate(cut);
+    }
+    (!text.is_empty()).then_some(text)
 }
 
 /// Indexes partition `partition`'s committed events: first those committed before its
@@ -58,7 +107,7 @@ pub(crate) async fn indexer(
     merge: std::sync::Arc<crate::gin::PendingRows>,
 ) -> anyhow::Result<()> {
     merge.add(catch_up(&pool, partition, partitions, applied).await?);
-    let mut pending: Vec<(SessionId, i64)> = Vec::new();
+    let mut pending: Vec<Entry> = Vec::new();
     let mut through = None;
     loop {
         let first = match commits.recv().await {
@@ -96,8 +145,13 @@ pub(crate) async fn indexer(
     Ok(())
 }
 
+/// stream_seq, session_id, seq, owner, kind (`user` | `assistant`), body (none: no text),
+/// created_at.
+type CatchUpRow = (i64, Uuid, i64, String, String, Option<String>, DateTime<Utc>);
+
 /// Indexes the events of the partition committed after its search position and through
-/// `applied`: those a previous writer committed but did not index. Returns how many.
+/// `applied`: those a previous writer committed but did not index, read back in chunks of
+/// [`INDEX_BATCH`] with their text by `turnlog_search_text`. Returns how many.
 async fn catch_up(pool: &PgPool, partition: i32, partitions: u32, applied: i64) -> anyhow::Result<usize> {
     sqlx::query("INSERT INTO search_positions (partition) VALUES ($1) ON CONFLICT DO NOTHING")
         .bind(partition)
@@ -110,37 +164,55 @@ async fn catch_up(pool: &PgPool, partition: i32, partitions: u32, applied: i64) 
     if indexed >= applied {
         return Ok(0);
     }
-    let rows: Vec<(Uuid, i64)> = sqlx::query_as(
-        "SELECT session_id, seq FROM session_events
-          WHERE stream_seq > $1 AND stream_seq <= $2 AND kind IN ('user_message', 'assistant_turn')",
-    )
-    .bind(indexed)
-    .bind(applied)
-    .fetch_all(pool)
-    .await?;
-    let own: Vec<(SessionId, i64)> = rows
-        .into_iter()
-        .map(|(s, seq)| (SessionId(s), seq))
-        .filter(|(s, _)| i64::from(partition_of(*s, partitions)) == i64::from(partition))
-        .collect();
-    tracing::info!(partition, indexed, applied, events = own.len(), "search index catching up");
-    for chunk in own.chunks(INDEX_BATCH) {
-        index(pool, partition, chunk, indexed).await?;
+    tracing::info!(partition, indexed, applied, "search index catching up");
+    // Pages by (stream_seq, session, seq): a stream sequence may have made several events.
+    let (mut after, mut count) = ((indexed, Uuid::max(), i64::MAX), 0);
+    loop {
+        let rows: Vec<CatchUpRow> = sqlx::query_as(
+            "SELECT e.stream_seq, e.session_id, e.seq, s.owner,
+                    CASE e.kind WHEN 'user_message' THEN 'user' ELSE 'assistant' END,
+                    turnlog_search_text(e.kind, e.payload), e.created_at
+               FROM session_events e JOIN sessions s ON s.id = e.session_id
+              WHERE e.stream_seq >= $1 AND e.stream_seq <= $4 AND (e.stream_seq, e.session_id, e.seq) > ($1, $2, $3)
+                AND e.kind IN ('user_message', 'assistant_turn')
+              ORDER BY e.stream_seq, e.session_id, e.seq LIMIT $5",
+        )
+        .bind(after.0)
+        .bind(after.1)
+        .bind(after.2)
+        .bind(applied)
+        .bind(INDEX_BATCH as i64)
+        .fetch_all(pool)
+        .await?;
+        let Some(last) = rows.last().map(|r| (r.0, r.1, r.2)) else { break };
+        after = last;
+        let own: Vec<Entry> = rows
+            .into_iter()
+            .filter(|r| i64::from(partition_of(SessionId(r.1), partitions)) == i64::from(partition))
+            .filter_map(|(_, session, seq, owner, kind, body, created_at)| {
+                Some(Entry {
+                    session: SessionId(session),
+                    seq,
+                    owner,
+                    kind: if kind == "user" { "user" } else { "assistant" },
+                    body: body?,
+                    created_at,
+                })
+            })
+            .collect();
+        count += own.len();
+        index(pool, partition, &own, indexed).await?;
     }
     index(pool, partition, &[], applied).await?;
-    Ok(own.len())
+    tracing::info!(partition, events = count, "search index caught up");
+    Ok(count)
 }
 
 /// Indexes `events` and moves the partition's position to `through`. When the database
 /// refuses the batch for its data, each event is indexed alone and one it still refuses is
 /// left out, with its reason logged and counted (`turnlog_writer_search_skipped_total`):
 /// search never stops a partition. Other errors (a lost connection) end the indexer.
-async fn index(
-    pool: &PgPool,
-    partition: i32,
-    events: &[(SessionId, i64)],
-    through: i64,
-) -> anyhow::Result<()> {
+async fn index(pool: &PgPool, partition: i32, events: &[Entry], through: i64) -> anyhow::Result<()> {
     let refused = match index_once(pool, partition, events, through).await {
         Ok(()) => return Ok(()),
         Err(e) => match data_error(&e) {
@@ -154,11 +226,12 @@ async fn index(
         error = refused,
         "search index batch refused; indexing its events one by one"
     );
-    for &(session, seq) in events {
-        if let Err(e) = index_once(pool, partition, &[(session, seq)], 0).await {
+    for entry in events {
+        if let Err(e) = index_once(pool, partition, std::slice::from_ref(entry), 0).await {
             let Some(why) = data_error(&e) else {
                 return Err(e).context("writing the search index");
             };
+            let (session, seq) = (entry.session, entry.seq);
             tracing::warn!(partition, %session, seq, error = why, "event left out of the search index");
             crate::metrics::metrics().search_skipped();
         }
@@ -171,7 +244,7 @@ async fn index(
 async fn index_once(
     pool: &PgPool,
     partition: i32,
-    events: &[(SessionId, i64)],
+    events: &[Entry],
     through: i64,
 ) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
@@ -181,9 +254,13 @@ async fn index_once(
         .execute(&mut *tx)
         .await?;
     if !events.is_empty() {
-        sqlx::query(INDEX_EVENTS)
-            .bind(events.iter().map(|(s, _)| s.0).collect::<Vec<_>>())
-            .bind(events.iter().map(|(_, seq)| *seq).collect::<Vec<_>>())
+        sqlx::query(INDEX_ENTRIES)
+            .bind(events.iter().map(|e| e.session.0).collect::<Vec<_>>())
+            .bind(events.iter().map(|e| e.seq).collect::<Vec<_>>())
+            .bind(events.iter().map(|e| e.owner.as_str()).collect::<Vec<_>>())
+            .bind(events.iter().map(|e| e.kind).collect::<Vec<_>>())
+            .bind(events.iter().map(|e| e.body.as_str()).collect::<Vec<_>>())
+            .bind(events.iter().map(|e| e.created_at).collect::<Vec<_>>())
             .execute(&mut *tx)
             .await?;
     }
@@ -196,17 +273,13 @@ async fn index_once(
     Ok(())
 }
 
-/// The search rows of the events `$1`/`$2` (session ids, seqs) name, from the stored events
-/// (`turnlog_search_text`, the one definition of an event's searchable text, which keeps
-/// the first 65,536 characters: a tsvector holds at most 1 MB).
-const INDEX_EVENTS: &str = "INSERT INTO search_entries (session_id, seq, owner, kind, body, created_at)
-     SELECT e.session_id, e.seq, s.owner,
-            CASE e.kind WHEN 'user_message' THEN 'user' ELSE 'assistant' END, t.body, e.created_at
-       FROM UNNEST($1::uuid[], $2::int8[]) AS k(session_id, seq)
-       JOIN session_events e ON e.session_id = k.session_id AND e.seq = k.seq
-       JOIN sessions s ON s.id = e.session_id
-      CROSS JOIN LATERAL (SELECT turnlog_search_text(e.kind, e.payload) AS body) t
-      WHERE t.body IS NOT NULL
+/// The rows given (session ids, seqs, owners, kinds, bodies, times), of the events still
+/// stored: a delete may have come first, and holds the same lock.
+const INDEX_ENTRIES: &str = "INSERT INTO search_entries (session_id, seq, owner, kind, body, created_at)
+     SELECT k.session_id, k.seq, k.owner, k.kind, k.body, k.created_at
+       FROM UNNEST($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::text[], $6::timestamptz[])
+            AS k(session_id, seq, owner, kind, body, created_at)
+      WHERE EXISTS (SELECT 1 FROM session_events e WHERE e.session_id = k.session_id AND e.seq = k.seq)
      ON CONFLICT (session_id, seq) DO NOTHING";
 
 /// The whole index recomputed from the stored events, and every partition's position set

@@ -36,7 +36,11 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Er
 /// cancelled by Postgres after `statement_timeout`, so one slow or blocked query cannot
 /// hold a connection, and the request waiting on it, indefinitely; and every transaction is
 /// read-only, so only the writer can change the log (DESIGN.md §9.6), whatever a bug in a
-/// reader tries.
+/// reader tries. Its statements may keep a generic plan (`plan_cache_mode` auto, not
+/// [`SESSION_SETTINGS`]' custom plans): they look rows up by key, where a generic plan is
+/// the custom one, and planning them anew each time was over half of Postgres's CPU per
+/// turn (docs/benchmarks.md, CPU per turn). Postgres plans them again when ANALYZE changes
+/// the tables' statistics.
 pub async fn connect_reads(
     url: &str,
     max_connections: u32,
@@ -45,9 +49,11 @@ pub async fn connect_reads(
     let options: PgConnectOptions = url.parse()?;
     // Postgres reads a bare number as milliseconds; zero would mean no limit.
     let millis = statement_timeout.as_millis().clamp(1, i32::MAX as u128).to_string();
-    let options = options
-        .options(SESSION_SETTINGS)
-        .options([("statement_timeout", millis.as_str()), ("default_transaction_read_only", "on")]);
+    let options = options.options(SESSION_SETTINGS).options([
+        ("statement_timeout", millis.as_str()),
+        ("default_transaction_read_only", "on"),
+        ("plan_cache_mode", "auto"),
+    ]);
     pool(max_connections, options).await
 }
 

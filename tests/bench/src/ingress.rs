@@ -212,7 +212,12 @@ async fn burst(sys: &System, round: usize, directive: &str) -> anyhow::Result<Ve
     futures::future::join_all(runs).await.into_iter().collect()
 }
 
-pub(crate) async fn run() -> anyhow::Result<()> {
+pub(crate) async fn run(args: &[String]) -> anyhow::Result<()> {
+    let cpu = crate::turn_cpu::figures().await?;
+    if args.first().map(String::as_str) == Some("cpu") {
+        println!("RESULT ingress_cpu {cpu}");
+        return Ok(());
+    }
     let sys = System::start(Settings {
         model: "mock",
         windows: vec![],
@@ -297,7 +302,7 @@ pub(crate) async fn run() -> anyhow::Result<()> {
          first_delta_p50_ms_50={:.2} pre_upstream_p50_ms_50_warm={warm:.2} responses_pre_upstream_p50_ms={:.2} \
          responses_relay_p50_ms={:.3} chat_compat_pre_upstream_p50_ms={compat:.2} \
          chat_compat_pre_upstream_p50_ms_200={compat_200:.2} chat_compat_first_contact_p50_ms={contact:.2} \
-         chat_compat_first_contact_p50_ms_200={contact_200:.2} turn_cap_per_owner={TURN_CAP_PER_OWNER} durable={durable}",
+         chat_compat_first_contact_p50_ms_200={contact_200:.2} turn_cap_per_owner={TURN_CAP_PER_OWNER} durable={durable} {cpu}",
         p50(pre_upstream(&single)), p99(pre_upstream(&single)), p50(relay(&single)), p99(relay(&single)),
         p50(relay(&fifty)), p99(relay(&fifty)), p50(pre_upstream(&fifty)), p99(pre_upstream(&fifty)),
         p50(pre_upstream(&deep)), p99(pre_upstream(&deep)), p50(first(&single)), p50(first(&fifty)),

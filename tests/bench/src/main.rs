@@ -4,6 +4,7 @@
 mod branches;
 mod cache;
 mod context;
+mod cpu;
 mod files;
 mod import;
 mod ingress;
@@ -15,6 +16,7 @@ mod system;
 mod tokenizer;
 mod tools;
 mod tracing_cost;
+mod turn_cpu;
 mod writer;
 
 fn main() -> anyhow::Result<()> {
@@ -29,9 +31,9 @@ fn main() -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("context") => context::run(),
         Some("tokenizer") => tokenizer::run(&args[1..]),
-        Some("writer") => runtime()?.block_on(writer::run()),
+        Some("writer") => runtime()?.block_on(writer::run(&args[1..])),
         Some("rebuild") => runtime()?.block_on(rebuild::run()),
-        Some("ingress") => runtime()?.block_on(ingress::run()),
+        Some("ingress") => runtime()?.block_on(ingress::run(&args[1..])),
         Some("cache") => runtime()?.block_on(cache::run()),
         Some("files") => runtime()?.block_on(files::run()),
         Some("import") => runtime()?.block_on(import::run()),

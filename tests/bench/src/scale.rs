@@ -110,11 +110,11 @@ async fn one(
     let sessions = sessions_on(&bus, &env, 64).await?;
 
     let writer_pids: Vec<u32> = procs.iter().map(TurnlogProcess::pid).collect();
-    let before = [cpu_of(&writer_pids), cpu_of(nats_pids), cpu_of(&postgres_pids())];
+    let before = [crate::cpu::of(&writer_pids), crate::cpu::of(nats_pids), crate::cpu::of(&postgres_pids())];
     let started = Instant::now();
     let appends = applied_load(&bus, &env, &sessions, APPENDS).await?;
     let elapsed = started.elapsed();
-    let after = [cpu_of(&writer_pids), cpu_of(nats_pids), cpu_of(&postgres_pids())];
+    let after = [crate::cpu::of(&writer_pids), crate::cpu::of(nats_pids), crate::cpu::of(&postgres_pids())];
     let per_s = appends as f64 / elapsed.as_secs_f64();
     let cpu = [0, 1, 2].map(|i| (after[i] - before[i]) * 1e6 / (appends as f64).max(1.0));
 
@@ -217,19 +217,4 @@ fn postgres_pids() -> Vec<u32> {
             std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "postgres")
         })
         .collect()
-}
-
-/// CPU seconds (user + system) the processes have used, by `/proc/<pid>/stat`.
-fn cpu_of(pids: &[u32]) -> f64 {
-    let ticks = 100.0; // USER_HZ on Linux
-    pids.iter()
-        .filter_map(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            // Fields after the command (which is in parentheses and may hold spaces).
-            let rest = &stat[stat.rfind(')')? + 2..];
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            let (utime, stime): (f64, f64) = (fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?);
-            Some((utime + stime) / ticks)
-        })
-        .sum()
 }

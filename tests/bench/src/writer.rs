@@ -14,8 +14,12 @@ use tokio_util::sync::CancellationToken;
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::{Owner, SessionId};
 use turnlog_runtime::bus::{append_and_wait, append_message, AppendRequest, Bus};
-use turnlog_testkit::{test_env, TestEnv};
+use turnlog_testkit::{
+    free_port, private_nats, private_postgres, test_env, test_env_on, TestEnv, TurnlogProcess,
+};
 use uuid::Uuid;
+
+use crate::cpu::{Meter, Part, Spent};
 
 pub(crate) const OWNER: &str = "bench";
 
@@ -378,8 +382,70 @@ fn percentile_ms(samples: &[Duration], q: f64) -> f64 {
     sorted[((last as f64) * q).round() as usize].as_secs_f64() * 1e3
 }
 
-pub(crate) async fn run() -> anyhow::Result<()> {
+/// Appends of the CPU run, after [`CPU_WARM_UP`] of warm-up.
+const CPU_APPENDS: usize = 40_000;
+const CPU_WARM_UP: usize = 4_000;
+
+/// The CPU an append costs end to end (the load of [`end_to_end`], 16 sessions), on private
+/// servers so that nothing else is counted: a `turnlog writer` process, a nats-server and
+/// a Postgres (its postmaster and every backend) of this run's own, measured from the first
+/// publish until the search index has every append. The bench's producers are not counted.
+pub(crate) async fn cpu_per_append() -> anyhow::Result<(f64, Spent)> {
+    let bin = crate::soak::turnlog_binary()?;
+    let (pg, nats) = (private_postgres(free_port()).await, private_nats(free_port()).await);
+    let env = test_env_on(Some(&pg.url()), Some(&nats.url())).await;
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await?;
+    bus.ensure_topology(None).await?;
+    let mut writer = TurnlogProcess::start(&bin, &env, &["writer"], &[]);
+    let sessions = sessions_on(&bus, &env, 16).await?;
+    end_to_end(&bus, &sessions, CPU_WARM_UP).await?;
+    env.search_caught_up().await;
+    let meter = Meter::new(vec![
+        ("writer", Part::turnlog(&[&writer])),
+        ("postgres", Part::postgres(&pg)),
+        ("nats", Part::nats(&nats)),
+    ]);
+    crate::cpu::statements_reset(&env.pool).await;
+    let (rate, spent) = meter
+        .measure(async {
+            let rate = end_to_end(&bus, &sessions, CPU_APPENDS).await;
+            env.search_caught_up().await;
+            rate
+        })
+        .await;
+    crate::cpu::statements_top(&env.pool, 15, CPU_APPENDS as f64, "/append").await;
+    writer.terminate();
+    writer.wait_exit(Duration::from_secs(20)).await;
+    drop(bus);
+    env.cleanup().await;
+    Ok((rate?, spent))
+}
+
+/// Prints the CPU run's figures and returns the RESULT line's part of them.
+pub(crate) async fn cpu_figures() -> anyhow::Result<String> {
+    let (rate, spent) = cpu_per_append().await?;
+    let per = CPU_APPENDS as f64;
+    println!(
+        "CPU per append end to end ({CPU_APPENDS} appends at {rate:.0}/s, 16 sessions, search indexing on; private servers): \
+         {:.1} µs ({})",
+        spent.total() * 1e6 / per,
+        spent.describe(1e6, per, "µs")
+    );
+    Ok(format!(
+        "cpu_us_per_append={:.1} {}",
+        spent.total() * 1e6 / per,
+        spent.split("cpu_us_per_append", 1e6, per)
+    ))
+}
+
+pub(crate) async fn run(args: &[String]) -> anyhow::Result<()> {
     turnlog_core::tokens::warm_up();
+    if args.first().map(String::as_str) == Some("cpu") {
+        let cpu = cpu_figures().await?;
+        println!("RESULT writer_cpu {cpu}");
+        return Ok(());
+    }
+    let cpu = cpu_figures().await?;
     let mut rig = Rig::new().await?;
     let settings: Vec<(String, String)> = sqlx::query_as(
         "SELECT name, setting FROM pg_settings WHERE name IN ('fsync', 'synchronous_commit', 'wal_sync_method')",
@@ -430,7 +496,7 @@ pub(crate) async fn run() -> anyhow::Result<()> {
     println!("end to end vs plain ceiling: {:.2}", e16 / plain);
     println!("end to end vs baseline: {:.1}x", e16 / base);
     println!(
-        "RESULT writer events_per_s={:.0} events_per_s_1={:.0} events_per_s_256={:.0} drain_per_s={:.0} baseline_per_s={:.0} raw_ceiling_per_s={:.0} p50_ms={:.2} p99_ms={:.2} durable={durable} search_lag_p99_ms={lag_p99:.0} plain_ceiling_per_s={plain:.0}",
+        "RESULT writer events_per_s={:.0} events_per_s_1={:.0} events_per_s_256={:.0} drain_per_s={:.0} baseline_per_s={:.0} raw_ceiling_per_s={:.0} p50_ms={:.2} p99_ms={:.2} durable={durable} search_lag_p99_ms={lag_p99:.0} plain_ceiling_per_s={plain:.0} {cpu}",
         e16, e1, e256, drained, base, raw, p50, p99
     );
     rig.env.cleanup().await;

@@ -48,7 +48,7 @@ pub use nats::{
     private_nats, private_nats_cluster, private_nats_for, PrivateNats, PrivateNatsCluster, CLUSTER_NODES,
 };
 pub use netns::{test_host, TestHost};
-pub use postgres::{private_postgres, private_postgres_for, PrivatePostgres};
+pub use postgres::{private_postgres, private_postgres_for, PrivatePostgres, STATEMENTS_VAR};
 pub use process::{ExternalProcess, TurnlogProcess};
 pub use servers::{stop_private_servers, STATE_DIR_VAR};
 pub use util::{eventually, free_port};

@@ -24,6 +24,9 @@ pub(crate) fn base_dir() -> PathBuf {
     }
 }
 
+/// Set (to anything) to load `pg_stat_statements` into the testkit's Postgres servers.
+pub const STATEMENTS_VAR: &str = "TURNLOG_TESTKIT_PG_STATEMENTS";
+
 /// Server settings: loopback only on `port`, the socket in the data directory, and no
 /// work against machine crashes (a test database is disposable; speed matters on small
 /// machines). `crash_safe_commits` keeps `synchronous_commit` on, so a commit survives a
@@ -41,6 +44,13 @@ pub(crate) fn server_args(port: u16, data_dir: &Path, crash_safe_commits: bool) 
     ] {
         args.push("-c".to_owned());
         args.push(setting);
+    }
+    // For a benchmark that lists where the server's time goes (`crate::statements`).
+    if std::env::var_os(STATEMENTS_VAR).is_some() {
+        for setting in ["shared_preload_libraries=pg_stat_statements", "pg_stat_statements.track_planning=on"]
+        {
+            args.extend(["-c".to_owned(), setting.to_owned()]);
+        }
     }
     args
 }

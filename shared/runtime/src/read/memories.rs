@@ -18,7 +18,7 @@ pub struct Memory {
 }
 
 /// The owner's memories matching `q` (Postgres full text, `simple` configuration, as the
-/// `memories_fts` index is built), newest first; without `q`, the newest.
+/// `memories.text_vector` is made), newest first; without `q`, the newest.
 pub async fn recall_memories(
     pool: &PgPool,
     owner: &Owner,
@@ -28,7 +28,7 @@ pub async fn recall_memories(
     sqlx::query_as(
         "SELECT id, session_id, turn_seq, text, created_at FROM memories
           WHERE owner = $1
-            AND ($2::text IS NULL OR to_tsvector('simple', text) @@ plainto_tsquery('simple', $2))
+            AND ($2::text IS NULL OR text_vector @@ plainto_tsquery('simple', $2))
           ORDER BY created_at DESC, id DESC
           LIMIT $3",
     )
@@ -53,8 +53,8 @@ pub async fn recall_relevant(
                FROM unnest(tsvector_to_array(to_tsvector('simple', $2))) AS w
          )
          SELECT m.id, m.session_id, m.turn_seq, m.text, m.created_at FROM memories m, q
-          WHERE m.owner = $1 AND q.q IS NOT NULL AND to_tsvector('simple', m.text) @@ q.q
-          ORDER BY ts_rank(to_tsvector('simple', m.text), q.q) DESC, m.created_at DESC, m.id DESC
+          WHERE m.owner = $1 AND q.q IS NOT NULL AND m.text_vector @@ q.q
+          ORDER BY ts_rank(m.text_vector, q.q) DESC, m.created_at DESC, m.id DESC
           LIMIT $3",
     )
     .bind(owner.as_str())

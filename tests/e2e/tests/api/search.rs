@@ -127,3 +127,72 @@ async fn the_index_catches_up_from_its_position_after_a_restart() {
     assert_eq!(hits(&api, ALICE, "lisbon").await.len(), 20);
     api.stop().await;
 }
+
+/// The rows the writer indexes from the events in hand hold what `turnlog_search_text`
+/// (the bulk paths' definition: catch-up, rebuild) makes of the stored events: joined text
+/// blocks and nothing else, the first 65,536 characters of a long text, no row for an
+/// answer without text; and the catch-up after a restart writes the same rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_index_and_the_stored_definition_agree() {
+    use turnlog_core::events::{AssistantTurn, Block, BlockType, EventBody, UiPart};
+    let block = |kind: BlockType, text: &str| Block { kind, text: Some(text.into()), meta: None };
+    let api = Api::start().await;
+    let s = api.create(ALICE, None).await;
+    let answers = [
+        vec![
+            block(BlockType::Reasoning, "hidden thought"),
+            block(BlockType::Text, "Porto "),
+            block(BlockType::Text, "in June"),
+        ],
+        vec![block(BlockType::ToolCall, "{\"cmd\": \"ls\"}")],
+        vec![block(BlockType::Text, "")],
+    ];
+    for blocks in answers {
+        let turn = AssistantTurn { ui: UiPart { blocks }, ..Default::default() };
+        api.append(s, "alice", &EventBody::AssistantTurn(turn)).await;
+    }
+    // 70,000 characters of two bytes each, in words: past the cap by characters, not bytes.
+    api.append(s, "alice", &user(&"éé ".repeat(23_334))).await;
+    api.append(s, "alice", &user("an ordinary question about Lisbon")).await;
+
+    let differing = || async {
+        api.env.search_caught_up().await;
+        sqlx::query_as::<_, (i64, i64, i64)>(
+            "SELECT (SELECT count(*) FROM search_entries),
+                    (SELECT count(*) FROM session_events e
+                      WHERE turnlog_search_text(e.kind, e.payload) IS NOT NULL),
+                    (SELECT count(*) FROM session_events e
+                       LEFT JOIN search_entries se USING (session_id, seq)
+                      WHERE se.body IS DISTINCT FROM turnlog_search_text(e.kind, e.payload))",
+        )
+        .fetch_one(&api.env.pool)
+        .await
+        .unwrap()
+    };
+    let (rows, expected, differ) = differing().await;
+    assert_eq!((rows, expected, differ), (3, 3, 0), "rows, events with text, rows that differ");
+    let long: i32 = sqlx::query_scalar("SELECT max(char_length(body)) FROM search_entries")
+        .fetch_one(&api.env.pool)
+        .await
+        .unwrap();
+    assert_eq!(long, 65_536);
+
+    let env = api.stop().await;
+    sqlx::query("DELETE FROM search_entries").execute(&env.pool).await.unwrap();
+    sqlx::query("UPDATE search_positions SET stream_seq = 0").execute(&env.pool).await.unwrap();
+    let mut configs = turnlog_e2e::config::stack(&env);
+    configs.ingress.tokens = turnlog_ingress::ApiTokens::parse(turnlog_e2e::api::TOKENS).unwrap();
+    let api = Api::on(env, configs).await;
+    let differing = || async {
+        api.env.search_caught_up().await;
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM session_events e LEFT JOIN search_entries se USING (session_id, seq)
+              WHERE se.body IS DISTINCT FROM turnlog_search_text(e.kind, e.payload)",
+        )
+        .fetch_one(&api.env.pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(differing().await, 0, "the catch-up's rows");
+    api.stop().await;
+}
