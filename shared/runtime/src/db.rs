@@ -37,7 +37,7 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Er
 /// hold a connection, and the request waiting on it, indefinitely; and every transaction is
 /// read-only, so only the writer can change the log (DESIGN.md §9.6), whatever a bug in a
 /// reader tries. Its statements may keep a generic plan (`plan_cache_mode` auto, not
-/// [`SESSION_SETTINGS`]' custom plans): they look rows up by key, where a generic plan is
+/// `SESSION_SETTINGS`' custom plans): they look rows up by key, where a generic plan is
 /// the custom one, and planning them anew each time was over half of Postgres's CPU per
 /// turn (docs/benchmarks.md, CPU per turn). Postgres plans them again when ANALYZE changes
 /// the tables' statistics.
