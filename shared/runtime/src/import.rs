@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::io::BufRead;
 use std::ops::ControlFlow;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -245,12 +246,24 @@ impl Importer {
     /// Imports the conversations `rx` yields, many at once, and sums up.
     async fn conversations(&self, rx: mpsc::Receiver<Incoming>, progress: impl Fn(&Summary)) -> Summary {
         let incoming = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|c| (c, rx)) });
+        // Once an append's outcome is unknown (the writer or the bus did not answer), the
+        // conversations not yet begun fail at once instead of each waiting out the append
+        // timeout: the import ends soon, and running it again completes it.
+        let interrupted = AtomicBool::new(false);
+        let interrupted = &interrupted;
         let results = incoming
             .map(|(c, room)| -> BoxFuture<'_, (Option<Conversation>, Result<Done, Rejected>)> {
                 Box::pin(async move {
                     let done = match c {
+                        Ok(c) if interrupted.load(Ordering::Relaxed) => {
+                            let reason =
+                                "not begun: an earlier append's outcome is unknown (the writer did not \
+                                          answer in time); importing the file again completes it";
+                            let rejected = Rejected { conversation: c.label(), reason: reason.to_owned() };
+                            (Some(c), Err(rejected))
+                        }
                         Ok(c) => {
-                            let outcome = self.conversation(&c).await;
+                            let outcome = self.conversation(&c, interrupted).await;
                             (Some(c), outcome)
                         }
                         Err(rejected) => (None, Err(rejected)),
@@ -297,8 +310,13 @@ impl Importer {
     /// Imports one conversation: checked whole, and against what the log holds of an
     /// earlier import of it, then its sessions in order (a parent before its forks), each
     /// session's missing events in order, then the deletes.
-    async fn conversation(&self, c: &Conversation) -> Result<Done, Rejected> {
-        let reject = |why: NotImported| Rejected { conversation: c.label(), reason: why.to_string() };
+    async fn conversation(&self, c: &Conversation, interrupted: &AtomicBool) -> Result<Done, Rejected> {
+        let reject = |why: NotImported| {
+            if why.is_interrupted() {
+                interrupted.store(true, Ordering::Relaxed);
+            }
+            Rejected { conversation: c.label(), reason: why.to_string() }
+        };
         checked(c).map_err(reject)?;
         let targets = self.targets(c).await.map_err(reject)?;
         let mut done = Done::default();
@@ -570,6 +588,15 @@ enum NotImported {
 }
 
 impl NotImported {
+    /// Whether an append's outcome is unknown (the writer or the bus did not answer).
+    fn is_interrupted(&self) -> bool {
+        match self {
+            Self::Interrupted(_) => true,
+            Self::InSession { why, .. } => why.is_interrupted(),
+            _ => false,
+        }
+    }
+
     /// This, about the session at `index` of the conversation.
     fn in_session(self, index: usize) -> Self {
         Self::InSession { session: index + 1, why: Box::new(self) }

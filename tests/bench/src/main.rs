@@ -43,7 +43,7 @@ fn main() -> anyhow::Result<()> {
         Some("tools") => runtime()?.block_on(tools::run()),
         Some("mcp") => runtime()?.block_on(mcp::run()),
         other => {
-            eprintln!("usage: turnlog-bench <context|tokenizer|writer|rebuild|ingress|cache|files|import|soak|scale|tracing|tools|mcp>  (got {other:?})");
+            eprintln!("usage: turnlog-bench <context|tokenizer|writer [cpu]|rebuild|ingress [cpu]|cache|files|import|soak|scale|tracing|tools|mcp>  (got {other:?})");
             std::process::exit(2);
         }
     }
