@@ -109,6 +109,17 @@ fn user(text: &str) -> turnlog_core::events::EventBody {
     })
 }
 
+/// `api` stopped, its search index emptied and its position reset (as if the index had
+/// fallen behind when its writer stopped), and started again on the same database.
+async fn restarted_with_an_empty_index(api: Api) -> Api {
+    let env = api.stop().await;
+    sqlx::query("DELETE FROM search_entries").execute(&env.pool).await.unwrap();
+    sqlx::query("UPDATE search_positions SET stream_seq = 0").execute(&env.pool).await.unwrap();
+    let mut configs = turnlog_e2e::config::stack(&env);
+    configs.ingress.tokens = turnlog_ingress::ApiTokens::parse(turnlog_e2e::api::TOKENS).unwrap();
+    Api::on(env, configs).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_index_catches_up_from_its_position_after_a_restart() {
     let api = Api::start().await;
@@ -118,12 +129,7 @@ async fn the_index_catches_up_from_its_position_after_a_restart() {
     }
     assert_eq!(hits(&api, ALICE, "lisbon").await.len(), 20);
     // As if the index had fallen behind when its writer stopped.
-    let env = api.stop().await;
-    sqlx::query("DELETE FROM search_entries").execute(&env.pool).await.unwrap();
-    sqlx::query("UPDATE search_positions SET stream_seq = 0").execute(&env.pool).await.unwrap();
-    let mut configs = turnlog_e2e::config::stack(&env);
-    configs.ingress.tokens = turnlog_ingress::ApiTokens::parse(turnlog_e2e::api::TOKENS).unwrap();
-    let api = Api::on(env, configs).await;
+    let api = restarted_with_an_empty_index(api).await;
     assert_eq!(hits(&api, ALICE, "lisbon").await.len(), 20);
     api.stop().await;
 }
@@ -177,12 +183,7 @@ async fn the_live_index_and_the_stored_definition_agree() {
         .unwrap();
     assert_eq!(long, 65_536);
 
-    let env = api.stop().await;
-    sqlx::query("DELETE FROM search_entries").execute(&env.pool).await.unwrap();
-    sqlx::query("UPDATE search_positions SET stream_seq = 0").execute(&env.pool).await.unwrap();
-    let mut configs = turnlog_e2e::config::stack(&env);
-    configs.ingress.tokens = turnlog_ingress::ApiTokens::parse(turnlog_e2e::api::TOKENS).unwrap();
-    let api = Api::on(env, configs).await;
+    let api = restarted_with_an_empty_index(api).await;
     let differing = || async {
         api.env.search_caught_up().await;
         sqlx::query_scalar::<_, i64>(
