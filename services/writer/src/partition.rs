@@ -303,9 +303,10 @@ async fn apply_loop(
 }
 
 /// The span of a request's apply, from when the writer takes it to its commit: a child of
-/// the producer's span when the request carries a trace context, else none.
+/// the producer's span when the request carries a sampled trace context, else none (a
+/// span per append is worth its cost only in a trace that is recorded).
 fn apply_span(m: &Incoming) -> Option<tracing::Span> {
-    let parent = m.traceparent.as_deref()?;
+    let parent = m.traceparent.as_deref().filter(|t| trace::remote(t).is_some_and(|cx| cx.is_sampled()))?;
     let span =
         tracing::info_span!("writer.apply", stream_seq = m.stream_seq, request_id = tracing::field::Empty);
     trace::follow(&span, Some(parent));
@@ -313,7 +314,8 @@ fn apply_span(m: &Incoming) -> Option<tracing::Span> {
 }
 
 /// Ends the apply spans of committed requests, each with a line in its trace, and gives
-/// each committed event its request's span as the trace context it is published with.
+/// each committed event its request's span as the trace context it is published with; an
+/// event whose request was traced unsampled goes on in its producer's trace context.
 fn end_apply_spans(
     spans: impl Iterator<Item = Option<tracing::Span>>,
     batch: &[Incoming],
@@ -324,7 +326,14 @@ fn end_apply_spans(
     for (span, m) in spans.zip(batch) {
         while events.next_if(|e| e.event.stream_seq < Some(m.stream_seq)).is_some() {}
         let event = events.next_if(|e| e.event.stream_seq == Some(m.stream_seq));
-        let Some(span) = span else { continue };
+        let Some(span) = span else {
+            let unsampled = m.traceparent.as_ref().and_then(|t| Some((t, trace::remote(t)?)));
+            if let Some((e, (parent, cx))) = event.zip(unsampled) {
+                tracing::debug!(trace_id = %cx.trace_id(), session_id = %e.event.session_id, seq = e.event.seq, kind = %e.event.kind.as_str(), "request applied");
+                e.traceparent = Some(parent.clone());
+            }
+            continue;
+        };
         if let Some(id) = m.request_id() {
             span.record("request_id", tracing::field::display(id));
         }

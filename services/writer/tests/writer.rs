@@ -1131,3 +1131,41 @@ async fn deleting_200_sessions_scans_by_index_and_never_stalls_a_steady_appender
     assert_eq!(left, 1, "every doomed session deleted");
     h.stop().await;
 }
+
+/// A request whose trace its producer did not sample is applied without a span of the
+/// writer's (none would be recorded), and its committed event goes on in the producer's
+/// trace context: the workers' log lines keep the trace id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsampled_request_s_event_carries_its_producer_s_trace_context() {
+    let h = Harness::start().await;
+    let s = h.create("alice").await;
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
+    let body = EventBody::UserMessage(UserMessage { text: "unsampled".into(), ..Default::default() });
+    let req = AppendRequest::append(s, &owner("alice"), Uuid::now_v7(), &body);
+    let inbox = h.bus.client.new_inbox();
+    let mut replies = h.bus.client.subscribe(inbox.clone()).await.unwrap();
+    let msg = turnlog_runtime::bus::append_message(
+        Bytes::from(serde_json::to_vec(&req).unwrap()),
+        &req.request_id.to_string(),
+        Some(&inbox),
+        Some(traceparent),
+    );
+    let subject = h.bus.names.append_subject(h.bus.partition_of(s), s);
+    h.bus.js.send_publish(subject, msg).await.unwrap().await.unwrap();
+    let reply = tokio::time::timeout(WAIT, replies.next()).await.unwrap().unwrap();
+    let reply: turnlog_runtime::bus::Outcome = serde_json::from_slice(&reply.payload).unwrap();
+    assert_eq!((reply.status, reply.seq), (OutcomeStatus::Committed, Some(2)));
+    let feed = eventually(WAIT, || async {
+        let messages = h
+            .stream_messages(&h.bus.names.events_stream(), &format!("{}.events.*.{s}", h.env.bus_prefix))
+            .await;
+        (messages.len() == 2).then_some(messages)
+    })
+    .await;
+    let carried: Vec<Option<&str>> = feed
+        .iter()
+        .map(|m| m.headers.as_ref().and_then(|h| h.get("traceparent")).map(|v| v.as_str()))
+        .collect();
+    assert_eq!(carried, [None, Some(traceparent)], "the create was untraced, the message unsampled");
+    h.stop().await;
+}

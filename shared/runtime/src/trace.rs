@@ -3,8 +3,10 @@
 //! handling join the trace of the HTTP request that caused them; JSON log lines carry the
 //! `trace_id` of the span they were written in. Spans are exported over OTLP/HTTP when
 //! the standard `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is
-//! set; without it trace context is still made and passed on (log lines keep their
-//! `trace_id`), nothing is sent.
+//! set, sampled by the standard `OTEL_TRACES_SAMPLER` (every trace by default). Without an
+//! endpoint trace context is still made and passed on (log lines keep their `trace_id`),
+//! but no trace is sampled: nothing would be sent, so no span is recorded, and a process
+//! that makes a span per request (the writer's apply) makes it only for a sampled trace.
 
 use std::time::Duration;
 
@@ -50,6 +52,14 @@ pub fn traceparent(span: &tracing::Span) -> Option<String> {
 /// The current span's `traceparent` (see [`traceparent`]).
 pub fn current_traceparent() -> Option<String> {
     traceparent(&tracing::Span::current())
+}
+
+/// The trace context a `traceparent` value names (its trace id, and whether its producer
+/// sampled it), or `None` when the value is malformed.
+pub fn remote(traceparent: &str) -> Option<opentelemetry::trace::SpanContext> {
+    let cx = TraceContextPropagator::new().extract(&One(traceparent));
+    let span = cx.span().span_context().clone();
+    span.is_valid().then_some(span)
 }
 
 /// The `traceparent` a NATS message carries, if any.
@@ -103,11 +113,15 @@ pub fn init(service: &str, style: LogStyle, filter: EnvFilter) -> anyhow::Result
     let disabled = std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.trim().eq_ignore_ascii_case("true"));
     let provider = if disabled { None } else { Some(provider(service, otlp_configured())?) };
     // Only turnlog's spans (and its warnings, as span events) go to the traces: library
-    // spans and every log line would multiply the cost for little.
+    // spans and every log line would multiply the cost for little. The level hint keeps
+    // the process's most verbose level what the log filter says, or info: without it every
+    // debug and trace record of every library (through `log` too) would be made and then
+    // refused, which cost the writer a tenth of its CPU.
     let traced = filter_fn(|m| {
         m.target().starts_with("turnlog")
             && if m.is_span() { *m.level() <= Level::INFO } else { *m.level() <= Level::WARN }
-    });
+    })
+    .with_max_level_hint(Level::INFO);
     let tracing = provider.as_ref().map(|p| {
         tracing_opentelemetry::layer()
             .with_tracer(p.tracer("turnlog"))
@@ -219,22 +233,24 @@ fn provider(service: &str, export: bool) -> anyhow::Result<SdkTracerProvider> {
     if std::env::var("OTEL_SERVICE_NAME").is_err() {
         resource = resource.with_service_name(service.to_owned());
     }
-    let mut provider = SdkTracerProvider::builder().with_resource(resource.build());
-    if export {
-        use opentelemetry_otlp::WithHttpConfig as _;
-        let client = OnRuntime {
-            http: reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?,
-            runtime: tokio::runtime::Handle::try_current()
-                .map_err(|_| anyhow::anyhow!("tracing must start inside the Tokio runtime"))?,
-        };
-        let exporter = opentelemetry_otlp::SpanExporter::builder()
-            .with_http()
-            .with_http_client(client)
-            .build()
-            .map_err(|e| anyhow::anyhow!("OTLP exporter: {e}"))?;
-        provider = provider.with_batch_exporter(exporter);
+    let provider = SdkTracerProvider::builder().with_resource(resource.build());
+    if !export {
+        // Nothing is sent, so nothing is recorded: spans still get ids (for `traceparent`
+        // and the `trace_id` of log lines), unsampled.
+        return Ok(provider.with_sampler(opentelemetry_sdk::trace::Sampler::AlwaysOff).build());
     }
-    Ok(provider.build())
+    use opentelemetry_otlp::WithHttpConfig as _;
+    let client = OnRuntime {
+        http: reqwest::Client::builder().timeout(Duration::from_secs(10)).build()?,
+        runtime: tokio::runtime::Handle::try_current()
+            .map_err(|_| anyhow::anyhow!("tracing must start inside the Tokio runtime"))?,
+    };
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_http_client(client)
+        .build()
+        .map_err(|e| anyhow::anyhow!("OTLP exporter: {e}"))?;
+    Ok(provider.with_batch_exporter(exporter).build())
 }
 
 impl Telemetry {
@@ -336,6 +352,30 @@ mod tests {
             assert!(!own.contains("4bf92f3577b34da6a3ce929d0e0e4736"), "{own}");
         });
         assert_eq!(traceparent(&tracing::Span::none()), None);
+    }
+
+    #[test]
+    fn without_an_exporter_trace_ids_are_made_and_no_trace_is_sampled() {
+        let sampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert!(remote(sampled).unwrap().is_sampled());
+        assert!(!remote("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00").unwrap().is_sampled());
+        assert!(remote("not a traceparent").is_none());
+
+        let provider = provider("test", false).unwrap();
+        let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("test"));
+        let subscriber = tracing_subscriber::registry().with(layer);
+        tracing::subscriber::with_default(subscriber, || {
+            // A root gets a trace id of its own, unsampled.
+            let own = traceparent(&tracing::info_span!("root")).unwrap();
+            assert!(!remote(&own).unwrap().is_sampled(), "{own}");
+            // A child of a client's sampled span keeps the client's trace id, and is not
+            // sampled here (nothing would be exported).
+            let child = tracing::info_span!("child");
+            follow(&child, Some(sampled));
+            let own = traceparent(&child).unwrap();
+            assert!(own.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"), "{own}");
+            assert!(!remote(&own).unwrap().is_sampled(), "{own}");
+        });
     }
 
     /// What a layer wrote.

@@ -3,11 +3,14 @@
 //! the ingress sends a turn's, in three modes, each run in a process of its own (a process has
 //! one subscriber):
 //! - `none`: `OTEL_SDK_DISABLED=true`: no tracing layer, no trace context (the baseline);
-//! - `off`: trace context made and carried, the writer's apply spans recorded, nothing
-//!   exported (`OTEL_EXPORTER_OTLP_ENDPOINT` unset: the default);
-//! - `on`: spans exported over OTLP/HTTP to a collector this process runs.
+//! - `off`: trace context made and carried (trace ids on log lines), no trace sampled, so
+//!   the writer makes no apply span (`OTEL_EXPORTER_OTLP_ENDPOINT` unset: the default);
+//! - `on`: every trace sampled, the producer's and the writer's spans exported over
+//!   OTLP/HTTP to a collector this process runs.
 //!
-//! Rounds interleave the modes (the machine's speed drifts); each figure is a median.
+//! Each run reports its rate and the CPU its process (the producers and the writer, where
+//! tracing happens) spent per append; Postgres and nats-server are not counted. Rounds
+//! interleave the modes (the machine's speed drifts); each figure is a median.
 
 use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,10 +35,12 @@ pub(crate) async fn run() -> anyhow::Result<()> {
     let spans = Arc::new(AtomicU64::new(0));
     let collector = collector(spans.clone()).await?;
     let exe = std::env::current_exe()?;
-    let mut figures: Vec<(&str, Vec<f64>)> = MODES.iter().map(|m| (*m, Vec::new())).collect();
+    // Per mode: (appends/s, CPU µs per append) of each run.
+    let mut figures: Vec<(&str, Vec<f64>, Vec<f64>)> =
+        MODES.iter().map(|m| (*m, Vec::new(), Vec::new())).collect();
     let mut exported = Vec::new();
     for round in 1..=ROUNDS {
-        for (mode, runs) in &mut figures {
+        for (mode, runs, cpu) in &mut figures {
             let before = spans.load(Ordering::Relaxed);
             let mut child = tokio::process::Command::new(&exe);
             child.args(["tracing-run", mode]).stdout(Stdio::piped()).stderr(Stdio::inherit());
@@ -59,18 +64,18 @@ pub(crate) async fn run() -> anyhow::Result<()> {
             let out = child.output().await?;
             anyhow::ensure!(out.status.success(), "the {mode} run failed");
             let stdout = String::from_utf8_lossy(&out.stdout);
-            let per_s: f64 = stdout
-                .lines()
-                .find_map(|l| l.strip_prefix("events_per_s="))
-                .context("the run printed no events_per_s")?
-                .trim()
-                .parse()?;
+            let figure = |name: &str| -> anyhow::Result<f64> {
+                let line = stdout.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix('='));
+                Ok(line.with_context(|| format!("the run printed no {name}"))?.trim().parse()?)
+            };
+            let (per_s, us) = (figure("events_per_s")?, figure("cpu_us_per_append")?);
             let sent = spans.load(Ordering::Relaxed) - before;
-            println!("round {round} {mode:>4}: {per_s:>8.0} appends/s  ({sent} spans exported)");
+            println!("round {round} {mode:>4}: {per_s:>8.0} appends/s  {us:>5.1} µs CPU an append  ({sent} spans exported)");
             if *mode == "on" {
                 exported.push(sent as f64 / (total() + WARM_UP) as f64);
             }
             runs.push(per_s);
+            cpu.push(us);
         }
     }
     let median = |v: &[f64]| {
@@ -79,26 +84,34 @@ pub(crate) async fn run() -> anyhow::Result<()> {
         v[v.len() / 2]
     };
     let [none, off, on] = [0, 1, 2].map(|i| median(&figures[i].1));
+    let [cpu_none, cpu_off, cpu_on] = [0, 1, 2].map(|i| median(&figures[i].2));
     let pct = |a: f64, b: f64| (a - b) / b * 100.0;
     println!();
-    println!("| mode | appends/s (median of {ROUNDS}) | vs none | vs off |");
-    println!("|---|---:|---:|---:|");
-    println!("| none (baseline: no tracing) | {none:.0} | — | |");
-    println!("| off (traced, not exported) | {off:.0} | {:+.1}% | — |", pct(off, none));
+    println!("| mode | appends/s (median of {ROUNDS}) | vs none | vs off | CPU µs an append (producers + writer) | vs none |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    println!("| none (baseline: no tracing) | {none:.0} | — | | {cpu_none:.1} | — |");
     println!(
-        "| on (exported over OTLP/HTTP) | {on:.0} | {:+.1}% | {:+.1}% (target ≥ −5%) |",
-        pct(on, none),
-        pct(on, off)
+        "| off (trace ids, not sampled) | {off:.0} | {:+.1}% (target ≥ −3%) | — | {cpu_off:.1} | {:+.1}% |",
+        pct(off, none),
+        pct(cpu_off, cpu_none)
     );
     println!(
-        "RESULT tracing events_per_s_none={none:.0} events_per_s_off={off:.0} events_per_s_on={on:.0} on_vs_off_pct={:.1} spans_per_append={:.2}",
+        "| on (sampled, exported over OTLP/HTTP) | {on:.0} | {:+.1}% | {:+.1}% | {cpu_on:.1} | {:+.1}% |",
+        pct(on, none),
+        pct(on, off),
+        pct(cpu_on, cpu_none)
+    );
+    println!(
+        "RESULT tracing events_per_s_none={none:.0} events_per_s_off={off:.0} events_per_s_on={on:.0} off_vs_none_pct={:.1} on_vs_off_pct={:.1} cpu_us_per_append_none={cpu_none:.1} cpu_us_per_append_off={cpu_off:.1} cpu_us_per_append_on={cpu_on:.1} spans_per_append={:.2}",
+        pct(off, none),
         pct(on, off),
         median(&exported)
     );
     Ok(())
 }
 
-/// One measured run in this process, in `mode`; prints `events_per_s=<n>`.
+/// One measured run in this process, in `mode`; prints `events_per_s=<n>` and
+/// `cpu_us_per_append=<µs>` (this process's CPU over the measured appends).
 pub(crate) async fn child(args: &[String]) -> anyhow::Result<()> {
     let mode = args.first().map(String::as_str).context("tracing-run needs a mode")?;
     anyhow::ensure!(MODES.contains(&mode), "unknown mode {mode}");
@@ -112,10 +125,13 @@ pub(crate) async fn child(args: &[String]) -> anyhow::Result<()> {
     rig.start_writer();
     let sessions = rig.sessions(16).await?;
     end_to_end_traced(&rig.bus, &sessions, WARM_UP, true).await?;
+    let cpu = || crate::cpu::of(&[std::process::id()]);
+    let before = cpu();
     let per_s = end_to_end_traced(&rig.bus, &sessions, total(), true).await?;
+    let us = (cpu() - before) * 1e6 / total() as f64;
     rig.stop_writer().await?;
     telemetry.shutdown().await;
-    println!("events_per_s={per_s:.0}");
+    println!("events_per_s={per_s:.0}\ncpu_us_per_append={us:.1}");
     Ok(())
 }
 
