@@ -33,20 +33,20 @@ pub(crate) async fn is_empty(pool: &PgPool) -> Result<bool, sqlx::Error> {
     .await
 }
 
-/// The events table's constraints and indexes other than its primary key, as statements
-/// that make them again: indexes first (each may be built beside the others), then the
-/// constraints (a unique one adopts its index, built among the first).
+/// The events table's constraints and the secondary indexes of the events and the search
+/// index, as statements that make them again: indexes first (each may be built beside the
+/// others), then the constraints (a unique one adopts its index, built among the first).
 #[derive(Debug)]
 pub(crate) struct SetAside {
     indexes: Vec<String>,
     constraints: Vec<String>,
 }
 
-/// Drops the events table's unique constraint and secondary indexes (and any foreign key),
-/// and returns how to make them again: an index built once costs a fraction of
-/// maintaining it row by row. A rebuild that stops before [`restore`] leaves a database
-/// without them — one to drop, as any unfinished rebuild's; a target found without them
-/// is refused.
+/// Drops the events table's unique constraint and secondary indexes (and any foreign key)
+/// and the search index's full-text index, and returns how to make them again: an index
+/// built once costs a fraction of maintaining it row by row. A rebuild that stops before
+/// [`restore`] leaves a database without them — one to drop, as any unfinished rebuild's;
+/// a target found without them is refused.
 pub(crate) async fn set_aside(conn: &mut PgConnection) -> anyhow::Result<SetAside> {
     let mut tx = conn.begin().await?;
     // (name, definition, the index of a unique constraint)
@@ -60,7 +60,7 @@ pub(crate) async fn set_aside(conn: &mut PgConnection) -> anyhow::Result<SetAsid
     .await?;
     let indexes: Vec<(String, String)> = sqlx::query_as(
         "SELECT i.indexrelid::regclass::text, pg_get_indexdef(i.indexrelid) FROM pg_index i
-          WHERE i.indrelid = 'session_events'::regclass AND NOT i.indisprimary
+          WHERE i.indrelid IN ('session_events'::regclass, 'search_entries'::regclass) AND NOT i.indisprimary
             AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid)
           ORDER BY 1",
     )

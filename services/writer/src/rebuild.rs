@@ -130,9 +130,7 @@ pub async fn rebuild(
         );
     }
     let t0 = Instant::now();
-    crate::search::reindex_all(&mut *pool.acquire().await?)
-        .await
-        .context("indexing the target for search")?;
+    crate::search::reindex_all(&pool).await.context("indexing the target for search")?;
     tracing::debug!(search_us = t0.elapsed().as_micros() as u64, "search index recomputed");
     let t0 = Instant::now();
     bulk::restore(&pool, set_aside).await.context("indexing the target")?;

@@ -253,17 +253,7 @@ async fn index_once(
         .bind(partition)
         .execute(&mut *tx)
         .await?;
-    if !events.is_empty() {
-        sqlx::query(INDEX_ENTRIES)
-            .bind(events.iter().map(|e| e.session.0).collect::<Vec<_>>())
-            .bind(events.iter().map(|e| e.seq).collect::<Vec<_>>())
-            .bind(events.iter().map(|e| e.owner.as_str()).collect::<Vec<_>>())
-            .bind(events.iter().map(|e| e.kind).collect::<Vec<_>>())
-            .bind(events.iter().map(|e| e.body.as_str()).collect::<Vec<_>>())
-            .bind(events.iter().map(|e| e.created_at).collect::<Vec<_>>())
-            .execute(&mut *tx)
-            .await?;
-    }
+    insert_entries(&mut tx, events).await?;
     sqlx::query("UPDATE search_positions SET stream_seq = GREATEST(stream_seq, $2) WHERE partition = $1")
         .bind(partition)
         .bind(through)
@@ -273,8 +263,26 @@ async fn index_once(
     Ok(())
 }
 
+/// Writes `entries` (those of events still stored: a delete may have come first, and
+/// holds the same lock).
+async fn insert_entries(conn: &mut sqlx::PgConnection, entries: &[Entry]) -> Result<(), sqlx::Error> {
+    if entries.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(INDEX_ENTRIES)
+        .bind(entries.iter().map(|e| e.session.0).collect::<Vec<_>>())
+        .bind(entries.iter().map(|e| e.seq).collect::<Vec<_>>())
+        .bind(entries.iter().map(|e| e.owner.as_str()).collect::<Vec<_>>())
+        .bind(entries.iter().map(|e| e.kind).collect::<Vec<_>>())
+        .bind(entries.iter().map(|e| e.body.as_str()).collect::<Vec<_>>())
+        .bind(entries.iter().map(|e| e.created_at).collect::<Vec<_>>())
+        .execute(conn)
+        .await?;
+    Ok(())
+}
+
 /// The rows given (session ids, seqs, owners, kinds, bodies, times), of the events still
-/// stored: a delete may have come first, and holds the same lock.
+/// stored.
 const INDEX_ENTRIES: &str = "INSERT INTO search_entries (session_id, seq, owner, kind, body, created_at)
      SELECT k.session_id, k.seq, k.owner, k.kind, k.body, k.created_at
        FROM UNNEST($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::text[], $6::timestamptz[])
@@ -283,25 +291,41 @@ const INDEX_ENTRIES: &str = "INSERT INTO search_entries (session_id, seq, owner,
      ON CONFLICT (session_id, seq) DO NOTHING";
 
 /// The whole index recomputed from the stored events, and every partition's position set
-/// to the writer's: the end of `turnlog rebuild`.
-pub(crate) async fn reindex_all(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
-    sqlx::query("DELETE FROM search_entries").execute(&mut *conn).await?;
-    sqlx::query(
-        "INSERT INTO search_entries (session_id, seq, owner, kind, body, created_at)
-         SELECT e.session_id, e.seq, s.owner,
-                CASE e.kind WHEN 'user_message' THEN 'user' ELSE 'assistant' END, t.body, e.created_at
-           FROM session_events e
-           JOIN sessions s ON s.id = e.session_id
-          CROSS JOIN LATERAL (SELECT turnlog_search_text(e.kind, e.payload) AS body) t
-          WHERE e.kind IN ('user_message', 'assistant_turn') AND t.body IS NOT NULL",
+/// to the writer's: the end of `turnlog rebuild`. The text is [`search_text`] of each
+/// stored message and answer, read back and written in batches of [`INDEX_BATCH`] (the
+/// SQL definition, a function Postgres cannot inline, costs several times more a row);
+/// the full-text index is set aside meanwhile and built once after.
+pub(crate) async fn reindex_all(pool: &PgPool) -> anyhow::Result<()> {
+    use futures::TryStreamExt as _;
+    let mut write = pool.acquire().await?;
+    sqlx::query("DELETE FROM search_entries").execute(&mut *write).await?;
+    let mut read = pool.acquire().await?;
+    type Row = (Uuid, i64, String, String, sqlx::types::Json<Value>, DateTime<Utc>);
+    let mut rows = sqlx::query_as::<_, Row>(
+        "SELECT e.session_id, e.seq, s.owner, e.kind, e.payload, e.created_at
+           FROM session_events e JOIN sessions s ON s.id = e.session_id
+          WHERE e.kind IN ('user_message', 'assistant_turn')",
     )
-    .execute(&mut *conn)
-    .await?;
+    .fetch(&mut *read);
+    let mut batch = Vec::with_capacity(INDEX_BATCH);
+    while let Some((session, seq, owner, kind, payload, created_at)) = rows.try_next().await? {
+        let user = kind == "user_message";
+        let kind = if user { EventKind::UserMessage } else { EventKind::AssistantTurn };
+        if let Some(body) = search_text(kind, &payload) {
+            let kind = if user { "user" } else { "assistant" };
+            batch.push(Entry { session: SessionId(session), seq, owner, kind, body, created_at });
+        }
+        if batch.len() == INDEX_BATCH {
+            insert_entries(&mut write, &batch).await?;
+            batch.clear();
+        }
+    }
+    insert_entries(&mut write, &batch).await?;
     sqlx::query(
         "INSERT INTO search_positions (partition, stream_seq) SELECT partition, stream_seq FROM writer_positions
          ON CONFLICT (partition) DO UPDATE SET stream_seq = EXCLUDED.stream_seq",
     )
-    .execute(&mut *conn)
+    .execute(&mut *write)
     .await?;
     Ok(())
 }

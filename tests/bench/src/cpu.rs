@@ -72,6 +72,15 @@ impl Part {
     }
 }
 
+/// The postmaster of the server `pool` is connected to (on this machine): the parent of
+/// one of its backends. A shared server's tree counts whatever else it runs meanwhile.
+pub(crate) async fn postmaster(pool: &sqlx::PgPool) -> anyhow::Result<u32> {
+    let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(pool).await?;
+    let backend = u32::try_from(backend)?;
+    parent(backend)
+        .ok_or_else(|| anyhow::anyhow!("Postgres backend {backend} is not a process of this machine"))
+}
+
 /// Named parts whose CPU a run is charged with.
 pub(crate) struct Meter {
     parts: Vec<(&'static str, Part)>,

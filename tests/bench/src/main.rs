@@ -2,6 +2,7 @@
 //! `RESULT <name> key=value ...` line: `cargo run --release -p turnlog-bench -- <name>`.
 
 mod branches;
+mod bus_cost;
 mod cache;
 mod context;
 mod cpu;
@@ -43,7 +44,7 @@ fn main() -> anyhow::Result<()> {
         Some("tools") => runtime()?.block_on(tools::run()),
         Some("mcp") => runtime()?.block_on(mcp::run()),
         other => {
-            eprintln!("usage: turnlog-bench <context|tokenizer|writer [cpu]|rebuild|ingress [cpu]|cache|files|import|soak|scale|tracing|tools|mcp>  (got {other:?})");
+            eprintln!("usage: turnlog-bench <context|tokenizer|writer [cpu|bus]|rebuild|ingress [cpu]|cache|files|import|soak|scale|tracing|tools|mcp>  (got {other:?})");
             std::process::exit(2);
         }
     }

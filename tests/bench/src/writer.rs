@@ -440,10 +440,14 @@ pub(crate) async fn cpu_figures() -> anyhow::Result<String> {
 
 pub(crate) async fn run(args: &[String]) -> anyhow::Result<()> {
     turnlog_core::tokens::warm_up();
-    if args.first().map(String::as_str) == Some("cpu") {
-        let cpu = cpu_figures().await?;
-        println!("RESULT writer_cpu {cpu}");
-        return Ok(());
+    match args.first().map(String::as_str) {
+        Some("cpu") => {
+            let cpu = cpu_figures().await?;
+            println!("RESULT writer_cpu {cpu}");
+            return Ok(());
+        }
+        Some("bus") => return crate::bus_cost::run().await,
+        _ => {}
     }
     let cpu = cpu_figures().await?;
     let mut rig = Rig::new().await?;
