@@ -14,7 +14,7 @@ use turnlog_core::compaction::{plan_compaction_with, CompactionPlan};
 use turnlog_core::events::{CompactionApplied, EventBody, EventKind};
 use turnlog_core::ids::{EventId, Owner, SessionId};
 use turnlog_runtime::bus::{append_and_wait, AppendError, AppendRequest, Bus, Expect, Refusal};
-use turnlog_runtime::read::{live_tail, ReadError};
+use turnlog_runtime::read::{live_counts, live_tail, ReadError};
 use turnlog_runtime::upstream::{UpstreamClient, UpstreamError};
 use uuid::Uuid;
 
@@ -131,10 +131,18 @@ impl Compactor {
         let mut summaries = 0;
         // One bounded wait for facts per check, however many attempts it makes.
         let facts_deadline = tokio::time::Instant::now() + self.settings.facts_wait;
+        let size = |counted: &[turnlog_core::budget::CountedEvent]| {
+            request_size(history_tokens_with(counted, self.settings.tool_history), reserve_tokens)
+        };
         for _ in 0..MAX_ROUNDS {
+            // Most checks find the request within budget: counting needs no event's payload.
+            let counted = live_counts(&self.pool, owner, session).await?.ok_or(CompactError::NotFound)?;
+            let checked = Checked { compacted_through, tokens: size(&counted), budget };
+            if checked.within_budget() {
+                return Ok(checked);
+            }
             let tail = live_tail(&self.pool, owner, session).await?.ok_or(CompactError::NotFound)?;
-            let tokens =
-                request_size(history_tokens_with(&tail.counted, self.settings.tool_history), reserve_tokens);
+            let tokens = size(&tail.counted);
             let checked = Checked { compacted_through, tokens, budget };
             if checked.within_budget() {
                 return Ok(checked);
@@ -194,10 +202,8 @@ impl Compactor {
                 }
             }
         }
-        let tail = live_tail(&self.pool, owner, session).await?.ok_or(CompactError::NotFound)?;
-        let tokens =
-            request_size(history_tokens_with(&tail.counted, self.settings.tool_history), reserve_tokens);
-        Ok(Checked { compacted_through, tokens, budget })
+        let counted = live_counts(&self.pool, owner, session).await?.ok_or(CompactError::NotFound)?;
+        Ok(Checked { compacted_through, tokens: size(&counted), budget })
     }
 
     /// One compaction of `plan`: facts first, then the summary, then the conditional append.

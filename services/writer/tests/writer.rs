@@ -272,6 +272,59 @@ async fn racing_compactions_with_the_same_expectation_apply_once() {
     h.stop().await;
 }
 
+/// What the compactor's check reads (`read::live_counts`, counted in SQL from the stored
+/// payloads) is what the live tail counts from the decoded ones: tool steps and results,
+/// answers, the compaction's boundary, and nothing before it; another owner finds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_counts_are_the_live_tail_s_counts() {
+    let h = Harness::start().await;
+    let s = h.create("alice").await;
+    let alice = owner("alice");
+    let hr = &h;
+    let append = |body: EventBody| {
+        let req = AppendRequest::append(s, &alice, Uuid::now_v7(), &body);
+        async move { assert!(hr.send(&req).await.is_applied()) }
+    };
+    h.user(s, "alice", "what is in the file?").await;
+    let call = ToolCall { id: "c1".into(), name: "read".into(), arguments: "{}".into() };
+    let step = AssistantTurn {
+        llm: LlmPart { message: LlmMessage { content: None, tool_calls: vec![call] } },
+        ..Default::default()
+    };
+    append(EventBody::AssistantTurn(step)).await;
+    append(EventBody::ToolExecution(ToolExecution {
+        call_id: "c1".into(),
+        name: "read".into(),
+        source: None,
+        args: None,
+        output: Some("text".into()),
+        is_error: None,
+        result_digest: None,
+        status: "ok".into(),
+        duration_ms: None,
+    }))
+    .await;
+    append(EventBody::AssistantTurn(AssistantTurn::default())).await;
+    let counts = || read::live_counts(&h.env.pool, &alice, s);
+    let tail = read::live_tail(&h.env.pool, &alice, s).await.unwrap().unwrap();
+    assert_eq!(counts().await.unwrap().unwrap(), tail.counted);
+    assert_eq!(tail.counted.iter().filter(|c| c.tool).count(), 2, "{:?}", tail.counted);
+
+    h.user(s, "alice", "and now?").await;
+    append(EventBody::CompactionApplied(CompactionApplied {
+        summary: "the file was read".into(),
+        replaces_through_seq: 3,
+        facts_extracted: vec![],
+    }))
+    .await;
+    let tail = read::live_tail(&h.env.pool, &alice, s).await.unwrap().unwrap();
+    assert_eq!(counts().await.unwrap().unwrap(), tail.counted);
+    assert_eq!(tail.counted.first().map(|c| c.seq), Some(4));
+    assert!(tail.counted.iter().any(|c| c.replaces_through == Some(3)));
+    assert!(read::live_counts(&h.env.pool, &owner("bob"), s).await.unwrap().is_none());
+    h.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_requests_are_dead_lettered_and_do_not_block() {
     let h = Harness::start().await;

@@ -79,7 +79,7 @@ pub(crate) async fn run() -> anyhow::Result<()> {
     let mut rig = Rig::new().await?;
     rig.start_writer();
     let live = rig.sessions(16).await?;
-    let (_, alone_p99, _) = latency_at(&rig, &live, LIVE_PER_S, LIVE_SECONDS).await?;
+    let alone_p99 = latency_at(&rig, &live, LIVE_PER_S, LIVE_SECONDS).await?.p99();
 
     // The same file imported twice, by two owners (so neither finds the other's sessions):
     // with the appends in flight a partition that imports had before issue 43 (200), and
@@ -100,7 +100,8 @@ pub(crate) async fn run() -> anyhow::Result<()> {
             let (importer, path) = (importer.clone(), path.clone());
             tokio::spawn(async move { importer.file(&path, None, |_, _| {}).await })
         };
-        let (_, during_p99, during_max) = latency_at(&rig, &live, LIVE_PER_S, LIVE_SECONDS).await?;
+        let during = latency_at(&rig, &live, LIVE_PER_S, LIVE_SECONDS).await?;
+        let (during_p99, during_max) = (during.p99(), during.max());
         let summary = import.await??;
         let elapsed = started.elapsed();
         anyhow::ensure!(summary.failed.is_empty(), "conversations failed: {:?}", summary.failed);

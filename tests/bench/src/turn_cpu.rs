@@ -2,7 +2,9 @@
 //! `memory` as processes of their own, on a private nats-server and Postgres, against the
 //! mock model (in the bench's process, like the clients: neither is counted). Measured from
 //! the first request until every worker has handled every turn and the search index has
-//! every event, so a turn is charged with all the work it causes.
+//! every event, so a turn is charged with all the work it causes. A warm-up round on other
+//! sessions comes first, unmetered: it opens the services' pooled connections and lets
+//! Postgres cache their catalogs and plans, which a long-running deployment pays once.
 
 use std::time::{Duration, Instant};
 
@@ -20,6 +22,8 @@ use crate::cpu::{Meter, Part, Spent};
 /// Sessions talking at once, and turns each.
 const SESSIONS: usize = 8;
 const TURNS_EACH: usize = 25;
+/// Turns each of the warm-up round's sessions takes (as many sessions, at once).
+const WARM_UP_TURNS: usize = 10;
 /// A window whose compaction budget (60%) a session of the rich scenario passes about
 /// every ten turns.
 const RICH_WINDOW: &str = "mock=12000";
@@ -99,12 +103,21 @@ async fn run(
     let http = reqwest::Client::builder().pool_max_idle_per_host(64).build()?;
     ready(&http, &base).await?;
 
-    let mut sessions = Vec::new();
-    for _ in 0..SESSIONS {
-        let r: serde_json::Value =
-            http.post(format!("{base}/v1/sessions")).json(&json!({})).send().await?.json().await?;
-        sessions.push(r["id"].as_str().ok_or_else(|| anyhow::anyhow!("no session id: {r}"))?.to_owned());
-    }
+    let new_sessions = || async {
+        let mut sessions = Vec::new();
+        for _ in 0..SESSIONS {
+            let r: serde_json::Value =
+                http.post(format!("{base}/v1/sessions")).json(&json!({})).send().await?.json().await?;
+            sessions.push(r["id"].as_str().ok_or_else(|| anyhow::anyhow!("no session id: {r}"))?.to_owned());
+        }
+        anyhow::Ok(sessions)
+    };
+    let talk = |sessions, turns| {
+        Talk { http: &http, base: &base, bus: &bus, env: &env, scenario }.run(sessions, turns)
+    };
+    talk(new_sessions().await?, WARM_UP_TURNS).await?;
+    let warm_up = counts(&env.pool).await?;
+    let sessions = new_sessions().await?;
     let meter = Meter::new(vec![
         ("ingress", Part::turnlog(&[&ingress])),
         ("writer", Part::turnlog(&[&writer])),
@@ -114,32 +127,10 @@ async fn run(
     ]);
     crate::cpu::statements_reset(&env.pool).await;
     let started = Instant::now();
-    let (turns, spent) = meter
-        .measure(async {
-            let talks = sessions.iter().enumerate().map(|(s, session)| {
-                let (http, base) = (&http, &base);
-                async move {
-                    for t in 0..TURNS_EACH {
-                        turn(http, base, session, &scenario.text(s, t)).await?;
-                    }
-                    anyhow::Ok(TURNS_EACH)
-                }
-            });
-            let turns: anyhow::Result<Vec<usize>> =
-                futures::future::join_all(talks).await.into_iter().collect();
-            turnlog_e2e::rig::settle(&bus, &WORKERS).await;
-            env.search_caught_up().await;
-            turns.map(|t| t.iter().sum::<usize>())
-        })
-        .await;
+    let (turns, spent) = meter.measure(talk(sessions, TURNS_EACH)).await;
     let seconds = started.elapsed().as_secs_f64();
-    let count = |kind: &str| {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM session_events WHERE kind = $1")
-            .bind(kind.to_owned())
-            .fetch_one(&env.pool)
-    };
-    let compactions = count("compaction_applied").await?;
-    let memories: i64 = sqlx::query_scalar("SELECT count(*) FROM memories").fetch_one(&env.pool).await?;
+    let (compactions, memories) = counts(&env.pool).await?;
+    let (compactions, memories) = (compactions - warm_up.0, memories - warm_up.1);
     crate::cpu::statements_top(&env.pool, 25, (SESSIONS * TURNS_EACH) as f64, "/turn").await;
     for mut p in workers.into_iter().chain([writer, ingress]) {
         p.terminate();
@@ -148,6 +139,42 @@ async fn run(
     drop(bus);
     env.cleanup().await;
     Ok(TurnCost { turns: turns?, spent, compactions, memories, seconds })
+}
+
+/// Sessions talking at once through one ingress.
+struct Talk<'a> {
+    http: &'a reqwest::Client,
+    base: &'a str,
+    bus: &'a Bus,
+    env: &'a turnlog_testkit::TestEnv,
+    scenario: Scenario,
+}
+
+impl Talk<'_> {
+    /// `turns` turns in each of `sessions`, at once; then waits until every worker has
+    /// handled them and the search index has them. Returns the turns taken.
+    async fn run(self, sessions: Vec<String>, turns: usize) -> anyhow::Result<usize> {
+        let talks = sessions.iter().enumerate().map(|(s, session)| async move {
+            for t in 0..turns {
+                turn(self.http, self.base, session, &self.scenario.text(s, t)).await?;
+            }
+            anyhow::Ok(turns)
+        });
+        let taken: anyhow::Result<Vec<usize>> = futures::future::join_all(talks).await.into_iter().collect();
+        turnlog_e2e::rig::settle(self.bus, &WORKERS).await;
+        self.env.search_caught_up().await;
+        taken.map(|t| t.iter().sum())
+    }
+}
+
+/// Compactions applied and memories kept so far.
+async fn counts(pool: &sqlx::PgPool) -> anyhow::Result<(i64, i64)> {
+    Ok(sqlx::query_as(
+        "SELECT (SELECT count(*) FROM session_events WHERE kind = 'compaction_applied'),
+                (SELECT count(*) FROM memories)",
+    )
+    .fetch_one(pool)
+    .await?)
 }
 
 /// One streamed turn, read to its end; an error unless it completed.

@@ -13,7 +13,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::{Owner, SessionId};
-use turnlog_runtime::bus::{append_and_wait, append_message, AppendRequest, Bus};
+use turnlog_runtime::bus::{append_and_wait, append_message, AppendRequest, Bus, Outcome};
 use turnlog_testkit::{
     free_port, private_nats, private_postgres, test_env, test_env_on, TestEnv, TurnlogProcess,
 };
@@ -143,42 +143,98 @@ pub(crate) async fn end_to_end_traced(
     Ok(done as f64 / start.elapsed().as_secs_f64())
 }
 
+/// `append_and_wait`'s latency at a steady offered rate, and its two stages: the PubAck
+/// (the request stored in TURNLOG_APPEND) and the outcome after it (the writer reads,
+/// applies and commits the request, then replies).
+pub(crate) struct Latency {
+    total: hdrhistogram::Histogram<u64>,
+    ack: hdrhistogram::Histogram<u64>,
+    after_ack: hdrhistogram::Histogram<u64>,
+}
+
+impl Latency {
+    fn ms(h: &hdrhistogram::Histogram<u64>, q: f64) -> f64 {
+        h.value_at_quantile(q) as f64 / 1000.0
+    }
+    pub(crate) fn p50(&self) -> f64 {
+        Self::ms(&self.total, 0.5)
+    }
+    pub(crate) fn p99(&self) -> f64 {
+        Self::ms(&self.total, 0.99)
+    }
+    pub(crate) fn max(&self) -> f64 {
+        self.total.max() as f64 / 1000.0
+    }
+    /// p50 and p99 of each stage, for a printed line.
+    pub(crate) fn stages(&self) -> String {
+        format!(
+            "PubAck p50 {:.2} / p99 {:.2} ms, outcome after it p50 {:.2} / p99 {:.2} ms",
+            Self::ms(&self.ack, 0.5),
+            Self::ms(&self.ack, 0.99),
+            Self::ms(&self.after_ack, 0.5),
+            Self::ms(&self.after_ack, 0.99)
+        )
+    }
+}
+
 /// `append_and_wait` latency at a steady offered rate (open loop), after a pause that lets
 /// the machine settle from the runs before (the writer's index merges, the servers' flushes)
-/// and a first second at the rate that is not recorded.
+/// and a first second at the rate that is not recorded. Each request takes
+/// `append_and_wait`'s path (an inbox of its own, the PubAck, then the outcome), timed by
+/// stage.
 pub(crate) async fn latency_at(
     rig: &Rig,
     sessions: &[SessionId],
     per_s: u64,
     seconds: u64,
-) -> anyhow::Result<(f64, f64, f64)> {
+) -> anyhow::Result<Latency> {
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let hist = Arc::new(std::sync::Mutex::new(hdrhistogram::Histogram::<u64>::new(3)?));
     let mut ticker = tokio::time::interval(Duration::from_micros(1_000_000 / per_s));
     let warm_up = per_s as usize;
     let mut tasks = Vec::new();
     for i in 0..warm_up + (per_s * seconds) as usize {
         ticker.tick().await;
-        let (bus, pool, hist) = (rig.bus.clone(), rig.env.pool.clone(), hist.clone());
+        let bus = rig.bus.clone();
         let session = sessions[i % sessions.len()];
         tasks.push(tokio::spawn(async move {
             let req = AppendRequest::append(session, &owner(), Uuid::now_v7(), &message(i));
-            let t = Instant::now();
-            let o = append_and_wait(&bus, &pool, &req, Duration::from_secs(10)).await?;
-            anyhow::ensure!(o.is_applied(), "append rejected");
-            let us = t.elapsed().as_micros() as u64;
-            if i >= warm_up {
-                hist.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.record(us.max(1))?;
-            }
-            anyhow::Ok(())
+            anyhow::Ok((i >= warm_up).then_some(timed_append(&bus, &req).await?))
         }));
     }
+    let histogram = || hdrhistogram::Histogram::<u64>::new(3);
+    let mut latency = Latency { total: histogram()?, ack: histogram()?, after_ack: histogram()? };
     for t in tasks {
-        t.await??;
+        if let Some((ack, total)) = t.await?? {
+            latency.total.record(total.max(1))?;
+            latency.ack.record(ack.max(1))?;
+            latency.after_ack.record((total - ack).max(1))?;
+        }
     }
-    let h = hist.lock().map_err(|_| anyhow::anyhow!("poisoned"))?;
-    let ms = |us: u64| us as f64 / 1000.0;
-    Ok((ms(h.value_at_quantile(0.5)), ms(h.value_at_quantile(0.99)), ms(h.max())))
+    Ok(latency)
+}
+
+/// One request on `append_and_wait`'s path (its inbox, the PubAck, the outcome): µs until
+/// the PubAck and until the outcome.
+async fn timed_append(bus: &Bus, req: &AppendRequest) -> anyhow::Result<(u64, u64)> {
+    let t = Instant::now();
+    let inbox = bus.client.new_inbox();
+    let mut replies = bus.client.subscribe(inbox.clone()).await?;
+    let body = Bytes::from(serde_json::to_vec(req)?);
+    let msg = append_message(body, &req.request_id.to_string(), Some(&inbox), None);
+    let ack = bus.js.send_publish(bus.names.append_subject(0, req.session_id), msg).await?.await?;
+    anyhow::ensure!(!ack.duplicate, "a new request was taken for a duplicate");
+    let acked = t.elapsed().as_micros() as u64;
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(10), replies.next())
+            .await
+            .context("no outcome within 10 s")?
+            .context("the inbox closed")?;
+        let outcome: Outcome = serde_json::from_slice(&msg.payload)?;
+        if outcome.request_id == req.request_id {
+            anyhow::ensure!(outcome.is_applied(), "append rejected: {outcome:?}");
+            return Ok((acked, t.elapsed().as_micros() as u64));
+        }
+    }
 }
 
 /// The writer alone: the stream pre-filled while it is stopped, then drained.
@@ -438,6 +494,61 @@ pub(crate) async fn cpu_figures() -> anyhow::Result<String> {
     ))
 }
 
+/// The writer's commit-time histogram so far, from its metrics (this process's writer):
+/// (bound in seconds, commits that took at most that long), the last bound infinite.
+fn commits() -> Vec<(f64, f64)> {
+    let text = turnlog_runtime::telemetry::registry().render();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("turnlog_writer_commit_seconds_bucket{le=\""))
+        .filter_map(|l| {
+            let (bound, count) = l.split_once("\"} ")?;
+            let bound = if bound == "+Inf" { f64::INFINITY } else { bound.parse().ok()? };
+            Some((bound, count.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// `writer latency`: `append_and_wait` at 1,000/s on the shared servers after a load that
+/// warms them, with its stages and the writer's commits over the same seconds.
+async fn latency_figures() -> anyhow::Result<()> {
+    let mut rig = Rig::new().await?;
+    let durable = u8::from(rig.env.durable().await?);
+    rig.start_writer();
+    let sessions = rig.sessions(16).await?;
+    end_to_end(&rig.bus, &sessions, 20_000).await?;
+    let before = commits();
+    let latency = latency_at(&rig, &sessions, 1000, 10).await?;
+    let after = commits();
+    // Commits in the window at most each bound took: how many, how many over 5 ms, and
+    // the bound the slowest stayed under.
+    let within: Vec<(f64, f64)> =
+        after.iter().enumerate().map(|(i, a)| (a.0, a.1 - before.get(i).map_or(0.0, |b| b.1))).collect();
+    let count = within.last().map_or(0.0, |b| b.1);
+    let quick = within.iter().find(|b| b.0 >= 0.005).map_or(0.0, |b| b.1);
+    let slow_pct = 100.0 * (count - quick) / count.max(1.0);
+    let slowest_ms = within.iter().find(|b| b.1 >= count).map_or(f64::INFINITY, |b| b.0 * 1e3);
+    println!(
+        "append_and_wait at 1,000/s offered: p50 {:.2} ms, p99 {:.2} ms, max {:.1} ms; {}; the writer's commits \
+         meanwhile: {count:.0}, {slow_pct:.1}% over 5 ms, the slowest under {slowest_ms} ms",
+        latency.p50(),
+        latency.p99(),
+        latency.max(),
+        latency.stages()
+    );
+    println!(
+        "RESULT writer_latency p50_ms={:.2} p99_ms={:.2} max_ms={:.1} puback_p99_ms={:.2} after_puback_p99_ms={:.2} \
+         commits={count:.0} commits_over_5ms_pct={slow_pct:.1} slowest_commit_under_ms={slowest_ms} durable={durable}",
+        latency.p50(),
+        latency.p99(),
+        latency.max(),
+        Latency::ms(&latency.ack, 0.99),
+        Latency::ms(&latency.after_ack, 0.99)
+    );
+    rig.stop_writer().await?;
+    rig.env.cleanup().await;
+    Ok(())
+}
+
 pub(crate) async fn run(args: &[String]) -> anyhow::Result<()> {
     turnlog_core::tokens::warm_up();
     match args.first().map(String::as_str) {
@@ -447,6 +558,7 @@ pub(crate) async fn run(args: &[String]) -> anyhow::Result<()> {
             return Ok(());
         }
         Some("bus") => return crate::bus_cost::run().await,
+        Some("latency") => return latency_figures().await,
         _ => {}
     }
     let cpu = cpu_figures().await?;
@@ -486,8 +598,14 @@ pub(crate) async fn run(args: &[String]) -> anyhow::Result<()> {
         "end to end (pipelined producers: up to 16, {WINDOW} requests in flight each, replies counted on one \
          inbox each), appends/s: 1 session {e1:.0}, 16 sessions {e16:.0}, 256 sessions {e256:.0}"
     );
-    let (p50, p99, max) = latency_at(&rig, &s16, 1000, 10).await?;
-    println!("append_and_wait (one request, one inbox, PubAck and outcome awaited) at 1,000/s offered: p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.1} ms");
+    let latency = latency_at(&rig, &s16, 1000, 10).await?;
+    let (p50, p99) = (latency.p50(), latency.p99());
+    println!(
+        "append_and_wait (one request, one inbox, PubAck and outcome awaited) at 1,000/s offered: p50 {p50:.2} ms, \
+         p99 {p99:.2} ms, max {:.1} ms; {}",
+        latency.max(),
+        latency.stages()
+    );
     let drained = drain(&mut rig, &s256, total).await?;
     println!("writer alone draining {total} pre-filled requests: {drained:.0}/s");
     rig.stop_writer().await?;

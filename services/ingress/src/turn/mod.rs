@@ -15,6 +15,7 @@ mod start;
 mod tools;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::watch;
@@ -43,6 +44,9 @@ pub struct ActiveTurn {
     /// The attempt this turn runs (a response's id on the OpenAI-compatible routes).
     pub attempt_id: AttemptId,
     events: Mutex<Vec<Arc<StreamEvent>>>,
+    /// Whether a copy has asked for this turn's events (a follower there): from then on its
+    /// events also go out on the live subject. Set and read with `events` locked.
+    followed: AtomicBool,
     /// The number of events emitted; followers wait on it.
     count: watch::Sender<u64>,
     stop: CancellationToken,
@@ -55,19 +59,30 @@ impl ActiveTurn {
             session,
             attempt_id,
             events: Mutex::new(Vec::new()),
+            followed: AtomicBool::new(false),
             count: watch::Sender::new(0),
             stop: CancellationToken::new(),
             stop_reason: Mutex::new(None),
         })
     }
 
-    /// Appends an event and wakes every follower; returns it (for the live subject).
-    fn emit(&self, event: TurnEvent) -> Arc<StreamEvent> {
+    /// Appends an event and wakes every follower; returns it when another copy follows the
+    /// turn (for the live subject).
+    fn emit(&self, event: TurnEvent) -> Option<Arc<StreamEvent>> {
         let mut events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
         let e = Arc::new(StreamEvent { id: events.len() as u64 + 1, event });
         events.push(Arc::clone(&e));
         self.count.send_replace(e.id);
-        e
+        self.followed.load(Ordering::Relaxed).then_some(e)
+    }
+
+    /// The events after `after`, for another copy's follower: every event emitted after
+    /// these is published on the live subject (each is in the snapshot or published, or
+    /// both: a follower skips what it has).
+    pub fn followed_after(&self, after: u64) -> Vec<Arc<StreamEvent>> {
+        let events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
+        self.followed.store(true, Ordering::Relaxed);
+        events.iter().skip(usize::try_from(after).unwrap_or(usize::MAX)).cloned().collect()
     }
 
     /// Events with an id above `after`.

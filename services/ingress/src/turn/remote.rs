@@ -78,7 +78,7 @@ pub(super) async fn serve(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>) -> Option<
                     let after = serde_json::from_slice::<SnapshotRequest>(&msg.payload).map_or(0, |r| r.after);
                     // Read before the events, so `over` never hides an `end` they lack.
                     let over = turn.is_over();
-                    for piece in pieces(turn.events_after(after), over) {
+                    for piece in pieces(turn.followed_after(after), over) {
                         if let Ok(body) = serde_json::to_vec(&piece) {
                             let _ = client.publish(reply.clone(), body.into()).await;
                         }

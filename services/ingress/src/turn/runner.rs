@@ -316,8 +316,9 @@ struct Turn<'a> {
 
 impl Turn<'_> {
     async fn emit(&self, event: TurnEvent) {
-        let e = self.turn.emit(event);
-        remote::publish_live(self.app, self.start.session, &e).await;
+        if let Some(e) = self.turn.emit(event) {
+            remote::publish_live(self.app, self.start.session, &e).await;
+        }
     }
 
     /// The turn's steps (DESIGN §14): each model call, stored; while a step's server calls

@@ -432,8 +432,9 @@ async fn stopped(
 }
 
 async fn emit(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, event: TurnEvent) {
-    let e = turn.emit(event);
-    remote::publish_live(app, turn.session, &e).await;
+    if let Some(e) = turn.emit(event) {
+        remote::publish_live(app, turn.session, &e).await;
+    }
 }
 
 /// Each call's `source` in the turn's steps, by call id (from its `tool_call` block).

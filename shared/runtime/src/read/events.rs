@@ -38,23 +38,45 @@ impl StoredEvent {
 
     /// The budget's view, from the stored count (no re-encoding).
     pub fn counted(&self) -> Result<CountedEvent, DecodeError> {
-        let kind = EventKind::try_from(&self.kind)?;
-        let replaces_through = match kind {
-            EventKind::CompactionApplied => self.payload.get("replaces_through_seq").and_then(|v| v.as_i64()),
-            _ => None,
-        };
-        let tool = match kind {
-            EventKind::AssistantTurn => turnlog_core::events::payload_asks_for_tools(&self.payload),
-            other => other.projection() == turnlog_core::events::Projection::Tool,
-        };
-        Ok(CountedEvent {
-            seq: self.seq,
-            kind,
-            tokens: u32::try_from(self.tokens).unwrap_or(0),
-            replaces_through,
-            tool,
-        })
+        let replaces_through = self.payload.get("replaces_through_seq").and_then(|v| v.as_i64());
+        let asks_for_tools = turnlog_core::events::payload_asks_for_tools(&self.payload);
+        counted(self.seq, &self.kind, self.tokens, replaces_through, asks_for_tools)
     }
+}
+
+/// A [`CountedEvent`] of a stored event's kind and count and the two facts of its payload
+/// the budget needs: a compaction's boundary and whether an answer asks for tools (each
+/// taken only for its kind).
+fn counted(
+    seq: i64,
+    kind: &KindName,
+    tokens: i32,
+    replaces_through: Option<i64>,
+    asks_for_tools: bool,
+) -> Result<CountedEvent, DecodeError> {
+    let kind = EventKind::try_from(kind)?;
+    Ok(CountedEvent {
+        seq,
+        kind,
+        tokens: u32::try_from(tokens).unwrap_or(0),
+        replaces_through: replaces_through.filter(|_| kind == EventKind::CompactionApplied),
+        tool: match kind {
+            EventKind::AssistantTurn => asks_for_tools,
+            other => other.projection() == turnlog_core::events::Projection::Tool,
+        },
+    })
+}
+
+/// A [`StoredEvent`]'s counted view as Postgres reads it from the payload in place: the
+/// payload itself is neither sent nor parsed.
+#[derive(sqlx::FromRow)]
+struct CountedRow {
+    seq: i64,
+    #[sqlx(try_from = "String")]
+    kind: KindName,
+    tokens: i32,
+    replaces_through: Option<i64>,
+    asks_for_tools: bool,
 }
 
 /// A session's live tail: its newest compaction and every event after that compaction's
@@ -84,6 +106,42 @@ pub async fn live_tail(pool: &PgPool, owner: &Owner, id: SessionId) -> Result<Op
     let counted = rows.iter().map(StoredEvent::counted).collect::<Result<Vec<_>, _>>()?;
     let events = rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?;
     Ok(Some(LiveTail { state, events, counted }))
+}
+
+/// The live tail as the budget counts it ([`LiveTail::counted`]) without its events: what
+/// a check that the next request fits needs. None when the session is not the owner's.
+pub async fn live_counts(
+    pool: &PgPool,
+    owner: &Owner,
+    id: SessionId,
+) -> Result<Option<Vec<CountedEvent>>, ReadError> {
+    // `payload_asks_for_tools` and the compaction's `replaces_through_seq`, in SQL (a test
+    // compares the two reads); a CASE evaluates in order, so only an array is measured.
+    let rows: Vec<CountedRow> = sqlx::query_as(branch_sql!(
+        "SELECT e.seq, e.kind, e.tokens,
+                CASE WHEN e.kind = 'compaction_applied' THEN (e.payload ->> 'replaces_through_seq')::int8
+                END AS replaces_through,
+                CASE WHEN e.kind = 'assistant_turn'
+                      AND jsonb_typeof(e.payload #> '{llm,message,tool_calls}') = 'array'
+                     THEN jsonb_array_length(e.payload #> '{llm,message,tool_calls}') > 0
+                     ELSE false END AS asks_for_tools
+           FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
+            AND e.seq > (SELECT coalesce(s.compacted_through, 0) FROM sessions s WHERE s.id = $1)
+          ORDER BY e.seq"
+    ))
+    .bind(id.0)
+    .bind(owner.as_str())
+    .fetch_all(pool)
+    .await?;
+    // Never empty for a session: the tail holds its start or its newest compaction.
+    if rows.is_empty() {
+        return Ok(None);
+    }
+    let counted = rows
+        .iter()
+        .map(|r| counted(r.seq, &r.kind, r.tokens, r.replaces_through, r.asks_for_tools))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(counted))
 }
 
 /// Every event of a session, decoded. Services read pages or a live tail instead; this is

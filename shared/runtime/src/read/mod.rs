@@ -57,7 +57,9 @@ mod transcript;
 mod turns;
 
 pub use crate::outcome::recorded_outcome;
-pub use events::{all_events, event_at, events_page, live_tail, tail_through, LiveTail, StoredEvent};
+pub use events::{
+    all_events, event_at, events_page, live_counts, live_tail, tail_through, LiveTail, StoredEvent,
+};
 pub use listing::{explain_list_sessions, list_sessions, Cursor, ListQuery};
 pub use memories::{recall_memories, recall_relevant, Memory};
 pub use search::{search, SearchHit};
