@@ -137,11 +137,14 @@ impl Meter {
 
 /// With [`turnlog_testkit::STATEMENTS_VAR`] set, where a private Postgres spends its time:
 /// `pg_stat_statements` reset by [`statements_reset`] before a run and listed after it by
-/// [`statements_top`] (the statements of every database of the server, by total time).
+/// [`statements_top`] (the statements of every database of the server, by total time),
+/// with how many of the run's updates of session rows were HOT (this database's table
+/// statistics, reset with them).
 pub(crate) async fn statements_reset(pool: &sqlx::PgPool) {
     if std::env::var_os(turnlog_testkit::STATEMENTS_VAR).is_some() {
         let _ = sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements").execute(pool).await;
         let _ = sqlx::query("SELECT pg_stat_statements_reset()").execute(pool).await;
+        let _ = sqlx::query("SELECT pg_stat_reset()").execute(pool).await;
     }
 }
 
@@ -166,5 +169,20 @@ pub(crate) async fn statements_top(pool: &sqlx::PgPool, n: i64, units: f64, unit
             }
         }
         Err(e) => println!("  pg_stat_statements unreadable: {e}"),
+    }
+    // Backends report their table statistics within about a second of going idle.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let updates: Result<(i64, i64), _> =
+        sqlx::query_as("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'sessions'")
+            .fetch_one(pool)
+            .await;
+    match updates {
+        Ok((all, hot)) => println!(
+            "  session row updates: {:.2}{unit}, HOT {:.2}{unit} ({:.0}%)",
+            all as f64 / units,
+            hot as f64 / units,
+            100.0 * hot as f64 / (all.max(1) as f64)
+        ),
+        Err(e) => println!("  table statistics unreadable: {e}"),
     }
 }
