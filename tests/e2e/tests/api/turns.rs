@@ -368,6 +368,32 @@ async fn reattach_replays_after_last_event_id_then_follows_live() {
     assert_eq!(bad.status, 400);
 }
 
+/// A turn no other copy follows sends nothing on its live subject (DESIGN §6); once a copy
+/// asks for its events, the events after them go out there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_goes_out_on_its_live_subject_only_once_another_copy_asks() {
+    let (api, _mock) = with_mock().await;
+    let id = api.create(ALICE, None).await;
+    let client = &api.bus.client;
+    let mut live = client.subscribe(api.bus.names.live_subject(id)).await.unwrap();
+    let first = api.message_request(id, ALICE, "go [mock words=60 delay_ms=20]").await;
+    let mut first = first.bytes_stream().eventsource();
+    for _ in 0..3 {
+        first.next().await.unwrap().unwrap();
+    }
+    let quiet = tokio::time::timeout(std::time::Duration::from_millis(200), live.next()).await;
+    assert!(quiet.is_err(), "an unfollowed turn published on its live subject");
+
+    // Another copy's follower: it asks for the events so far, then hears the rest live.
+    let asked = client.request(api.bus.names.turn_subject(id), json!({"after": 0}).to_string().into());
+    let snapshot: Value = serde_json::from_slice(&asked.await.unwrap().payload).unwrap();
+    let last = snapshot["events"].as_array().unwrap().last().unwrap()["id"].as_u64().unwrap();
+    let heard = tokio::time::timeout(WAIT, live.next()).await.unwrap().unwrap();
+    let heard: Value = serde_json::from_slice(&heard.payload).unwrap();
+    assert!(heard["id"].as_u64().unwrap() <= last + 1, "an event fell between the snapshot and {heard}");
+    while first.next().await.is_some() {}
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reattach_past_the_turns_last_event_ends_with_the_turn() {
     let (api, _mock) = with_mock().await;
