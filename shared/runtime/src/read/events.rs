@@ -38,33 +38,37 @@ impl StoredEvent {
 
     /// The budget's view, from the stored count (no re-encoding).
     pub fn counted(&self) -> Result<CountedEvent, DecodeError> {
-        let replaces_through = self.payload.get("replaces_through_seq").and_then(|v| v.as_i64());
-        let asks_for_tools = turnlog_core::events::payload_asks_for_tools(&self.payload);
-        counted(self.seq, &self.kind, self.tokens, replaces_through, asks_for_tools)
+        let kind = EventKind::try_from(&self.kind)?;
+        let replaces_through = match kind {
+            EventKind::CompactionApplied => self.payload.get("replaces_through_seq").and_then(|v| v.as_i64()),
+            _ => None,
+        };
+        let asks_for_tools =
+            kind == EventKind::AssistantTurn && turnlog_core::events::payload_asks_for_tools(&self.payload);
+        Ok(counted(self.seq, kind, self.tokens, replaces_through, asks_for_tools))
     }
 }
 
 /// A [`CountedEvent`] of a stored event's kind and count and the two facts of its payload
-/// the budget needs: a compaction's boundary and whether an answer asks for tools (each
-/// taken only for its kind).
+/// the budget needs, each given only for its kind: a compaction's boundary and whether an
+/// answer asks for tools.
 fn counted(
     seq: i64,
-    kind: &KindName,
+    kind: EventKind,
     tokens: i32,
     replaces_through: Option<i64>,
     asks_for_tools: bool,
-) -> Result<CountedEvent, DecodeError> {
-    let kind = EventKind::try_from(kind)?;
-    Ok(CountedEvent {
+) -> CountedEvent {
+    CountedEvent {
         seq,
         kind,
         tokens: u32::try_from(tokens).unwrap_or(0),
-        replaces_through: replaces_through.filter(|_| kind == EventKind::CompactionApplied),
+        replaces_through,
         tool: match kind {
             EventKind::AssistantTurn => asks_for_tools,
             other => other.projection() == turnlog_core::events::Projection::Tool,
         },
-    })
+    }
 }
 
 /// A [`StoredEvent`]'s counted view as Postgres reads it from the payload in place: the
@@ -139,8 +143,10 @@ pub async fn live_counts(
     }
     let counted = rows
         .iter()
-        .map(|r| counted(r.seq, &r.kind, r.tokens, r.replaces_through, r.asks_for_tools))
-        .collect::<Result<Vec<_>, _>>()?;
+        .map(|r| {
+            Ok(counted(r.seq, EventKind::try_from(&r.kind)?, r.tokens, r.replaces_through, r.asks_for_tools))
+        })
+        .collect::<Result<Vec<_>, DecodeError>>()?;
     Ok(Some(counted))
 }
 
