@@ -19,9 +19,10 @@ use crate::{metrics, store};
 /// dropped whole past this size.
 const SESSION_CACHE: usize = 100_000;
 
-/// What a commit leaves to do: feed, position, replies, purge.
+/// What a commit leaves to do: replies, feed, position, purge.
 pub(crate) struct Committed {
     pub(crate) events: Vec<EventRow>,
+    /// Sent as soon as the commit returns; a delete's only after its purge.
     pub(crate) replies: Vec<(String, Outcome)>,
     pub(crate) last_stream_seq: i64,
     /// The removals a committed delete calls for; its replies wait until they are done.

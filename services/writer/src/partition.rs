@@ -17,7 +17,7 @@ use turnlog_runtime::trace;
 
 use crate::apply::{EventRow, Incoming, SessionRow};
 use crate::commit::{apply_and_commit, commit_fault, is_unique_violation, CommitFault, Committed};
-use crate::publisher::{publish_events, publisher, INDEX_QUEUE};
+use crate::publisher::{publish_events, publisher, send_replies, INDEX_QUEUE};
 use crate::purger::{finish_purges, purger, PURGE_QUEUE};
 use crate::read_ahead::{read_ahead, ReadAhead, READ_AHEAD_BYTES};
 use crate::{gin, metrics, search, share, store, MAX_BATCH};
@@ -141,9 +141,10 @@ async fn serve_partition(
     let budget = Arc::new(Semaphore::new(READ_AHEAD_BYTES));
     let reader = tokio::spawn(read_ahead(bus.clone(), stream, partition, start, budget, to_writer));
 
-    // Publishing runs behind the next commit: the feed, `published_seq` and the replies of
-    // batch N go out while batch N+1 is applied. Deleted sessions' messages are removed
-    // behind the publisher, so that other sessions' replies do not wait for a removal.
+    // Publishing runs behind the next commit: the feed and `published_seq` of batch N go
+    // out while batch N+1 is applied (its replies went at its commit). Deleted sessions'
+    // messages are removed behind the publisher, so that other sessions' replies do not
+    // wait for a removal.
     let (to_purger, from_publisher) = tokio::sync::mpsc::channel(PURGE_QUEUE);
     let purger = tokio::spawn(purger(pool.clone(), bus.clone(), from_publisher));
     // The search index follows the feed, in its own transactions (search::indexer).
@@ -293,6 +294,11 @@ async fn apply_loop(
         end_apply_spans(spans.drain(..consumed), &carry[..consumed], &mut committed.events);
         carry.drain(..consumed);
         permits.drain(..consumed);
+        // The commit is durable: its producers hear now, not behind the feed's PubAcks for
+        // the batches before (a delete's, once its purge is done, behind the publisher).
+        if committed.purges.is_empty() {
+            send_replies(bus, &std::mem::take(&mut committed.replies)).await?;
+        }
         to_publisher.send(committed).await.context("publisher stopped")?;
         // The lock lives as long as its connection: notice when that is gone.
         if last_ping.elapsed() > LOCK_PING {

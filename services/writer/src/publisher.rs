@@ -1,5 +1,6 @@
-//! After each commit: replies to producers, committed events onto the feed, `published_seq`
-//! moved on, and the search indexer and purger handed their share — behind the next commit.
+//! After each commit, behind the next one: committed events onto the feed, `published_seq`
+//! moved on, and the search indexer and purger handed their share. (The producers heard
+//! already: the apply loop answers them as soon as the commit is durable.)
 
 use std::time::{Duration, Instant};
 
@@ -18,6 +19,12 @@ use crate::{metrics, search, store};
 /// Committed groups waiting to be indexed for search (a full queue holds the publisher back).
 pub(crate) const INDEX_QUEUE: usize = 256;
 
+/// `published_seq` moves when no commit has come for this long, or every
+/// [`MARK_EVERY`] batches under load: it is a crash's restart point, so its lag costs only
+/// republishing (deduplicated by the feed), while a move per commit cost a transaction.
+const MARK_IDLE: Duration = Duration::from_millis(100);
+const MARK_EVERY: usize = 16;
+
 pub(crate) async fn publisher(
     pool: PgPool,
     bus: Bus,
@@ -28,19 +35,25 @@ pub(crate) async fn publisher(
 ) -> anyhow::Result<()> {
     let mut unmarked: Option<i64> = None;
     let mut batches_unmarked = 0;
-    while let Some(first) = from_writer.recv().await {
+    loop {
+        let first = match unmarked {
+            Some(through) => match tokio::time::timeout(MARK_IDLE, from_writer.recv()).await {
+                Ok(first) => first,
+                Err(_idle) => {
+                    store::mark_published(&pool, partition, through).await?;
+                    (unmarked, batches_unmarked) = (None, 0);
+                    continue;
+                }
+            },
+            None => from_writer.recv().await,
+        };
+        let Some(first) = first else { break };
         // What was committed meanwhile goes out together.
         let mut group = vec![first];
         while let Ok(next) = from_writer.try_recv() {
             group.push(next);
         }
         let started = Instant::now();
-        // The commit is durable: its producers hear first, then the feed gets its events
-        // (a crash in between loses nothing: the next writer republishes from
-        // `published_seq`). A delete's replies wait for its removal, below.
-        for committed in group.iter().filter(|c| c.purges.is_empty()) {
-            send_replies(&bus, &committed.replies).await?;
-        }
         // A deleted session's earlier events are on the feed before its removal starts.
         let events: Vec<&EventRow> = group.iter().flat_map(|c| c.events.iter()).collect();
         publish_events(&bus, events).await?;
@@ -51,6 +64,7 @@ pub(crate) async fn publisher(
             "events published"
         );
         let Some(last_stream_seq) = group.last().map(|c| c.last_stream_seq) else { continue };
+        metrics::metrics().published(partition.unsigned_abs(), last_stream_seq);
         let indexing = search::Committed::of(group.iter().flat_map(|c| c.events.iter()), last_stream_seq);
         to_indexer.send(indexing).await.context("search indexer stopped")?;
         batches_unmarked += group.len();
@@ -58,16 +72,13 @@ pub(crate) async fn publisher(
             to_purger.send((committed.purges, committed.replies)).await.context("purger stopped")?;
         }
         unmarked = Some(last_stream_seq);
-        // Move `published_seq` when caught up (or every few batches under load).
-        if let Some(through) = unmarked.filter(|_| from_writer.is_empty() || batches_unmarked >= 16) {
-            store::mark_published(&pool, partition, through).await?;
-            metrics::metrics().published(partition.unsigned_abs(), through);
+        if batches_unmarked >= MARK_EVERY {
+            store::mark_published(&pool, partition, last_stream_seq).await?;
             (unmarked, batches_unmarked) = (None, 0);
         }
     }
-    if let Some(seq) = unmarked {
-        store::mark_published(&pool, partition, seq).await?;
-        metrics::metrics().published(partition.unsigned_abs(), seq);
+    if let Some(through) = unmarked {
+        store::mark_published(&pool, partition, through).await?;
     }
     Ok(())
 }
