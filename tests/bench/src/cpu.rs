@@ -155,8 +155,11 @@ pub(crate) async fn statements_top(pool: &sqlx::PgPool, n: i64, units: f64, unit
         return;
     }
     let rows: Result<Vec<(f64, f64, i64, String)>, _> = sqlx::query_as(
-        "SELECT total_exec_time, total_plan_time, calls, left(regexp_replace(query, '\\s+', ' ', 'g'), 140)
-           FROM pg_stat_statements ORDER BY total_exec_time + total_plan_time DESC LIMIT $1",
+        // A long statement's start and end: the reads over a branch share their start.
+        "SELECT total_exec_time, total_plan_time, calls,
+                CASE WHEN length(q) > 160 THEN left(q, 50) || ' … ' || right(q, 110) ELSE q END
+           FROM (SELECT *, regexp_replace(query, '\\s+', ' ', 'g') AS q FROM pg_stat_statements) s
+          ORDER BY total_exec_time + total_plan_time DESC LIMIT $1",
     )
     .bind(n)
     .fetch_all(pool)
