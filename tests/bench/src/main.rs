@@ -20,6 +20,11 @@ mod tracing_cost;
 mod turn_cpu;
 mod writer;
 
+/// The `turnlog` binary's allocator: the benches that run the services' code in this
+/// process (the writer's latency, the rebuild) measure what the binary does.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     // A tracing run installs the subscriber of the mode it measures.
