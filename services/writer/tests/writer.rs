@@ -923,6 +923,7 @@ async fn a_delete_removes_only_messages_up_to_itself_and_moves_no_consumer() {
         "the session created again holds its own log only"
     );
 
+    h.env.feed_published().await;
     let of = |s: SessionId, kind: &str| format!("{prefix}.{kind}.*.{s}");
     let n = &h.bus.names;
     // APPEND: the second life's two requests, nothing of the first.

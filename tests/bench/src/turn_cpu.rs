@@ -161,7 +161,7 @@ impl Talk<'_> {
             anyhow::Ok(turns)
         });
         let taken: anyhow::Result<Vec<usize>> = futures::future::join_all(talks).await.into_iter().collect();
-        turnlog_e2e::rig::settle(&self.env.pool, self.bus, &WORKERS).await;
+        turnlog_e2e::rig::settle(self.env, self.bus, &WORKERS).await;
         self.env.search_caught_up().await;
         taken.map(|t| t.iter().sum())
     }

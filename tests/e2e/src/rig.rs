@@ -208,7 +208,7 @@ impl Rig {
 
     /// Waits until every named worker has handled everything on the feed ([`settle`]).
     pub async fn settle(&self, workers: &[&str]) {
-        settle(&self.env.pool, &self.bus, workers).await
+        settle(&self.env, &self.bus, workers).await
     }
 
     /// Every dead letter so far, with its subject.
@@ -311,34 +311,23 @@ pub async fn consumer_idle(bus: &Bus, worker: &str) -> bool {
 /// Waits until every named worker has handled everything on the feed, the feed holding
 /// everything committed. The writer answers a producer before it publishes the commit's
 /// events, so a turn (or a worker's append) can be answered while its events are not on the
-/// feed yet; a settle waits for them. It returns once one pass found the writer's published
-/// positions caught up with its applied ones and every worker idle, and the feed did not
-/// grow during that pass: anything committed before it was then on the feed and handled.
-pub async fn settle(pool: &sqlx::PgPool, bus: &Bus, workers: &[&str]) {
+/// feed yet; a settle waits for them. It returns once one pass found the feed caught up
+/// with the commits ([`TestEnv::feed_caught_up`]) and every worker idle, and the feed did
+/// not grow during that pass: anything committed before it was then on the feed and handled.
+pub async fn settle(env: &TestEnv, bus: &Bus, workers: &[&str]) {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
         let before = feed_last_seq(bus).await;
-        let mut idle = feed_caught_up(pool).await;
+        let mut idle = env.feed_caught_up().await;
         for w in workers {
             idle = idle && consumer_idle(bus, w).await;
         }
-        if idle && feed_caught_up(pool).await && feed_last_seq(bus).await == before {
+        if idle && env.feed_caught_up().await && feed_last_seq(bus).await == before {
             return;
         }
         assert!(tokio::time::Instant::now() < deadline, "workers {workers:?} did not settle within {WAIT:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-/// Whether every committed event is on the feed: each writer partition's `published_seq`
-/// has reached its applied `stream_seq`.
-async fn feed_caught_up(pool: &sqlx::PgPool) -> bool {
-    sqlx::query_scalar::<_, bool>(
-        "SELECT NOT EXISTS (SELECT 1 FROM writer_positions WHERE published_seq < stream_seq)",
-    )
-    .fetch_one(pool)
-    .await
-    .unwrap_or(false)
 }
 
 /// The feed's last sequence (None while it cannot be read).

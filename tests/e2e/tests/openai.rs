@@ -404,7 +404,7 @@ async fn chat_completions_keep_the_prompt_cache_hitting_like_the_native_api() {
                 assert_eq!(serde_json::from_str::<Value>(&e.data).unwrap()["status"], "completed");
             }
         }
-        settle(&env.pool, &bus, &["compactor"]).await;
+        settle(&env, &bus, &["compactor"]).await;
     }
 
     let sid = [("X-Session-Id", "prefix-stability")];
@@ -416,7 +416,7 @@ async fn chat_completions_keep_the_prompt_cache_hitting_like_the_native_api() {
         let (branch, text) = chat_completion(&http, &base, &sid, &body).await;
         compat = branch.unwrap();
         messages.push(json!({"role": "assistant", "content": text}));
-        settle(&env.pool, &bus, &["compactor"]).await;
+        settle(&env, &bus, &["compactor"]).await;
     }
 
     // The turns each conversation's compactions followed (its user messages before each).

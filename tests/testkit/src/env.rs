@@ -147,6 +147,28 @@ impl TestEnv {
         .await;
     }
 
+    /// Whether every committed event is on the feed: each writer partition's
+    /// `published_seq` has reached its applied `stream_seq` (the writer answers a producer
+    /// at its commit, before it publishes the commit's events, and moves `published_seq`
+    /// after they are on the feed).
+    pub async fn feed_caught_up(&self) -> bool {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT NOT EXISTS (SELECT 1 FROM writer_positions WHERE published_seq < stream_seq)",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .unwrap_or(false)
+    }
+
+    /// Waits until [`TestEnv::feed_caught_up`]: before reading the feed for what was just
+    /// appended.
+    pub async fn feed_published(&self) {
+        crate::eventually(std::time::Duration::from_secs(30), || async {
+            self.feed_caught_up().await.then_some(())
+        })
+        .await;
+    }
+
     /// DATABASE_URL, NATS_URL, TURNLOG_BUS_PREFIX and TURNLOG_PARTITIONS for a child process.
     pub fn env_vars(&self) -> Vec<(String, String)> {
         vec![

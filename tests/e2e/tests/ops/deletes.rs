@@ -115,6 +115,7 @@ async fn a_session_deleted_and_created_again_rebuilds_as_it_is_live() {
         (purges == 0 && queued_events == 2).then_some(())
     })
     .await;
+    env.feed_published().await;
 
     for (s, again, message) in [(queued, &queued_again, &queued_message), (live, &live_again, &live_message)]
     {

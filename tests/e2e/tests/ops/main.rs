@@ -165,7 +165,9 @@ async fn replay_distiller(
     tokio::time::timeout(WAIT, replay).await.expect("replay finished in time").expect("replay")
 }
 
+/// The feed's last sequence once it holds everything committed so far.
 async fn feed_end(rig: &Rig) -> u64 {
+    rig.env.feed_published().await;
     let mut feed = rig.bus.js.get_stream(rig.bus.names.events_stream()).await.expect("the feed");
     feed.info().await.expect("its info").state.last_sequence
 }
