@@ -221,7 +221,11 @@ async fn timed_append(bus: &Bus, req: &AppendRequest) -> anyhow::Result<(u64, u6
     let mut replies = bus.client.subscribe(inbox.clone()).await?;
     let body = Bytes::from(serde_json::to_vec(req)?);
     let msg = append_message(body, &req.request_id.to_string(), Some(&inbox), None);
-    let ack = bus.js.send_publish(bus.names.append_subject(0, req.session_id), msg).await?.await?;
+    let ack = bus
+        .js
+        .send_publish(bus.names.append_subject(bus.partition_of(req.session_id), req.session_id), msg)
+        .await?
+        .await?;
     anyhow::ensure!(!ack.duplicate, "a new request was taken for a duplicate");
     let acked = t.elapsed().as_micros() as u64;
     loop {

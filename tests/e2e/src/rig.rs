@@ -331,7 +331,7 @@ pub async fn settle(env: &TestEnv, bus: &Bus, workers: &[&str]) {
 }
 
 /// The feed's last sequence (None while it cannot be read).
-async fn feed_last_seq(bus: &Bus) -> Option<u64> {
+pub async fn feed_last_seq(bus: &Bus) -> Option<u64> {
     let mut stream = bus.js.get_stream(bus.names.events_stream()).await.ok()?;
     Some(stream.info().await.ok()?.state.last_sequence)
 }

@@ -168,8 +168,7 @@ async fn replay_distiller(
 /// The feed's last sequence once it holds everything committed so far.
 async fn feed_end(rig: &Rig) -> u64 {
     rig.env.feed_published().await;
-    let mut feed = rig.bus.js.get_stream(rig.bus.names.events_stream()).await.expect("the feed");
-    feed.info().await.expect("its info").state.last_sequence
+    turnlog_e2e::rig::feed_last_seq(&rig.bus).await.expect("the feed's last sequence")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
