@@ -1,18 +1,20 @@
 //! The rebuild's SQL: bulk loading into an empty database that only the rebuild writes.
-//! Rows go in once — events (binary COPY) and memories as batches are applied, sessions as
-//! they are created — and the state that changes all along (each session's row, every
-//! request's outcome, the positions) is written at the end, from memory, in its final form.
-//! The events' unique constraint and secondary indexes are set aside during the load and
-//! made again after it, as PostgreSQL advises for populating a database.
+//! Rows go in once — events and their search rows (binary COPY) and memories as batches
+//! are applied, sessions as they are created — and the state that changes all along (each
+//! session's row, every request's outcome, the positions) is written at the end, from
+//! memory, in its final form. The events' unique constraint and the secondary indexes of
+//! the events, the search rows and the outcomes are set aside during the load and made
+//! again after it, as PostgreSQL advises for populating a database.
 
 use std::sync::LazyLock;
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use sqlx::{Connection as _, PgConnection, PgPool};
+use sqlx::pool::PoolConnection;
+use sqlx::{Connection as _, PgConnection, PgPool, Postgres};
 use uuid::Uuid;
 
-use crate::apply::{BatchEffects, LoadedState, SessionRow};
+use crate::apply::{BatchEffects, EventRow, LoadedState, SessionRow};
 use crate::store::{
     bind_memories, bind_sessions, delete_statement, rebuild_file, run_delete, session_metadata,
     upsert_sessions_sql,
@@ -33,17 +35,17 @@ pub(crate) async fn is_empty(pool: &PgPool) -> Result<bool, sqlx::Error> {
     .await
 }
 
-/// The events table's constraints and the secondary indexes of the events and the search
-/// index, as statements that make them again: indexes first (each may be built beside the
-/// others), then the constraints (a unique one adopts its index, built among the first).
+/// The events table's constraints and the secondary indexes of the events, the search
+/// index and the outcomes, as statements that make them again: indexes first (each may be
+/// built beside the others), then the constraints (a unique one adopts its index).
 #[derive(Debug)]
 pub(crate) struct SetAside {
     indexes: Vec<String>,
     constraints: Vec<String>,
 }
 
-/// Drops the events table's unique constraint and secondary indexes (and any foreign key)
-/// and the search index's full-text index, and returns how to make them again: an index
+/// Drops the events table's unique constraint and secondary indexes (and any foreign key),
+/// the search index's full-text index and the outcomes' session index, and returns how to make them again: an index
 /// built once costs a fraction of maintaining it row by row. A rebuild that stops before
 /// [`restore`] leaves a database without them — one to drop, as any unfinished rebuild's;
 /// a target found without them is refused.
@@ -60,7 +62,8 @@ pub(crate) async fn set_aside(conn: &mut PgConnection) -> anyhow::Result<SetAsid
     .await?;
     let indexes: Vec<(String, String)> = sqlx::query_as(
         "SELECT i.indexrelid::regclass::text, pg_get_indexdef(i.indexrelid) FROM pg_index i
-          WHERE i.indrelid IN ('session_events'::regclass, 'search_entries'::regclass) AND NOT i.indisprimary
+          WHERE i.indrelid IN ('session_events'::regclass, 'search_entries'::regclass, 'request_outcomes'::regclass)
+            AND NOT i.indisprimary
             AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid)
           ORDER BY 1",
     )
@@ -99,34 +102,73 @@ pub(crate) async fn set_aside(conn: &mut PgConnection) -> anyhow::Result<SetAsid
     Ok(remake)
 }
 
-/// Makes again what [`set_aside`] dropped — the indexes two at a time, on two connections,
-/// since a build uses one core — then gathers the planner's statistics of the loaded tables.
-pub(crate) async fn restore(pool: &PgPool, set_aside: SetAside) -> Result<(), sqlx::Error> {
-    let build = |statements: Vec<String>| async move {
+/// What a partition's rebuild leaves to write once every partition is loaded: its final
+/// state at its position ([`write_final`]).
+pub(crate) struct PartitionEnd {
+    pub(crate) partition: i32,
+    pub(crate) position: i64,
+    pub(crate) state: LoadedState,
+}
+
+/// Writes every partition's final state and makes again what [`set_aside`] dropped, on two
+/// connections, since a build uses one core: one starts with the full-text index (the
+/// longest build), the other with the final states (they write other tables); then each
+/// takes the next index until none is left. Then the constraints, and the planner's
+/// statistics of the loaded tables (the events' on one connection, the rest on the other).
+pub(crate) async fn restore(
+    pool: &PgPool,
+    set_aside: SetAside,
+    ends: Vec<PartitionEnd>,
+) -> anyhow::Result<()> {
+    let (gin, btrees): (Vec<String>, Vec<String>) =
+        set_aside.indexes.into_iter().partition(|i| i.contains(" USING gin "));
+    let queue = std::sync::Mutex::new(btrees);
+    let next = || queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).pop();
+    let lane = |first: Vec<String>| async move {
         let mut conn = pool.acquire().await?;
-        for statement in &statements {
-            sqlx::raw_sql(statement).execute(&mut *conn).await?;
+        for statement in first {
+            build_index(&mut conn, &statement).await?;
         }
-        Ok::<_, sqlx::Error>(())
+        while let Some(statement) = next() {
+            build_index(&mut conn, &statement).await?;
+        }
+        anyhow::Ok(())
     };
-    let (mut even, mut odd) = (Vec::new(), Vec::new());
-    for (i, index) in set_aside.indexes.into_iter().enumerate() {
-        if i % 2 == 0 {
-            even.push(index)
-        } else {
-            odd.push(index)
+    let finals = async {
+        let mut conn = pool.acquire().await?;
+        for end in &ends {
+            let t0 = std::time::Instant::now();
+            write_final(&mut conn, end.partition, end.position, &end.state).await?;
+            tracing::debug!(
+                partition = end.partition,
+                us = t0.elapsed().as_micros() as u64,
+                "final state written"
+            );
         }
-    }
-    tokio::try_join!(build(even), build(odd))?;
+        drop(conn);
+        lane(Vec::new()).await
+    };
+    tokio::try_join!(lane(gin), finals)?;
     let mut conn = pool.acquire().await?;
     let mut tx = conn.begin().await?;
     for statement in &set_aside.constraints {
         sqlx::raw_sql(statement).execute(&mut *tx).await?;
     }
     tx.commit().await?;
-    sqlx::raw_sql("ANALYZE sessions, session_events, request_outcomes, memories, files")
-        .execute(&mut *conn)
-        .await?;
+    drop(conn);
+    let t0 = std::time::Instant::now();
+    let analyze = |tables: &'static str| async move {
+        sqlx::raw_sql(&format!("ANALYZE {tables}")).execute(&mut *pool.acquire().await?).await
+    };
+    tokio::try_join!(analyze("session_events"), analyze("sessions, request_outcomes, memories, files"))?;
+    tracing::debug!(us = t0.elapsed().as_micros() as u64, "statistics gathered");
+    Ok(())
+}
+
+async fn build_index(conn: &mut PgConnection, statement: &str) -> Result<(), sqlx::Error> {
+    let t0 = std::time::Instant::now();
+    sqlx::raw_sql(statement).execute(conn).await?;
+    tracing::debug!(statement, us = t0.elapsed().as_micros() as u64, "index built");
     Ok(())
 }
 
@@ -134,10 +176,17 @@ fn quoted(identifier: &str) -> String {
     format!("\"{}\"", identifier.replace('"', "\"\""))
 }
 
-/// One applied batch in one transaction: its new sessions, its events, its memories — or,
-/// for a delete, the session's rows and a pending purge, as the live writer leaves them.
-pub(crate) async fn write_batch(conn: &mut PgConnection, fx: &BatchEffects) -> Result<(), sqlx::Error> {
-    let mut tx = conn.begin().await?;
+/// One applied batch: its new sessions, its events and their search rows, its memories —
+/// or, for a delete, the session's rows and a pending purge, as the live writer leaves them.
+/// The events are spread over `conns`, a transaction on each, written at once (a load is
+/// bound by the server's COPY, one core a connection); every one has committed when this
+/// returns, so the next batch (a delete) sees them.
+pub(crate) async fn write_batch(
+    conns: &mut [PoolConnection<Postgres>],
+    fx: &BatchEffects,
+) -> Result<(), sqlx::Error> {
+    let Some((first, others)) = conns.split_first_mut() else { return Ok(()) };
+    let mut tx = first.begin().await?;
     if let Some(file) = &fx.file {
         rebuild_file(&mut tx, file).await?;
         return tx.commit().await;
@@ -154,29 +203,6 @@ pub(crate) async fn write_batch(conn: &mut PgConnection, fx: &BatchEffects) -> R
     if !fx.created.is_empty() {
         upsert_sessions(&mut tx, &fx.created.iter().collect::<Vec<_>>()).await?;
     }
-    if !fx.events.is_empty() {
-        let mut rows = CopyBinary::new();
-        for e in &fx.events {
-            let event = &e.event;
-            rows.tuple(8);
-            rows.uuid(event.session_id.0);
-            rows.int8(event.seq);
-            rows.uuid(event.event_id.0);
-            rows.text(event.kind.as_str());
-            rows.jsonb(&event.payload);
-            rows.int4(e.tokens);
-            rows.int8(e.stream_seq());
-            rows.timestamptz(event.created_at);
-        }
-        let mut copy = tx
-            .copy_in_raw(
-                "COPY session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
-                 FROM STDIN (FORMAT binary)",
-            )
-            .await?;
-        copy.send(rows.finish()).await?;
-        copy.finish().await?;
-    }
     if !fx.memories.is_empty() {
         let m = &fx.memories;
         // A memory id seen before keeps its first row, as in the live writer.
@@ -191,12 +217,83 @@ pub(crate) async fn write_batch(conn: &mut PgConnection, fx: &BatchEffects) -> R
         .execute(&mut *tx)
         .await?;
     }
-    tx.commit().await
+    let mut shares = fx.events.chunks(fx.events.len().div_ceil(others.len() + 1).max(1));
+    let mine = shares.next().unwrap_or_default();
+    let theirs = others.iter_mut().zip(shares).map(|(conn, events)| async move {
+        let mut tx = conn.begin().await?;
+        copy_events(&mut tx, events).await?;
+        tx.commit().await
+    });
+    let (own, rest) = tokio::join!(
+        async {
+            copy_events(&mut tx, mine).await?;
+            tx.commit().await
+        },
+        futures::future::join_all(theirs)
+    );
+    own?;
+    rest.into_iter().collect()
+}
+
+/// Events and their search rows (binary COPY).
+async fn copy_events(conn: &mut PgConnection, events: &[EventRow]) -> Result<(), sqlx::Error> {
+    if events.is_empty() {
+        return Ok(());
+    }
+    let mut rows = CopyBinary::new();
+    for e in events {
+        let event = &e.event;
+        rows.tuple(8);
+        rows.uuid(event.session_id.0);
+        rows.int8(event.seq);
+        rows.uuid(event.event_id.0);
+        rows.text(event.kind.as_str());
+        rows.jsonb(&event.payload);
+        rows.int4(e.tokens);
+        rows.int8(e.stream_seq());
+        rows.timestamptz(event.created_at);
+    }
+    let mut copy = conn
+        .copy_in_raw(
+            "COPY session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
+             FROM STDIN (FORMAT binary)",
+        )
+        .await?;
+    copy.send(rows.finish()).await?;
+    copy.finish().await?;
+    copy_search_entries(conn, events).await
+}
+
+/// The search rows of a batch's events, made from the payloads in hand as the live
+/// indexer makes them (a later delete in the rebuild removes them as it does live).
+async fn copy_search_entries(conn: &mut PgConnection, events: &[EventRow]) -> Result<(), sqlx::Error> {
+    let entries = crate::search::Committed::of(events, 0).events;
+    if entries.is_empty() {
+        return Ok(());
+    }
+    let mut rows = CopyBinary::new();
+    for e in &entries {
+        rows.tuple(6);
+        rows.uuid(e.session.0);
+        rows.int8(e.seq);
+        rows.text(&e.owner);
+        rows.text(e.kind);
+        rows.text(&e.body);
+        rows.timestamptz(e.created_at);
+    }
+    let mut copy = conn
+        .copy_in_raw(
+            "COPY search_entries (session_id, seq, owner, kind, body, created_at) FROM STDIN (FORMAT binary)",
+        )
+        .await?;
+    copy.send(rows.finish()).await?;
+    copy.finish().await?;
+    Ok(())
 }
 
 /// The end of a partition's rebuild: every session's final row, every outcome, and the
 /// position (applied and published: those events reached the feed when first applied).
-pub(crate) async fn write_final(
+async fn write_final(
     conn: &mut PgConnection,
     partition: i32,
     position: i64,

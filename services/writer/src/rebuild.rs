@@ -23,6 +23,9 @@ use crate::read_ahead::incoming;
 /// Most requests applied and written per transaction: ten times the live writer's, since
 /// no producer waits for a reply and a larger COPY spreads each commit's costs thinner.
 const REBUILD_BATCH: usize = 5_000;
+/// Connections loading rows at once, the partitions' together: a partition's batches are
+/// spread over its share of them, at least one (a COPY keeps one server core busy).
+const LOADING_CONNECTIONS: u32 = 2;
 /// Applied batches waiting for the database: applying runs ahead of writing by this much.
 const WRITE_QUEUE: usize = 2;
 /// Chunks read ahead of applying.
@@ -72,7 +75,8 @@ pub async fn rebuild(
     bus: &Bus,
     progress: Arc<RebuildProgress>,
 ) -> anyhow::Result<RebuildSummary> {
-    let pool = turnlog_runtime::db::connect(database_url, bus.partitions.max(2) + 1)
+    let connections = (LOADING_CONNECTIONS / bus.partitions.max(1)).max(1) * bus.partitions;
+    let pool = turnlog_runtime::db::connect(database_url, connections.max(2) + 1)
         .await
         .context("connecting to the target database")?;
     anyhow::ensure!(
@@ -112,8 +116,10 @@ pub async fn rebuild(
         unread: 0,
         elapsed: Duration::ZERO,
     };
+    let mut finals = Vec::new();
     while let Some(done) = tasks.join_next().await {
         let part = done.context("a partition's rebuild panicked")??;
+        finals.push(part.end);
         summary.messages += part.messages;
         summary.events += part.events;
         summary.dead_lettered += part.dead_lettered;
@@ -130,11 +136,14 @@ pub async fn rebuild(
         );
     }
     let t0 = Instant::now();
-    crate::search::reindex_all(&pool).await.context("indexing the target for search")?;
-    tracing::debug!(search_us = t0.elapsed().as_micros() as u64, "search index recomputed");
-    let t0 = Instant::now();
-    bulk::restore(&pool, set_aside).await.context("indexing the target")?;
-    tracing::debug!(restore_us = t0.elapsed().as_micros() as u64, "indexes and constraints made again");
+    bulk::restore(&pool, set_aside, finals)
+        .await
+        .context("writing the final state and indexing the target")?;
+    tracing::debug!(
+        restore_us = t0.elapsed().as_micros() as u64,
+        "final state, indexes and constraints written"
+    );
+    crate::search::positions_at_writer(&pool).await.context("moving the search positions")?;
     summary.elapsed = started.elapsed();
     pool.close().await;
     Ok(summary)
@@ -143,6 +152,8 @@ pub async fn rebuild(
 struct PartitionDone {
     partition: u32,
     position: u64,
+    /// What is written once every partition is loaded ([`bulk::restore`]).
+    end: bulk::PartitionEnd,
     messages: u64,
     events: u64,
     dead_lettered: u64,
@@ -162,8 +173,7 @@ async fn rebuild_partition(
     progress: &Arc<RebuildProgress>,
 ) -> anyhow::Result<PartitionDone> {
     let p = i32::try_from(partition).context("partition out of range")?;
-    let mut done =
-        PartitionDone { partition, position: 0, messages: 0, events: 0, dead_lettered: 0, rejected: 0 };
+    let mut dead_lettered = 0;
     let consumer: PullConsumer = stream
         .create_consumer(pull::Config {
             description: Some("turnlog rebuild".to_owned()),
@@ -187,7 +197,8 @@ async fn rebuild_partition(
         read_partition(consumer, through, &unstorable, to_applier).await
     });
     let (to_writer, from_applier) = tokio::sync::mpsc::channel(WRITE_QUEUE);
-    let writer = tokio::spawn(write_batches(pool.clone(), p, from_applier, progress.clone()));
+    let lanes = (LOADING_CONNECTIONS / bus.partitions.max(1)).max(1);
+    let writer = tokio::spawn(write_batches(pool.clone(), p, lanes, from_applier, progress.clone()));
     let mut state = LoadedState { partitions: bus.partitions, ..LoadedState::default() };
     let mut carry: Vec<Incoming> = Vec::new();
     'chunks: while let Some(chunk) = from_reader.recv().await {
@@ -204,32 +215,34 @@ async fn rebuild_partition(
                 "batch applied"
             );
             carry.drain(..fx.consumed);
-            done.dead_lettered += fx.dead.len() as u64;
-            if to_writer.send(Write::Batch(fx)).await.is_err() {
+            dead_lettered += fx.dead.len() as u64;
+            if to_writer.send(fx).await.is_err() {
                 // The writer stopped: its error says why, below.
                 break 'chunks;
             }
         }
     }
-    done.rejected =
+    let rejected =
         state.outcomes.values().filter(|(o, _)| o.status == OutcomeStatus::Rejected).count() as u64;
     drop(from_reader);
-    // Whatever stopped early, the reader or the writer, reports its error below.
-    let reader = reader.await.context("the rebuild's reader panicked")?;
-    if reader.is_ok() {
-        let _ = to_writer.send(Write::Final(state)).await;
-    }
     drop(to_writer);
-    let (position, messages_written, events) = writer.await.context("the rebuild's writer panicked")??;
+    // Whatever stopped early, the reader or the writer, reports its error here.
+    let reader = reader.await.context("the rebuild's reader panicked")?;
+    let (position, messages, events) = writer.await.context("the rebuild's writer panicked")??;
     reader?;
     if let Err(e) = stream.delete_consumer(&name).await {
         tracing::debug!(consumer = %name, error = %e, "rebuild consumer not deleted; it expires by itself");
     }
-    done.position = u64::try_from(position).unwrap_or_default();
-    done.messages = messages_written;
-    done.events = events;
-    tracing::info!(partition, position, messages = done.messages, events, "partition rebuilt");
-    Ok(done)
+    tracing::info!(partition, position, messages, events, "partition loaded");
+    Ok(PartitionDone {
+        partition,
+        position: u64::try_from(position).unwrap_or_default(),
+        end: bulk::PartitionEnd { partition: p, position, state },
+        messages,
+        events,
+        dead_lettered,
+        rejected,
+    })
 }
 
 /// Reads a partition's messages through `through` in order, in chunks of up to
@@ -309,38 +322,28 @@ async fn unstorable_requests(bus: &Bus) -> anyhow::Result<HashMap<u64, String>> 
     }
 }
 
-/// What the applier hands the writer: each applied batch, then the final state.
-enum Write {
-    Batch(BatchEffects),
-    Final(LoadedState),
-}
-
-/// Writes applied batches in order on one connection, then the final state; returns the
-/// partition's position, the messages and the events written.
+/// Writes applied batches in order, each spread over `lanes` connections, until the
+/// applier is done; returns the partition's position, the messages and the events written.
 async fn write_batches(
     pool: PgPool,
     partition: i32,
-    mut writes: tokio::sync::mpsc::Receiver<Write>,
+    lanes: u32,
+    mut writes: tokio::sync::mpsc::Receiver<BatchEffects>,
     progress: Arc<RebuildProgress>,
 ) -> anyhow::Result<(i64, u64, u64)> {
-    let mut conn = pool.acquire().await?;
-    // A crashed rebuild is started again from an empty database, so its commits need not
-    // wait for the disk; the last one below does, and makes every earlier one durable.
-    sqlx::query("SET synchronous_commit = off").execute(&mut *conn).await?;
+    let mut conns = Vec::new();
+    for _ in 0..lanes {
+        let mut conn = pool.acquire().await?;
+        // A crashed rebuild is started again from an empty database, so these commits need
+        // not wait for the disk: the final state's commit does, and makes every earlier one
+        // durable.
+        sqlx::query("SET synchronous_commit = off").execute(&mut *conn).await?;
+        conns.push(conn);
+    }
     let (mut position, mut messages, mut events) = (0i64, 0u64, 0u64);
-    while let Some(write) = writes.recv().await {
-        let fx = match write {
-            Write::Batch(fx) => fx,
-            Write::Final(state) => {
-                sqlx::query("SET synchronous_commit = on").execute(&mut *conn).await?;
-                let t0 = Instant::now();
-                bulk::write_final(&mut conn, partition, position, &state).await?;
-                tracing::debug!(partition, final_us = t0.elapsed().as_micros() as u64, "final state written");
-                return Ok((position, messages, events));
-            }
-        };
+    while let Some(fx) = writes.recv().await {
         let t0 = Instant::now();
-        bulk::write_batch(&mut conn, &fx).await?;
+        bulk::write_batch(&mut conns, &fx).await?;
         tracing::debug!(
             partition,
             requests = fx.consumed,
@@ -353,5 +356,8 @@ async fn write_batches(
         progress.applied.fetch_add(fx.consumed as u64, Ordering::Relaxed);
         progress.events.fetch_add(fx.events.len() as u64, Ordering::Relaxed);
     }
-    anyhow::bail!("the rebuild stopped before its end")
+    for conn in &mut conns {
+        sqlx::query("RESET synchronous_commit").execute(&mut **conn).await?;
+    }
+    Ok((position, messages, events))
 }

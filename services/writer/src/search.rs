@@ -35,13 +35,13 @@ pub(crate) struct Committed {
 
 /// One `search_entries` row.
 pub(crate) struct Entry {
-    session: SessionId,
-    seq: i64,
-    owner: String,
+    pub(crate) session: SessionId,
+    pub(crate) seq: i64,
+    pub(crate) owner: String,
     /// `user` or `assistant`.
-    kind: &'static str,
-    body: String,
-    created_at: DateTime<Utc>,
+    pub(crate) kind: &'static str,
+    pub(crate) body: String,
+    pub(crate) created_at: DateTime<Utc>,
 }
 
 impl Committed {
@@ -290,42 +290,14 @@ const INDEX_ENTRIES: &str = "INSERT INTO search_entries (session_id, seq, owner,
       WHERE EXISTS (SELECT 1 FROM session_events e WHERE e.session_id = k.session_id AND e.seq = k.seq)
      ON CONFLICT (session_id, seq) DO NOTHING";
 
-/// The whole index recomputed from the stored events, and every partition's position set
-/// to the writer's: the end of `turnlog rebuild`. The text is [`search_text`] of each
-/// stored message and answer, read back and written in batches of [`INDEX_BATCH`] (the
-/// SQL definition, a function Postgres cannot inline, costs several times more a row);
-/// the full-text index is set aside meanwhile and built once after.
-pub(crate) async fn reindex_all(pool: &PgPool) -> anyhow::Result<()> {
-    use futures::TryStreamExt as _;
-    let mut write = pool.acquire().await?;
-    sqlx::query("DELETE FROM search_entries").execute(&mut *write).await?;
-    let mut read = pool.acquire().await?;
-    type Row = (Uuid, i64, String, String, sqlx::types::Json<Value>, DateTime<Utc>);
-    let mut rows = sqlx::query_as::<_, Row>(
-        "SELECT e.session_id, e.seq, s.owner, e.kind, e.payload, e.created_at
-           FROM session_events e JOIN sessions s ON s.id = e.session_id
-          WHERE e.kind IN ('user_message', 'assistant_turn')",
-    )
-    .fetch(&mut *read);
-    let mut batch = Vec::with_capacity(INDEX_BATCH);
-    while let Some((session, seq, owner, kind, payload, created_at)) = rows.try_next().await? {
-        let user = kind == "user_message";
-        let kind = if user { EventKind::UserMessage } else { EventKind::AssistantTurn };
-        if let Some(body) = search_text(kind, &payload) {
-            let kind = if user { "user" } else { "assistant" };
-            batch.push(Entry { session: SessionId(session), seq, owner, kind, body, created_at });
-        }
-        if batch.len() == INDEX_BATCH {
-            insert_entries(&mut write, &batch).await?;
-            batch.clear();
-        }
-    }
-    insert_entries(&mut write, &batch).await?;
+/// Every partition's search position set to the writer's: the end of `turnlog rebuild`,
+/// which writes each batch's search rows with its events (`bulk::write_batch`).
+pub(crate) async fn positions_at_writer(pool: &PgPool) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO search_positions (partition, stream_seq) SELECT partition, stream_seq FROM writer_positions
          ON CONFLICT (partition) DO UPDATE SET stream_seq = EXCLUDED.stream_seq",
     )
-    .execute(&mut *write)
+    .execute(pool)
     .await?;
     Ok(())
 }

@@ -60,7 +60,7 @@ const SEARCH_SESSIONS: &str = concat!(
                UNION
                SELECT e.session_id FROM search_entries e
                 WHERE e.owner = $1 AND e.kind = 'user'
-                  AND to_tsvector('simple', e.body) @@ plainto_tsquery('simple', $2))
+                  AND e.body_vector @@ plainto_tsquery('simple', $2))
   ORDER BY active_at DESC, id DESC
   LIMIT $6"
 );

@@ -38,9 +38,9 @@ pub async fn search(
         "WITH q AS (SELECT plainto_tsquery('simple', $2) AS q),
          hits AS (
              SELECT e.session_id, e.seq, e.kind, e.body, e.created_at,
-                    ts_rank(to_tsvector('simple', e.body), q.q) AS rank
+                    ts_rank(e.body_vector, q.q) AS rank
                FROM search_entries e, q
-              WHERE e.owner = $1 AND to_tsvector('simple', e.body) @@ q.q
+              WHERE e.owner = $1 AND e.body_vector @@ q.q
              UNION ALL
              SELECT t.id, NULL, 'title', t.title, t.updated_at,
                     2 * ts_rank(to_tsvector('simple', coalesce(t.title, '')), q.q)
