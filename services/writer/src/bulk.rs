@@ -172,6 +172,14 @@ async fn build_index(conn: &mut PgConnection, statement: &str) -> Result<(), sql
     Ok(())
 }
 
+/// Sends `rows` to a binary COPY `statement`.
+async fn copy_rows(conn: &mut PgConnection, statement: &str, rows: CopyBinary) -> Result<(), sqlx::Error> {
+    let mut copy = conn.copy_in_raw(statement).await?;
+    copy.send(rows.finish()).await?;
+    copy.finish().await?;
+    Ok(())
+}
+
 fn quoted(identifier: &str) -> String {
     format!("\"{}\"", identifier.replace('"', "\"\""))
 }
@@ -253,14 +261,13 @@ async fn copy_events(conn: &mut PgConnection, events: &[EventRow]) -> Result<(),
         rows.int8(e.stream_seq());
         rows.timestamptz(event.created_at);
     }
-    let mut copy = conn
-        .copy_in_raw(
-            "COPY session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
+    copy_rows(
+        conn,
+        "COPY session_events (session_id, seq, event_id, kind, payload, tokens, stream_seq, created_at)
              FROM STDIN (FORMAT binary)",
-        )
-        .await?;
-    copy.send(rows.finish()).await?;
-    copy.finish().await?;
+        rows,
+    )
+    .await?;
     copy_search_entries(conn, events).await
 }
 
@@ -281,13 +288,12 @@ async fn copy_search_entries(conn: &mut PgConnection, events: &[EventRow]) -> Re
         rows.text(&e.body);
         rows.timestamptz(e.created_at);
     }
-    let mut copy = conn
-        .copy_in_raw(
-            "COPY search_entries (session_id, seq, owner, kind, body, created_at) FROM STDIN (FORMAT binary)",
-        )
-        .await?;
-    copy.send(rows.finish()).await?;
-    copy.finish().await?;
+    copy_rows(
+        conn,
+        "COPY search_entries (session_id, seq, owner, kind, body, created_at) FROM STDIN (FORMAT binary)",
+        rows,
+    )
+    .await?;
     Ok(())
 }
 
@@ -323,13 +329,12 @@ async fn write_final(
                 None => rows.null(),
             }
         }
-        let mut copy = tx
-            .copy_in_raw(
-                "COPY request_outcomes (request_id, session_id, status, seq, reason) FROM STDIN (FORMAT binary)",
-            )
-            .await?;
-        copy.send(rows.finish()).await?;
-        copy.finish().await?;
+        copy_rows(
+            &mut tx,
+            "COPY request_outcomes (request_id, session_id, status, seq, reason) FROM STDIN (FORMAT binary)",
+            rows,
+        )
+        .await?;
     }
     sqlx::query(
         "INSERT INTO writer_positions (partition, stream_seq, published_seq) VALUES ($1, $2, $2)
