@@ -84,6 +84,8 @@ pub struct Ingress {
     pub tools: turnlog_runtime::tools::ToolsBus,
     /// The servers' tools, as last read from the bus.
     pub catalog: turn::server::Catalog,
+    /// The words recall does not match on (most memories have them).
+    pub common_words: Arc<turnlog_runtime::read::CommonWords>,
 }
 
 pub type AppState = Arc<Ingress>;
@@ -129,6 +131,7 @@ impl Ingress {
             imports,
             tools,
             catalog: Default::default(),
+            common_words: Default::default(),
         }))
     }
 

@@ -11,6 +11,7 @@ mod import;
 mod ingress;
 mod mcp;
 mod rebuild;
+mod recall;
 mod scale;
 mod soak;
 mod system;
@@ -39,6 +40,7 @@ fn main() -> anyhow::Result<()> {
         Some("tokenizer") => tokenizer::run(&args[1..]),
         Some("writer") => runtime()?.block_on(writer::run(&args[1..])),
         Some("rebuild") => runtime()?.block_on(rebuild::run()),
+        Some("recall") => runtime()?.block_on(recall::run()),
         Some("ingress") => runtime()?.block_on(ingress::run(&args[1..])),
         Some("cache") => runtime()?.block_on(cache::run()),
         Some("files") => runtime()?.block_on(files::run()),
@@ -49,7 +51,7 @@ fn main() -> anyhow::Result<()> {
         Some("tools") => runtime()?.block_on(tools::run()),
         Some("mcp") => runtime()?.block_on(mcp::run()),
         other => {
-            eprintln!("usage: turnlog-bench <context|tokenizer|writer [cpu|bus]|rebuild|ingress [cpu]|cache|files|import|soak|scale|tracing|tools|mcp>  (got {other:?})");
+            eprintln!("usage: turnlog-bench <context|tokenizer|writer [cpu|bus]|rebuild|recall|ingress [cpu]|cache|files|import|soak|scale|tracing|tools|mcp>  (got {other:?})");
             std::process::exit(2);
         }
     }

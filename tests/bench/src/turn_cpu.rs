@@ -116,6 +116,9 @@ async fn run(
         Talk { http: &http, base: &base, bus: &bus, env: &env, scenario }.run(sessions, turns)
     };
     talk(new_sessions().await?, WARM_UP_TURNS).await?;
+    // The statistics autovacuum keeps of a store that has run a while (recall's common
+    // words come from them); its first pass would come only after a minute.
+    sqlx::query("ANALYZE memories").execute(&env.pool).await?;
     let warm_up = counts(&env.pool).await?;
     let sessions = new_sessions().await?;
     let meter = Meter::new(vec![

@@ -92,3 +92,68 @@ async fn a_failing_model_ends_in_an_empty_extraction_with_its_error() {
     assert!(stored_memories(&rig).await.is_empty());
     rig.stop().await;
 }
+
+/// Recall matches on the turn's distinctive words, ranks by all of them, and falls back to
+/// every word when no distinctive one matches; the common words come from Postgres's
+/// statistics of the memories (ANALYZE).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recall_matches_distinctive_words_and_ranks_by_all() {
+    use std::sync::Arc;
+    use turnlog_e2e::rig::{owner, OWNER};
+    use turnlog_runtime::read::{recall_relevant, CommonWords};
+
+    let rig = Rig::start().await;
+    let s = rig.create_session().await;
+    // 400 memories: "the", "user", "maria" … in most of them; "birthday" in two.
+    sqlx::query(
+        "INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
+         SELECT gen_random_uuid(), $1, $2, 1, t, now() - g * interval '1 second'
+           FROM (SELECT g, CASE WHEN g % 4 = 0 THEN format('Maria liked the plan number %s.', g)
+                                ELSE format('The user said the meeting with client %s is on day %s.', g, g % 28) END AS t
+                   FROM generate_series(1, 398) g
+                 UNION ALL SELECT 400, 'Maria''s birthday is on May 3.'
+                 UNION ALL SELECT 399, 'Jonas''s birthday is on June 9.') x",
+    )
+    .bind(OWNER)
+    .bind(s.0)
+    .execute(&rig.env.pool)
+    .await
+    .unwrap();
+    let recall = |text: &'static str, common: Arc<[String]>| {
+        let pool = rig.env.pool.clone();
+        async move {
+            let got = recall_relevant(&pool, &owner(OWNER), text, 5, &common).await.unwrap();
+            got.into_iter().map(|m| m.text).collect::<Vec<_>>()
+        }
+    };
+
+    // Before ANALYZE no word is common: the memories sharing any word are candidates.
+    let words = Arc::new(CommonWords::default());
+    assert!(words.current(&rig.env.pool).is_empty());
+    assert_eq!(recall("When is Maria's birthday?", Arc::from([])).await.len(), 5);
+
+    sqlx::query("ANALYZE memories").execute(&rig.env.pool).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let common = loop {
+        let common = words.current(&rig.env.pool);
+        if common.contains(&"maria".to_owned()) || std::time::Instant::now() > deadline {
+            break common;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for word in ["the", "user", "maria", "is", "on"] {
+        assert!(common.contains(&word.to_owned()), "{word} is common: {common:?}");
+    }
+    assert!(!common.contains(&"birthday".to_owned()), "{common:?}");
+
+    // Only the memories with "birthday" are candidates, Maria's first: it shares more words.
+    assert_eq!(
+        recall("When is Maria's birthday?", common.clone()).await,
+        ["Maria's birthday is on May 3.", "Jonas's birthday is on June 9."]
+    );
+    // No distinctive word matches ("what" is in none): every word does, as without statistics.
+    let maria = recall("What about Maria?", common.clone()).await;
+    assert_eq!(maria.len(), 5, "{maria:?}");
+    assert!(maria.iter().all(|m| m.contains("Maria")), "{maria:?}");
+    rig.stop().await;
+}

@@ -509,7 +509,8 @@ impl Turn<'_> {
         let t0 = Instant::now();
         // Recall needs only the user's text: it is read beside the live tail.
         let recall = async {
-            read::recall_relevant(&app.pool, owner, &self.start.user_text, RECALLED_MEMORIES)
+            let common = app.common_words.current(&app.pool);
+            read::recall_relevant(&app.pool, owner, &self.start.user_text, RECALLED_MEMORIES, &common)
                 .await
                 .map(|ms| ms.into_iter().map(|m| m.text).collect())
                 .unwrap_or_else(|e| {

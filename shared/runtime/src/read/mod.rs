@@ -61,7 +61,7 @@ pub use events::{
     all_events, event_at, events_page, live_counts, live_tail, tail_through, LiveTail, StoredEvent,
 };
 pub use listing::{explain_list_sessions, list_sessions, Cursor, ListQuery};
-pub use memories::{recall_memories, recall_relevant, Memory};
+pub use memories::{recall_memories, recall_relevant, CommonWords, Memory};
 pub use search::{search, SearchHit};
 pub use sessions::{family, forks_of, get_session, latest_active, ForkSummary, SessionRow, SESSION_COLUMNS};
 pub use transcript::{transcript_page, TranscriptPage};
