@@ -107,8 +107,8 @@ async fn read_common_words(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
     .await
 }
 
-/// The memories' common words as [`recall_relevant`] takes them, read again at most every
-/// [`COMMON_REFRESH`] and never on a turn's path: a recall gets the words read last, and a
+/// The memories' common words as [`recall_relevant`] takes them, read again at most once a
+/// second and never on a turn's path: a recall gets the words read last, and a
 /// stale list starts a read in the background.
 #[derive(Default)]
 pub struct CommonWords {
