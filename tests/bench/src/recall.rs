@@ -10,7 +10,7 @@
 //! agree on the first memory recalled.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use turnlog_core::ids::Owner;
 use turnlog_runtime::read::{recall_relevant, CommonWords};
@@ -61,14 +61,8 @@ pub(crate) async fn run() -> anyhow::Result<()> {
     .await?;
     sqlx::query("ANALYZE memories").execute(pool).await?;
     let words = Arc::new(CommonWords::default());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let common = loop {
-        let common = words.current(pool);
-        if !common.is_empty() || Instant::now() > deadline {
-            break common;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    words.refresh(pool).await?;
+    let common = words.current(pool);
     anyhow::ensure!(!common.is_empty(), "no common words after ANALYZE");
     let questions: Vec<String> = (0..QUESTIONS)
         .map(|i| {

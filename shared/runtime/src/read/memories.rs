@@ -118,25 +118,28 @@ pub struct CommonWords {
 }
 
 impl CommonWords {
+    /// The words read last; a read starts in the background when they are stale.
     pub fn current(self: &Arc<Self>, pool: &PgPool) -> Arc<[String]> {
         let (read_at, words) = self.words.read().unwrap_or_else(PoisonError::into_inner).clone();
         let stale = read_at.is_none_or(|at| at.elapsed() >= COMMON_REFRESH);
         if stale && !self.reading.swap(true, Ordering::AcqRel) {
             let (this, pool) = (Arc::clone(self), pool.clone());
             tokio::spawn(async move {
-                let read = read_common_words(&pool).await;
-                let mut slot = this.words.write().unwrap_or_else(PoisonError::into_inner);
-                match read {
-                    Ok(words) => *slot = (Some(Instant::now()), words.into()),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "reading the memories' common words failed; recall keeps the last");
-                        slot.0 = Some(Instant::now());
-                    }
+                if let Err(e) = this.refresh(&pool).await {
+                    tracing::warn!(error = %e, "reading the memories' common words failed; recall keeps the last");
                 }
-                drop(slot);
                 this.reading.store(false, Ordering::Release);
             });
         }
         words
+    }
+
+    /// Reads the words now; on an error keeps the last ones until the next refresh is due.
+    pub async fn refresh(&self, pool: &PgPool) -> Result<(), sqlx::Error> {
+        let read = read_common_words(pool).await;
+        let mut slot = self.words.write().unwrap_or_else(PoisonError::into_inner);
+        slot.0 = Some(Instant::now());
+        slot.1 = read?.into();
+        Ok(())
     }
 }
