@@ -119,7 +119,7 @@ impl Bus {
         // Services starting together race to create the streams; the loser's create fails
         // ("subjects overlap"), and a second look finds the winner's stream.
         let mut attempt = 0;
-        let mut s = loop {
+        let s = loop {
             match self.js.get_or_create_stream(config.clone()).await {
                 Ok(s) => break s,
                 Err(e) if attempt < 5 => {
@@ -137,7 +137,9 @@ impl Bus {
                 Err(e) => return Err(js_err(e)),
             }
         };
-        let info = s.info().await.map_err(js_err)?;
+        // The info the get or the create answered with: in a cluster a second STREAM.INFO
+        // right after the create can find no stream yet (404) while its group forms.
+        let info = s.cached_info();
         let found = info.config.subjects.clone();
         if found != expected {
             return Err(BusError::Mismatch { name, found, expected });
