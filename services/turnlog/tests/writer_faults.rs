@@ -2,6 +2,7 @@
 //! restarted alone), nats-server restarted, Postgres restarted, nats-server frozen. After
 //! each, a checker proves every acknowledged append is stored once, with gapless seqs, and
 //! reached the committed-event feed. Fault servers are private instances on fixed ports.
+//! And a request whose first publish is lost.
 
 // A failed unwrap in a test is a failed test.
 #![allow(clippy::unwrap_used)]
@@ -9,7 +10,7 @@
 use std::time::Duration;
 
 use turnlog_core::ids::{Owner, SessionId};
-use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus};
+use turnlog_runtime::bus::{append_and_wait, AppendRequest, Bus, CONFIRM_AFTER};
 use turnlog_testkit::checker::{check_log, produce, Acked};
 use turnlog_testkit::{
     eventually, free_port, private_nats, private_postgres, test_env, test_env_on, TestEnv, TurnlogProcess,
@@ -132,4 +133,30 @@ async fn nats_frozen_for_five_seconds_under_load() {
     tokio::time::sleep(Duration::from_secs(5)).await;
     nats.cont();
     finish_and_check(&env, &bus, producers).await;
+}
+
+/// `append_and_wait` publishes a request without asking for a PubAck (DESIGN §6), and one
+/// that is lost is published again with a PubAck when no outcome has come after
+/// CONFIRM_AFTER. Here the first publish finds no stream (the bus prefix's streams are not
+/// made yet: NATS drops it, as it does while a stream has no leader); the writer, started
+/// meanwhile, makes them, and the confirming publish is stored and committed, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_whose_first_publish_is_lost_is_confirmed_and_committed_once() {
+    let env = test_env().await;
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
+    let create = AppendRequest::create(SessionId::new(), &Owner::parse("alice").unwrap(), None);
+    let started = std::time::Instant::now();
+    let append = tokio::spawn({
+        let (bus, pool, create) = (bus.clone(), env.pool.clone(), create.clone());
+        async move { append_and_wait(&bus, &pool, &create, Duration::from_secs(30)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(bus.js.get_stream(bus.names.append_stream()).await.is_err(), "no stream took the first publish");
+    let mut writer = TurnlogProcess::start(BIN, &env, &["writer"], &[]);
+    let outcome = append.await.unwrap().unwrap_or_else(|e| panic!("{e}\n{}", writer.log_tail(40)));
+    assert!(outcome.is_applied(), "{outcome:?}");
+    assert!(started.elapsed() >= CONFIRM_AFTER, "the outcome came only after the confirming publish");
+    let mut stream = bus.js.get_stream(bus.names.append_stream()).await.unwrap();
+    assert_eq!(stream.info().await.unwrap().state.messages, 1, "stored once");
+    writer.terminate();
 }

@@ -13,7 +13,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::events::{EventBody, UserMessage};
 use turnlog_core::ids::{Owner, SessionId};
-use turnlog_runtime::bus::{append_and_wait, append_message, AppendRequest, Bus, Outcome};
+use turnlog_runtime::bus::{append_and_wait, append_headers, AppendRequest, Bus};
 use turnlog_testkit::{
     free_port, private_nats, private_postgres, test_env, test_env_on, TestEnv, TurnlogProcess,
 };
@@ -82,9 +82,9 @@ pub(crate) async fn sessions_on(bus: &Bus, env: &TestEnv, n: usize) -> anyhow::R
 /// Requests a producer of the end-to-end load keeps in flight.
 const WINDOW: usize = 256;
 
-/// End to end: pipelined producers publish with a reply subject (at most [`WINDOW`] in
-/// flight each, not `append_and_wait`'s one at a time), the writer commits and publishes,
-/// and the producers count the replies on their inbox.
+/// End to end: pipelined producers publish as `append_and_wait` does (a plain NATS message
+/// with the reply header, no PubAck; at most [`WINDOW`] in flight each, not one at a time),
+/// the writer commits and publishes, and the producers count the replies on their inbox.
 pub(crate) async fn end_to_end(bus: &Bus, sessions: &[SessionId], total: usize) -> anyhow::Result<f64> {
     end_to_end_traced(bus, sessions, total, false).await
 }
@@ -108,7 +108,6 @@ pub(crate) async fn end_to_end_traced(
             let inbox = bus.client.new_inbox();
             let mut replies = bus.client.subscribe(inbox.clone()).await?;
             let (mut sent, mut answered) = (0usize, 0usize);
-            let mut acks = futures::stream::FuturesUnordered::new();
             while answered < per_producer {
                 while sent < per_producer && sent - answered < WINDOW {
                     let session = mine[sent % mine.len()];
@@ -117,21 +116,18 @@ pub(crate) async fn end_to_end_traced(
                     let traceparent = traced
                         .then(|| turnlog_runtime::trace::traceparent(&tracing::info_span!("bench.append")))
                         .flatten();
-                    let msg = append_message(
-                        Bytes::from(serde_json::to_vec(&req)?),
-                        &req.request_id.to_string(),
-                        Some(&inbox),
-                        traceparent.as_deref(),
-                    );
-                    let ack = bus.js.send_publish(subject, msg).await?.into_future();
-                    acks.push(ack);
+                    let headers =
+                        append_headers(&req.request_id.to_string(), Some(&inbox), traceparent.as_deref());
+                    bus.client
+                        .publish_with_headers(subject, headers, Bytes::from(serde_json::to_vec(&req)?))
+                        .await?;
                     sent += 1;
                 }
-                let pending_acks = !acks.is_empty();
-                tokio::select! {
-                    Some(ack) = acks.next(), if pending_acks => { ack?; }
-                    r = replies.next() => { r.context("reply subscription ended")?; answered += 1; }
-                }
+                tokio::time::timeout(Duration::from_secs(10), replies.next())
+                    .await
+                    .context("no outcome within 10 s")?
+                    .context("reply subscription ended")?;
+                answered += 1;
             }
             anyhow::Ok(answered)
         }));
@@ -143,45 +139,9 @@ pub(crate) async fn end_to_end_traced(
     Ok(done as f64 / start.elapsed().as_secs_f64())
 }
 
-/// `append_and_wait`'s latency at a steady offered rate, and its two stages: the PubAck
-/// (the request stored in TURNLOG_APPEND) and the outcome after it (the writer reads,
-/// applies and commits the request, then replies).
-pub(crate) struct Latency {
-    total: hdrhistogram::Histogram<u64>,
-    ack: hdrhistogram::Histogram<u64>,
-    after_ack: hdrhistogram::Histogram<u64>,
-}
-
-impl Latency {
-    fn ms(h: &hdrhistogram::Histogram<u64>, q: f64) -> f64 {
-        h.value_at_quantile(q) as f64 / 1000.0
-    }
-    pub(crate) fn p50(&self) -> f64 {
-        Self::ms(&self.total, 0.5)
-    }
-    pub(crate) fn p99(&self) -> f64 {
-        Self::ms(&self.total, 0.99)
-    }
-    pub(crate) fn max(&self) -> f64 {
-        self.total.max() as f64 / 1000.0
-    }
-    /// p50 and p99 of each stage, for a printed line.
-    pub(crate) fn stages(&self) -> String {
-        format!(
-            "PubAck p50 {:.2} / p99 {:.2} ms, outcome after it p50 {:.2} / p99 {:.2} ms",
-            Self::ms(&self.ack, 0.5),
-            Self::ms(&self.ack, 0.99),
-            Self::ms(&self.after_ack, 0.5),
-            Self::ms(&self.after_ack, 0.99)
-        )
-    }
-}
-
-/// `append_and_wait` latency at a steady offered rate (open loop), after a pause that lets
+/// `append_and_wait`'s latency at a steady offered rate (open loop), after a pause that lets
 /// the machine settle from the runs before (the writer's index merges, the servers' flushes)
-/// and a first second at the rate that is not recorded. Each request takes
-/// `append_and_wait`'s path (an inbox of its own, the PubAck, then the outcome), timed by
-/// stage.
+/// and a first second at the rate that is not recorded.
 pub(crate) async fn latency_at(
     rig: &Rig,
     sessions: &[SessionId],
@@ -194,50 +154,37 @@ pub(crate) async fn latency_at(
     let mut tasks = Vec::new();
     for i in 0..warm_up + (per_s * seconds) as usize {
         ticker.tick().await;
-        let bus = rig.bus.clone();
+        let (bus, pool) = (rig.bus.clone(), rig.env.pool.clone());
         let session = sessions[i % sessions.len()];
         tasks.push(tokio::spawn(async move {
             let req = AppendRequest::append(session, &owner(), Uuid::now_v7(), &message(i));
-            anyhow::Ok((i >= warm_up).then_some(timed_append(&bus, &req).await?))
+            let t = Instant::now();
+            let outcome = append_and_wait(&bus, &pool, &req, Duration::from_secs(10)).await?;
+            anyhow::ensure!(outcome.is_applied(), "append rejected: {outcome:?}");
+            anyhow::Ok((i >= warm_up).then(|| t.elapsed().as_micros() as u64))
         }));
     }
-    let histogram = || hdrhistogram::Histogram::<u64>::new(3);
-    let mut latency = Latency { total: histogram()?, ack: histogram()?, after_ack: histogram()? };
+    let mut latency = Latency(hdrhistogram::Histogram::<u64>::new(3)?);
     for t in tasks {
-        if let Some((ack, total)) = t.await?? {
-            latency.total.record(total.max(1))?;
-            latency.ack.record(ack.max(1))?;
-            latency.after_ack.record((total - ack).max(1))?;
+        if let Some(us) = t.await?? {
+            latency.0.record(us.max(1))?;
         }
     }
     Ok(latency)
 }
 
-/// One request on `append_and_wait`'s path (its inbox, the PubAck, the outcome): µs until
-/// the PubAck and until the outcome.
-async fn timed_append(bus: &Bus, req: &AppendRequest) -> anyhow::Result<(u64, u64)> {
-    let t = Instant::now();
-    let inbox = bus.client.new_inbox();
-    let mut replies = bus.client.subscribe(inbox.clone()).await?;
-    let body = Bytes::from(serde_json::to_vec(req)?);
-    let msg = append_message(body, &req.request_id.to_string(), Some(&inbox), None);
-    let ack = bus
-        .js
-        .send_publish(bus.names.append_subject(bus.partition_of(req.session_id), req.session_id), msg)
-        .await?
-        .await?;
-    anyhow::ensure!(!ack.duplicate, "a new request was taken for a duplicate");
-    let acked = t.elapsed().as_micros() as u64;
-    loop {
-        let msg = tokio::time::timeout(Duration::from_secs(10), replies.next())
-            .await
-            .context("no outcome within 10 s")?
-            .context("the inbox closed")?;
-        let outcome: Outcome = serde_json::from_slice(&msg.payload)?;
-        if outcome.request_id == req.request_id {
-            anyhow::ensure!(outcome.is_applied(), "append rejected: {outcome:?}");
-            return Ok((acked, t.elapsed().as_micros() as u64));
-        }
+/// `append_and_wait`'s latencies, in µs.
+pub(crate) struct Latency(hdrhistogram::Histogram<u64>);
+
+impl Latency {
+    pub(crate) fn p50(&self) -> f64 {
+        self.0.value_at_quantile(0.5) as f64 / 1000.0
+    }
+    pub(crate) fn p99(&self) -> f64 {
+        self.0.value_at_quantile(0.99) as f64 / 1000.0
+    }
+    pub(crate) fn max(&self) -> f64 {
+        self.0.max() as f64 / 1000.0
     }
 }
 
@@ -532,21 +479,18 @@ async fn latency_figures() -> anyhow::Result<()> {
     let slow_pct = 100.0 * (count - quick) / count.max(1.0);
     let slowest_ms = within.iter().find(|b| b.1 >= count).map_or(f64::INFINITY, |b| b.0 * 1e3);
     println!(
-        "append_and_wait at 1,000/s offered: p50 {:.2} ms, p99 {:.2} ms, max {:.1} ms; {}; the writer's commits \
+        "append_and_wait at 1,000/s offered: p50 {:.2} ms, p99 {:.2} ms, max {:.1} ms; the writer's commits \
          meanwhile: {count:.0}, {slow_pct:.1}% over 5 ms, the slowest under {slowest_ms} ms",
         latency.p50(),
         latency.p99(),
         latency.max(),
-        latency.stages()
     );
     println!(
-        "RESULT writer_latency p50_ms={:.2} p99_ms={:.2} max_ms={:.1} puback_p99_ms={:.2} after_puback_p99_ms={:.2} \
-         commits={count:.0} commits_over_5ms_pct={slow_pct:.1} slowest_commit_under_ms={slowest_ms} durable={durable}",
+        "RESULT writer_latency p50_ms={:.2} p99_ms={:.2} max_ms={:.1} commits={count:.0} \
+         commits_over_5ms_pct={slow_pct:.1} slowest_commit_under_ms={slowest_ms} durable={durable}",
         latency.p50(),
         latency.p99(),
         latency.max(),
-        Latency::ms(&latency.ack, 0.99),
-        Latency::ms(&latency.after_ack, 0.99)
     );
     rig.stop_writer().await?;
     rig.env.cleanup().await;
@@ -605,10 +549,9 @@ pub(crate) async fn run(args: &[String]) -> anyhow::Result<()> {
     let latency = latency_at(&rig, &s16, 1000, 10).await?;
     let (p50, p99) = (latency.p50(), latency.p99());
     println!(
-        "append_and_wait (one request, one inbox, PubAck and outcome awaited) at 1,000/s offered: p50 {p50:.2} ms, \
-         p99 {p99:.2} ms, max {:.1} ms; {}",
+        "append_and_wait (one request, one inbox, the outcome awaited) at 1,000/s offered: p50 {p50:.2} ms, \
+         p99 {p99:.2} ms, max {:.1} ms",
         latency.max(),
-        latency.stages()
     );
     let drained = drain(&mut rig, &s256, total).await?;
     println!("writer alone draining {total} pre-filled requests: {drained:.0}/s");

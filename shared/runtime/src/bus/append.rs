@@ -1,11 +1,12 @@
-//! Appending (DESIGN §6 "append_and_wait"): publishing a request to TURNLOG_APPEND until
-//! JetStream acknowledges it, and `append_and_wait`, which then waits for the writer's
-//! outcome or looks it up in `request_outcomes`.
+//! Appending (DESIGN §6 "append_and_wait"): publishing a request to TURNLOG_APPEND and
+//! waiting for the writer's outcome, asking JetStream whether the request was stored only
+//! when the outcome is late; or publishing until JetStream acknowledges it.
 
 use std::time::Duration;
 
 use async_nats::jetstream::stream::RawMessageErrorKind;
 use async_nats::jetstream::{self, message::PublishMessage};
+use async_nats::HeaderMap;
 use bytes::Bytes;
 use sqlx::PgPool;
 
@@ -84,22 +85,28 @@ impl Bus {
     }
 }
 
-/// An append request as published: its body, its id for JetStream's dedup, and the headers
-/// naming where the writer replies and the producer's trace context.
+/// An append request as published with a PubAck: its body and [`append_headers`].
 pub fn append_message(
     body: Bytes,
     msg_id: &str,
     reply_to: Option<&str>,
     traceparent: Option<&str>,
 ) -> PublishMessage {
-    let mut msg = PublishMessage::build().payload(body).message_id(msg_id);
+    PublishMessage::build().payload(body).headers(append_headers(msg_id, reply_to, traceparent))
+}
+
+/// An append request's headers: its id for JetStream's dedup (`Nats-Msg-Id`), where the
+/// writer replies, and the producer's trace context.
+pub fn append_headers(msg_id: &str, reply_to: Option<&str>, traceparent: Option<&str>) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert(async_nats::header::NATS_MESSAGE_ID, msg_id);
     if let Some(r) = reply_to {
-        msg = msg.header(REPLY_HEADER, r);
+        headers.insert(REPLY_HEADER, r);
     }
     if let Some(t) = traceparent {
-        msg = msg.header(crate::trace::TRACEPARENT, t);
+        headers.insert(crate::trace::TRACEPARENT, t);
     }
-    msg
+    headers
 }
 
 /// Why an append was not acknowledged by its deadline.
@@ -116,6 +123,17 @@ enum Unacknowledged {
 
 /// How often a producer republishes an unacknowledged append.
 const REPUBLISH_EVERY: Duration = Duration::from_millis(250);
+
+/// How long `append_and_wait` waits for the outcome of a request it published without a
+/// PubAck before it asks JetStream (at most half its timeout): longer than a busy writer's
+/// outcome takes, short against a leader election (4–9 s).
+pub const CONFIRM_AFTER: Duration = Duration::from_millis(500);
+
+/// How often `append_and_wait` looks the outcome up in `request_outcomes` once JetStream
+/// said the request was stored before: first at once, then after 25 ms, doubling to 400 ms
+/// (a writer that is behind is not polled forty times a second by every waiting producer).
+const LOOK_UP_FIRST: Duration = Duration::from_millis(25);
+const LOOK_UP_MOST: Duration = Duration::from_millis(400);
 
 /// Publish failures that pass by themselves: no responder (async-nats's "stream not found":
 /// a leader election, or nats-server restarting), a lost connection, a late PubAck, and
@@ -137,37 +155,55 @@ pub enum AppendError {
     OutcomeUnknown(Duration),
 }
 
-/// Appends through the writer and waits for the outcome: subscribe to an inbox, publish
-/// with the reply header, await the PubAck, await the outcome until the deadline. When the
-/// PubAck says duplicate, or the reply does not come, the outcome is looked up in
-/// `request_outcomes` until found or the deadline passes.
+/// Appends through the writer and waits for the outcome (DESIGN §6). The request goes out
+/// as a plain NATS message with the reply header: the stream stores it, and the writer's
+/// outcome says so, so no PubAck is asked for. When no outcome has come after
+/// [`CONFIRM_AFTER`] (a writer that is behind, a publish lost with no stream leader, or a
+/// repeat, which JetStream drops silently), the same request is published again with a
+/// PubAck, until acknowledged or the deadline: stored now, wait for the outcome; a
+/// duplicate, look the outcome up in `request_outcomes` (while still listening) until found
+/// or the deadline passes.
 pub async fn append_and_wait(
     bus: &Bus,
     pool: &PgPool,
     req: &AppendRequest,
     timeout: Duration,
 ) -> Result<Outcome, AppendError> {
-    let deadline = tokio::time::Instant::now() + timeout;
+    let started = tokio::time::Instant::now();
+    let deadline = started + timeout;
     let inbox = bus.client.new_inbox();
     let mut replies =
         bus.client.subscribe(inbox.clone()).await.map_err(|e| AppendError::Unavailable(e.to_string()))?;
+
+    let body = Bytes::from(serde_json::to_vec(req).map_err(|e| AppendError::Unavailable(e.to_string()))?);
+    let subject = bus.names.append_subject(bus.partition_of(req.session_id), req.session_id);
+    let headers = append_headers(
+        &req.request_id.to_string(),
+        Some(&inbox),
+        crate::trace::current_traceparent().as_deref(),
+    );
+    // A failed send (the connection is gone) is the confirming publish's to find out.
+    if bus.client.publish_with_headers(subject, headers, body).await.is_ok() {
+        let confirm_at = started + CONFIRM_AFTER.min(timeout / 2);
+        if let Some(outcome) = outcome_on(&mut replies, req, confirm_at).await {
+            return Ok(outcome);
+        }
+    }
 
     let ack = bus
         .publish_append_until(req, Some(&inbox), deadline)
         .await
         .map_err(|e| AppendError::Unavailable(format!("not acknowledged within {timeout:?}: {e}")))?;
     if !ack.duplicate {
-        use futures::StreamExt;
-        while let Ok(Some(msg)) = tokio::time::timeout_at(deadline, replies.next()).await {
-            if let Ok(outcome) = serde_json::from_slice::<Outcome>(&msg.payload) {
-                if outcome.request_id == req.request_id {
-                    return Ok(outcome);
-                }
-            }
+        // Stored only now: the first publish was lost.
+        if let Some(outcome) = outcome_on(&mut replies, req, deadline).await {
+            return Ok(outcome);
         }
     }
-    // The reply went to an earlier sender (duplicate) or was lost: the database knows —
-    // unless the request's session was deleted since ([`Refusal::SessionDeleted`]).
+    // Stored before: by this call (the writer is behind, and its reply may still come
+    // here), or by an earlier sender, whose reply went there. The database knows — unless
+    // the request's session was deleted since ([`Refusal::SessionDeleted`]).
+    let mut wait = LOOK_UP_FIRST;
     loop {
         match recorded_outcome(pool, req.request_id).await {
             // A delete is answered once its session's messages are gone (as the writer's
@@ -188,11 +224,33 @@ pub async fn append_and_wait(
             }
             Ok(None) | Err(_) => {}
         }
-        if tokio::time::Instant::now() + Duration::from_millis(25) > deadline {
+        let next = (tokio::time::Instant::now() + wait).min(deadline);
+        if let Some(outcome) = outcome_on(&mut replies, req, next).await {
+            return Ok(outcome);
+        }
+        if next >= deadline {
             return Err(AppendError::OutcomeUnknown(timeout));
         }
-        tokio::time::sleep(Duration::from_millis(25)).await;
+        wait = (wait * 2).min(LOOK_UP_MOST);
     }
+}
+
+/// The writer's outcome for `req` on the inbox, if it comes before `until`. A delete's
+/// reply is sent only after its purge, so it is taken as it comes.
+async fn outcome_on(
+    replies: &mut async_nats::Subscriber,
+    req: &AppendRequest,
+    until: tokio::time::Instant,
+) -> Option<Outcome> {
+    use futures::StreamExt;
+    while let Ok(Some(msg)) = tokio::time::timeout_at(until, replies.next()).await {
+        if let Ok(outcome) = serde_json::from_slice::<Outcome>(&msg.payload) {
+            if outcome.request_id == req.request_id {
+                return Some(outcome);
+            }
+        }
+    }
+    None
 }
 
 /// Whether TURNLOG_APPEND message `seq` is gone. Only a deleted session's purge removes

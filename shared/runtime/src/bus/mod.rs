@@ -17,7 +17,7 @@ use async_nats::jetstream;
 use turnlog_core::ids::SessionId;
 
 pub use crate::outcome::{Outcome, OutcomeStatus, Refusal, SESSION_DELETED};
-pub use append::{append_and_wait, append_message, AppendError};
+pub use append::{append_and_wait, append_headers, append_message, AppendError, CONFIRM_AFTER};
 pub use names::{partition_of, BusNames};
 pub use topology::{ReplicaChange, STREAM_REPLICAS};
 pub use turnlog_core::limits::{
