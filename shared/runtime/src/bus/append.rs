@@ -195,7 +195,7 @@ pub async fn append_and_wait(
         .await
         .map_err(|e| AppendError::Unavailable(format!("not acknowledged within {timeout:?}: {e}")))?;
     if !ack.duplicate {
-        // Stored only now: the first publish was lost.
+        // Stored only now: the first publish was lost (or could not be sent).
         if let Some(outcome) = outcome_on(&mut replies, req, deadline).await {
             return Ok(outcome);
         }
@@ -235,22 +235,28 @@ pub async fn append_and_wait(
     }
 }
 
-/// The writer's outcome for `req` on the inbox, if it comes before `until`. A delete's
-/// reply is sent only after its purge, so it is taken as it comes.
+/// The writer's outcome for `req` on the inbox, if it comes before `until` (a delete's is
+/// sent only after its purge, so it is taken as it comes). Returns at `until` even when
+/// the inbox has closed, so a caller's look-ups keep their pace.
 async fn outcome_on(
     replies: &mut async_nats::Subscriber,
     req: &AppendRequest,
     until: tokio::time::Instant,
 ) -> Option<Outcome> {
     use futures::StreamExt;
-    while let Ok(Some(msg)) = tokio::time::timeout_at(until, replies.next()).await {
-        if let Ok(outcome) = serde_json::from_slice::<Outcome>(&msg.payload) {
-            if outcome.request_id == req.request_id {
-                return Some(outcome);
+    loop {
+        match tokio::time::timeout_at(until, replies.next()).await {
+            Ok(Some(msg)) => match serde_json::from_slice::<Outcome>(&msg.payload) {
+                Ok(outcome) if outcome.request_id == req.request_id => return Some(outcome),
+                _ => {}
+            },
+            Ok(None) => {
+                tokio::time::sleep_until(until).await;
+                return None;
             }
+            Err(_) => return None,
         }
     }
-    None
 }
 
 /// Whether TURNLOG_APPEND message `seq` is gone. Only a deleted session's purge removes
