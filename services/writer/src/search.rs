@@ -108,6 +108,8 @@ pub(crate) async fn indexer(
 ) -> anyhow::Result<()> {
     merge.add(catch_up(&pool, partition, partitions, applied).await?);
     let mut pending: Vec<Entry> = Vec::new();
+    // Every pending entry was committed after this APPEND sequence.
+    let mut after = applied;
     let mut through = None;
     loop {
         let first = match commits.recv().await {
@@ -129,7 +131,8 @@ pub(crate) async fn indexer(
         }
         if let Some(t) = through.take() {
             let started = std::time::Instant::now();
-            index(&pool, partition, &pending, t).await?;
+            index(&pool, partition, &pending, after, t).await?;
+            after = t;
             let elapsed_us = started.elapsed().as_micros() as u64;
             tracing::debug!(partition, events = pending.len(), elapsed_us, "search index written");
             crate::metrics::metrics().indexed(partition.unsigned_abs(), t);
@@ -139,7 +142,7 @@ pub(crate) async fn indexer(
         }
     }
     if let Some(t) = through {
-        index(&pool, partition, &pending, t).await?;
+        index(&pool, partition, &pending, after, t).await?;
         merge.add(pending.len());
     }
     Ok(())
@@ -201,19 +204,26 @@ async fn catch_up(pool: &PgPool, partition: i32, partitions: u32, applied: i64) 
             })
             .collect();
         count += own.len();
-        index(pool, partition, &own, indexed).await?;
+        index(pool, partition, &own, indexed, indexed).await?;
     }
-    index(pool, partition, &[], applied).await?;
+    index(pool, partition, &[], indexed, applied).await?;
     tracing::info!(partition, events = count, "search index caught up");
     Ok(count)
 }
 
-/// Indexes `events` and moves the partition's position to `through`. When the database
+/// Indexes `events`, committed after APPEND sequence `after`, and moves the partition's
+/// position to `through`. When the database
 /// refuses the batch for its data, each event is indexed alone and one it still refuses is
 /// left out, with its reason logged and counted (`turnlog_writer_search_skipped_total`):
 /// search never stops a partition. Other errors (a lost connection) end the indexer.
-async fn index(pool: &PgPool, partition: i32, events: &[Entry], through: i64) -> anyhow::Result<()> {
-    let refused = match index_once(pool, partition, events, through).await {
+async fn index(
+    pool: &PgPool,
+    partition: i32,
+    events: &[Entry],
+    after: i64,
+    through: i64,
+) -> anyhow::Result<()> {
+    let refused = match index_once(pool, partition, events, after, through).await {
         Ok(()) => return Ok(()),
         Err(e) => match data_error(&e) {
             Some(why) if !events.is_empty() => why,
@@ -227,7 +237,7 @@ async fn index(pool: &PgPool, partition: i32, events: &[Entry], through: i64) ->
         "search index batch refused; indexing its events one by one"
     );
     for entry in events {
-        if let Err(e) = index_once(pool, partition, std::slice::from_ref(entry), 0).await {
+        if let Err(e) = index_once(pool, partition, std::slice::from_ref(entry), after, 0).await {
             let Some(why) = data_error(&e) else {
                 return Err(e).context("writing the search index");
             };
@@ -236,7 +246,7 @@ async fn index(pool: &PgPool, partition: i32, events: &[Entry], through: i64) ->
             crate::metrics::metrics().search_skipped();
         }
     }
-    index_once(pool, partition, &[], through).await.context("moving the search position")
+    index_once(pool, partition, &[], after, through).await.context("moving the search position")
 }
 
 /// One index write: the events' rows (those still stored: a delete may have come first)
@@ -245,6 +255,7 @@ async fn index_once(
     pool: &PgPool,
     partition: i32,
     events: &[Entry],
+    after: i64,
     through: i64,
 ) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
@@ -253,7 +264,7 @@ async fn index_once(
         .bind(partition)
         .execute(&mut *tx)
         .await?;
-    insert_entries(&mut tx, events).await?;
+    insert_entries(&mut tx, partition, after, events).await?;
     sqlx::query("UPDATE search_positions SET stream_seq = GREATEST(stream_seq, $2) WHERE partition = $1")
         .bind(partition)
         .bind(through)
@@ -263,9 +274,14 @@ async fn index_once(
     Ok(())
 }
 
-/// Writes `entries` (those of events still stored: a delete may have come first, and
-/// holds the same lock).
-async fn insert_entries(conn: &mut sqlx::PgConnection, entries: &[Entry]) -> Result<(), sqlx::Error> {
+/// Writes `entries`, committed after APPEND sequence `after`: those of events still stored
+/// (a delete may have come first, and holds the same lock).
+async fn insert_entries(
+    conn: &mut sqlx::PgConnection,
+    partition: i32,
+    after: i64,
+    entries: &[Entry],
+) -> Result<(), sqlx::Error> {
     if entries.is_empty() {
         return Ok(());
     }
@@ -276,18 +292,24 @@ async fn insert_entries(conn: &mut sqlx::PgConnection, entries: &[Entry]) -> Res
         .bind(entries.iter().map(|e| e.kind).collect::<Vec<_>>())
         .bind(entries.iter().map(|e| e.body.as_str()).collect::<Vec<_>>())
         .bind(entries.iter().map(|e| e.created_at).collect::<Vec<_>>())
+        .bind(partition)
+        .bind(after)
         .execute(conn)
         .await?;
     Ok(())
 }
 
 /// The rows given (session ids, seqs, owners, kinds, bodies, times), of the events still
-/// stored.
+/// stored. Only a delete removes events, and it records its APPEND sequence in its
+/// partition's `deleted_through`: when none came after the rows' commits (`$8`), every
+/// event is stored and none is looked up (the `OR` is evaluated in order, so the look-up
+/// never runs; it is an index probe per row, never a scan of the events, when it does).
 const INDEX_ENTRIES: &str = "INSERT INTO search_entries (session_id, seq, owner, kind, body, created_at)
      SELECT k.session_id, k.seq, k.owner, k.kind, k.body, k.created_at
        FROM UNNEST($1::uuid[], $2::int8[], $3::text[], $4::text[], $5::text[], $6::timestamptz[])
             AS k(session_id, seq, owner, kind, body, created_at)
-      WHERE EXISTS (SELECT 1 FROM session_events e WHERE e.session_id = k.session_id AND e.seq = k.seq)
+      WHERE (SELECT w.deleted_through FROM writer_positions w WHERE w.partition = $7) <= $8
+         OR EXISTS (SELECT 1 FROM session_events e WHERE e.session_id = k.session_id AND e.seq = k.seq)
      ON CONFLICT (session_id, seq) DO NOTHING";
 
 /// Every partition's search position set to the writer's: the end of `turnlog rebuild`,

@@ -437,7 +437,8 @@ async fn write_delete(
 ) -> Result<(), StoreError> {
     static STATEMENT: LazyLock<String> = LazyLock::new(|| {
         delete_statement(
-            "UPDATE writer_positions SET stream_seq = $3 WHERE partition = $1 AND stream_seq = $2 RETURNING 1",
+            "UPDATE writer_positions SET stream_seq = $3, deleted_through = $3
+              WHERE partition = $1 AND stream_seq = $2 RETURNING 1",
         )
     });
     let mut tx = conn.begin().await?;

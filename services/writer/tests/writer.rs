@@ -597,6 +597,43 @@ async fn a_second_writer_stands_by_and_takes_over() {
 /// New user messages, indexed for search off the commit path, wait in the full-text
 /// index's pending list; the writer merges it from the side within a second or so, instead
 /// of leaving it to grow to 4 MB and be merged inside some index write.
+/// A delete that commits while the indexer gathers its batch (for 200 ms after a commit)
+/// leaves none of its session's rows in the search index: the index write after it looks
+/// its events up, as no write without a delete since needs to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_before_the_index_write_leaves_no_search_rows_behind() {
+    let h = Harness::start().await;
+    let pool = &h.env.pool;
+    let rows = |s: SessionId| async move {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM search_entries WHERE session_id = $1")
+            .bind(s.0)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    };
+    let mut raced = 0;
+    for round in 0..4 {
+        let (doomed, marker) = (h.create("alice").await, h.create("alice").await);
+        // The indexer idle again, so the message's commit starts its next batch.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        h.user(doomed, "alice", "the Zanzibar plan").await;
+        let committed = std::time::Instant::now();
+        assert_eq!(
+            h.send(&AppendRequest::delete(doomed, &owner("alice"))).await.status,
+            OutcomeStatus::Committed
+        );
+        if committed.elapsed() < Duration::from_millis(150) {
+            raced += 1;
+        }
+        // Indexed after the delete: once the marker's row is there, the doomed one's write is done.
+        h.user(marker, "alice", "a marker").await;
+        eventually(WAIT, || async { (rows(marker).await == 1).then_some(()) }).await;
+        assert_eq!(rows(doomed).await, 0, "round {round}: a deleted session's message was indexed");
+    }
+    assert!(raced > 0, "no delete committed before its session's index write");
+    h.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_writer_merges_full_text_pending_lists_outside_its_commits() {
     let h = Harness::start().await;
