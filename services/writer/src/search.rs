@@ -212,10 +212,10 @@ async fn catch_up(pool: &PgPool, partition: i32, partitions: u32, applied: i64) 
 }
 
 /// Indexes `events`, committed after APPEND sequence `after`, and moves the partition's
-/// position to `through`. When the database
-/// refuses the batch for its data, each event is indexed alone and one it still refuses is
-/// left out, with its reason logged and counted (`turnlog_writer_search_skipped_total`):
-/// search never stops a partition. Other errors (a lost connection) end the indexer.
+/// position to `through`. When the database refuses the batch for its data, each event is
+/// indexed alone and one it still refuses is left out, with its reason logged and counted
+/// (`turnlog_writer_search_skipped_total`): search never stops a partition. Other errors
+/// (a lost connection) end the indexer.
 async fn index(
     pool: &PgPool,
     partition: i32,

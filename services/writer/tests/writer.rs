@@ -594,9 +594,6 @@ async fn a_second_writer_stands_by_and_takes_over() {
     h.stop().await;
 }
 
-/// New user messages, indexed for search off the commit path, wait in the full-text
-/// index's pending list; the writer merges it from the side within a second or so, instead
-/// of leaving it to grow to 4 MB and be merged inside some index write.
 /// A delete that commits while the indexer gathers its batch (for 200 ms after a commit)
 /// leaves none of its session's rows in the search index: the index write after it looks
 /// its events up, as no write without a delete since needs to.
@@ -634,6 +631,9 @@ async fn a_delete_before_the_index_write_leaves_no_search_rows_behind() {
     h.stop().await;
 }
 
+/// New user messages, indexed for search off the commit path, wait in the full-text
+/// index's pending list; the writer merges it from the side within a second or so, instead
+/// of leaving it to grow to 4 MB and be merged inside some index write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_writer_merges_full_text_pending_lists_outside_its_commits() {
     let h = Harness::start().await;
