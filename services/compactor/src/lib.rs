@@ -1,6 +1,6 @@
 //! turnlog's compactor: keeps every session's next request within its token budget. It
-//! checks after each committed `assistant_turn` (and after the turn's late `turn_memory`)
-//! on its durable consumer, and before each send when the ingress asks on
+//! checks after each committed `assistant_turn` and after the turn's late `turn_memory`,
+//! on a durable consumer for each, and before each send when the ingress asks on
 //! `<prefix>.compact.<session_id>` (one queue group across all copies); it replies once
 //! any compaction is committed.
 
@@ -81,8 +81,9 @@ fn reply_from_checked(checked: Checked) -> CompactReply {
 /// the checks in hand before returning.
 pub async fn run(config: CompactorConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     let concurrency = config.consumer.concurrency.max(1);
-    // Post-turn and pre-send checks run side by side, each with up to `concurrency`.
-    let connections = u32::try_from(2 * concurrency).unwrap_or(u32::MAX).saturating_add(2);
+    // Checks after answers, after residues and before sends run side by side, each with up
+    // to `concurrency`.
+    let connections = u32::try_from(3 * concurrency).unwrap_or(u32::MAX).saturating_add(2);
     let pool = config.backbone.connect_reads(connections).await.context("connecting to Postgres")?;
     turnlog_runtime::telemetry::registry().ready_while_postgres_answers("compactor", pool.clone());
     let bus = config.backbone.connect_bus().await?;
@@ -103,21 +104,35 @@ pub async fn run(config: CompactorConfig, shutdown: CancellationToken) -> anyhow
             append_timeout: config.append_timeout,
         },
     ));
-    // A late residue can push a session over budget as much as the answer itself can.
+    // After each answer, and after its late residue, which can push a session over budget
+    // as much as the answer itself can: a durable consumer for each kind (nats-server 2.9
+    // filters a consumer by one subject), each with its counters. The residue consumer took
+    // over from `compactor`, which took the whole feed before. A replay goes over both.
     let kinds = [EventKind::AssistantTurn, EventKind::TurnMemory];
-    let worker = Worker::new("compactor", &kinds, config.consumer.clone());
+    let workers = if config.consumer.replay.is_some() {
+        vec![Worker::new("compactor", &kinds, config.consumer.clone())]
+    } else {
+        vec![
+            Worker::new("compactor", &kinds[..1], config.consumer.clone()),
+            Worker::new("compactor-residue", &kinds[1..], config.consumer.clone()).taking_over("compactor"),
+        ]
+    };
+    let names: Vec<String> = workers.iter().map(|w| w.consumer_name(&bus)).collect();
     tracing::info!(
-        consumer = %worker.consumer_name(&bus),
+        consumers = %names.join(", "),
         model = %config.model,
         summary_model = %config.summary_model,
         "compactor running"
     );
-    let post_turn = worker.run(
-        bus.clone(),
-        Arc::new(PostTurn(compactor.clone())),
-        Arc::new(WorkerStats::default()),
-        shutdown.clone().cancelled_owned(),
-    );
+    let handler = Arc::new(PostTurn(compactor.clone()));
+    let post_turn = futures::future::join_all(workers.iter().map(|w| {
+        w.run(
+            bus.clone(),
+            handler.clone(),
+            Arc::new(WorkerStats::default()),
+            shutdown.clone().cancelled_owned(),
+        )
+    }));
     let (_, pre_send) = tokio::join!(post_turn, serve_pre_send(bus, compactor, concurrency, shutdown));
     pre_send
 }
@@ -127,8 +142,10 @@ struct PostTurn(Arc<Compactor>);
 impl Handler for PostTurn {
     async fn handle(&self, event: CommittedEvent, _delivery: Delivery) -> Result<(), HandleError> {
         // An import (issue 25) appends many answers at once: its sessions are compacted by
-        // the pre-send check of their next live turn, not once per imported answer.
-        if event.payload.get("imported").is_some() {
+        // the pre-send check of their next live turn, not once per imported answer. (Its
+        // answers have a subject of their own on the feed, which this consumer does not
+        // take; an earlier version published them on the live one.)
+        if event.is_imported() {
             return Ok(());
         }
         // A step that asks for tools is not the turn's end; the pre-send check runs before

@@ -11,7 +11,7 @@ use turnlog_core::message::{ChatMessage, Role};
 use turnlog_runtime::bus::{AppendRequest, CommittedEvent, Outcome};
 use turnlog_runtime::turn_worker::{TurnTask, TurnWorker, TurnWorkerConfig};
 use turnlog_runtime::upstream::ChatRequest;
-use turnlog_runtime::worker::{Delivery, HandleError};
+use turnlog_runtime::worker::{Delivery, HandleError, Origin};
 
 /// Selects the distillation task (the mock model keys on it; a real model ignores it).
 pub const DISTILL_MARKER: &str = "[turnlog:distill]";
@@ -44,6 +44,7 @@ pub type DistillerConfig = TurnWorkerConfig;
 pub async fn run(config: DistillerConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     turnlog_runtime::turn_worker::run(
         "distiller",
+        Origin::Live,
         "distiller running",
         config,
         Distiller,
@@ -62,7 +63,9 @@ impl TurnTask for Distiller {
         _delivery: Delivery,
     ) -> Result<(), HandleError> {
         // An imported answer (issue 25) has no raw material to distill, and its session a title.
-        if event.payload.get("imported").is_some() {
+        // (The feed puts imports on subjects this consumer does not take; an earlier version
+        // did not.)
+        if event.is_imported() {
             return Ok(());
         }
         distill_turn(w, &event).await?;

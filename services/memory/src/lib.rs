@@ -11,7 +11,7 @@ use turnlog_core::turn::TurnMaterial;
 use turnlog_runtime::bus::{AppendRequest, CommittedEvent};
 use turnlog_runtime::turn_worker::{TurnTask, TurnWorker, TurnWorkerConfig};
 use turnlog_runtime::upstream::JsonAnswerError;
-use turnlog_runtime::worker::{Delivery, HandleError};
+use turnlog_runtime::worker::{Delivery, HandleError, Origin};
 use uuid::Uuid;
 
 /// Selects the memory task (the mock model keys on it; a real model ignores it).
@@ -34,14 +34,16 @@ const MAX_ERROR_CHARS: usize = 500;
 pub type MemoryConfig = TurnWorkerConfig;
 
 /// Extracts memories from committed turns until `shutdown`: live turns on the `memory`
-/// consumer, imported ones (issue 25) on `memory-imported`, one at a time, so a large
-/// import never delays the facts of a live turn. A replay goes over both kinds at once.
+/// consumer, imported ones (issue 25; the feed gives them a subject of their own) on
+/// `memory-imported`, one at a time, so a large import never delays the facts of a live
+/// turn. A replay goes over both at once.
 pub async fn run(config: MemoryConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
     let started = "memory extraction running";
     if config.consumer.replay.is_some() {
         let task = Extractor(Turns::All);
         return turnlog_runtime::turn_worker::run(
             "memory",
+            Origin::Any,
             started,
             config,
             task,
@@ -53,6 +55,7 @@ pub async fn run(config: MemoryConfig, shutdown: CancellationToken) -> anyhow::R
     low.consumer.concurrency = 1;
     let live = turnlog_runtime::turn_worker::run(
         "memory",
+        Origin::Live,
         started,
         config,
         Extractor(Turns::Live),
@@ -60,6 +63,7 @@ pub async fn run(config: MemoryConfig, shutdown: CancellationToken) -> anyhow::R
     );
     let imported = turnlog_runtime::turn_worker::run(
         "memory-imported",
+        Origin::Imported,
         "memory extraction of imported turns running",
         low,
         Extractor(Turns::Imported),
@@ -69,7 +73,8 @@ pub async fn run(config: MemoryConfig, shutdown: CancellationToken) -> anyhow::R
     live.and(imported)
 }
 
-/// Which turns a consumer extracts from (the others it acknowledges unhandled).
+/// Which turns a consumer extracts from (the others it acknowledges unhandled: an earlier
+/// version published imported turns on the live subject).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Turns {
     Live,

@@ -121,8 +121,10 @@ pub async fn show(bus: &Bus, seq: u64) -> anyhow::Result<DeadEntry> {
         DeadRequest::Event { worker, event } => {
             let from = entry.letter.stream_seq.unwrap_or_default();
             println!("from:       TURNLOG_EVENTS sequence {from} (the {worker} worker gave up on it)");
+            // A worker's consumers are named after it (`memory-imported`, `compactor-residue`).
+            let process = worker.split('-').next().unwrap_or_default();
             println!(
-                "redo:       turnlog replay --worker {worker} --from-seq {from} --session {}",
+                "redo:       turnlog replay --worker {process} --from-seq {from} --session {}",
                 event.session_id
             );
         }

@@ -136,7 +136,7 @@ pub(crate) async fn publish_events(
 async fn publish_events_once(bus: &Bus, events: &[&EventRow]) -> anyhow::Result<()> {
     let mut acks = Vec::new();
     for e in events {
-        let subject = bus.names.events_subject(e.event.kind.as_str(), e.event.session_id);
+        let subject = e.event.subject(&bus.names);
         let mut msg =
             PublishMessage::build().payload(serde_json::to_vec(&e.event)?.into()).message_id(e.msg_id());
         if let Some(t) = &e.traceparent {

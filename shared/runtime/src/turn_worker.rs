@@ -20,7 +20,7 @@ use crate::bus::{append_and_wait, AppendRequest, Bus, CommittedEvent, Outcome};
 use crate::read::{recorded_outcome, turn_events};
 use crate::settings::Backbone;
 use crate::upstream::{ask_for_json, ChatRequest, JsonAnswerError, UpstreamClient, UpstreamConfig};
-use crate::worker::{ConsumerSettings, Delivery, HandleError, Handler, Worker, WorkerStats};
+use crate::worker::{ConsumerSettings, Delivery, HandleError, Handler, Origin, Worker, WorkerStats};
 
 /// Most events of one turn read for its material (tool-heavy turns have many).
 const MAX_TURN_EVENTS: i64 = 2_000;
@@ -147,10 +147,11 @@ impl<T: TurnTask> Handler for OnTurns<T> {
     }
 }
 
-/// Runs `task` on every committed `assistant_turn` until `shutdown`, on the durable
-/// consumer `name` every copy shares; logs `started` once it runs.
+/// Runs `task` on every committed `assistant_turn` of `origin` until `shutdown`, on the
+/// durable consumer `name` every copy shares; logs `started` once it runs.
 pub async fn run<T: TurnTask>(
     name: &str,
+    origin: Origin,
     started: &str,
     config: TurnWorkerConfig,
     task: T,
@@ -169,7 +170,7 @@ pub async fn run<T: TurnTask>(
         call_deadline: config.call_deadline,
         append_timeout: config.append_timeout,
     };
-    let consumer = Worker::new(name, &[EventKind::AssistantTurn], config.consumer);
+    let consumer = Worker::new(name, &[EventKind::AssistantTurn], config.consumer).origin(origin);
     tracing::info!(consumer = %consumer.consumer_name(&bus), model = %config.mini_model, "{started}");
     consumer.run(bus, Arc::new(OnTurns { worker, task }), Arc::new(WorkerStats::default()), shutdown).await;
     Ok(())

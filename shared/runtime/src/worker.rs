@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, FromConsumer as _, PullConsumer};
 use async_nats::jetstream::message::{AckKind, PublishMessage};
 use async_nats::jetstream::{self, Message};
 use futures::StreamExt;
@@ -18,7 +18,7 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tracing::Instrument as _;
 
-use crate::bus::{Bus, CommittedEvent, DeadLetter};
+use crate::bus::{feed_token, Bus, CommittedEvent, DeadLetter};
 use crate::telemetry::{self, Histogram};
 use turnlog_core::events::EventKind;
 use turnlog_core::ids::SessionId;
@@ -38,6 +38,9 @@ const STATS_LOG_EVERY: u32 = 12;
 const HEALTHY_RUN: Duration = Duration::from_secs(30);
 /// Longest pause between two attempts to reach a lost bus or a missing stream.
 const MAX_RECONNECT_BACKOFF: Duration = Duration::from_secs(5);
+/// How often a consumer waiting to switch to this version's filter looks whether nothing is
+/// pending under its earlier one.
+const SWITCH_RECHECK: Duration = Duration::from_secs(5);
 /// A replay's temporary consumer is removed by the server this long after its replayer
 /// went away without deleting it (a crash, a kill).
 const REPLAY_CONSUMER_INACTIVE: Duration = Duration::from_secs(60);
@@ -312,31 +315,70 @@ impl ReplayProgress {
     }
 }
 
+/// Which of its kind's events a worker takes. The feed puts an import's events on subjects
+/// of their own (`<kind>-imported`, DESIGN §6), so a worker on live turns never receives an
+/// import's thousands, nor one on imports the live turns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    Live,
+    Imported,
+    /// Both (a replay over history).
+    Any,
+}
+
 /// One worker's consumer: its name (the durable consumer is `<prefix>-<name>`), the event
 /// kinds it handles, and how it consumes.
 #[derive(Debug, Clone)]
 pub struct Worker {
     pub name: String,
     pub kinds: Vec<EventKind>,
+    pub origin: Origin,
+    /// Another worker's consumer that took this one's events before (an earlier version's):
+    /// created, this one starts where that one's acknowledgements stand, not at the feed's
+    /// beginning.
+    pub takes_over: Option<String>,
     pub settings: ConsumerSettings,
 }
 
 impl Worker {
+    /// A worker on the live events of `kinds`.
     pub fn new(name: &str, kinds: &[EventKind], settings: ConsumerSettings) -> Self {
-        Self { name: name.to_owned(), kinds: kinds.to_vec(), settings }
-    }
-
-    /// One kind is filtered by subject. Several need the whole feed (nats-server 2.9 has
-    /// one filter per consumer); events of other kinds are then acknowledged unhandled.
-    fn filter_subject(&self, bus: &Bus) -> String {
-        match self.kinds.as_slice() {
-            [kind] => bus.names.events_kind_filter(kind.as_str()),
-            _ => bus.names.events_kind_filter("*"),
+        Self {
+            name: name.to_owned(),
+            kinds: kinds.to_vec(),
+            origin: Origin::Live,
+            takes_over: None,
+            settings,
         }
     }
 
+    pub fn origin(self, origin: Origin) -> Self {
+        Self { origin, ..self }
+    }
+
+    pub fn taking_over(self, name: &str) -> Self {
+        Self { takes_over: Some(name.to_owned()), ..self }
+    }
+
+    /// The subjects this worker takes: all of them, or one session's. One kind is filtered
+    /// by subject; several need the whole feed (nats-server 2.9 has one filter per consumer),
+    /// which only a replay uses.
+    fn filter_subject(&self, bus: &Bus, session: Option<SessionId>) -> String {
+        let token = match (self.kinds.as_slice(), self.origin) {
+            ([kind], Origin::Live) => kind.as_str().to_owned(),
+            ([kind], Origin::Imported) => feed_token(kind.as_str(), true),
+            _ => "*".to_owned(),
+        };
+        match session {
+            Some(session) => bus.names.events_subject(&token, session),
+            None => bus.names.events_kind_filter(&token),
+        }
+    }
+
+    /// Whether an event this worker's filter let through is its business: the whole feed,
+    /// or an earlier version's consumer not switched over yet, brings other kinds too.
     fn handles(&self, kind: EventKind) -> bool {
-        self.kinds.len() == 1 || self.kinds.contains(&kind)
+        self.kinds.contains(&kind)
     }
 
     /// The durable consumer every copy of this worker shares.
@@ -371,10 +413,24 @@ impl Worker {
         while !*stop.borrow() {
             let started = tokio::time::Instant::now();
             let result = match self.consumer(&bus).await {
-                Ok(consumer) => {
+                Ok((consumer, switching)) => {
                     stats.consuming.store(true, Ordering::Relaxed);
+                    let until = if switching {
+                        Until::Recheck(tokio::time::Instant::now() + SWITCH_RECHECK)
+                    } else {
+                        Until::Stopped
+                    };
                     let r = self
-                        .consume(&bus, consumer, &handler, &stats, &permits, &mut in_hand, stop.clone(), None)
+                        .consume(
+                            &bus,
+                            consumer,
+                            &handler,
+                            &stats,
+                            &permits,
+                            &mut in_hand,
+                            stop.clone(),
+                            until,
+                        )
                         .await;
                     stats.consuming.store(false, Ordering::Relaxed);
                     r
@@ -388,7 +444,9 @@ impl Worker {
             // Reap finished handlers so the set does not grow over a long run.
             while in_hand.try_join_next().is_some() {}
             match result {
-                Ok(()) => break,
+                Ok(Ended::Stopped) => break,
+                // See whether the consumer can switch filters now.
+                Ok(Ended::Recheck) => continue,
                 Err(e) => {
                     tracing::warn!(worker = %self.name, error = %e, "consumer interrupted; reconnecting");
                     let mut stop = stop.clone();
@@ -408,14 +466,21 @@ impl Worker {
         tracing::info!(worker = %self.name, stats = ?stats.snapshot(), "worker stopped");
     }
 
-    async fn consumer(&self, bus: &Bus) -> Result<PullConsumer, ConsumeError> {
+    /// The durable consumer, created when missing: at the feed's beginning, or where
+    /// `takes_over`'s acknowledgements stand. One an earlier version made with another filter
+    /// keeps that filter while anything is pending or in hand under it (switching now would
+    /// skip what the old filter still owes) and takes this version's once nothing is; `true`
+    /// says it still waits, and is looked at again every [`SWITCH_RECHECK`] (events it brings
+    /// that are not this worker's are acknowledged unhandled).
+    async fn consumer(&self, bus: &Bus) -> Result<(PullConsumer, bool), ConsumeError> {
         let stream = bus
             .js
             .get_stream(bus.names.events_stream())
             .await
             .map_err(|source| ConsumeError::NoFeed { stream: bus.names.events_stream(), source })?;
         let name = self.consumer_name(bus);
-        let config = pull::Config {
+        let filter = self.filter_subject(bus, None);
+        let mut config = pull::Config {
             durable_name: Some(name.clone()),
             description: Some(format!("turnlog {} on the committed-event feed", self.name)),
             deliver_policy: DeliverPolicy::All,
@@ -424,13 +489,34 @@ impl Worker {
             // One more than the worker's own limit: the worker dead-letters on the last
             // delivery it is told about, so a crash during that one still gets a successor.
             max_deliver: i64::from(self.settings.max_deliver.max(1)) + 1,
-            filter_subject: self.filter_subject(bus),
+            filter_subject: filter.clone(),
             ..Default::default()
         };
-        stream
-            .get_or_create_consumer(&name, config)
-            .await
-            .map_err(|source| ConsumeError::Consumer { name, source })
+        if let Some(other) = &self.takes_over {
+            if let Ok(info) = stream.consumer_info(format!("{}-{other}", bus.names.prefix())).await {
+                let start_sequence = info.ack_floor.stream_sequence + 1;
+                config.deliver_policy = DeliverPolicy::ByStartSequence { start_sequence };
+            }
+        }
+        let consumer_error = |source| ConsumeError::Consumer { name: name.clone(), source };
+        let consumer: PullConsumer =
+            stream.get_or_create_consumer(&name, config).await.map_err(consumer_error)?;
+        let current = consumer.cached_info();
+        if current.config.filter_subject == filter {
+            return Ok((consumer, false));
+        }
+        if current.num_pending > 0 || current.num_ack_pending > 0 {
+            tracing::info!(consumer = %name, from = %current.config.filter_subject, to = %filter,
+                pending = current.num_pending, "consumer keeps its earlier filter until nothing is pending under it");
+            return Ok((consumer, true));
+        }
+        let mut config = pull::Config::try_from_consumer_config(current.config.clone())
+            .map_err(|e| ConsumeError::NotPull { name: name.clone(), detail: e.to_string() })?;
+        config.filter_subject = filter.clone();
+        // An update in place (nats-server 2.9 too): the consumer keeps its position.
+        let consumer = stream.create_consumer(config).await.map_err(consumer_error)?;
+        tracing::info!(consumer = %name, %filter, "consumer switched to this version's filter");
+        Ok((consumer, false))
     }
 
     /// Replays history on a temporary consumer (see [`Replay`]) until through, stopped by
@@ -458,11 +544,7 @@ impl Worker {
             ReplayFrom::Sequence(seq) => DeliverPolicy::ByStartSequence { start_sequence: seq.max(1) },
             ReplayFrom::Time(start_time) => DeliverPolicy::ByStartTime { start_time },
         };
-        let filter_subject = match (replay.session, self.kinds.as_slice()) {
-            (Some(session), [kind]) => bus.names.events_subject(kind.as_str(), session),
-            (Some(session), _) => bus.names.events_subject("*", session),
-            (None, _) => self.filter_subject(bus),
-        };
+        let filter_subject = self.filter_subject(bus, replay.session);
         let config = pull::Config {
             description: Some(format!("turnlog {} replay", self.name)),
             deliver_policy,
@@ -503,8 +585,18 @@ impl Worker {
         let permits = Arc::new(Semaphore::new(self.settings.concurrency.max(1)));
         let mut in_hand = JoinSet::new();
         let result = self
-            .consume(bus, consumer, handler, &progress.stats, &permits, &mut in_hand, stop, Some(through))
-            .await;
+            .consume(
+                bus,
+                consumer,
+                handler,
+                &progress.stats,
+                &permits,
+                &mut in_hand,
+                stop,
+                Until::Seq(through),
+            )
+            .await
+            .map(|_| ());
         while let Some(done) = in_hand.join_next().await {
             if let Err(e) = done {
                 tracing::error!(worker = %self.name, error = %e, "event handler panicked");
@@ -516,8 +608,9 @@ impl Worker {
         result
     }
 
-    /// Pulls and dispatches until stopped (Ok) or the bus fails (Err). Events past `until`
-    /// (a replay's end) are acknowledged unhandled.
+    /// Pulls and dispatches until stopped, until the first pull request that ends after a
+    /// recheck time, or until the bus fails (Err). Events past a replay's end are
+    /// acknowledged unhandled.
     #[allow(clippy::too_many_arguments)]
     async fn consume<H: Handler>(
         &self,
@@ -528,8 +621,8 @@ impl Worker {
         permits: &Arc<Semaphore>,
         in_hand: &mut JoinSet<()>,
         mut stop: watch::Receiver<bool>,
-        until: Option<u64>,
-    ) -> Result<(), ConsumeError> {
+        until: Until,
+    ) -> Result<Ended, ConsumeError> {
         let lag = tokio::spawn(watch_lag(self.name.clone(), consumer.clone(), stats.clone(), stop.clone()));
         let _lag = AbortOnDrop(lag);
         // One inbox for every pull request of this run, each request answered on a subject
@@ -544,7 +637,7 @@ impl Worker {
         loop {
             let first = tokio::select! {
                 biased;
-                _ = stop.wait_for(|s| *s) => return Ok(()),
+                _ = stop.wait_for(|s| *s) => return Ok(Ended::Stopped),
                 p = permits.clone().acquire_owned() => Ok(p.map_err(ConsumeError::Permits)?),
                 m = replies.next() => Err(pull_reply(m, &bus.js, None)?),
             };
@@ -599,7 +692,10 @@ impl Worker {
                             bus: bus.clone(),
                             handler: handler.clone(),
                             stats: stats.clone(),
-                            until,
+                            until: match until {
+                                Until::Seq(seq) => Some(seq),
+                                _ => None,
+                            },
                         };
                         in_hand.spawn(job.process(*message, permit));
                     }
@@ -608,11 +704,32 @@ impl Worker {
             }
             drop(free);
             if stopping {
-                return Ok(());
+                return Ok(Ended::Stopped);
+            }
+            if let Until::Recheck(at) = until {
+                if tokio::time::Instant::now() >= at {
+                    return Ok(Ended::Recheck);
+                }
             }
             while in_hand.try_join_next().is_some() {}
         }
     }
+}
+
+/// Where [`Worker::consume`] ends besides a stop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Until {
+    Stopped,
+    /// At the first pull request that ends after this time (a consumer waiting to switch
+    /// filters looks again).
+    Recheck(tokio::time::Instant),
+    /// A replay's last sequence: later events are acknowledged unhandled.
+    Seq(u64),
+}
+
+enum Ended {
+    Stopped,
+    Recheck,
 }
 
 /// Why a consumer stopped before it was told to (the worker reconnects), or a replay failed.
@@ -622,6 +739,8 @@ enum ConsumeError {
     NoFeed { stream: String, source: jetstream::context::GetStreamError },
     #[error("consumer {name}: {source}")]
     Consumer { name: String, source: jetstream::stream::ConsumerError },
+    #[error("consumer {name} is not a pull consumer: {detail}")]
+    NotPull { name: String, detail: String },
     #[error("cannot open {stream}: {source}")]
     NoReplayFeed { stream: String, source: jetstream::context::GetStreamError },
     #[error("{stream}: {source}")]

@@ -308,6 +308,15 @@ pub async fn consumer_idle(bus: &Bus, worker: &str) -> bool {
     }
 }
 
+/// The durable consumers a worker process consumes with.
+pub fn consumers_of(worker: &str) -> Vec<&str> {
+    match worker {
+        "compactor" => vec!["compactor", "compactor-residue"],
+        "memory" => vec!["memory", "memory-imported"],
+        _ => vec![worker],
+    }
+}
+
 /// Waits until every named worker has handled everything on the feed, the feed holding
 /// everything committed. The writer answers a producer before it publishes the commit's
 /// events, so a turn (or a worker's append) can be answered while its events are not on the
@@ -319,8 +328,8 @@ pub async fn settle(env: &TestEnv, bus: &Bus, workers: &[&str]) {
     loop {
         let before = feed_last_seq(bus).await;
         let mut idle = env.feed_caught_up().await;
-        for w in workers {
-            idle = idle && consumer_idle(bus, w).await;
+        for c in workers.iter().flat_map(|w| consumers_of(w)) {
+            idle = idle && consumer_idle(bus, c).await;
         }
         if idle && env.feed_caught_up().await && feed_last_seq(bus).await == before {
             return;

@@ -334,3 +334,79 @@ async fn imported_answers_are_compacted_before_the_next_turn_without_waiting_for
     assert!(rig.next_request_tokens(s).await + 200 <= BUDGET);
     rig.stop().await;
 }
+
+/// An earlier version's compactor had one consumer on the whole feed. The compactor now has
+/// one for answers and one for residues (DESIGN §6): the residue consumer starts where the
+/// old consumer's acknowledgements stood, and the old consumer is switched in place to
+/// answers only. No residue is skipped, and after the switch each consumer receives only its
+/// own kind. (That a consumer keeps its old filter while something is pending under it is
+/// `memory::an_earlier_import_consumer_extracts_its_backlog_before_it_switches`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_earlier_whole_feed_consumer_is_split_without_skipping_a_residue() {
+    use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
+    use futures::StreamExt as _;
+    use turnlog_core::events::{EventBody, TurnMemory};
+
+    let mut rig = Rig::start().await;
+    let prefix = rig.env.bus_prefix.clone();
+    let stream = rig.bus.js.get_stream(rig.bus.names.events_stream()).await.unwrap();
+    let old: pull::Config = pull::Config {
+        durable_name: Some(rig.consumer("compactor")),
+        filter_subject: format!("{prefix}.events.*.*"),
+        ack_policy: AckPolicy::Explicit,
+        ..Default::default()
+    };
+    let old = stream.create_consumer(old).await.unwrap();
+    let s = rig.create_session().await;
+    // A turn and its residue, as the distiller appends it.
+    async fn turn_with_residue(rig: &Rig, s: SessionId, i: usize) {
+        let answer = rig.turn(s, &question(i), &filler(20, i)).await;
+        let residue = EventBody::TurnMemory(TurnMemory { turn_seq: answer, ..Default::default() });
+        rig.send(&turnlog_runtime::bus::AppendRequest::append(
+            s,
+            &owner(OWNER),
+            uuid::Uuid::now_v7(),
+            &residue,
+        ))
+        .await;
+    }
+    turn_with_residue(&rig, s, 1).await;
+    rig.settle(&[]).await;
+    // The earlier version handled everything so far...
+    let mut handled = 0;
+    let mut batch = old.fetch().max_messages(100).messages().await.unwrap();
+    while let Some(m) = batch.next().await {
+        m.unwrap().ack().await.unwrap();
+        handled += 1;
+    }
+    assert_eq!(handled, 4, "session_started, the question, the answer, the residue");
+    let acked = stream.consumer_info(rig.consumer("compactor")).await.unwrap().ack_floor.stream_sequence;
+    // ...and was stopped before a second turn.
+    turn_with_residue(&rig, s, 2).await;
+    rig.settle(&[]).await;
+
+    let c = compactor_config(&rig, &rig.mock.base_url());
+    rig.spawn(|stop| turnlog_compactor::run(c, stop));
+    rig.settle(&["compactor"]).await;
+    let info = |name: &str| {
+        let (stream, name) = (stream.clone(), rig.consumer(name));
+        async move { stream.consumer_info(name).await.unwrap() }
+    };
+    let residue = info("compactor-residue").await;
+    assert_eq!(residue.config.deliver_policy, DeliverPolicy::ByStartSequence { start_sequence: acked + 1 });
+    assert_eq!(residue.delivered.consumer_sequence, 1, "the second turn's residue, the first's was handled");
+    // Switched once its backlog was through (looked at every 5 s).
+    let answers_only = format!("{prefix}.events.assistant_turn.*");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while info("compactor").await.config.filter_subject != answers_only {
+        assert!(tokio::time::Instant::now() < deadline, "the old consumer was never switched");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let before = info("compactor").await.delivered.consumer_sequence;
+
+    turn_with_residue(&rig, s, 3).await;
+    rig.settle(&["compactor"]).await;
+    assert_eq!(info("compactor").await.delivered.consumer_sequence, before + 1, "the answer alone");
+    assert_eq!(info("compactor-residue").await.delivered.consumer_sequence, 2, "the residue alone");
+    rig.stop().await;
+}

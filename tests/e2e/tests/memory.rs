@@ -152,3 +152,124 @@ async fn recall_matches_distinctive_words_and_ranks_by_all() {
     assert!(maria.iter().all(|m| m.contains("Maria")), "{maria:?}");
     rig.stop().await;
 }
+
+/// An import's answers (issue 25) go to the feed under subjects of their own (DESIGN §6):
+/// memory extraction reads them on `memory-imported`, and the live consumers (the live
+/// `memory` one, the distiller's) never receive them, nor `memory-imported` a live turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_imports_answers_reach_only_the_consumer_of_imports() {
+    use turnlog_core::events::{AssistantTurn, EventBody, Imported, LlmMessage, LlmPart, MessageContent};
+    use turnlog_e2e::rig::{owner, OWNER};
+
+    let mut rig = Rig::start().await;
+    let c = config::memory(&rig.env, &rig.mock.base_url());
+    rig.spawn(|stop| turnlog_memory::run(c, stop));
+    let d = config::distiller(&rig.env, &rig.mock.base_url());
+    rig.spawn(|stop| turnlog_distiller::run(d, stop));
+    let s = rig.create_session().await;
+    rig.turn(s, "My sister Lena moves to Porto in June.", &filler(20, 1)).await;
+    for i in 0..3 {
+        rig.user(s, &format!("I promised to call Omar on day {i}.")).await;
+        let text = filler(20, 10 + i);
+        let body = EventBody::AssistantTurn(AssistantTurn {
+            llm: LlmPart {
+                message: LlmMessage { content: Some(MessageContent::Text(text)), ..Default::default() },
+            },
+            imported: Some(Box::new(Imported {
+                source: "chatgpt".into(),
+                id: format!("a{i}"),
+                created_at: None,
+            })),
+            ..Default::default()
+        });
+        rig.send(&turnlog_runtime::bus::AppendRequest::append(s, &owner(OWNER), uuid::Uuid::now_v7(), &body))
+            .await;
+    }
+    rig.settle(&["memory", "distiller"]).await;
+
+    assert_eq!(rig.events_of(s, "memory_extracted").await.len(), 4, "the live turn and the three imported");
+    let answers: Vec<String> = rig
+        .stream_messages(&rig.bus.names.events_stream())
+        .await
+        .into_iter()
+        .map(|(subject, _)| subject)
+        .filter(|subject| subject.contains(".assistant_turn"))
+        .collect();
+    let prefix = &rig.env.bus_prefix;
+    let imported =
+        answers.iter().filter(|a| **a == format!("{prefix}.events.assistant_turn-imported.{s}")).count();
+    assert_eq!((answers.len(), imported), (4, 3), "{answers:?}");
+    let stream = rig.bus.js.get_stream(rig.bus.names.events_stream()).await.unwrap();
+    for (consumer, answers) in [("memory", 1), ("distiller", 1), ("memory-imported", 3)] {
+        let info = stream.consumer_info(rig.consumer(consumer)).await.unwrap();
+        assert_eq!(info.delivered.consumer_sequence, answers, "{consumer}");
+    }
+    rig.stop().await;
+}
+
+/// An earlier version's `memory-imported` consumer took every `assistant_turn`, and an
+/// earlier writer published imported answers on the live subject. Upgraded, the consumer
+/// keeps that filter until nothing is pending under it, so an imported answer the earlier
+/// writer published is still extracted, and only then switches to imports' own subjects
+/// (DESIGN §6). Switching at once would skip it: the live consumer leaves imports alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_earlier_import_consumer_extracts_its_backlog_before_it_switches() {
+    use async_nats::jetstream::consumer::{pull, AckPolicy};
+    use turnlog_core::events::{AssistantTurn, EventBody, Imported, LlmMessage, LlmPart, MessageContent};
+    use turnlog_e2e::rig::{owner, OWNER};
+
+    let mut rig = Rig::start().await;
+    let prefix = rig.env.bus_prefix.clone();
+    let stream = rig.bus.js.get_stream(rig.bus.names.events_stream()).await.unwrap();
+    let old = pull::Config {
+        durable_name: Some(rig.consumer("memory-imported")),
+        filter_subject: format!("{prefix}.events.assistant_turn.*"),
+        ack_policy: AckPolicy::Explicit,
+        ..Default::default()
+    };
+    stream.create_consumer(old).await.unwrap();
+    let s = rig.create_session().await;
+    rig.turn(s, "My sister Lena moves to Porto in June.", &filler(20, 1)).await;
+    rig.user(s, "I promised to call Omar on Friday.").await;
+    let body = EventBody::AssistantTurn(AssistantTurn {
+        llm: LlmPart {
+            message: LlmMessage { content: Some(MessageContent::Text(filler(20, 2))), ..Default::default() },
+        },
+        imported: Some(Box::new(Imported { source: "chatgpt".into(), id: "a1".into(), created_at: None })),
+        ..Default::default()
+    });
+    let answer = rig
+        .send(&turnlog_runtime::bus::AppendRequest::append(s, &owner(OWNER), uuid::Uuid::now_v7(), &body))
+        .await
+        .seq
+        .unwrap();
+    rig.settle(&[]).await;
+    // As an earlier writer published it: on the live subject.
+    let published = stream
+        .get_last_raw_message_by_subject(&format!("{prefix}.events.assistant_turn-imported.{s}"))
+        .await
+        .unwrap();
+    stream.delete_message(published.sequence).await.unwrap();
+    let earlier = format!("{prefix}.events.assistant_turn.{s}");
+    rig.bus.js.publish(earlier, published.payload).await.unwrap().await.unwrap();
+
+    let c = config::memory(&rig.env, &rig.mock.base_url());
+    rig.spawn(|stop| turnlog_memory::run(c, stop));
+    rig.settle(&["memory"]).await;
+    let turns: Vec<i64> = rig
+        .events_of(s, "memory_extracted")
+        .await
+        .iter()
+        .map(|(_, _, p)| p["turn_seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(turns, [answer - 2, answer], "the live answer and the imported one");
+    let switched = format!("{prefix}.events.assistant_turn-imported.*");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while stream.consumer_info(rig.consumer("memory-imported")).await.unwrap().config.filter_subject
+        != switched
+    {
+        assert!(tokio::time::Instant::now() < deadline, "never switched");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    rig.stop().await;
+}

@@ -18,7 +18,7 @@ use turnlog_core::ids::SessionId;
 
 pub use crate::outcome::{Outcome, OutcomeStatus, Refusal, SESSION_DELETED};
 pub use append::{append_and_wait, append_headers, append_message, AppendError, CONFIRM_AFTER};
-pub use names::{partition_of, BusNames};
+pub use names::{feed_token, partition_of, BusNames};
 pub use topology::{ReplicaChange, STREAM_REPLICAS};
 pub use turnlog_core::limits::{
     json_len, metadata_error, MAX_EVENT_BYTES, MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE,

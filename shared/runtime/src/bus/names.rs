@@ -61,11 +61,12 @@ impl BusNames {
     pub fn append_partition_filter(&self, partition: u32) -> String {
         format!("{}.append.{partition}.*", self.prefix)
     }
-    pub fn events_subject(&self, kind: &str, session: SessionId) -> String {
-        format!("{}.events.{kind}.{session}", self.prefix)
+    /// A committed event's subject; `token` is its [`feed_token`] (or `*`).
+    pub fn events_subject(&self, token: &str, session: SessionId) -> String {
+        format!("{}.events.{token}.{session}", self.prefix)
     }
-    pub fn events_kind_filter(&self, kind: &str) -> String {
-        format!("{}.events.{kind}.*", self.prefix)
+    pub fn events_kind_filter(&self, token: &str) -> String {
+        format!("{}.events.{token}.*", self.prefix)
     }
     /// `session` is None when the request named no session the writer could read.
     pub fn dead_subject(&self, reason: &str, session: Option<SessionId>) -> String {
@@ -97,6 +98,17 @@ impl BusNames {
             (self.events_stream(), format!("{}.events.*.{session}", self.prefix)),
             (self.dead_stream(), format!("{}.dead.*.{session}", self.prefix)),
         ]
+    }
+}
+
+/// The feed subject's token for an event of `kind`: the kind, or `<kind>-imported` for an
+/// event an import appended (DESIGN §6), so a worker can take a kind's live events or its
+/// imported ones alone.
+pub fn feed_token(kind: &str, imported: bool) -> String {
+    if imported {
+        format!("{kind}-imported")
+    } else {
+        kind.to_owned()
     }
 }
 

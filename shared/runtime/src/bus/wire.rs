@@ -361,6 +361,16 @@ impl CommittedEvent {
         }
     }
 
+    /// Whether an import appended it (its payload says where from).
+    pub fn is_imported(&self) -> bool {
+        self.payload.get("imported").is_some()
+    }
+
+    /// Its subject on the feed.
+    pub fn subject(&self, names: &super::BusNames) -> String {
+        names.events_subject(&super::feed_token(self.kind.as_str(), self.is_imported()), self.session_id)
+    }
+
     /// The feed's dedup id, given the creation time of the event's session: the same event
     /// republished after a crash is dropped as a duplicate, while a session created again
     /// under a deleted one's id is not mistaken for it (JetStream remembers dedup ids after
