@@ -110,6 +110,25 @@ fn spawn_writer(env: &TestEnv) -> (CancellationToken, tokio::task::JoinHandle<an
     (shutdown, handle)
 }
 
+/// Every append on a connection waits on a subject of one inbox the connection subscribed
+/// to once (DESIGN §6). Forty at once each hear their own outcome from the writer rather
+/// than asking JetStream and the database after 500 ms, which a reply routed to the wrong
+/// append, or lost, would make each of them do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_appends_on_one_connection_each_hear_their_own_outcome() {
+    let h = Harness::start().await;
+    let s = h.create("alice").await;
+    let before = turnlog_runtime::bus::appends_confirmed();
+    let texts: Vec<String> = (0..40).map(|i| format!("m{i}")).collect();
+    let outcomes = futures::future::join_all(texts.iter().map(|t| h.user(s, "alice", t))).await;
+    let mut seqs: Vec<i64> = outcomes.iter().map(|o| o.seq.unwrap()).collect();
+    seqs.sort_unstable();
+    assert_eq!(seqs, (2..42).collect::<Vec<i64>>());
+    let confirmed = turnlog_runtime::bus::appends_confirmed() - before;
+    assert!(confirmed < 10, "{confirmed} of 40 appends heard no outcome within 500 ms");
+    h.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_producers_get_gapless_ordered_seqs() {
     let h = Harness::start().await;

@@ -2,6 +2,7 @@
 //! waiting for the writer's outcome, asking JetStream whether the request was stored only
 //! when the outcome is late; or publishing until JetStream acknowledges it.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::stream::RawMessageErrorKind;
@@ -129,6 +130,30 @@ const REPUBLISH_EVERY: Duration = Duration::from_millis(250);
 /// outcome takes, short against a leader election (4–9 s).
 pub const CONFIRM_AFTER: Duration = Duration::from_millis(500);
 
+/// Appends of this process whose outcome had not come after [`CONFIRM_AFTER`], so they
+/// were published again with a PubAck (`turnlog_append_confirms_total`).
+static CONFIRMED: AtomicU64 = AtomicU64::new(0);
+
+/// How many appends of this process were confirmed (see [`CONFIRMED`]) so far.
+pub fn appends_confirmed() -> u64 {
+    CONFIRMED.load(Ordering::Relaxed)
+}
+
+/// Exports `turnlog_append_confirms_total`: a writer that is behind, lost publishes, or
+/// repeats (each answered [`CONFIRM_AFTER`] late).
+pub(super) fn export_metrics() {
+    crate::telemetry::registry().export("appends", |out| {
+        let name = "turnlog_append_confirms_total";
+        crate::telemetry::family(
+            out,
+            name,
+            "counter",
+            "Appends whose outcome was late and that were published again with a PubAck",
+        );
+        crate::telemetry::sample(out, name, &[], appends_confirmed() as f64);
+    });
+}
+
 /// How often `append_and_wait` looks the outcome up in `request_outcomes` once JetStream
 /// said the request was stored before: first at once, then after 25 ms, doubling to 400 ms
 /// (a writer that is behind is not polled forty times a second by every waiting producer).
@@ -171,9 +196,8 @@ pub async fn append_and_wait(
 ) -> Result<Outcome, AppendError> {
     let started = tokio::time::Instant::now();
     let deadline = started + timeout;
-    let inbox = bus.client.new_inbox();
-    let mut replies =
-        bus.client.subscribe(inbox.clone()).await.map_err(|e| AppendError::Unavailable(e.to_string()))?;
+    let mut reply = bus.replies.wait();
+    let (inbox, replies) = (reply.subject.clone(), &mut reply.rx);
 
     let body = Bytes::from(serde_json::to_vec(req).map_err(|e| AppendError::Unavailable(e.to_string()))?);
     let subject = bus.names.append_subject(bus.partition_of(req.session_id), req.session_id);
@@ -185,10 +209,11 @@ pub async fn append_and_wait(
     // A failed send (the connection is gone) is the confirming publish's to find out.
     if bus.client.publish_with_headers(subject, headers, body).await.is_ok() {
         let confirm_at = started + CONFIRM_AFTER.min(timeout / 2);
-        if let Some(outcome) = outcome_on(&mut replies, req, confirm_at).await {
+        if let Some(outcome) = outcome_on(replies, req, confirm_at).await {
             return Ok(outcome);
         }
     }
+    CONFIRMED.fetch_add(1, Ordering::Relaxed);
 
     let ack = bus
         .publish_append_until(req, Some(&inbox), deadline)
@@ -196,7 +221,7 @@ pub async fn append_and_wait(
         .map_err(|e| AppendError::Unavailable(format!("not acknowledged within {timeout:?}: {e}")))?;
     if !ack.duplicate {
         // Stored only now: the first publish was lost (or could not be sent).
-        if let Some(outcome) = outcome_on(&mut replies, req, deadline).await {
+        if let Some(outcome) = outcome_on(replies, req, deadline).await {
             return Ok(outcome);
         }
     }
@@ -225,7 +250,7 @@ pub async fn append_and_wait(
             Ok(None) | Err(_) => {}
         }
         let next = (tokio::time::Instant::now() + wait).min(deadline);
-        if let Some(outcome) = outcome_on(&mut replies, req, next).await {
+        if let Some(outcome) = outcome_on(replies, req, next).await {
             return Ok(outcome);
         }
         if next >= deadline {
@@ -239,13 +264,12 @@ pub async fn append_and_wait(
 /// sent only after its purge, so it is taken as it comes). Returns at `until` even when
 /// the inbox has closed, so a caller's look-ups keep their pace.
 async fn outcome_on(
-    replies: &mut async_nats::Subscriber,
+    replies: &mut tokio::sync::mpsc::Receiver<async_nats::Message>,
     req: &AppendRequest,
     until: tokio::time::Instant,
 ) -> Option<Outcome> {
-    use futures::StreamExt;
     loop {
-        match tokio::time::timeout_at(until, replies.next()).await {
+        match tokio::time::timeout_at(until, replies.recv()).await {
             Ok(Some(msg)) => match serde_json::from_slice::<Outcome>(&msg.payload) {
                 Ok(outcome) if outcome.request_id == req.request_id => return Some(outcome),
                 _ => {}

@@ -5,6 +5,7 @@
 
 mod append;
 mod names;
+mod replies;
 mod topology;
 mod wire;
 
@@ -17,7 +18,9 @@ use async_nats::jetstream;
 use turnlog_core::ids::SessionId;
 
 pub use crate::outcome::{Outcome, OutcomeStatus, Refusal, SESSION_DELETED};
-pub use append::{append_and_wait, append_headers, append_message, AppendError, CONFIRM_AFTER};
+pub use append::{
+    append_and_wait, append_headers, append_message, appends_confirmed, AppendError, CONFIRM_AFTER,
+};
 pub use names::{feed_token, partition_of, BusNames};
 pub use topology::{ReplicaChange, STREAM_REPLICAS};
 pub use turnlog_core::limits::{
@@ -57,6 +60,8 @@ pub struct Bus {
     pub replicas: usize,
     /// Counts reconnects after a lost connection (not the first connect).
     reconnects: tokio::sync::watch::Receiver<u64>,
+    /// Where the writer's outcomes for this connection's appends arrive.
+    replies: Arc<replies::Replies>,
 }
 
 impl Bus {
@@ -90,7 +95,9 @@ impl Bus {
             .map_err(|_| BusError::JetStream(format!("no answer from NATS at {url} within 10 s")))?
             .map_err(js_err)?;
         let js = jetstream::new(client.clone());
-        Ok(Self { client, js, names, partitions: partitions.max(1), replicas: 1, reconnects })
+        let replies = Arc::new(replies::Replies::subscribe(&client).await.map_err(js_err)?);
+        append::export_metrics();
+        Ok(Self { client, js, names, partitions: partitions.max(1), replicas: 1, reconnects, replies })
     }
 
     /// The same bus, creating streams with `replicas` replicas (`TURNLOG_STREAM_REPLICAS`).
