@@ -134,7 +134,8 @@ pub const CONFIRM_AFTER: Duration = Duration::from_millis(500);
 /// were published again with a PubAck (`turnlog_append_confirms_total`).
 static CONFIRMED: AtomicU64 = AtomicU64::new(0);
 
-/// How many appends of this process were confirmed (see [`CONFIRMED`]) so far.
+/// How many appends of this process had no outcome after [`CONFIRM_AFTER`] and were
+/// published again with a PubAck, so far.
 pub fn appends_confirmed() -> u64 {
     CONFIRMED.load(Ordering::Relaxed)
 }
