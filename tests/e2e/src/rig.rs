@@ -6,7 +6,8 @@
 use std::future::Future;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
+use async_nats::jetstream::consumer::pull::{self, OrderedConfig};
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer};
 use futures::StreamExt;
 use serde_json::Value;
 use tokio::task::JoinHandle;
@@ -199,6 +200,36 @@ impl Rig {
 
     pub fn consumer(&self, worker: &str) -> String {
         format!("{}-{worker}", self.env.bus_prefix)
+    }
+
+    /// The state of a worker's durable consumer.
+    pub async fn consumer_info(&self, worker: &str) -> async_nats::jetstream::consumer::Info {
+        let stream = self.bus.js.get_stream(self.bus.names.events_stream()).await.expect("stream");
+        stream.consumer_info(self.consumer(worker)).await.expect("consumer")
+    }
+
+    /// A worker's durable consumer as an earlier version made it, on `filter` (the subjects
+    /// after `<prefix>.events.`).
+    pub async fn earlier_consumer(&self, worker: &str, filter: &str) -> PullConsumer {
+        let stream = self.bus.js.get_stream(self.bus.names.events_stream()).await.expect("stream");
+        let config = pull::Config {
+            durable_name: Some(self.consumer(worker)),
+            filter_subject: format!("{}.events.{filter}", self.env.bus_prefix),
+            ack_policy: AckPolicy::Explicit,
+            ..Default::default()
+        };
+        stream.create_consumer(config).await.expect("the earlier consumer")
+    }
+
+    /// Waits (20 s at most) until a worker's consumer was switched to `filter` (the subjects
+    /// after `<prefix>.events.`).
+    pub async fn switched_to(&self, worker: &str, filter: &str) {
+        let filter = format!("{}.events.{filter}", self.env.bus_prefix);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while self.consumer_info(worker).await.config.filter_subject != filter {
+            assert!(tokio::time::Instant::now() < deadline, "{worker} was never switched to {filter}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// Whether a worker's consumer has nothing left ([`consumer_idle`]).

@@ -343,20 +343,12 @@ async fn imported_answers_are_compacted_before_the_next_turn_without_waiting_for
 /// `memory::an_earlier_import_consumer_extracts_its_backlog_before_it_switches`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_earlier_whole_feed_consumer_is_split_without_skipping_a_residue() {
-    use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy};
+    use async_nats::jetstream::consumer::DeliverPolicy;
     use futures::StreamExt as _;
     use turnlog_core::events::{EventBody, TurnMemory};
 
     let mut rig = Rig::start().await;
-    let prefix = rig.env.bus_prefix.clone();
-    let stream = rig.bus.js.get_stream(rig.bus.names.events_stream()).await.unwrap();
-    let old: pull::Config = pull::Config {
-        durable_name: Some(rig.consumer("compactor")),
-        filter_subject: format!("{prefix}.events.*.*"),
-        ack_policy: AckPolicy::Explicit,
-        ..Default::default()
-    };
-    let old = stream.create_consumer(old).await.unwrap();
+    let old = rig.earlier_consumer("compactor", "*.*").await;
     let s = rig.create_session().await;
     // A turn and its residue, as the distiller appends it.
     async fn turn_with_residue(rig: &Rig, s: SessionId, i: usize) {
@@ -381,7 +373,7 @@ async fn an_earlier_whole_feed_consumer_is_split_without_skipping_a_residue() {
         handled += 1;
     }
     assert_eq!(handled, 4, "session_started, the question, the answer, the residue");
-    let acked = stream.consumer_info(rig.consumer("compactor")).await.unwrap().ack_floor.stream_sequence;
+    let acked = rig.consumer_info("compactor").await.ack_floor.stream_sequence;
     // ...and was stopped before a second turn.
     turn_with_residue(&rig, s, 2).await;
     rig.settle(&[]).await;
@@ -389,30 +381,21 @@ async fn an_earlier_whole_feed_consumer_is_split_without_skipping_a_residue() {
     let c = compactor_config(&rig, &rig.mock.base_url());
     rig.spawn(|stop| turnlog_compactor::run(c, stop));
     rig.settle(&["compactor"]).await;
-    let info = |name: &str| {
-        let (stream, name) = (stream.clone(), rig.consumer(name));
-        async move { stream.consumer_info(name).await.unwrap() }
-    };
-    let residue = info("compactor-residue").await;
+    let residue = rig.consumer_info("compactor-residue").await;
     assert_eq!(residue.config.deliver_policy, DeliverPolicy::ByStartSequence { start_sequence: acked + 1 });
     // (Delivery counts below allow one more: a pull answered late is handed back and comes
     // again.)
     assert!((1..=2).contains(&residue.delivered.consumer_sequence), "the second turn's residue alone");
     // Switched once its backlog was through (looked at every 5 s).
-    let answers_only = format!("{prefix}.events.assistant_turn.*");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while info("compactor").await.config.filter_subject != answers_only {
-        assert!(tokio::time::Instant::now() < deadline, "the old consumer was never switched");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let before = info("compactor").await.delivered.consumer_sequence;
+    rig.switched_to("compactor", "assistant_turn.*").await;
+    let before = rig.consumer_info("compactor").await.delivered.consumer_sequence;
 
     turn_with_residue(&rig, s, 3).await;
     rig.settle(&["compactor"]).await;
-    let answers = info("compactor").await.delivered.consumer_sequence - before;
+    let answers = rig.consumer_info("compactor").await.delivered.consumer_sequence - before;
     assert!((1..=2).contains(&answers), "the answer alone, not the question or the residue: {answers}");
-    let residues =
-        info("compactor-residue").await.delivered.consumer_sequence - residue.delivered.consumer_sequence;
+    let residues = rig.consumer_info("compactor-residue").await.delivered.consumer_sequence
+        - residue.delivered.consumer_sequence;
     assert!((1..=2).contains(&residues), "the residue alone: {residues}");
     rig.stop().await;
 }

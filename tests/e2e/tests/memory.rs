@@ -199,7 +199,6 @@ async fn an_imports_answers_reach_only_the_consumer_of_imports() {
     let imported =
         answers.iter().filter(|a| **a == format!("{prefix}.events.assistant_turn-imported.{s}")).count();
     assert_eq!((answers.len(), imported), (4, 3), "{answers:?}");
-    let stream = rig.bus.js.get_stream(rig.bus.names.events_stream()).await.unwrap();
     // Each consumer's filter, and the answers delivered to it (one delivery more allowed:
     // a pull answered late is handed back and comes again).
     for (consumer, token, answers) in [
@@ -207,7 +206,7 @@ async fn an_imports_answers_reach_only_the_consumer_of_imports() {
         ("distiller", "assistant_turn", 1),
         ("memory-imported", "assistant_turn-imported", 3),
     ] {
-        let info = stream.consumer_info(rig.consumer(consumer)).await.unwrap();
+        let info = rig.consumer_info(consumer).await;
         assert_eq!(info.config.filter_subject, format!("{prefix}.events.{token}.*"));
         let delivered = info.delivered.consumer_sequence;
         assert!((answers..=answers + 1).contains(&delivered), "{consumer}: {delivered} deliveries");
@@ -222,20 +221,13 @@ async fn an_imports_answers_reach_only_the_consumer_of_imports() {
 /// (DESIGN §6). Switching at once would skip it: the live consumer leaves imports alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_earlier_import_consumer_extracts_its_backlog_before_it_switches() {
-    use async_nats::jetstream::consumer::{pull, AckPolicy};
     use turnlog_core::events::{AssistantTurn, EventBody, Imported, LlmMessage, LlmPart, MessageContent};
     use turnlog_e2e::rig::{owner, OWNER};
 
     let mut rig = Rig::start().await;
     let prefix = rig.env.bus_prefix.clone();
     let stream = rig.bus.js.get_stream(rig.bus.names.events_stream()).await.unwrap();
-    let old = pull::Config {
-        durable_name: Some(rig.consumer("memory-imported")),
-        filter_subject: format!("{prefix}.events.assistant_turn.*"),
-        ack_policy: AckPolicy::Explicit,
-        ..Default::default()
-    };
-    stream.create_consumer(old).await.unwrap();
+    rig.earlier_consumer("memory-imported", "assistant_turn.*").await;
     let s = rig.create_session().await;
     rig.turn(s, "My sister Lena moves to Porto in June.", &filler(20, 1)).await;
     rig.user(s, "I promised to call Omar on Friday.").await;
@@ -273,13 +265,6 @@ async fn an_earlier_import_consumer_extracts_its_backlog_before_it_switches() {
         .collect();
     turns.sort_unstable();
     assert_eq!(turns, [answer - 2, answer], "the live answer and the imported one");
-    let switched = format!("{prefix}.events.assistant_turn-imported.*");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while stream.consumer_info(rig.consumer("memory-imported")).await.unwrap().config.filter_subject
-        != switched
-    {
-        assert!(tokio::time::Instant::now() < deadline, "never switched");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    rig.switched_to("memory-imported", "assistant_turn-imported.*").await;
     rig.stop().await;
 }
