@@ -3,15 +3,14 @@
 //! are applied, sessions as they are created — and the state that changes all along (each
 //! session's row, every request's outcome, the positions) is written at the end, from
 //! memory, in its final form. The events' unique constraint and the secondary indexes of
-//! the events, the search rows and the outcomes are set aside during the load and made
-//! again after it, as PostgreSQL advises for populating a database.
+//! the events, the search rows, the outcomes and the memories are set aside during the
+//! load and made again after it, as PostgreSQL advises for populating a database.
 
 use std::sync::LazyLock;
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
-use sqlx::pool::PoolConnection;
-use sqlx::{Connection as _, PgConnection, PgPool, Postgres};
+use sqlx::{Connection as _, PgConnection, PgPool};
 use uuid::Uuid;
 
 use crate::apply::{BatchEffects, EventRow, LoadedState, SessionRow};
@@ -45,10 +44,11 @@ pub(crate) struct SetAside {
 }
 
 /// Drops the events table's unique constraint and secondary indexes (and any foreign key),
-/// the search index's full-text index and the outcomes' session index, and returns how to make them again: an index
-/// built once costs a fraction of maintaining it row by row. A rebuild that stops before
-/// [`restore`] leaves a database without them — one to drop, as any unfinished rebuild's;
-/// a target found without them is refused.
+/// the search index's full-text index, the outcomes' session index and the memories'
+/// indexes but their session one (a delete during the load finds memories by it), and
+/// returns how to make them again: an index built once costs a fraction of maintaining it
+/// row by row. A rebuild that stops before [`restore`] leaves a database without them — one
+/// to drop, as any unfinished rebuild's; a target found without them is refused.
 pub(crate) async fn set_aside(conn: &mut PgConnection) -> anyhow::Result<SetAside> {
     let mut tx = conn.begin().await?;
     // (name, definition, the index of a unique constraint)
@@ -62,8 +62,12 @@ pub(crate) async fn set_aside(conn: &mut PgConnection) -> anyhow::Result<SetAsid
     .await?;
     let indexes: Vec<(String, String)> = sqlx::query_as(
         "SELECT i.indexrelid::regclass::text, pg_get_indexdef(i.indexrelid) FROM pg_index i
-          WHERE i.indrelid IN ('session_events'::regclass, 'search_entries'::regclass, 'request_outcomes'::regclass)
+          WHERE i.indrelid IN ('session_events'::regclass, 'search_entries'::regclass, 'request_outcomes'::regclass,
+                               'memories'::regclass)
             AND NOT i.indisprimary
+            -- a delete during the load finds a session's memories by it
+            AND NOT (i.indrelid = 'memories'::regclass AND i.indkey[0] =
+                     (SELECT attnum FROM pg_attribute WHERE attrelid = 'memories'::regclass AND attname = 'session_id'))
             AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conindid = i.indexrelid)
           ORDER BY 1",
     )
@@ -184,63 +188,53 @@ fn quoted(identifier: &str) -> String {
     format!("\"{}\"", identifier.replace('"', "\"\""))
 }
 
-/// One applied batch: its new sessions, its events and their search rows, its memories —
-/// or, for a delete, the session's rows and a pending purge, as the live writer leaves them.
-/// The events are spread over `conns`, a transaction on each, written at once (a load is
-/// bound by the server's COPY, one core a connection); every one has committed when this
-/// returns, so the next batch (a delete) sees them.
-pub(crate) async fn write_batch(
-    conns: &mut [PoolConnection<Postgres>],
-    fx: &BatchEffects,
-) -> Result<(), sqlx::Error> {
-    let Some((first, others)) = conns.split_first_mut() else { return Ok(()) };
-    let mut tx = first.begin().await?;
+/// What of an applied batch is written in batch order, on one connection, in one
+/// transaction: a file op, or a delete (the live writer's statement, with no position to
+/// move: the rebuild writes it at the end, and the outcomes then, from memory), or the
+/// batch's new sessions and its memories (a memory's session is in an earlier head or
+/// this one). A batch's events are written beside it ([`write_events`]).
+pub(crate) async fn write_head(conn: &mut PgConnection, fx: &BatchEffects) -> Result<(), sqlx::Error> {
+    let mut tx = conn.begin().await?;
     if let Some(file) = &fx.file {
         rebuild_file(&mut tx, file).await?;
-        return tx.commit().await;
-    }
-    if fx.deleted.is_some() {
-        // The live writer's statement, with no position to move (the rebuild writes it at
-        // the end) and the outcomes written then, from memory.
+    } else if fx.deleted.is_some() {
         static STATEMENT: LazyLock<String> = LazyLock::new(|| {
             delete_statement("SELECT 1 WHERE $1::int4 IS NOT NULL AND $2::int8 IS NOT NULL")
         });
         run_delete(&mut tx, &STATEMENT, (0, 0), fx, &[]).await?;
-        return tx.commit().await;
+    } else {
+        if !fx.created.is_empty() {
+            upsert_sessions(&mut tx, &fx.created.iter().collect::<Vec<_>>()).await?;
+        }
+        if !fx.memories.is_empty() {
+            let m = &fx.memories;
+            // A memory id seen before keeps its first row, as in the live writer.
+            bind_memories!(
+                sqlx::query(
+                    "INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
+                     SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::uuid[], $4::int8[], $5::text[], $6::timestamptz[])
+                     ON CONFLICT (id) DO NOTHING",
+                ),
+                m
+            )
+            .execute(&mut *tx)
+            .await?;
+        }
     }
-    if !fx.created.is_empty() {
-        upsert_sessions(&mut tx, &fx.created.iter().collect::<Vec<_>>()).await?;
-    }
-    if !fx.memories.is_empty() {
-        let m = &fx.memories;
-        // A memory id seen before keeps its first row, as in the live writer.
-        bind_memories!(
-            sqlx::query(
-                "INSERT INTO memories (id, owner, session_id, turn_seq, text, created_at)
-                 SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::uuid[], $4::int8[], $5::text[], $6::timestamptz[])
-                 ON CONFLICT (id) DO NOTHING",
-            ),
-            m
-        )
-        .execute(&mut *tx)
-        .await?;
-    }
-    let mut shares = fx.events.chunks(fx.events.len().div_ceil(others.len() + 1).max(1));
-    let mine = shares.next().unwrap_or_default();
-    let theirs = others.iter_mut().zip(shares).map(|(conn, events)| async move {
-        let mut tx = conn.begin().await?;
-        copy_events(&mut tx, events).await?;
-        tx.commit().await
-    });
-    let (own, rest) = tokio::join!(
-        async {
-            copy_events(&mut tx, mine).await?;
-            tx.commit().await
-        },
-        futures::future::join_all(theirs)
-    );
-    own?;
-    rest.into_iter().collect()
+    tx.commit().await
+}
+
+/// Whether a batch has anything for [`write_head`].
+pub(crate) fn has_head(fx: &BatchEffects) -> bool {
+    fx.file.is_some() || fx.deleted.is_some() || !fx.created.is_empty() || !fx.memories.is_empty()
+}
+
+/// Some of a batch's events and their search rows, in a transaction of their own: during
+/// the load nothing relates them to the rows of other transactions but the primary keys.
+pub(crate) async fn write_events(conn: &mut PgConnection, events: &[EventRow]) -> Result<(), sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    copy_events(&mut tx, events).await?;
+    tx.commit().await
 }
 
 /// Events and their search rows (binary COPY).

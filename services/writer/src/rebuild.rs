@@ -5,7 +5,8 @@
 //! (`bulk`); a rebuild that stops part-way leaves a database to drop, not to resume.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,7 +14,7 @@ use anyhow::Context as _;
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::stream::RawMessageErrorKind;
 use futures::StreamExt as _;
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 use turnlog_runtime::bus::{Bus, DeadLetter, OutcomeStatus, Refusal};
 
 use crate::apply::{apply_batch, BatchEffects, Incoming, LoadedState};
@@ -28,6 +29,9 @@ const REBUILD_BATCH: usize = 5_000;
 const LOADING_CONNECTIONS: u32 = 2;
 /// Applied batches waiting for the database: applying runs ahead of writing by this much.
 const WRITE_QUEUE: usize = 2;
+/// Events a loading connection copies in one transaction: a batch is cut into shares of
+/// this size, which the connections take as each comes free.
+const EVENTS_PER_SHARE: usize = 1_250;
 /// Chunks read ahead of applying.
 const READ_AHEAD: usize = 2;
 /// How long one pull request waits for messages (they are all there: it never waits long).
@@ -322,8 +326,24 @@ async fn unstorable_requests(bus: &Bus) -> anyhow::Result<HashMap<u64, String>> 
     }
 }
 
-/// Writes applied batches in order, each spread over `lanes` connections, until the
-/// applier is done; returns the partition's position, the messages and the events written.
+/// An applied batch on its way to the database, and how many of its writes are left.
+struct Writing {
+    fx: BatchEffects,
+    left: AtomicUsize,
+}
+
+/// One write of a batch: its head ([`bulk::write_head`]) or a share of its events.
+struct Job {
+    batch: Arc<Writing>,
+    events: Option<Range<usize>>,
+}
+
+/// Writes applied batches over `lanes` connections until the applier is done; returns the
+/// partition's position, the messages and the events written. Each batch's events are cut
+/// into shares that the connections take as each comes free, so none waits for another at
+/// a batch's end; the first connection also writes the heads, in batch order (sessions
+/// before the memories that name them, file ops in turn). A delete is written alone:
+/// everything before it first, nothing after it until it has committed.
 async fn write_batches(
     pool: PgPool,
     partition: i32,
@@ -331,33 +351,168 @@ async fn write_batches(
     mut writes: tokio::sync::mpsc::Receiver<BatchEffects>,
     progress: Arc<RebuildProgress>,
 ) -> anyhow::Result<(i64, u64, u64)> {
-    let mut conns = Vec::new();
-    for _ in 0..lanes {
+    let (heads, heads_out) = tokio::sync::mpsc::channel::<Job>(WRITE_QUEUE);
+    let (shares, shares_out) =
+        tokio::sync::mpsc::channel::<Job>(WRITE_QUEUE * REBUILD_BATCH / EVENTS_PER_SHARE);
+    let (done_in, done) = tokio::sync::mpsc::unbounded_channel();
+    let shares_out = Arc::new(tokio::sync::Mutex::new(shares_out));
+    let mut heads_out = Some(heads_out);
+    let mut writers = tokio::task::JoinSet::new();
+    for lane in 0..lanes {
         let mut conn = pool.acquire().await?;
         // A crashed rebuild is started again from an empty database, so these commits need
         // not wait for the disk: the final state's commit does, and makes every earlier one
         // durable.
         sqlx::query("SET synchronous_commit = off").execute(&mut *conn).await?;
-        conns.push(conn);
+        let (heads, shares, done) = (heads_out.take(), shares_out.clone(), done_in.clone());
+        writers.spawn(async move {
+            let written = write_lane(&mut conn, partition, lane, heads, shares, &done).await;
+            if let Err(e) = written {
+                // Sent before this task ends, so the dispatcher hears the error itself.
+                let _ = done.send(Err(e));
+                return Ok(());
+            }
+            sqlx::query("RESET synchronous_commit").execute(&mut *conn).await.map(drop)
+        });
     }
-    let (mut position, mut messages, mut events) = (0i64, 0u64, 0u64);
+    drop((done_in, shares_out));
+    let mut lanes = Lanes { done, writers, in_flight: 0, position: 0, messages: 0, events: 0, progress };
     while let Some(fx) = writes.recv().await {
+        let alone = fx.deleted.is_some();
+        while alone && lanes.in_flight > 0 {
+            lanes.wait().await?;
+        }
+        let head = bulk::has_head(&fx);
+        let cuts: Vec<Range<usize>> = (0..fx.events.len())
+            .step_by(EVENTS_PER_SHARE)
+            .map(|from| from..fx.events.len().min(from + EVENTS_PER_SHARE))
+            .collect();
+        let batch = Arc::new(Writing { left: AtomicUsize::new(cuts.len() + usize::from(head)), fx });
+        lanes.in_flight += 1;
+        if !head && cuts.is_empty() {
+            lanes.written(&batch)?;
+            continue;
+        }
+        // A send fails only when a lane stopped, whose error `wait` returns.
+        if head && heads.send(Job { batch: batch.clone(), events: None }).await.is_err() {
+            return Err(lanes.failure().await);
+        }
+        for events in cuts {
+            if shares.send(Job { batch: batch.clone(), events: Some(events) }).await.is_err() {
+                return Err(lanes.failure().await);
+            }
+        }
+        while alone && lanes.in_flight > 0 {
+            lanes.wait().await?;
+        }
+        while let Ok(w) = lanes.done.try_recv() {
+            let w = w?;
+            lanes.written(&w)?;
+        }
+    }
+    drop((heads, shares));
+    while lanes.in_flight > 0 {
+        lanes.wait().await?;
+    }
+    while let Some(lane) = lanes.writers.join_next().await {
+        lane.context("a loading connection's task panicked")??;
+    }
+    Ok((lanes.position, lanes.messages, lanes.events))
+}
+
+/// The loading connections' tasks, what they report, and what they have written.
+struct Lanes {
+    done: tokio::sync::mpsc::UnboundedReceiver<Result<Arc<Writing>, sqlx::Error>>,
+    writers: tokio::task::JoinSet<Result<(), sqlx::Error>>,
+    /// Batches handed to the lanes and not yet written.
+    in_flight: usize,
+    position: i64,
+    messages: u64,
+    events: u64,
+    progress: Arc<RebuildProgress>,
+}
+
+impl Lanes {
+    /// Waits for the next batch to be written, or for a lane's error.
+    async fn wait(&mut self) -> anyhow::Result<()> {
+        loop {
+            tokio::select! {
+                // A lane's error is sent before its task ends: it comes first.
+                biased;
+                w = self.done.recv() => {
+                    let w = w.context("the loading connections stopped with batches unwritten")??;
+                    return self.written(&w);
+                }
+                // A lane whose queues are closed ends while others still write.
+                Some(ended) = self.writers.join_next() => ended.context("a loading connection's task panicked")??,
+            }
+        }
+    }
+
+    /// Why a lane stopped: the error it reported.
+    async fn failure(&mut self) -> anyhow::Error {
+        loop {
+            if let Err(e) = self.wait().await {
+                return e;
+            }
+        }
+    }
+
+    fn written(&mut self, w: &Writing) -> anyhow::Result<()> {
+        self.in_flight -= 1;
+        self.position = self.position.max(i64::try_from(w.fx.last_stream_seq)?);
+        self.messages += w.fx.consumed as u64;
+        self.events += w.fx.events.len() as u64;
+        self.progress.applied.fetch_add(w.fx.consumed as u64, Ordering::Relaxed);
+        self.progress.events.fetch_add(w.fx.events.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// One loading connection: takes the heads first (the first lane only), then any share of
+/// events, until both queues are closed; reports each batch whose last write it made.
+async fn write_lane(
+    conn: &mut PgConnection,
+    partition: i32,
+    lane: u32,
+    mut heads: Option<tokio::sync::mpsc::Receiver<Job>>,
+    shares: Arc<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<Job>>>,
+    done: &tokio::sync::mpsc::UnboundedSender<Result<Arc<Writing>, sqlx::Error>>,
+) -> Result<(), sqlx::Error> {
+    let next_share = || async { shares.lock().await.recv().await };
+    loop {
+        let job = match &mut heads {
+            Some(queue) => tokio::select! {
+                biased;
+                head = queue.recv() => match head {
+                    Some(job) => job,
+                    None => {
+                        heads = None;
+                        continue;
+                    }
+                },
+                Some(job) = next_share() => job,
+            },
+            None => match next_share().await {
+                Some(job) => job,
+                None => return Ok(()),
+            },
+        };
         let t0 = Instant::now();
-        bulk::write_batch(&mut conns, &fx).await?;
+        let fx = &job.batch.fx;
+        match &job.events {
+            None => bulk::write_head(conn, fx).await?,
+            Some(events) => bulk::write_events(conn, &fx.events[events.clone()]).await?,
+        }
         tracing::debug!(
             partition,
-            requests = fx.consumed,
+            lane,
+            events = job.events.as_ref().map_or(0, ExactSizeIterator::len),
             write_us = t0.elapsed().as_micros() as u64,
-            "batch written"
+            "written"
         );
-        position = i64::try_from(fx.last_stream_seq)?;
-        messages += fx.consumed as u64;
-        events += fx.events.len() as u64;
-        progress.applied.fetch_add(fx.consumed as u64, Ordering::Relaxed);
-        progress.events.fetch_add(fx.events.len() as u64, Ordering::Relaxed);
+        if job.batch.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _ = done.send(Ok(job.batch));
+        }
     }
-    for conn in &mut conns {
-        sqlx::query("RESET synchronous_commit").execute(&mut **conn).await?;
-    }
-    Ok((position, messages, events))
 }

@@ -313,7 +313,7 @@ const INDEX_ENTRIES: &str = "INSERT INTO search_entries (session_id, seq, owner,
      ON CONFLICT (session_id, seq) DO NOTHING";
 
 /// Every partition's search position set to the writer's: the end of `turnlog rebuild`,
-/// which writes each batch's search rows with its events (`bulk::write_batch`).
+/// which writes each batch's search rows with its events (`bulk::write_events`).
 pub(crate) async fn positions_at_writer(pool: &PgPool) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO search_positions (partition, stream_seq) SELECT partition, stream_seq FROM writer_positions

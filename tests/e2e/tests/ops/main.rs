@@ -102,6 +102,23 @@ async fn a_rebuild_from_the_append_stream_reproduces_the_live_database() {
     pool.close().await;
     let refused = turnlog_ops::rebuild(&damaged, &rig.bus, false).await.expect_err("damaged target");
     assert!(format!("{refused:#}").contains("lacks its unique constraint"), "{refused:#}");
+    // A write the target refuses part-way through the load — an event's (on any of the
+    // loading connections) or a memory's (in batch order on the first) — stops the rebuild
+    // with the database's reason, whatever the other connections are doing meanwhile.
+    let late = i64::try_from(last).unwrap() * 3 / 4;
+    for (table, check) in [("session_events", "stream_seq"), ("memories", "turn_seq")] {
+        let refusing = rig.env.extra_database().await;
+        let pool = turnlog_runtime::db::connect(&refusing, 1).await.expect("refusing");
+        let bound: i64 = if table == "memories" { 150 } else { late };
+        sqlx::raw_sql(&format!("ALTER TABLE {table} ADD CONSTRAINT refused_late CHECK ({check} < {bound})"))
+            .execute(&pool)
+            .await
+            .expect("add the check");
+        pool.close().await;
+        let rebuilt = tokio::time::timeout(WAIT, turnlog_ops::rebuild(&refusing, &rig.bus, false));
+        let refused = rebuilt.await.expect("the rebuild ends").expect_err("a refused write");
+        assert!(format!("{refused:#}").contains("refused_late"), "{table}: {refused:#}");
+    }
 
     // One payload altered: verify names it.
     let (session, seq, payload): (Uuid, i64, serde_json::Value) = sqlx::query_as(
