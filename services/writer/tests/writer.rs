@@ -1074,6 +1074,7 @@ async fn a_create_resent_after_its_session_was_deleted_is_answered_session_delet
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleting_200_sessions_scans_by_index_and_never_stalls_a_steady_appender() {
     use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
     // The writer's own account of its commits, indexing and removals: shown when it fails.
     let _ = tracing_subscriber::fmt()
         .with_env_filter("turnlog_writer=debug")
@@ -1165,18 +1166,25 @@ async fn deleting_200_sessions_scans_by_index_and_never_stalls_a_steady_appender
         })
         .await
         .unwrap();
+    // Beside the probes, untimed, every 50 ms: where the appends stand (stored in APPEND,
+    // delivered to the writer's consumer, committed). A stall's report says which stage
+    // stood still.
     let control = {
         let (bus, pool, done) = (h.bus.clone(), pool.clone(), done.clone());
         tokio::spawn(async move {
-            let mut took = Vec::new();
+            let append = bus.js.get_stream(bus.names.append_stream()).await.unwrap();
+            let (mut took, mut stages) = (Vec::new(), Vec::new());
             while !done.load(Ordering::Relaxed) {
                 let t = std::time::Instant::now();
                 sqlx::query("INSERT INTO stall_probe VALUES (1)").execute(&pool).await.unwrap();
                 bus.js.publish(probe_subject.clone(), "probe".into()).await.unwrap().await.unwrap();
                 took.push((t, t.elapsed()));
+                if stages.last().is_none_or(|(at, _)| t.duration_since(*at) >= Duration::from_millis(50)) {
+                    stages.push((t, stages_now(&append, &pool).await));
+                }
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            took
+            (took, stages)
         })
     };
     tokio::time::sleep(reported).await;
@@ -1192,38 +1200,71 @@ async fn deleting_200_sessions_scans_by_index_and_never_stalls_a_steady_appender
     tokio::time::sleep(reported).await;
     let after = scans().await;
     done.store(true, Ordering::Relaxed);
-    let (appends, control) = (appender.await.unwrap(), control.await.unwrap());
+    let (appends, (control, stages)) = (appender.await.unwrap(), control.await.unwrap());
     let mut latencies: Vec<Duration> = appends.iter().map(|(_, took)| *took).collect();
     latencies.sort_unstable();
     let (p99, max) = (latencies[latencies.len() * 99 / 100], latencies[latencies.len() - 1]);
     eprintln!("steady appender during 200 deletes: p99 {p99:?}, max {max:?} ({} appends)", latencies.len());
-    // The slowest append's window: the deletes and control probes that overlapped it.
-    let (start, took) = *appends.iter().max_by_key(|(_, took)| *took).unwrap();
-    let during = |ops: &[(std::time::Instant, Duration)]| -> Vec<Duration> {
-        ops.iter().filter(|(t, d)| *t < start + took && *t + *d > start).map(|(_, d)| *d).collect()
+
+    // Stall episodes: the windows of appends that took a second or more, overlapping ones
+    // merged. A delete that reads the tables whole costs seconds every time, so most deletes
+    // and the appends queued behind them would take a second: many episodes, or one over
+    // the whole run. One episode shorter than 6 s is reported with where each stage stood,
+    // and the writer's debug log above, not failed: CI saw one of 4.2–4.9 s four times,
+    // with or without a delete in it, the control probes fast (docs/tests.md).
+    let slow = Duration::from_secs(1);
+    let mut windows: Vec<(Instant, Instant)> =
+        appends.iter().filter(|(_, took)| *took >= slow).map(|(t, took)| (*t, *t + *took)).collect();
+    windows.sort_unstable();
+    let mut episodes: Vec<(Instant, Instant)> = Vec::new();
+    for (from, to) in windows {
+        match episodes.last_mut() {
+            Some(last) if from <= last.1 => last.1 = last.1.max(to),
+            _ => episodes.push((from, to)),
+        }
+    }
+    let overlapping = |ops: &[(Instant, Duration)], (from, to): (Instant, Instant)| -> Vec<Duration> {
+        ops.iter().filter(|(t, d)| *t < to && *t + *d > from).map(|(_, d)| *d).collect()
     };
-    let platform = during(&control).into_iter().max().unwrap_or_default();
-    if max >= Duration::from_secs(1) {
+    let run_start = appends[0].0;
+    for &(from, to) in &episodes {
+        // Where the stages stood half a second into the episode and half a second before its
+        // end (the appends' windows reach past the stall by their own commit).
+        let margin = ((to - from) / 4).min(Duration::from_millis(500));
+        let at = |t: Instant| stages.iter().rev().find(|(s, _)| *s <= t).or(stages.first()).map(|(_, st)| st);
         eprintln!(
-            "slowest append sent {:?} in, took {took:?}; meanwhile deletes took {:?}, control probes at most {platform:?}",
-            start.duration_since(appends[0].0),
-            during(&deletes)
+            "stall episode {:?} to {:?} into the run: deletes meanwhile took {:?}; control probes at most {:?}; \
+             stages (APPEND stored, consumers' delivered/pending/pulls waiting, committed) {:?} in: {:?}, \
+             {:?} in: {:?}",
+            from.duration_since(run_start),
+            to.duration_since(run_start),
+            overlapping(&deletes, (from, to)),
+            overlapping(&control, (from, to)).into_iter().max().unwrap_or_default(),
+            (from + margin).duration_since(run_start),
+            at(from + margin),
+            (to - margin).duration_since(run_start),
+            at(to - margin),
         );
     }
-    // The coarse guard: a delete that reads the tables whole costs seconds every time, so
-    // most deletes, and the appends queued behind them, would take a second. One stall
-    // episode of the writer's (CI saw one of 4.4–4.9 s twice, once with a delete in it and
-    // once before the first delete, control probes fast both times) is reported with the
-    // writer's log above, not failed; its cause is an open question (docs/tests.md).
-    let mut delete_latencies: Vec<Duration> = deletes.iter().map(|(_, took)| *took).collect();
-    delete_latencies.sort_unstable();
-    let delete_p90 = delete_latencies[delete_latencies.len() * 9 / 10];
-    let append_p90 = latencies[latencies.len() * 9 / 10];
-    eprintln!("deletes: p90 {delete_p90:?}; appends meanwhile: p90 {append_p90:?}");
+    let worst = episodes.iter().copied().max_by_key(|(from, to)| *to - *from);
+    let outside: Vec<Duration> = appends
+        .iter()
+        .filter(|(t, took)| worst.is_none_or(|w| overlapping(&[(*t, *took)], w).is_empty()))
+        .map(|(_, took)| *took)
+        .collect();
+    let longest = worst.map(|(from, to)| to - from).unwrap_or_default();
+    let p90 = |mut d: Vec<Duration>| {
+        d.sort_unstable();
+        d.get(d.len() * 9 / 10).copied().unwrap_or_default()
+    };
+    let delete_p90 = p90(deletes.iter().map(|(_, took)| *took).collect());
+    let append_p90 = p90(outside);
+    eprintln!("deletes: p90 {delete_p90:?}; appends meanwhile, outside the longest stall episode: p90 {append_p90:?}");
     assert!(
-        delete_p90 < Duration::from_secs(1) && append_p90 < Duration::from_secs(1),
-        "deletes p90 {delete_p90:?}, appends p90 {append_p90:?}: the deletes held the writer \
-         (the control probes meanwhile: at most {platform:?})"
+        delete_p90 < slow && append_p90 < slow && episodes.len() <= 1 && longest < Duration::from_secs(6),
+        "deletes p90 {delete_p90:?}, appends p90 {append_p90:?} outside the longest of {} stall episodes \
+         ({longest:?}): the deletes held the writer",
+        episodes.len()
     );
 
     for ((table, seq_before, idx_before), (_, seq_after, idx_after)) in before.iter().zip(&after) {
@@ -1240,6 +1281,34 @@ async fn deleting_200_sessions_scans_by_index_and_never_stalls_a_steady_appender
         .unwrap();
     assert_eq!(left, 1, "every doomed session deleted");
     h.stop().await;
+}
+
+/// Where the appends stand: the APPEND stream's last sequence (stored), the writer's
+/// consumers' last delivered sequence, messages pending for each and pull requests waiting
+/// at the server, and the writer's position (committed).
+#[derive(Debug)]
+#[allow(dead_code)] // read through Debug, in a stall's report
+struct Stages {
+    stored: u64,
+    consumers: Vec<(u64, u64, usize)>,
+    committed: i64,
+}
+
+async fn stages_now(append: &async_nats::jetstream::stream::Stream, pool: &sqlx::PgPool) -> Stages {
+    let mut append = append.clone();
+    let stored = append.info().await.map(|i| i.state.last_sequence).unwrap_or_default();
+    // The writer's reader's ordered consumer (and any other on the stream).
+    let consumers: Vec<(u64, u64, usize)> = append
+        .consumers()
+        .filter_map(|c| async move { c.ok() })
+        .map(|c| (c.delivered.stream_sequence, c.num_pending, c.num_waiting))
+        .collect()
+        .await;
+    let committed: i64 = sqlx::query_scalar("SELECT coalesce(max(stream_seq), 0) FROM writer_positions")
+        .fetch_one(pool)
+        .await
+        .unwrap_or_default();
+    Stages { stored, consumers, committed }
 }
 
 /// A request whose trace its producer did not sample is applied without a span of the
