@@ -17,7 +17,7 @@ use turnlog_runtime::trace;
 
 use crate::apply::{EventRow, Incoming, SessionRow};
 use crate::commit::{apply_and_commit, commit_fault, is_unique_violation, CommitFault, Committed};
-use crate::publisher::{publish_events, publisher, send_replies, INDEX_QUEUE};
+use crate::publisher::{publish_events, publisher, send_replies, Feed, INDEX_QUEUE};
 use crate::purger::{finish_purges, purger, PURGE_QUEUE};
 use crate::read_ahead::{read_ahead, ReadAhead, READ_AHEAD_BYTES};
 use crate::{gin, metrics, search, share, store, MAX_BATCH};
@@ -123,6 +123,7 @@ async fn serve_partition(
     let (applied, published) = store::positions(pool, p).await?;
     tracing::info!(partition, applied, published, "writer active");
     finish_purges(pool, bus, partition, applied).await?;
+    let feed = Arc::new(Feed::read(bus).await?);
     if published < applied {
         let events = store::committed_between(pool, published, applied).await?;
         let events: Vec<_> = events
@@ -130,7 +131,7 @@ async fn serve_partition(
             .filter(|e| partition_of(e.event.session_id, bus.partitions) == partition)
             .collect();
         tracing::info!(partition, count = events.len(), "republishing events committed before a crash");
-        publish_events(bus, &events).await?;
+        publish_events(bus, &feed, &events).await?;
         store::mark_published(pool, p, applied).await?;
     }
 
@@ -158,7 +159,8 @@ async fn serve_partition(
         pending.clone(),
     ));
     let (to_publisher, from_writer) = tokio::sync::mpsc::channel(8);
-    let publisher = tokio::spawn(publisher(pool.clone(), bus.clone(), p, from_writer, to_purger, to_indexer));
+    let publisher =
+        tokio::spawn(publisher(pool.clone(), bus.clone(), feed, p, from_writer, to_purger, to_indexer));
     let result = apply_loop(
         p,
         pool,

@@ -1,14 +1,16 @@
-//! After each commit, behind the next one: committed events onto the feed, `published_seq`
-//! moved on, and the search indexer and purger handed their share. (The producers heard
-//! already: the apply loop answers them as soon as the commit is durable.)
+//! After each commit, behind the next one: committed events published (the feed's kinds
+//! stored), `published_seq` moved on, and the search indexer and purger handed their share.
+//! (The producers heard already: the apply loop answers them as soon as the commit is
+//! durable.)
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use async_nats::jetstream::message::PublishMessage;
 use sqlx::PgPool;
-use turnlog_runtime::bus::{Bus, Outcome};
-use turnlog_runtime::trace;
+use turnlog_runtime::bus::{append_headers, on_feed, Bus, Outcome};
 
 use crate::apply::EventRow;
 use crate::commit::Committed;
@@ -28,6 +30,7 @@ const MARK_EVERY: usize = 16;
 pub(crate) async fn publisher(
     pool: PgPool,
     bus: Bus,
+    feed: Arc<Feed>,
     partition: i32,
     mut from_writer: tokio::sync::mpsc::Receiver<Committed>,
     to_purger: tokio::sync::mpsc::Sender<DeleteDone>,
@@ -56,7 +59,7 @@ pub(crate) async fn publisher(
         let started = Instant::now();
         // A deleted session's earlier events are on the feed before its removal starts.
         let events: Vec<&EventRow> = group.iter().flat_map(|c| c.events.iter()).collect();
-        publish_events(&bus, events).await?;
+        publish_events(&bus, &feed, events).await?;
         tracing::debug!(
             partition,
             batches = group.len(),
@@ -123,26 +126,72 @@ where
     }
 }
 
-/// Publishes committed events to TURNLOG_EVENTS and waits for every PubAck (sent all at
-/// once, acknowledged together; all again, deduplicated, until they are).
+/// Which kinds this partition's writer stores on TURNLOG_EVENTS: the feed's own
+/// ([`on_feed`]), or every kind on a stream an earlier version made, published as that
+/// version did (DESIGN §6). Read when the partition is taken, and again after a failed
+/// publish: a stream narrowed meanwhile answers a kind it no longer stores with no responders.
+pub(crate) struct Feed {
+    every_kind: AtomicBool,
+}
+
+impl Feed {
+    pub(crate) async fn read(bus: &Bus) -> anyhow::Result<Self> {
+        let feed = Self { every_kind: AtomicBool::new(false) };
+        feed.refresh(bus).await.context("reading TURNLOG_EVENTS's subjects")?;
+        Ok(feed)
+    }
+
+    async fn refresh(&self, bus: &Bus) -> anyhow::Result<()> {
+        let mut stream = bus.js.get_stream(bus.names.events_stream()).await?;
+        let every_kind = stream.info().await?.config.subjects == [bus.names.every_kind_subject()];
+        if self.every_kind.swap(every_kind, Ordering::Relaxed) != every_kind {
+            tracing::info!(every_kind, "TURNLOG_EVENTS's subjects changed");
+        }
+        Ok(())
+    }
+
+    fn stores(&self, token: &str) -> bool {
+        on_feed(token) || self.every_kind.load(Ordering::Relaxed)
+    }
+}
+
+/// Publishes committed events in order: those the feed stores with a PubAck each, all sent
+/// at once and acknowledged together (all again, deduplicated, until they are); the others
+/// as core NATS messages (DESIGN §6).
 pub(crate) async fn publish_events(
     bus: &Bus,
+    feed: &Feed,
     events: impl IntoIterator<Item = &EventRow>,
 ) -> anyhow::Result<()> {
     let events: Vec<&EventRow> = events.into_iter().collect();
-    patiently("publishing committed events", || publish_events_once(bus, &events)).await
+    patiently("publishing committed events", || async {
+        let published = publish_events_once(bus, feed, &events).await;
+        if published.is_err() {
+            if let Err(e) = feed.refresh(bus).await {
+                tracing::debug!(error = format!("{e:#}"), "TURNLOG_EVENTS's subjects not read");
+            }
+        }
+        published
+    })
+    .await
 }
 
-async fn publish_events_once(bus: &Bus, events: &[&EventRow]) -> anyhow::Result<()> {
+async fn publish_events_once(bus: &Bus, feed: &Feed, events: &[&EventRow]) -> anyhow::Result<()> {
     let mut acks = Vec::new();
     for e in events {
-        let subject = e.event.subject(&bus.names);
-        let mut msg =
-            PublishMessage::build().payload(serde_json::to_vec(&e.event)?.into()).message_id(e.msg_id());
-        if let Some(t) = &e.traceparent {
-            msg = msg.header(trace::TRACEPARENT, t.as_str());
+        let token = e.event.feed_token();
+        let subject = bus.names.events_subject(&token, e.event.session_id);
+        let payload = serde_json::to_vec(&e.event)?.into();
+        let headers = append_headers(&e.msg_id(), None, e.traceparent.as_deref());
+        if feed.stores(&token) {
+            let msg = PublishMessage::build().payload(payload).headers(headers);
+            acks.push(bus.js.send_publish(subject, msg).await.context("publishing a committed event")?);
+        } else {
+            bus.client
+                .publish_with_headers(subject, headers, payload)
+                .await
+                .context("publishing a committed event")?;
         }
-        acks.push(bus.js.send_publish(subject, msg).await.context("publishing a committed event")?);
     }
     for ack in acks {
         ack.await.context("committed event not acknowledged")?;

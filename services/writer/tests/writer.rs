@@ -7,7 +7,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{pull::OrderedConfig, DeliverPolicy};
+use async_nats::jetstream::message::StreamMessage;
+use async_nats::jetstream::stream::RawMessageErrorKind;
 use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::json;
@@ -67,6 +68,12 @@ impl Harness {
         self.send(&AppendRequest::append(session, &Owner::parse(owner).unwrap(), Uuid::now_v7(), &body)).await
     }
 
+    /// An answer: a kind the feed stores (DESIGN §6).
+    async fn answer(&self, session: SessionId, owner: &str) -> turnlog_runtime::bus::Outcome {
+        let body = EventBody::AssistantTurn(AssistantTurn::default());
+        self.send(&AppendRequest::append(session, &Owner::parse(owner).unwrap(), Uuid::now_v7(), &body)).await
+    }
+
     async fn seqs(&self, session: SessionId) -> Vec<(i64, String)> {
         sqlx::query_as("SELECT seq, payload->>'text' FROM session_events WHERE session_id = $1 AND kind = 'user_message' ORDER BY seq")
             .bind(session.0)
@@ -76,30 +83,22 @@ impl Harness {
     }
 
     /// Every message of a stream (by subject filter), read from the start.
-    async fn stream_messages(&self, stream: &str, filter: &str) -> Vec<async_nats::jetstream::Message> {
-        let Ok(s) = self.bus.js.get_stream(stream).await else { return vec![] };
-        let pending = s.clone().info().await.unwrap().state.messages;
-        if pending == 0 {
-            return vec![];
-        }
-        let consumer = s
-            .create_consumer(OrderedConfig {
-                filter_subject: filter.into(),
-                deliver_policy: DeliverPolicy::All,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        let mut msgs = consumer.messages().await.unwrap();
-        let mut out = vec![];
-        while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_secs(2), msgs.next()).await {
-            let last = m.info().is_ok_and(|i| i.pending == 0);
-            out.push(m);
-            if last {
-                break;
+    /// A stream's messages on `filter`, in order, read one by one by subject: an ordered
+    /// consumer on `events.*.<session>` is refused by nats-server 2.9 on a feed that stores
+    /// some kinds only.
+    async fn stream_messages(&self, stream: &str, filter: &str) -> Vec<StreamMessage> {
+        let Ok(s) = self.bus.js.get_stream_no_info(stream).await else { return vec![] };
+        let (mut next, mut out) = (1, vec![]);
+        loop {
+            match s.get_first_raw_message_by_subject(filter, next).await {
+                Ok(m) => {
+                    next = m.sequence + 1;
+                    out.push(m);
+                }
+                Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => return out,
+                Err(e) => panic!("reading {filter} from {stream}: {e}"),
             }
         }
-        out
     }
 }
 
@@ -423,6 +422,7 @@ async fn delete_removes_rows_memories_and_stream_messages_of_that_session_only()
             error: None,
         });
         h.send(&AppendRequest::append(s, &owner("alice"), Uuid::now_v7(), &memory)).await;
+        h.answer(s, "alice").await;
         let mut bad = AppendRequest::append(
             s,
             &owner("alice"),
@@ -444,7 +444,7 @@ async fn delete_removes_rows_memories_and_stream_messages_of_that_session_only()
         let expect = if s == doomed { 0 } else { 1 };
         assert_eq!(count("SELECT count(*) FROM sessions WHERE id = $1", s).await, expect);
         assert_eq!(count("SELECT count(*) FROM memories WHERE session_id = $1", s).await, expect);
-        assert_eq!(count("SELECT count(*) FROM session_events WHERE session_id = $1", s).await, expect * 4);
+        assert_eq!(count("SELECT count(*) FROM session_events WHERE session_id = $1", s).await, expect * 5);
     }
     eventually(WAIT, || async {
         (count("SELECT count(*) FROM pending_purges WHERE session_id = $1", doomed).await == 0).then_some(())
@@ -452,8 +452,8 @@ async fn delete_removes_rows_memories_and_stream_messages_of_that_session_only()
     .await;
     let n = &h.bus.names;
     for (stream, filter, kept_count) in [
-        (n.append_stream(), format!("{}.append.*.{{}}", h.env.bus_prefix), 5),
-        (n.events_stream(), format!("{}.events.*.{{}}", h.env.bus_prefix), 4),
+        (n.append_stream(), format!("{}.append.*.{{}}", h.env.bus_prefix), 6),
+        (n.events_stream(), format!("{}.events.*.{{}}", h.env.bus_prefix), 1),
         (n.dead_stream(), format!("{}.dead.*.{{}}", h.env.bus_prefix), 1),
     ] {
         assert!(
@@ -519,8 +519,9 @@ async fn a_delete_ahead_of_a_queue_of_requests_skips_none_of_them() {
 async fn events_reach_the_feed_in_order_and_a_crash_before_publishing_is_repaired() {
     let h = Harness::start().await;
     let s = h.create("alice").await;
-    for i in 0..5 {
+    for i in 0..3 {
         h.user(s, "alice", &format!("m{i}")).await;
+        h.answer(s, "alice").await;
     }
     let env = h.stop().await;
     // State as a crash between commit and feed publish leaves it: position applied, not
@@ -529,27 +530,31 @@ async fn events_reach_the_feed_in_order_and_a_crash_before_publishing_is_repaire
     sqlx::query("UPDATE writer_positions SET published_seq = 0").execute(&env.pool).await.unwrap();
     let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
     bus.js.delete_stream(bus.names.events_stream()).await.unwrap();
+    // Core NATS sees every kind; the stream stores the answers only.
+    let mut core = bus.client.subscribe(bus.names.events_subject("*", s)).await.unwrap();
 
     let (shutdown, writer) = spawn_writer(&env);
     let h = Harness { env, bus, shutdown, writer };
-    let feed =
-        h.stream_messages(&h.bus.names.events_stream(), &format!("{}.events.>", h.env.bus_prefix)).await;
-    let feed = if feed.len() < 6 {
-        eventually(WAIT, || async {
-            let f = h
-                .stream_messages(&h.bus.names.events_stream(), &format!("{}.events.>", h.env.bus_prefix))
-                .await;
-            (f.len() >= 6).then_some(f)
-        })
-        .await
-    } else {
-        feed
-    };
+    let mut seen = vec![];
+    while seen.len() < 7 {
+        let m = tokio::time::timeout(WAIT, core.next()).await.expect("republished events").unwrap();
+        seen.push(serde_json::from_slice::<CommittedEvent>(&m.payload).unwrap());
+    }
+    assert_eq!(seen.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(seen[0].kind, EventKind::SessionStarted);
+    assert_eq!(seen[1].owner.as_str(), "alice");
+    let feed = eventually(WAIT, || async {
+        let f =
+            h.stream_messages(&h.bus.names.events_stream(), &format!("{}.events.>", h.env.bus_prefix)).await;
+        (f.len() >= 3).then_some(f)
+    })
+    .await;
     let events: Vec<CommittedEvent> =
         feed.iter().map(|m| serde_json::from_slice(&m.payload).unwrap()).collect();
-    assert_eq!(events.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6]);
-    assert_eq!(events[0].kind, EventKind::SessionStarted);
-    assert_eq!(events[1].owner.as_str(), "alice");
+    assert_eq!(
+        events.iter().map(|e| (e.seq, e.kind)).collect::<Vec<_>>(),
+        [3, 5, 7].map(|q| (q, EventKind::AssistantTurn))
+    );
     // The writer advances its published position after the feed acknowledged the events,
     // so the position can trail what a reader of the feed already sees.
     let published = eventually(WAIT, || async {
@@ -561,6 +566,69 @@ async fn events_reach_the_feed_in_order_and_a_crash_before_publishing_is_repaire
     })
     .await;
     assert!(published > 0);
+    h.stop().await;
+}
+
+/// A feed an earlier version made stores every kind (`<prefix>.events.>`): services accept
+/// it as it is, and the writer publishes every kind to it as before. Narrowed while the
+/// writer runs, the writer's next publish of another kind finds no stream, and it carries
+/// on with the feed's kinds alone (DESIGN §6).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_feed_an_earlier_version_made_keeps_every_kind() {
+    let env = test_env().await;
+    let bus = Bus::connect(&env.nats_url, &env.bus_prefix, 1).await.unwrap();
+    bus.js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: bus.names.events_stream(),
+            subjects: vec![bus.names.every_kind_subject()],
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    bus.ensure_topology(None).await.expect("an earlier feed is accepted");
+    let (shutdown, writer) = spawn_writer(&env);
+    let h = Harness { env, bus, shutdown, writer };
+    let s = h.create("alice").await;
+    h.user(s, "alice", "hello").await;
+    h.answer(s, "alice").await;
+    h.user(s, "alice", "hello").await;
+    let feed = eventually(WAIT, || async {
+        let f = h.stream_messages(&h.bus.names.events_stream(), &h.bus.names.events_subject("*", s)).await;
+        (f.len() >= 4).then_some(f)
+    })
+    .await;
+    let kinds: Vec<EventKind> =
+        feed.iter().map(|m| serde_json::from_slice::<CommittedEvent>(&m.payload).unwrap().kind).collect();
+    let (user, answer) = (EventKind::UserMessage, EventKind::AssistantTurn);
+    assert_eq!(kinds, [EventKind::SessionStarted, user, answer, user]);
+    assert!(feed.iter().all(|m| m.headers.get("Nats-Msg-Id").is_some()));
+    // The operator narrows it (`nats stream edit`).
+    let narrowed = async_nats::jetstream::stream::Config {
+        name: h.bus.names.events_stream(),
+        subjects: h.bus.names.feed_subjects(),
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    };
+    h.bus.js.update_stream(&narrowed).await.unwrap();
+    h.user(s, "alice", "after").await;
+    h.answer(s, "alice").await;
+    let feed = eventually(WAIT, || async {
+        let f = h.stream_messages(&h.bus.names.events_stream(), &h.bus.names.events_subject("*", s)).await;
+        (f.len() >= 5).then_some(f)
+    })
+    .await;
+    let last: CommittedEvent = serde_json::from_slice(&feed[4].payload).unwrap();
+    assert_eq!((feed.len(), last.seq, last.kind), (5, 6, answer), "the message after it is not stored");
+    h.bus.ensure_topology(None).await.expect("the narrowed feed is the expected one");
+    // Any other set of subjects is still refused.
+    let config = async_nats::jetstream::stream::Config {
+        name: h.bus.names.events_stream(),
+        subjects: vec![format!("{}.events.user_message.*", h.env.bus_prefix)],
+        ..Default::default()
+    };
+    h.bus.js.update_stream(&config).await.unwrap();
+    assert!(h.bus.ensure_topology(None).await.is_err());
     h.stop().await;
 }
 
@@ -917,6 +985,7 @@ async fn a_delete_removes_only_messages_up_to_itself_and_moves_no_consumer() {
     let (doomed, kept) = (h.create("alice").await, h.create("alice").await);
     for s in [doomed, kept] {
         h.user(s, "alice", "first life").await;
+        h.answer(s, "alice").await;
         let mut bad = AppendRequest::append(
             s,
             &owner("alice"),
@@ -956,10 +1025,15 @@ async fn a_delete_removes_only_messages_up_to_itself_and_moves_no_consumer() {
     let second = EventBody::UserMessage(UserMessage { text: "second life".into(), ..Default::default() });
     let second = AppendRequest::append(doomed, &owner("alice"), Uuid::now_v7(), &second);
     bus.publish_append(&second, None).await.unwrap();
+    let answer = EventBody::AssistantTurn(AssistantTurn::default());
+    let second_answer = AppendRequest::append(doomed, &owner("alice"), Uuid::now_v7(), &answer);
+    bus.publish_append(&second_answer, None).await.unwrap();
     let later = EventBody::UserMessage(UserMessage { text: "later".into(), ..Default::default() });
-    bus.publish_append(&AppendRequest::append(kept, &owner("alice"), Uuid::now_v7(), &later), None)
-        .await
-        .unwrap();
+    for body in [&later, &answer] {
+        bus.publish_append(&AppendRequest::append(kept, &owner("alice"), Uuid::now_v7(), body), None)
+            .await
+            .unwrap();
+    }
     let (shutdown, writer) = spawn_writer(&env);
     let h = Harness { env, bus, shutdown, writer };
     let pool = h.env.pool.clone();
@@ -970,7 +1044,7 @@ async fn a_delete_removes_only_messages_up_to_itself_and_moves_no_consumer() {
         .fetch_one(&pool)
         .await
         .unwrap();
-        (events == 5 && purges == 0).then_some(())
+        (events == 8 && purges == 0).then_some(())
     })
     .await;
     assert_eq!(
@@ -982,15 +1056,15 @@ async fn a_delete_removes_only_messages_up_to_itself_and_moves_no_consumer() {
     h.env.feed_published().await;
     let of = |s: SessionId, kind: &str| format!("{prefix}.{kind}.*.{s}");
     let n = &h.bus.names;
-    // APPEND: the second life's two requests, nothing of the first.
+    // APPEND: the second life's three requests, nothing of the first.
     let appends = h.stream_messages(&n.append_stream(), &of(doomed, "append")).await;
     let request_ids: Vec<Uuid> = appends
         .iter()
         .map(|m| serde_json::from_slice::<AppendRequest>(&m.payload).unwrap().request_id)
         .collect();
-    assert_eq!(request_ids, [again.request_id, second.request_id]);
-    assert!(appends.iter().all(|m| m.info().unwrap().stream_sequence > delete));
-    // EVENTS: the second life's events, under dedup ids that name its creation time.
+    assert_eq!(request_ids, [again.request_id, second.request_id, second_answer.request_id]);
+    assert!(appends.iter().all(|m| m.sequence > delete));
+    // EVENTS: the second life's answer, under a dedup id that names its creation time.
     let created_at: chrono::DateTime<chrono::Utc> =
         sqlx::query_scalar("SELECT created_at FROM sessions WHERE id = $1")
             .bind(doomed.0)
@@ -1002,17 +1076,17 @@ async fn a_delete_removes_only_messages_up_to_itself_and_moves_no_consumer() {
         feed.iter().map(|m| serde_json::from_slice(&m.payload).unwrap()).collect();
     assert_eq!(
         events.iter().map(|e| (e.seq, e.event_id.0)).collect::<Vec<_>>(),
-        [(1, again.request_id), (2, second.request_id)],
+        [(3, second_answer.request_id)],
         "the second life's events reached the feed"
     );
     for (m, e) in feed.iter().zip(&events) {
         assert!(e.stream_seq.is_some_and(|s| s > delete));
-        let msg_id = m.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")).map(|v| v.to_string());
+        let msg_id = m.headers.get("Nats-Msg-Id").map(|v| v.to_string());
         assert_eq!(msg_id, Some(format!("{doomed}:{}:{}", e.seq, created_at.timestamp_micros())));
     }
     assert!(h.stream_messages(&n.dead_stream(), &of(doomed, "dead")).await.is_empty());
     // The other session keeps everything.
-    for (kind, count) in [("append", 4), ("events", 3), ("dead", 1)] {
+    for (kind, count) in [("append", 6), ("events", 2), ("dead", 1)] {
         let stream = match kind {
             "append" => n.append_stream(),
             "events" => n.events_stream(),
@@ -1025,11 +1099,11 @@ async fn a_delete_removes_only_messages_up_to_itself_and_moves_no_consumer() {
     let feed_now = h.stream_messages(&n.events_stream(), &format!("{prefix}.events.>")).await;
     let delivered = drain_consumer(&feed_reader).await;
     assert_eq!(delivered.len(), feed_now.len(), "the feed's reader skipped nothing");
-    assert_eq!(delivered.iter().filter(|(s, _)| s.ends_with(&kept.to_string())).count(), 3);
+    assert_eq!(delivered.iter().filter(|(s, _)| s.ends_with(&kept.to_string())).count(), 2);
     let appends_now = h.stream_messages(&n.append_stream(), &format!("{prefix}.append.>")).await;
     let delivered = drain_consumer(&append_reader).await;
     assert_eq!(delivered.len(), appends_now.len(), "the APPEND reader skipped nothing");
-    assert_eq!(delivered.iter().filter(|(s, _)| s.ends_with(&kept.to_string())).count(), 4);
+    assert_eq!(delivered.iter().filter(|(s, _)| s.ends_with(&kept.to_string())).count(), 6);
     h.stop().await;
 }
 
@@ -1319,7 +1393,7 @@ async fn an_unsampled_request_s_event_carries_its_producer_s_trace_context() {
     let h = Harness::start().await;
     let s = h.create("alice").await;
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
-    let body = EventBody::UserMessage(UserMessage { text: "unsampled".into(), ..Default::default() });
+    let body = EventBody::AssistantTurn(AssistantTurn::default());
     let req = AppendRequest::append(s, &owner("alice"), Uuid::now_v7(), &body);
     let inbox = h.bus.client.new_inbox();
     let mut replies = h.bus.client.subscribe(inbox.clone()).await.unwrap();
@@ -1338,13 +1412,11 @@ async fn an_unsampled_request_s_event_carries_its_producer_s_trace_context() {
         let messages = h
             .stream_messages(&h.bus.names.events_stream(), &format!("{}.events.*.{s}", h.env.bus_prefix))
             .await;
-        (messages.len() == 2).then_some(messages)
+        (messages.len() == 1).then_some(messages)
     })
     .await;
-    let carried: Vec<Option<&str>> = feed
-        .iter()
-        .map(|m| m.headers.as_ref().and_then(|h| h.get("traceparent")).map(|v| v.as_str()))
-        .collect();
-    assert_eq!(carried, [None, Some(traceparent)], "the create was untraced, the message unsampled");
+    let carried: Vec<Option<&str>> =
+        feed.iter().map(|m| m.headers.get("traceparent").map(|v| v.as_str())).collect();
+    assert_eq!(carried, [Some(traceparent)], "the answer's producer did not sample its trace");
     h.stop().await;
 }

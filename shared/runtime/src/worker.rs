@@ -338,6 +338,8 @@ pub struct Worker {
     /// beginning.
     pub takes_over: Option<String>,
     pub settings: ConsumerSettings,
+    /// A replay's session ([`Replay::session`]).
+    only_session: Option<SessionId>,
 }
 
 impl Worker {
@@ -349,6 +351,7 @@ impl Worker {
             origin: Origin::Live,
             takes_over: None,
             settings,
+            only_session: None,
         }
     }
 
@@ -362,7 +365,11 @@ impl Worker {
 
     /// The subjects this worker takes: all of them, or one session's. One kind is filtered
     /// by subject; several need the whole feed (nats-server 2.9 has one filter per consumer),
-    /// which only a replay uses.
+    /// which only a replay uses. The whole feed is not filtered by session: 2.9 refuses
+    /// `events.*.<session>` on a feed that stores some kinds only ([`handles`] skips the
+    /// other sessions instead).
+    ///
+    /// [`handles`]: Self::handles
     fn filter_subject(&self, bus: &Bus, session: Option<SessionId>) -> String {
         let token = match (self.kinds.as_slice(), self.origin) {
             ([kind], Origin::Live) => kind.as_str().to_owned(),
@@ -370,15 +377,16 @@ impl Worker {
             _ => "*".to_owned(),
         };
         match session {
-            Some(session) => bus.names.events_subject(&token, session),
-            None => bus.names.events_kind_filter(&token),
+            Some(session) if token != "*" => bus.names.events_subject(&token, session),
+            _ => bus.names.events_kind_filter(&token),
         }
     }
 
     /// Whether an event this worker's filter let through is its business: the whole feed,
-    /// or an earlier version's consumer not switched over yet, brings other kinds too.
-    fn handles(&self, kind: EventKind) -> bool {
-        self.kinds.contains(&kind)
+    /// or an earlier version's consumer not switched over yet, brings other kinds too, and
+    /// a replay of one session on the whole feed other sessions.
+    fn handles(&self, event: &CommittedEvent) -> bool {
+        self.kinds.contains(&event.kind) && self.only_session.is_none_or(|s| s == event.session_id)
     }
 
     /// The durable consumer every copy of this worker shares.
@@ -584,7 +592,8 @@ impl Worker {
         let _end = AbortOnDrop(end);
         let permits = Arc::new(Semaphore::new(self.settings.concurrency.max(1)));
         let mut in_hand = JoinSet::new();
-        let result = self
+        let replaying = Self { only_session: replay.session, ..self.clone() };
+        let result = replaying
             .consume(
                 bus,
                 consumer,
@@ -908,7 +917,7 @@ impl<H: Handler> Job<H> {
         let session = decoded.as_ref().ok().and_then(Option::as_ref).map(|e| e.session_id);
         let result = match decoded {
             Ok(None) => Ok(()),
-            Ok(Some(event)) if !self.worker.handles(event.kind) => Ok(()),
+            Ok(Some(event)) if !self.worker.handles(&event) => Ok(()),
             Ok(Some(event)) => self.handle_with_progress(&message, event, delivery).await,
             Err(e) => Err(HandleError::poison("bad_event", format!("committed event does not decode: {e}"))),
         };

@@ -1,8 +1,9 @@
 //! What each kind of bus message an append makes costs nats-server, in CPU per message:
 //! `turnlog-bench writer bus`. An append is a JetStream publish to TURNLOG_APPEND (stored,
 //! PubAck), its read by the writer (a consumer delivering the stored message), the reply
-//! to its producer (core NATS) and the committed event's publish to TURNLOG_EVENTS (stored,
-//! PubAck). Each kind runs alone, 40,000 messages of 400 bytes, on a private nats-server
+//! to its producer (core NATS) and the committed event's publish: to TURNLOG_EVENTS (stored,
+//! PubAck) for a kind a worker consumes, otherwise a core message that, in the writer bench,
+//! nobody subscribes to (DESIGN §6). Each kind runs alone, 40,000 messages of 400 bytes, on a private nats-server
 //! with a file-storage stream like TURNLOG_APPEND (dedup ids, a 2-minute window); the
 //! bench's own CPU is not counted.
 
@@ -106,6 +107,22 @@ pub(crate) async fn run() -> anyhow::Result<()> {
     done?;
     figures.push(("core_reply", per_message(spent.total())));
 
+    // A core message nobody subscribes to: a committed event of a kind the feed does not
+    // store, with its dedup id and no listener.
+    let (done, spent) = meter
+        .measure(async {
+            for i in 0..MESSAGES {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert("Nats-Msg-Id", i.to_string().as_str());
+                client.publish_with_headers(format!("unheard.{}", i % 16), headers, body.clone()).await?;
+            }
+            client.flush().await?;
+            anyhow::Ok(())
+        })
+        .await;
+    done?;
+    figures.push(("core_unheard", per_message(spent.total())));
+
     println!(
         "nats-server CPU per message ({MESSAGES} messages of {} bytes each, one kind at a time):",
         body.len()
@@ -115,14 +132,19 @@ pub(crate) async fn run() -> anyhow::Result<()> {
     }
     let get = |n: &str| figures.iter().find(|(k, _)| *k == n).map_or(0.0, |(_, v)| *v);
     // An append: the request stored without a PubAck (append_and_wait asks for one only
-    // when the outcome is late), the committed event stored with one, one read, one reply.
-    let append = get("store_no_puback") + get("store_puback") + get("read") + get("core_reply");
+    // when the outcome is late), one read, one reply, and the committed event: a user
+    // message's a core message nobody hears, an answer's stored with a PubAck.
+    let request = get("store_no_puback") + get("read") + get("core_reply");
+    let (append, answer) = (request + get("core_unheard"), request + get("store_puback"));
     println!(
-        "  an append's messages (1 stored without and 1 with a PubAck + 1 read + 1 reply): {append:.1} µs; a PubAck is about {:.1} µs of a store",
+        "  an append's messages (1 stored without a PubAck + 1 read + 1 reply + 1 unheard): {append:.1} µs; an answer's (its event stored with a PubAck): {answer:.1} µs; a PubAck is about {:.1} µs of a store",
         get("store_puback") - get("store_no_puback")
     );
     let fields: Vec<String> = figures.iter().map(|(k, v)| format!("nats_us_{k}={v:.1}")).collect();
-    println!("RESULT writer_bus {} nats_us_per_append_messages={append:.1}", fields.join(" "));
+    println!(
+        "RESULT writer_bus {} nats_us_per_append_messages={append:.1} nats_us_per_answer_messages={answer:.1}",
+        fields.join(" ")
+    );
     Ok(())
 }
 

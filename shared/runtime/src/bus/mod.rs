@@ -21,7 +21,7 @@ pub use crate::outcome::{Outcome, OutcomeStatus, Refusal, SESSION_DELETED};
 pub use append::{
     append_and_wait, append_headers, append_message, appends_confirmed, AppendError, CONFIRM_AFTER,
 };
-pub use names::{feed_token, partition_of, BusNames};
+pub use names::{feed_token, on_feed, partition_of, BusNames, FEED_TOKENS};
 pub use topology::{ReplicaChange, STREAM_REPLICAS};
 pub use turnlog_core::limits::{
     json_len, metadata_error, MAX_EVENT_BYTES, MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE,

@@ -68,6 +68,16 @@ impl BusNames {
     pub fn events_kind_filter(&self, token: &str) -> String {
         format!("{}.events.{token}.*", self.prefix)
     }
+    /// TURNLOG_EVENTS's subjects: the [`FEED_TOKENS`]' (events of other kinds go out as
+    /// core NATS messages, not stored).
+    pub fn feed_subjects(&self) -> Vec<String> {
+        FEED_TOKENS.iter().map(|token| self.events_kind_filter(token)).collect()
+    }
+    /// TURNLOG_EVENTS's subject as versions before [`FEED_TOKENS`] made it, storing every
+    /// kind; still accepted, and published to in the same way (DESIGN §6).
+    pub fn every_kind_subject(&self) -> String {
+        format!("{}.events.>", self.prefix)
+    }
     /// `session` is None when the request named no session the writer could read.
     pub fn dead_subject(&self, reason: &str, session: Option<SessionId>) -> String {
         match session {
@@ -99,6 +109,20 @@ impl BusNames {
             (self.dead_stream(), format!("{}.dead.*.{session}", self.prefix)),
         ]
     }
+}
+
+/// The feed tokens TURNLOG_EVENTS stores: those a worker consumes (DESIGN §6). The writer
+/// publishes an event of another token as a core NATS message on the same subject grammar,
+/// which core subscribers see (a turn waiting for its server tools) and no stream keeps: the
+/// store, its PubAck and the wait for it were a quarter of a user message's append's CPU,
+/// for messages nothing read.
+/// A worker on another token adds it here; until then its consumer is refused at its start
+/// ("filter subject is not a valid subset").
+pub const FEED_TOKENS: [&str; 3] = ["assistant_turn", "assistant_turn-imported", "turn_memory"];
+
+/// Whether TURNLOG_EVENTS stores events of `token` ([`FEED_TOKENS`]).
+pub fn on_feed(token: &str) -> bool {
+    FEED_TOKENS.contains(&token)
 }
 
 /// The feed subject's token for an event of `kind`: the kind, or `<kind>-imported` for an
@@ -137,6 +161,18 @@ mod tests {
         assert_eq!(n.dead_subject("bad_json", None), "turnlog.dead.bad_json.none");
         assert!(BusNames::new("Bad.Prefix").is_err());
         assert!(BusNames::new("").is_err());
+    }
+
+    #[test]
+    fn the_feed_stores_known_kinds_live_or_imported() {
+        for token in FEED_TOKENS {
+            let kind = token.strip_suffix("-imported").unwrap_or(token);
+            let kind: turnlog_core::events::EventKind = kind.parse().expect(token);
+            assert!(on_feed(&feed_token(kind.as_str(), token.ends_with("-imported"))));
+        }
+        assert!(!on_feed("user_message") && !on_feed("assistant_turn-imported.x"));
+        let n = BusNames::new("t").unwrap();
+        assert_eq!(n.feed_subjects()[0], "t.events.assistant_turn.*");
     }
 
     #[test]

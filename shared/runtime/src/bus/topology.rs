@@ -72,9 +72,9 @@ impl Bus {
     fn topology(&self, append_max_age: Option<Duration>) -> Vec<stream::Config> {
         let n = &self.names;
         let num_replicas = self.replicas;
-        let log_stream = |name: String, subject: String, max_age: Duration| stream::Config {
+        let log_stream = |name: String, subjects: Vec<String>, max_age: Duration| stream::Config {
             name,
-            subjects: vec![subject],
+            subjects,
             storage: stream::StorageType::File,
             retention: stream::RetentionPolicy::Limits,
             duplicate_window: DUPLICATE_WINDOW,
@@ -100,13 +100,13 @@ impl Bus {
             ..Default::default()
         };
         vec![
-            log_stream(n.append_stream(), format!("{p}.append.>"), append_max_age.unwrap_or_default()),
-            log_stream(n.events_stream(), format!("{p}.events.>"), Duration::ZERO),
-            log_stream(n.dead_stream(), format!("{p}.dead.>"), Duration::ZERO),
+            log_stream(n.append_stream(), vec![format!("{p}.append.>")], append_max_age.unwrap_or_default()),
+            log_stream(n.events_stream(), n.feed_subjects(), Duration::ZERO),
+            log_stream(n.dead_stream(), vec![format!("{p}.dead.>")], Duration::ZERO),
             bucket(n.turns_bucket(), TURN_LEASE_TTL, Duration::from_secs(2)),
             stream::Config {
                 retention: stream::RetentionPolicy::WorkQueue,
-                ..log_stream(n.tool_calls_stream(), format!("{p}.tools.call.*"), Duration::ZERO)
+                ..log_stream(n.tool_calls_stream(), vec![format!("{p}.tools.call.*")], Duration::ZERO)
             },
             bucket(n.tool_catalog_bucket(), Duration::ZERO, DUPLICATE_WINDOW),
             bucket(n.tool_claims_bucket(), TOOL_CLAIM_TTL, DUPLICATE_WINDOW),
@@ -141,7 +141,9 @@ impl Bus {
         // right after the create can find no stream yet (404) while its group forms.
         let info = s.cached_info();
         let found = info.config.subjects.clone();
-        if found != expected {
+        // A feed an earlier version made stores every kind; it works as it is (DESIGN §6).
+        let earlier_feed = name == self.names.events_stream() && found == [self.names.every_kind_subject()];
+        if found != expected && !earlier_feed {
             return Err(BusError::Mismatch { name, found, expected });
         }
         Ok(info.config.num_replicas.max(1))

@@ -328,7 +328,8 @@ impl AppendRequest {
     }
 }
 
-/// An event on TURNLOG_EVENTS, published by the writer after its commit.
+/// A committed event, published by the writer after its commit: on TURNLOG_EVENTS when a
+/// worker consumes its kind, otherwise as a core NATS message (DESIGN §6).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CommittedEvent {
     pub session_id: SessionId,
@@ -366,9 +367,9 @@ impl CommittedEvent {
         self.payload.get("imported").is_some()
     }
 
-    /// Its subject on the feed.
-    pub fn subject(&self, names: &super::BusNames) -> String {
-        names.events_subject(&super::feed_token(self.kind.as_str(), self.is_imported()), self.session_id)
+    /// Its token on the feed: its kind, `-imported` when an import appended it.
+    pub fn feed_token(&self) -> String {
+        super::feed_token(self.kind.as_str(), self.is_imported())
     }
 
     /// The feed's dedup id, given the creation time of the event's session: the same event

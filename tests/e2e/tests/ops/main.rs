@@ -240,6 +240,28 @@ async fn replaying_the_distiller_twice_adds_nothing_the_second_time() {
         !distilled.contains(&(turns[1].0 .0, turns[1].1)),
         "session b's early turn was not in the replay"
     );
+
+    // Memory extraction replays live and imported answers together: the whole feed (a
+    // consumer on `events.*.<session>` is refused when the feed stores some kinds only),
+    // with the other sessions' events skipped.
+    let replay = turnlog_ops::Replay::new(ReplayFrom::Sequence(1), Some(a));
+    let mut config = turnlog_e2e::config::memory(&rig.env, &rig.mock.base_url());
+    config.consumer.replay = Some(replay.clone());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let run = turnlog_ops::replay("memory", &replay, false, stop, |stop| turnlog_memory::run(config, stop));
+    let summary = tokio::time::timeout(WAIT, run).await.expect("replay finished in time").expect("replay");
+    assert_eq!(summary.dead_lettered, 0, "{summary:?}");
+    let extracted: Vec<(Uuid, i64)> = sqlx::query_as(
+        "SELECT session_id, (payload->>'turn_seq')::int8 FROM session_events WHERE kind = 'memory_extracted'
+          ORDER BY 1, 2",
+    )
+    .fetch_all(&rig.env.pool)
+    .await
+    .unwrap();
+    let mut of_a: Vec<(Uuid, i64)> =
+        turns.iter().filter(|(s, _)| *s == a).map(|(s, seq)| (s.0, *seq)).collect();
+    of_a.sort();
+    assert_eq!(extracted, of_a, "session a's answers, and only they");
     rig.stop().await;
 }
 
