@@ -253,8 +253,8 @@ pub(super) async fn settle(
     permission_wait: Duration,
 ) -> Settled {
     let session = turn.session;
-    // Woken by the writer's feed of this session's events (core NATS sees JetStream's
-    // subjects); a re-read every few seconds covers a missed message.
+    // Woken by the writer's publishes of this session's events (every kind, stored or not:
+    // DESIGN §6); a re-read every few seconds covers a missed message.
     let mut feed =
         match app.bus.client.subscribe(format!("{}.events.*.{session}", app.bus.names.prefix())).await {
             Ok(s) => Some(s),

@@ -115,9 +115,8 @@ impl BusNames {
 /// publishes an event of another token as a core NATS message on the same subject grammar,
 /// which core subscribers see (a turn waiting for its server tools) and no stream keeps: the
 /// store, its PubAck and the wait for it were a quarter of a user message's append's CPU,
-/// for messages nothing read.
-/// A worker on another token adds it here; until then its consumer is refused at its start
-/// ("filter subject is not a valid subset").
+/// for messages nothing read. A worker on another token adds it here; until then its
+/// consumer is refused at its start ("filter subject is not a valid subset").
 pub const FEED_TOKENS: [&str; 3] = ["assistant_turn", "assistant_turn-imported", "turn_memory"];
 
 /// Whether TURNLOG_EVENTS stores events of `token` ([`FEED_TOKENS`]).
