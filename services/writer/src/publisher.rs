@@ -167,8 +167,12 @@ pub(crate) async fn publish_events(
     patiently("publishing committed events", || async {
         let published = publish_events_once(bus, feed, &events).await;
         if published.is_err() {
-            if let Err(e) = feed.refresh(bus).await {
-                tracing::debug!(error = format!("{e:#}"), "TURNLOG_EVENTS's subjects not read");
+            // Bounded: during a leader election the stream's info waits for JetStream's
+            // request timeout (5 s), which would hold the retry after the election is over.
+            match tokio::time::timeout(RECREATE_PAUSE, feed.refresh(bus)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::debug!(error = format!("{e:#}"), "TURNLOG_EVENTS's subjects not read"),
+                Err(_) => tracing::debug!("TURNLOG_EVENTS's subjects not read in time"),
             }
         }
         published
