@@ -82,7 +82,6 @@ impl Harness {
             .unwrap()
     }
 
-    /// Every message of a stream (by subject filter), read from the start.
     /// A stream's messages on `filter`, in order, read one by one by subject: an ordered
     /// consumer on `events.*.<session>` is refused by nats-server 2.9 on a feed that stores
     /// some kinds only.
