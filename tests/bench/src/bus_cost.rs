@@ -59,12 +59,7 @@ pub(crate) async fn run() -> anyhow::Result<()> {
     let bare = stream_like_append(&js, "BARE", "bare").await?;
     let (done, spent) = meter
         .measure(async {
-            for i in 0..MESSAGES {
-                let mut headers = async_nats::HeaderMap::new();
-                headers.insert("Nats-Msg-Id", i.to_string().as_str());
-                client.publish_with_headers(format!("bare.{}", i % 16), headers, body.clone()).await?;
-            }
-            client.flush().await?;
+            publish_with_ids(&client, "bare", &body).await?;
             stored_all(&bare, MESSAGES as u64).await
         })
         .await;
@@ -109,17 +104,7 @@ pub(crate) async fn run() -> anyhow::Result<()> {
 
     // A core message nobody subscribes to: a committed event of a kind the feed does not
     // store, with its dedup id and no listener.
-    let (done, spent) = meter
-        .measure(async {
-            for i in 0..MESSAGES {
-                let mut headers = async_nats::HeaderMap::new();
-                headers.insert("Nats-Msg-Id", i.to_string().as_str());
-                client.publish_with_headers(format!("unheard.{}", i % 16), headers, body.clone()).await?;
-            }
-            client.flush().await?;
-            anyhow::Ok(())
-        })
-        .await;
+    let (done, spent) = meter.measure(async { publish_with_ids(&client, "unheard", &body).await }).await;
     done?;
     figures.push(("core_unheard", per_message(spent.total())));
 
@@ -145,6 +130,18 @@ pub(crate) async fn run() -> anyhow::Result<()> {
         "RESULT writer_bus {} nats_us_per_append_messages={append:.1} nats_us_per_answer_messages={answer:.1}",
         fields.join(" ")
     );
+    Ok(())
+}
+
+/// [`MESSAGES`] core publishes on `<subject>.<i % 16>`, each with a dedup id and no reply
+/// subject, flushed.
+async fn publish_with_ids(client: &async_nats::Client, subject: &str, body: &Bytes) -> anyhow::Result<()> {
+    for i in 0..MESSAGES {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", i.to_string().as_str());
+        client.publish_with_headers(format!("{subject}.{}", i % 16), headers, body.clone()).await?;
+    }
+    client.flush().await?;
     Ok(())
 }
 
