@@ -13,13 +13,28 @@ use crate::{validate, Ingress};
 /// The least a delete waits for its outcome.
 const DELETE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Sends `req` and waits for the writer's outcome; only an applied request is Ok.
+/// Sends `req` and waits for the writer's outcome; only an applied request is Ok. In a span
+/// of its own where spans are recorded; otherwise in its caller's span and trace context (a
+/// span per append is worth its cost only in a trace that can be recorded).
+pub async fn submit(app: &Ingress, req: &AppendRequest) -> Result<Outcome, ApiError> {
+    if turnlog_runtime::trace::recording() {
+        submit_in_span(app, req).await
+    } else {
+        send(app, req).await
+    }
+}
+
 #[tracing::instrument(
+    name = "submit",
     skip_all,
     fields(op = req.op.name(), session_id = %req.session_id, request_id = %req.request_id),
     err(Display, level = "debug")
 )]
-pub async fn submit(app: &Ingress, req: &AppendRequest) -> Result<Outcome, ApiError> {
+async fn submit_in_span(app: &Ingress, req: &AppendRequest) -> Result<Outcome, ApiError> {
+    send(app, req).await
+}
+
+async fn send(app: &Ingress, req: &AppendRequest) -> Result<Outcome, ApiError> {
     if let AppendOp::Append { kind: RequestKind::Known(kind), payload, .. } = &req.op {
         validate::event(*kind, payload)?;
     }
@@ -34,7 +49,7 @@ pub async fn submit(app: &Ingress, req: &AppendRequest) -> Result<Outcome, ApiEr
         return Ok(outcome);
     }
     let reason = outcome.reason.unwrap_or_else(|| Refusal::Other("rejected".into()));
-    tracing::info!(%reason, "the writer refused the request");
+    tracing::info!(%reason, op = req.op.name(), session_id = %req.session_id, request_id = %req.request_id, "the writer refused the request");
     Err(refusal(&reason))
 }
 

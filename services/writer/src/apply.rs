@@ -28,8 +28,11 @@ pub struct Incoming {
     /// The session named by the subject (`None` when the subject is malformed).
     pub subject_session: Option<SessionId>,
     pub reply_to: Option<String>,
-    /// The producer's trace context (`traceparent` header), which the apply joins.
+    /// The producer's trace context (`traceparent` header), which the apply joins; a
+    /// malformed one is dropped.
     pub traceparent: Option<String>,
+    /// Whether the producer sampled that trace (the apply then gets a span of its own).
+    pub sampled: bool,
     /// An operator's redrive of a dead letter (`turnlog dead redrive`): a request that was
     /// dead-lettered before is applied again instead of answered as a duplicate.
     pub redrive: bool,
@@ -71,12 +74,19 @@ impl Incoming {
             }
             _ => None,
         };
+        // Read once here, off the commit path, like the request.
+        let sampled = traceparent.as_deref().map(|t| turnlog_runtime::trace::remote(t).map(|r| r.sampled));
+        let (traceparent, sampled) = match sampled {
+            Some(Some(sampled)) => (traceparent, sampled),
+            _ => (None, false),
+        };
         Self {
             stream_seq,
             published,
             subject_session,
             reply_to,
             traceparent,
+            sampled,
             redrive,
             body,
             request,

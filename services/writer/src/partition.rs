@@ -293,7 +293,7 @@ async fn apply_loop(
         applied = committed.last_stream_seq;
         metrics::metrics().committed(p.unsigned_abs(), consumed, started.elapsed().as_secs_f64(), applied);
         pending.add(committed.events.len());
-        end_apply_spans(spans.drain(..consumed), &carry[..consumed], &mut committed.events);
+        end_apply_spans(spans.drain(..consumed), &mut carry[..consumed], &mut committed.events);
         carry.drain(..consumed);
         permits.drain(..consumed);
         // The commit is durable: its producers hear now, not behind the feed's PubAcks for
@@ -314,7 +314,7 @@ async fn apply_loop(
 /// the producer's span when the request carries a sampled trace context, else none (a
 /// span per append is worth its cost only in a trace that is recorded).
 fn apply_span(m: &Incoming) -> Option<tracing::Span> {
-    let parent = m.traceparent.as_deref().filter(|t| trace::remote(t).is_some_and(|cx| cx.is_sampled()))?;
+    let parent = m.traceparent.as_deref().filter(|_| m.sampled)?;
     let span =
         tracing::info_span!("writer.apply", stream_seq = m.stream_seq, request_id = tracing::field::Empty);
     trace::follow(&span, Some(parent));
@@ -323,10 +323,11 @@ fn apply_span(m: &Incoming) -> Option<tracing::Span> {
 
 /// Ends the apply spans of committed requests, each with a line in its trace, and gives
 /// each committed event its request's span as the trace context it is published with; an
-/// event whose request was traced unsampled goes on in its producer's trace context.
+/// event whose request was traced unsampled goes on in its producer's trace context (taken
+/// from the request, which is done with).
 fn end_apply_spans(
     spans: impl Iterator<Item = Option<tracing::Span>>,
-    batch: &[Incoming],
+    batch: &mut [Incoming],
     events: &mut [EventRow],
 ) {
     // Both are in APPEND order, a request making at most one event.
@@ -335,10 +336,9 @@ fn end_apply_spans(
         while events.next_if(|e| e.event.stream_seq < Some(m.stream_seq)).is_some() {}
         let event = events.next_if(|e| e.event.stream_seq == Some(m.stream_seq));
         let Some(span) = span else {
-            let unsampled = m.traceparent.as_ref().and_then(|t| Some((t, trace::remote(t)?)));
-            if let Some((e, (parent, cx))) = event.zip(unsampled) {
-                tracing::debug!(trace_id = %cx.trace_id(), session_id = %e.event.session_id, seq = e.event.seq, kind = %e.event.kind.as_str(), "request applied");
-                e.traceparent = Some(parent.clone());
+            if let Some((e, parent)) = event.zip(m.traceparent.take()) {
+                tracing::debug!(trace_id = trace::remote(&parent).map(|r| r.trace_id), session_id = %e.event.session_id, seq = e.event.seq, kind = %e.event.kind.as_str(), "request applied");
+                e.traceparent = Some(parent);
             }
             continue;
         };

@@ -1386,36 +1386,39 @@ async fn stages_now(append: &async_nats::jetstream::stream::Stream, pool: &sqlx:
 
 /// A request whose trace its producer did not sample is applied without a span of the
 /// writer's (none would be recorded), and its committed event goes on in the producer's
-/// trace context: the workers' log lines keep the trace id.
+/// trace context: the workers' log lines keep the trace id. A malformed one goes no further.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unsampled_request_s_event_carries_its_producer_s_trace_context() {
     let h = Harness::start().await;
     let s = h.create("alice").await;
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
-    let body = EventBody::AssistantTurn(AssistantTurn::default());
-    let req = AppendRequest::append(s, &owner("alice"), Uuid::now_v7(), &body);
+    let malformed = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7";
     let inbox = h.bus.client.new_inbox();
     let mut replies = h.bus.client.subscribe(inbox.clone()).await.unwrap();
-    let msg = turnlog_runtime::bus::append_message(
-        Bytes::from(serde_json::to_vec(&req).unwrap()),
-        &req.request_id.to_string(),
-        Some(&inbox),
-        Some(traceparent),
-    );
-    let subject = h.bus.names.append_subject(h.bus.partition_of(s), s);
-    h.bus.js.send_publish(subject, msg).await.unwrap().await.unwrap();
-    let reply = tokio::time::timeout(WAIT, replies.next()).await.unwrap().unwrap();
-    let reply: turnlog_runtime::bus::Outcome = serde_json::from_slice(&reply.payload).unwrap();
-    assert_eq!((reply.status, reply.seq), (OutcomeStatus::Committed, Some(2)));
+    for (sent, seq) in [(traceparent, 2), (malformed, 3)] {
+        let body = EventBody::AssistantTurn(AssistantTurn::default());
+        let req = AppendRequest::append(s, &owner("alice"), Uuid::now_v7(), &body);
+        let msg = turnlog_runtime::bus::append_message(
+            Bytes::from(serde_json::to_vec(&req).unwrap()),
+            &req.request_id.to_string(),
+            Some(&inbox),
+            Some(sent),
+        );
+        let subject = h.bus.names.append_subject(h.bus.partition_of(s), s);
+        h.bus.js.send_publish(subject, msg).await.unwrap().await.unwrap();
+        let reply = tokio::time::timeout(WAIT, replies.next()).await.unwrap().unwrap();
+        let reply: turnlog_runtime::bus::Outcome = serde_json::from_slice(&reply.payload).unwrap();
+        assert_eq!((reply.status, reply.seq), (OutcomeStatus::Committed, Some(seq)));
+    }
     let feed = eventually(WAIT, || async {
         let messages = h
             .stream_messages(&h.bus.names.events_stream(), &format!("{}.events.*.{s}", h.env.bus_prefix))
             .await;
-        (messages.len() == 1).then_some(messages)
+        (messages.len() == 2).then_some(messages)
     })
     .await;
     let carried: Vec<Option<&str>> =
         feed.iter().map(|m| m.headers.get("traceparent").map(|v| v.as_str())).collect();
-    assert_eq!(carried, [Some(traceparent)], "the answer's producer did not sample its trace");
+    assert_eq!(carried, [Some(traceparent), None], "the answer's producer did not sample its trace");
     h.stop().await;
 }

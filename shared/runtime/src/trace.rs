@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator as _};
+use opentelemetry::propagation::{Extractor, TextMapPropagator as _};
 use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
 use opentelemetry_http::{Bytes, HttpClient, HttpError, Request, Response};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
@@ -38,15 +38,40 @@ pub fn follow(span: &tracing::Span, traceparent: Option<&str>) {
     }
 }
 
+/// Whether this process may record spans: [`init`] found an OTLP endpoint (without one no
+/// trace is sampled). A span made per append (an ingress's `submit`) is made only then; the
+/// append goes on in its caller's span and trace context otherwise.
+pub fn recording() -> bool {
+    RECORDING.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static RECORDING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// `span`'s `traceparent`, or `None` when no tracing layer gives it a trace context.
 pub fn traceparent(span: &tracing::Span) -> Option<String> {
     let cx = span.context();
-    if !cx.span().span_context().is_valid() {
-        return None;
+    let span = cx.span();
+    let sc = span.span_context();
+    sc.is_valid().then(|| format(&sc.trace_id().to_bytes(), &sc.span_id().to_bytes(), sc.is_sampled()))
+}
+
+/// A version-00 `traceparent`, as the propagator writes it (a producer formats one per
+/// append).
+fn format(trace_id: &[u8; 16], span_id: &[u8; 8], sampled: bool) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(55);
+    out.push_str("00-");
+    for (i, id) in [&trace_id[..], &span_id[..]].into_iter().enumerate() {
+        if i > 0 {
+            out.push('-');
+        }
+        for &byte in id {
+            out.push(HEX[usize::from(byte >> 4)] as char);
+            out.push(HEX[usize::from(byte & 0xf)] as char);
+        }
     }
-    let mut out = Captured(None);
-    TraceContextPropagator::new().inject_context(&cx, &mut out);
-    out.0
+    out.push_str(if sampled { "-01" } else { "-00" });
+    out
 }
 
 /// The current span's `traceparent` (see [`traceparent`]).
@@ -54,12 +79,44 @@ pub fn current_traceparent() -> Option<String> {
     traceparent(&tracing::Span::current())
 }
 
-/// The trace context a `traceparent` value names (its trace id, and whether its producer
-/// sampled it), or `None` when the value is malformed.
-pub fn remote(traceparent: &str) -> Option<opentelemetry::trace::SpanContext> {
-    let cx = TraceContextPropagator::new().extract(&One(traceparent));
-    let span = cx.span().span_context().clone();
-    span.is_valid().then_some(span)
+/// What a `traceparent` value names, read in place: its trace id (32 lowercase hex digits)
+/// and whether its producer sampled it. Cheaper than a trace context (no allocation), for a
+/// process that looks at every request's value and follows only sampled ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Remote<'a> {
+    pub trace_id: &'a str,
+    pub sampled: bool,
+}
+
+/// The [`Remote`] a `traceparent` value names, or `None` when it is malformed (W3C Trace
+/// Context: `version-traceid-parentid-flags` in lowercase hex of 2, 32, 16 and 2 digits,
+/// neither id all zeros, version `ff` invalid, version `00` with exactly these four fields).
+/// The propagator [`follow`] uses reads the same values alike, and accepts some the format
+/// does not (`0` for `00`, short ids); trace context turnlog makes is always canonical.
+/// Read at fixed offsets: the writer reads every request's.
+pub fn remote(traceparent: &str) -> Option<Remote<'_>> {
+    let t = traceparent.trim();
+    let b = t.as_bytes();
+    if b.len() < 55 || b[2] != b'-' || b[35] != b'-' || b[52] != b'-' {
+        return None;
+    }
+    let (version, trace_id, span_id, flags) = (&b[..2], &b[3..35], &b[36..52], &b[53..55]);
+    let fields_end = if version == b"00" { b.len() == 55 } else { b.len() == 55 || b[55] == b'-' };
+    let hex = |s: &[u8]| s.iter().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'));
+    let nonzero = |s: &[u8]| s.iter().any(|&c| c != b'0');
+    let valid = fields_end
+        && version != b"ff"
+        && hex(version)
+        && hex(trace_id)
+        && nonzero(trace_id)
+        && hex(span_id)
+        && nonzero(span_id)
+        && hex(flags);
+    valid.then(|| {
+        // The sampled flag is the low bit of the last digit's value (a hex digit, checked).
+        let last = if flags[1] <= b'9' { flags[1] - b'0' } else { flags[1] - b'a' + 10 };
+        Remote { trace_id: &t[3..35], sampled: last & 1 == 1 }
+    })
 }
 
 /// The `traceparent` a NATS message carries, if any.
@@ -76,16 +133,6 @@ impl Extractor for One<'_> {
 
     fn keys(&self) -> Vec<&str> {
         vec![TRACEPARENT]
-    }
-}
-
-struct Captured(Option<String>);
-
-impl Injector for Captured {
-    fn set(&mut self, key: &str, value: String) {
-        if key == TRACEPARENT {
-            self.0 = Some(value);
-        }
     }
 }
 
@@ -111,7 +158,9 @@ pub enum LogStyle {
 /// inside the Tokio runtime: the exporter sends on it.
 pub fn init(service: &str, style: LogStyle, filter: EnvFilter) -> anyhow::Result<Telemetry> {
     let disabled = std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.trim().eq_ignore_ascii_case("true"));
-    let provider = if disabled { None } else { Some(provider(service, otlp_configured())?) };
+    let export = !disabled && otlp_configured();
+    let provider = if disabled { None } else { Some(provider(service, export)?) };
+    RECORDING.store(export, std::sync::atomic::Ordering::Relaxed);
     // Only turnlog's spans (and its warnings, as span events) go to the traces: library
     // spans and every log line would multiply the cost for little. The level hint keeps
     // the process's most verbose level what the log filter says, or info: without it every
@@ -333,6 +382,16 @@ where
 mod tests {
     use super::*;
 
+    struct Captured(Option<String>);
+
+    impl opentelemetry::propagation::Injector for Captured {
+        fn set(&mut self, key: &str, value: String) {
+            if key == TRACEPARENT {
+                self.0 = Some(value);
+            }
+        }
+    }
+
     #[test]
     fn a_traceparent_names_the_parent_and_garbage_names_none() {
         let provider = SdkTracerProvider::builder().build();
@@ -345,6 +404,9 @@ mod tests {
             let own = traceparent(&span).unwrap();
             assert!(own.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"), "{own}");
             assert!(!own.contains("00f067aa0ba902b7"), "a span of its own: {own}");
+            let mut written = Captured(None);
+            TraceContextPropagator::new().inject_context(&span.context(), &mut written);
+            assert_eq!(written.0, Some(own), "written as the propagator writes it");
 
             let root = tracing::info_span!("root");
             follow(&root, Some("not a traceparent"));
@@ -357,8 +419,8 @@ mod tests {
     #[test]
     fn without_an_exporter_trace_ids_are_made_and_no_trace_is_sampled() {
         let sampled = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        assert!(remote(sampled).unwrap().is_sampled());
-        assert!(!remote("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00").unwrap().is_sampled());
+        assert!(remote(sampled).unwrap().sampled);
+        assert!(!remote("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00").unwrap().sampled);
         assert!(remote("not a traceparent").is_none());
 
         let provider = provider("test", false).unwrap();
@@ -367,15 +429,58 @@ mod tests {
         tracing::subscriber::with_default(subscriber, || {
             // A root gets a trace id of its own, unsampled.
             let own = traceparent(&tracing::info_span!("root")).unwrap();
-            assert!(!remote(&own).unwrap().is_sampled(), "{own}");
+            assert!(!remote(&own).unwrap().sampled, "{own}");
             // A child of a client's sampled span keeps the client's trace id, and is not
             // sampled here (nothing would be exported).
             let child = tracing::info_span!("child");
             follow(&child, Some(sampled));
             let own = traceparent(&child).unwrap();
             assert!(own.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"), "{own}");
-            assert!(!remote(&own).unwrap().is_sampled(), "{own}");
+            assert!(!remote(&own).unwrap().sampled, "{own}");
         });
+    }
+
+    #[test]
+    fn the_cheap_read_agrees_with_the_propagator() {
+        let valid = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        for value in [
+            valid,
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-03",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-fe",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0a",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0b",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0F",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01 tail",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7_01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-é1",
+            " 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01 ",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-later-fields",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00F067AA0BA902B7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736x-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-zz",
+            "zz-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "",
+            "not a traceparent",
+        ] {
+            let cx = TraceContextPropagator::new().extract(&One(value));
+            let span = cx.span();
+            let full = span.span_context();
+            let expected = full.is_valid().then(|| (full.trace_id().to_string(), full.is_sampled()));
+            let cheap = remote(value).map(|r| (r.trace_id.to_owned(), r.sampled));
+            assert_eq!(cheap, expected, "{value:?}");
+        }
+        assert_eq!(
+            remote(valid),
+            Some(Remote { trace_id: "4bf92f3577b34da6a3ce929d0e0e4736", sampled: true })
+        );
     }
 
     /// What a layer wrote.

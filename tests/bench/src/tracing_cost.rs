@@ -1,11 +1,11 @@
 //! Tracing's cost on the writer: the writer benchmark's end-to-end run (16 pipelined
-//! producers, 16 sessions), every request sent in a span of its own with its trace context as
-//! the ingress sends a turn's, in three modes, each run in a process of its own (a process has
-//! one subscriber):
+//! producers, 16 sessions), every request sent with its trace context as the ingress sends
+//! a turn's (a span for each two appends, and one per append where spans are recorded), in
+//! three modes, each run in a process of its own (a process has one subscriber):
 //! - `none`: `OTEL_SDK_DISABLED=true`: no tracing layer, no trace context (the baseline);
 //! - `off`: trace context made and carried (trace ids on log lines), no trace sampled, so
 //!   the writer makes no apply span (`OTEL_EXPORTER_OTLP_ENDPOINT` unset: the default);
-//! - `on`: every trace sampled, the producer's and the writer's spans exported over
+//! - `on`: every trace sampled, the producers' and the writer's spans exported over
 //!   OTLP/HTTP to a collector this process runs.
 //!
 //! Each run reports its rate and the CPU its process (the producers and the writer, where
@@ -130,6 +130,7 @@ pub(crate) async fn child(args: &[String]) -> anyhow::Result<()> {
     let per_s = end_to_end_traced(&rig.bus, &sessions, total(), true).await?;
     let us = (cpu() - before) * 1e6 / total() as f64;
     rig.stop_writer().await?;
+    rig.env.cleanup().await;
     telemetry.shutdown().await;
     println!("events_per_s={per_s:.0}\ncpu_us_per_append={us:.1}");
     Ok(())

@@ -89,8 +89,8 @@ pub(crate) async fn end_to_end(bus: &Bus, sessions: &[SessionId], total: usize) 
     end_to_end_traced(bus, sessions, total, false).await
 }
 
-/// [`end_to_end`], each request sent (when `traced`) in a span of its own with its trace
-/// context, as the ingress sends a turn's.
+/// [`end_to_end`], each request sent (when `traced`) with its trace context, as the
+/// ingress sends a turn's ([`traced_as_the_ingress`]).
 pub(crate) async fn end_to_end_traced(
     bus: &Bus,
     sessions: &[SessionId],
@@ -108,14 +108,13 @@ pub(crate) async fn end_to_end_traced(
             let inbox = bus.client.new_inbox();
             let mut replies = bus.client.subscribe(inbox.clone()).await?;
             let (mut sent, mut answered) = (0usize, 0usize);
+            let mut turn = tracing::Span::none();
             while answered < per_producer {
                 while sent < per_producer && sent - answered < WINDOW {
                     let session = mine[sent % mine.len()];
                     let req = AppendRequest::append(session, &owner(), Uuid::now_v7(), &message(sent));
                     let subject = bus.names.append_subject(bus.partition_of(session), session);
-                    let traceparent = traced
-                        .then(|| turnlog_runtime::trace::traceparent(&tracing::info_span!("bench.append")))
-                        .flatten();
+                    let traceparent = traced.then(|| traced_as_the_ingress(&mut turn, sent)).flatten();
                     let headers =
                         append_headers(&req.request_id.to_string(), Some(&inbox), traceparent.as_deref());
                     bus.client
@@ -137,6 +136,23 @@ pub(crate) async fn end_to_end_traced(
         done += t.await??;
     }
     Ok(done as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Appends the ingress makes in a plain turn: the user message and the answer.
+const TURN_APPENDS: usize = 2;
+
+/// The `traceparent` of append number `sent`, as the ingress makes a turn's: a span for the
+/// turn every [`TURN_APPENDS`] appends (its `http` span), and a span per append of its own
+/// only where spans are recorded (its `submit`).
+fn traced_as_the_ingress(turn: &mut tracing::Span, sent: usize) -> Option<String> {
+    if sent.is_multiple_of(TURN_APPENDS) {
+        *turn = tracing::info_span!("bench.turn");
+    }
+    if turnlog_runtime::trace::recording() {
+        turnlog_runtime::trace::traceparent(&tracing::info_span!(parent: &*turn, "bench.append"))
+    } else {
+        turnlog_runtime::trace::traceparent(turn)
+    }
 }
 
 /// `append_and_wait`'s latency at a steady offered rate (open loop), after a pause that lets
