@@ -75,18 +75,15 @@ impl Incoming {
             _ => None,
         };
         // Read once here, off the commit path, like the request.
-        let sampled = traceparent.as_deref().map(|t| turnlog_runtime::trace::remote(t).map(|r| r.sampled));
-        let (traceparent, sampled) = match sampled {
-            Some(Some(sampled)) => (traceparent, sampled),
-            _ => (None, false),
-        };
+        let sampled = traceparent.as_deref().and_then(turnlog_runtime::trace::remote).map(|r| r.sampled);
+        let traceparent = traceparent.filter(|_| sampled.is_some());
         Self {
             stream_seq,
             published,
             subject_session,
             reply_to,
             traceparent,
-            sampled,
+            sampled: sampled.unwrap_or(false),
             redrive,
             body,
             request,

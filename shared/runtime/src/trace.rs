@@ -58,18 +58,18 @@ pub fn traceparent(span: &tracing::Span) -> Option<String> {
 /// A version-00 `traceparent`, as the propagator writes it (a producer formats one per
 /// append).
 fn format(trace_id: &[u8; 16], span_id: &[u8; 8], sampled: bool) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(55);
-    out.push_str("00-");
-    for (i, id) in [&trace_id[..], &span_id[..]].into_iter().enumerate() {
-        if i > 0 {
-            out.push('-');
-        }
-        for &byte in id {
-            out.push(HEX[usize::from(byte >> 4)] as char);
-            out.push(HEX[usize::from(byte & 0xf)] as char);
+    fn hex(out: &mut String, bytes: &[u8]) {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        for &byte in bytes {
+            out.push(DIGITS[usize::from(byte >> 4)] as char);
+            out.push(DIGITS[usize::from(byte & 0xf)] as char);
         }
     }
+    let mut out = String::with_capacity(55);
+    out.push_str("00-");
+    hex(&mut out, trace_id);
+    out.push('-');
+    hex(&mut out, span_id);
     out.push_str(if sampled { "-01" } else { "-00" });
     out
 }
