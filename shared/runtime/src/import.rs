@@ -11,9 +11,10 @@
 //!   `MAX_CONVERSATION_BYTES` of JSON) and keeping at most [`READ_AHEAD_BYTES`] of planned
 //!   conversations ahead of its appends.
 //! - Each session's events go one after the other (the writer numbers them in that order);
-//!   many conversations go at once, at most [`IN_FLIGHT_PER_PARTITION`] appends per
-//!   partition across every import of the process, so live turns keep their share of the
-//!   writer.
+//!   many conversations go at once, with as many appends in flight a partition, across
+//!   every import of the process, as keeps the queue they add short (a [`Budget`] that
+//!   follows the appends' round trips, at most [`MAX_IN_FLIGHT_PER_PARTITION`]), so live
+//!   turns keep their share of the writer.
 
 use std::collections::HashMap;
 use std::io::BufRead;
@@ -34,16 +35,18 @@ use turnlog_core::ids::{Owner, SessionId};
 use turnlog_core::import::{self, Conversation, FileError, Format, PlannedSession, Rejected};
 use uuid::Uuid;
 
+use crate::budget::Budget;
 use crate::bus::{
     append_and_wait, metadata_error, partition_of, AppendError, AppendOp, AppendRequest, Bus, Refusal,
     RequestKind, MAX_EVENT_BYTES,
 };
 
 /// Most appends imports keep in flight on one partition: as many as a live append may find
-/// queued ahead of it in the partition's stream. 200 kept the writer's batches full and made
-/// live appends wait about 0.1 s (p99) during an import; this many keeps that wait near
-/// what it is without one, at part of the import's rate (docs/benchmarks.md, Import).
-pub const IN_FLIGHT_PER_PARTITION: usize = 8;
+/// queued ahead of it in the partition's stream. Within it the [`Budget`] keeps as many as
+/// the round trips allow. 200 kept the writer's batches full and made live appends wait
+/// about 0.1 s (p99) during an import; a fixed 8 made them wait up to 3.3× what they wait
+/// without one on a fast machine (docs/benchmarks.md, Import).
+pub const MAX_IN_FLIGHT_PER_PARTITION: usize = 16;
 
 /// Imported ids are name-based uuids in this namespace.
 const IMPORT_NAMESPACE: Uuid = Uuid::from_u128(0x2b9e_51c7_0f4a_4d38_a6e2_7c15_93d0_4e81);
@@ -55,11 +58,10 @@ pub const FILES_AT_ONCE: usize = 2;
 /// its appends: the reader waits for room. A conversation larger than this still goes, alone.
 pub const READ_AHEAD_BYTES: usize = 64 * 1024 * 1024;
 
-/// The appends imports may have in flight, one lane per partition, and the files imported
-/// at once, shared by every import a process runs.
+/// The appends imports may have in flight, one budget per partition, and the files
+/// imported at once, shared by every import a process runs.
 pub struct ImportLanes {
-    lanes: Vec<Arc<Semaphore>>,
-    per_lane: usize,
+    lanes: Vec<Budget>,
     files: Arc<Semaphore>,
 }
 
@@ -70,15 +72,24 @@ pub struct FileSlot {
 
 impl ImportLanes {
     pub fn new(partitions: u32) -> Self {
-        Self::with_in_flight(partitions, IN_FLIGHT_PER_PARTITION)
+        Self::with(partitions, || Budget::adaptive(MAX_IN_FLIGHT_PER_PARTITION))
     }
 
-    /// [`ImportLanes::new`] with `per_lane` appends in flight a partition (the benchmark
-    /// compares widths).
-    pub fn with_in_flight(partitions: u32, per_lane: usize) -> Self {
-        let per_lane = per_lane.max(1);
-        let lanes = (0..partitions.max(1)).map(|_| Arc::new(Semaphore::new(per_lane))).collect();
-        Self { lanes, per_lane, files: Arc::new(Semaphore::new(FILES_AT_ONCE)) }
+    /// [`ImportLanes::new`] allowing the appends `target_share` of their base round trip as
+    /// queueing (the benchmark compares shares).
+    pub fn adaptive_to(partitions: u32, target_share: f64) -> Self {
+        Self::with(partitions, || Budget::adaptive_to(MAX_IN_FLIGHT_PER_PARTITION, target_share))
+    }
+
+    /// [`ImportLanes::new`] with a fixed `per_lane` appends in flight a partition (the
+    /// benchmark compares with it).
+    pub fn fixed(partitions: u32, per_lane: usize) -> Self {
+        Self::with(partitions, || Budget::fixed(per_lane))
+    }
+
+    fn with(partitions: u32, budget: impl Fn() -> Budget) -> Self {
+        let lanes = (0..partitions.max(1)).map(|_| budget()).collect();
+        Self { lanes, files: Arc::new(Semaphore::new(FILES_AT_ONCE)) }
     }
 
     /// Waits for a turn to import a file.
@@ -88,14 +99,15 @@ impl ImportLanes {
         Ok(FileSlot { _permit: permit })
     }
 
-    fn lane(&self, partition: u32) -> &Semaphore {
+    /// The budget of `partition`'s appends.
+    pub fn lane(&self, partition: u32) -> &Budget {
         &self.lanes[partition as usize % self.lanes.len()]
     }
 
-    /// How many conversations an import works on at once: enough to fill every lane (each
-    /// has one append in flight at a time).
+    /// How many conversations an import works on at once: enough to fill every lane at its
+    /// widest (each has one append in flight at a time).
     fn width(&self) -> usize {
-        self.lanes.len() * self.per_lane
+        self.lanes.iter().map(Budget::max).sum()
     }
 }
 
@@ -448,10 +460,11 @@ impl Importer {
     /// committed at (or committed at before, for a repeat).
     async fn send(&self, req: &AppendRequest) -> Result<Option<i64>, NotImported> {
         let lane = self.lanes.lane(partition_of(req.session_id, self.bus.partitions));
-        let _permit = lane.acquire().await.map_err(|_| NotImported::ShuttingDown)?;
+        let slot = lane.slot().await.map_err(|_| NotImported::ShuttingDown)?;
         let outcome = append_and_wait(&self.bus, &self.pool, req, self.append_timeout)
             .await
             .map_err(NotImported::Interrupted)?;
+        slot.done();
         if outcome.is_applied() {
             Ok(outcome.seq)
         } else {

@@ -3,6 +3,7 @@
 //! queries, the upstream model client, the worker consumer loop, and the settings every
 //! service shares. The pure logic it serves lives in `turnlog-core`.
 
+pub mod budget;
 pub mod bus;
 pub mod db;
 pub mod export;

@@ -2,16 +2,19 @@
 //! messages (every tenth conversation with a regenerated answer, so a fork) imported
 //! through the writer as `POST /v1/import` and `turnlog import` do, and what it does to
 //! live appends meanwhile: their p99 at 100/s before the import (the baseline) and during it,
-//! with imports keeping 200 appends in flight a partition (as before issue 43) and today's
-//! [`IN_FLIGHT_PER_PARTITION`]. Then the same file again, which adds nothing.
+//! with imports keeping 200 appends in flight a partition (as before issue 43), a fixed 8
+//! (issue 43's first answer) and today's adaptive budget (at most
+//! [`MAX_IN_FLIGHT_PER_PARTITION`]; its mean window is reported). Then the same file again,
+//! which adds nothing.
 
 use std::io::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use serde_json::{json, Value};
 use turnlog_core::ids::Owner;
-use turnlog_runtime::import::{ImportLanes, Importer, IN_FLIGHT_PER_PARTITION};
+use turnlog_runtime::import::{ImportLanes, Importer, MAX_IN_FLIGHT_PER_PARTITION};
 
 use crate::writer::{latency_at, Rig};
 
@@ -79,20 +82,29 @@ pub(crate) async fn run() -> anyhow::Result<()> {
     let mut rig = Rig::new().await?;
     rig.start_writer();
     let live = rig.sessions(16).await?;
-    let alone_p99 = latency_at(&rig, &live, LIVE_PER_S, LIVE_SECONDS).await?.p99();
+    // A first round warms the new database and the writer; the second is the baseline.
+    latency_at(&rig, &live, LIVE_PER_S, 3).await?;
+    let alone = latency_at(&rig, &live, LIVE_PER_S, LIVE_SECONDS).await?;
+    println!("live appends at {LIVE_PER_S}/s alone (the baseline): {}", alone.summary());
+    let alone_p99 = alone.p99();
 
-    // The same file imported twice, by two owners (so neither finds the other's sessions):
-    // with the appends in flight a partition that imports had before issue 43 (200), and
-    // with today's; live appends measured meanwhile each time.
+    // The same file imported once a budget, by an owner each (so none finds another's
+    // sessions): by default with the appends in flight a partition that imports had before
+    // issue 43 (200), a fixed 8, and today's adaptive budget; live appends measured meanwhile.
+    let budgets = std::env::var("TURNLOG_BENCH_IMPORT_BUDGETS").unwrap_or_else(|_| "200,8,adaptive".into());
     let mut runs = Vec::new();
     let mut last = None;
-    for in_flight in [200, IN_FLIGHT_PER_PARTITION] {
-        let name = format!("{in_flight} appends in flight");
+    for budget in budgets.split(',') {
+        let lanes = match (budget, budget.strip_prefix("adaptive:")) {
+            ("adaptive", _) => ImportLanes::new(rig.bus.partitions),
+            (_, Some(share)) => ImportLanes::adaptive_to(rig.bus.partitions, share.parse()?),
+            (n, None) => ImportLanes::fixed(rig.bus.partitions, n.parse()?),
+        };
         let importer = Importer {
             bus: rig.bus.clone(),
             pool: rig.env.pool.clone(),
-            owner: Owner::parse(&format!("importer-{in_flight}"))?,
-            lanes: Arc::new(ImportLanes::with_in_flight(rig.bus.partitions, in_flight)),
+            owner: Owner::parse(&format!("importer-{}", runs.len()))?,
+            lanes: Arc::new(lanes),
             append_timeout: Duration::from_secs(60),
         };
         let started = Instant::now();
@@ -100,38 +112,65 @@ pub(crate) async fn run() -> anyhow::Result<()> {
             let (importer, path) = (importer.clone(), path.clone());
             tokio::spawn(async move { importer.file(&path, None, |_, _| {}).await })
         };
+        // The window, sampled every 10 ms while the import runs.
+        let window = {
+            let lanes = importer.lanes.clone();
+            let import = import.abort_handle();
+            tokio::spawn(async move {
+                let (mut sum, mut samples) = (0.0, 0u32);
+                while !import.is_finished() {
+                    sum += lanes.lane(0).limit();
+                    samples += 1;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                sum / f64::from(samples.max(1))
+            })
+        };
         let during = latency_at(&rig, &live, LIVE_PER_S, LIVE_SECONDS).await?;
-        let (during_p99, during_max) = (during.p99(), during.max());
         let summary = import.await??;
         let elapsed = started.elapsed();
+        let window = window.await?;
         anyhow::ensure!(summary.failed.is_empty(), "conversations failed: {:?}", summary.failed);
         let per_s = summary.messages as f64 / elapsed.as_secs_f64();
         println!(
-            "import of {CONVERSATIONS} conversations ({file_mb:.1} MB, {} messages, {} sessions), {name}: {:.1} s, \
-             {per_s:.0} messages/s; live appends at {LIVE_PER_S}/s meanwhile: p99 {during_p99:.2} ms (max {during_max:.1} ms)",
+            "import of {CONVERSATIONS} conversations ({file_mb:.1} MB, {} messages, {} sessions), {budget} in flight: \
+             {:.1} s, {per_s:.0} messages/s, {window:.1} appends in flight on average; live appends at \
+             {LIVE_PER_S}/s meanwhile: {}",
             summary.messages,
             summary.sessions,
-            elapsed.as_secs_f64()
+            elapsed.as_secs_f64(),
+            during.summary(),
         );
-        runs.push((per_s, during_p99));
+        runs.push((budget, per_s, during.p99(), window));
         last = Some(importer);
     }
-    let importer = last.expect("two runs");
+    let importer = last.context("no budget to import with")?;
     let again = Instant::now();
     let repeat = importer.file(&path, None, |_, _| {}).await?;
     anyhow::ensure!(repeat.events == 0 && repeat.unchanged == CONVERSATIONS, "a repeat added {repeat:?}");
     let again = again.elapsed();
     let _ = std::fs::remove_file(&path);
-
-    let [(before_per_s, before_p99), (per_s, during_p99)] = runs[..] else { anyhow::bail!("two runs") };
-    println!("live appends at {LIVE_PER_S}/s alone (baseline): p99 {alone_p99:.2} ms");
+    let after = latency_at(&rig, &live, LIVE_PER_S, LIVE_SECONDS).await?;
+    println!("live appends at {LIVE_PER_S}/s alone after the imports: {}", after.summary());
     println!("the same file again: nothing added, {:.1} s", again.as_secs_f64());
+
+    let (_, per_s, during_p99, window) = runs[runs.len() - 1];
+    let others: String = runs[..runs.len() - 1]
+        .iter()
+        .map(|(budget, per_s, p99, _)| {
+            format!(
+                " messages_per_s_{budget}={per_s:.0} live_p99_ms_{budget}={p99:.2} live_p99_vs_alone_{budget}={:.2}",
+                p99 / alone_p99
+            )
+        })
+        .collect();
     println!(
         "RESULT import messages_per_s={per_s:.0} live_p99_ms={during_p99:.2} live_p99_alone_ms={alone_p99:.2} \
-         live_p99_vs_alone={:.2} repeat_s={:.1} in_flight={IN_FLIGHT_PER_PARTITION} messages_per_s_200={before_per_s:.0} \
-         live_p99_ms_200={before_p99:.2}",
+         live_p99_vs_alone={:.2} mean_in_flight={window:.1} max_in_flight={MAX_IN_FLIGHT_PER_PARTITION} \
+         repeat_s={:.1} live_p99_alone_after_ms={:.2}{others}",
         during_p99 / alone_p99,
-        again.as_secs_f64()
+        again.as_secs_f64(),
+        after.p99(),
     );
     rig.stop_writer().await?;
     rig.env.cleanup().await;

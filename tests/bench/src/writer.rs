@@ -202,6 +202,12 @@ impl Latency {
     pub(crate) fn max(&self) -> f64 {
         self.0.max() as f64 / 1000.0
     }
+
+    /// p50, p90, p99 and max, in ms.
+    pub(crate) fn summary(&self) -> String {
+        let p90 = self.0.value_at_quantile(0.9) as f64 / 1000.0;
+        format!("p50 {:.2} ms, p90 {p90:.2}, p99 {:.2}, max {:.1}", self.p50(), self.p99(), self.max())
+    }
 }
 
 /// The writer alone: the stream pre-filled while it is stopped, then drained.
