@@ -336,7 +336,7 @@ impl Importer {
         let mut index: HashMap<SessionId, usize> = HashMap::with_capacity(c.sessions.len());
         for (i, (s, target)) in c.sessions.iter().zip(targets).enumerate() {
             let session = self
-                .session(s, target, &placed, &index, &mut done)
+                .session(s, target, &placed, &index, &mut done, interrupted)
                 .await
                 .map_err(|why| reject(why.in_session(i)))?;
             index.insert(session.id, i);
@@ -346,7 +346,7 @@ impl Importer {
             if s.deleted && !p.hidden {
                 let mut delete = AppendRequest::delete(p.id, &self.owner);
                 delete.request_id = name(&format!("{}\ndelete", p.id));
-                self.send(&delete).await.map_err(reject)?;
+                self.send(&delete, interrupted).await.map_err(reject)?;
             }
         }
         Ok(done)
@@ -400,6 +400,7 @@ impl Importer {
         placed: &[Placed],
         index: &HashMap<SessionId, usize>,
         done: &mut Done,
+        interrupted: &AtomicBool,
     ) -> Result<Placed, NotImported> {
         let owner = &self.owner;
         let Target { id, existing } = target;
@@ -423,7 +424,7 @@ impl Importer {
             }
             .with_metadata(s.metadata.clone());
             create.request_id = name(&format!("{id}\ncreate"));
-            self.send(&create).await?;
+            self.send(&create, interrupted).await?;
             done.sessions += 1;
         }
         let mut seqs: HashMap<i64, i64> = HashMap::with_capacity(s.events.len() + 1);
@@ -443,7 +444,7 @@ impl Importer {
                 |memory| name(&format!("{id}\nmemory\n{memory}")).to_string(),
             );
             let append = AppendRequest::append_payload(id, owner, event_id, e.kind, payload);
-            let seq = self.send(&append).await?;
+            let seq = self.send(&append, interrupted).await?;
             seqs.insert(e.seq, seq.ok_or(NotImported::NoSeq)?);
             done.events += 1;
             done.messages += usize::from(matches!(e.kind, EventKind::UserMessage | EventKind::AssistantTurn));
@@ -451,16 +452,21 @@ impl Importer {
         if s.archived && !hidden {
             let mut archive = AppendRequest::update(id, owner).with_archived(Some(true));
             archive.request_id = name(&format!("{id}\narchive"));
-            self.send(&archive).await?;
+            self.send(&archive, interrupted).await?;
         }
         Ok(Placed { id, lineage, seqs, hidden })
     }
 
     /// Sends one request on its partition's lane and waits for its outcome; the seq it
-    /// committed at (or committed at before, for a repeat).
-    async fn send(&self, req: &AppendRequest) -> Result<Option<i64>, NotImported> {
+    /// committed at (or committed at before, for a repeat). Once an append of the import
+    /// has an unknown outcome (`interrupted`), sends nothing more: with the writer gone,
+    /// each conversation waiting for its lane would otherwise wait out a timeout in turn.
+    async fn send(&self, req: &AppendRequest, interrupted: &AtomicBool) -> Result<Option<i64>, NotImported> {
         let lane = self.lanes.lane(partition_of(req.session_id, self.bus.partitions));
         let slot = lane.slot().await.map_err(|_| NotImported::ShuttingDown)?;
+        if interrupted.load(Ordering::Relaxed) {
+            return Err(NotImported::Stopped);
+        }
         let outcome = append_and_wait(&self.bus, &self.pool, req, self.append_timeout)
             .await
             .map_err(NotImported::Interrupted)?;
@@ -592,6 +598,11 @@ enum NotImported {
     ShuttingDown,
     #[error("interrupted ({0}); importing the file again completes it")]
     Interrupted(AppendError),
+    #[error(
+        "stopped before its next append: an earlier append's outcome is unknown (the writer did not \
+         answer in time); importing the file again completes it"
+    )]
+    Stopped,
     /// The writer refused a request (`request` names it: its kind, or its op).
     #[error("the log refused a {request} ({})", .reason.as_deref().unwrap_or("rejected"))]
     Refused { request: String, reason: Option<Refusal> },
