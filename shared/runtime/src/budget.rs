@@ -65,9 +65,11 @@ impl Budget {
         Self::with(1, max, Some(TARGET_SHARE))
     }
 
-    /// [`Budget::adaptive`] allowing `target_share` of the base (the benchmark compares).
+    /// [`Budget::adaptive`] allowing `target_share` of the base (the benchmark compares),
+    /// taken between 0 and 100 (a NaN as 0), so that scaling the base cannot panic.
     pub fn adaptive_to(max: usize, target_share: f64) -> Self {
-        Self::with(1, max, Some(target_share))
+        let share = if target_share.is_nan() { 0.0 } else { target_share.clamp(0.0, 100.0) };
+        Self::with(1, max, Some(share))
     }
 
     /// A window of `n` appends that never moves (the benchmark compares with it).
@@ -228,6 +230,17 @@ mod tests {
         }
         assert_eq!(w.floors.iter().min(), Some(&(10 * MS)));
         assert_eq!(w.limit, 16.0, "the window grows again once 10 ms is the base");
+    }
+
+    #[test]
+    fn a_share_out_of_range_is_bounded_instead_of_panicking() {
+        for share in [f64::NAN, -1.0, f64::INFINITY] {
+            let budget = Budget::adaptive_to(4, share);
+            for rtt in [MS, Duration::from_secs(3600), MS] {
+                budget.window().observe(rtt, Instant::now());
+            }
+            assert!((1.0..=4.0).contains(&budget.limit()), "share {share}: {}", budget.limit());
+        }
     }
 
     #[tokio::test]
