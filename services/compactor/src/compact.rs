@@ -9,12 +9,12 @@ use std::time::Duration;
 use serde_json::Value;
 use sqlx::PgPool;
 use turnlog_core::branch::{first_own_seq, owner_of_seq, Segment};
-use turnlog_core::budget::{budget_for, history_tokens_with, request_size};
+use turnlog_core::budget::{budget_for, history_tokens_with, request_size, CountedEvent};
 use turnlog_core::compaction::{plan_compaction_with, CompactionPlan};
 use turnlog_core::events::{CompactionApplied, EventBody, EventKind};
 use turnlog_core::ids::{EventId, Owner, SessionId};
 use turnlog_runtime::bus::{append_and_wait, AppendError, AppendRequest, Bus, Expect, Refusal};
-use turnlog_runtime::read::{live_counts, live_tail, ReadError};
+use turnlog_runtime::read::{live_counts, live_counts_after, live_tail, ReadError};
 use turnlog_runtime::upstream::{UpstreamClient, UpstreamError};
 use uuid::Uuid;
 
@@ -30,6 +30,10 @@ const MAX_SUMMARIES_PER_CHECK: u32 = 2 * REFUSALS_PER_HALVING;
 const MAX_ROUNDS: u32 = 16;
 /// A span can be halved only so often before it is a single message.
 const MAX_HALVINGS: u32 = 16;
+/// Sessions whose live tail's counts a compactor keeps between checks, and the longest tail
+/// it keeps: a session's next check reads only the events committed since its last.
+const COUNTS_KEPT: usize = 1024;
+const MAX_KEPT_EVENTS: usize = 4096;
 /// How often the facts wait looks for new `memory_extracted` events.
 const FACTS_POLL: Duration = Duration::from_millis(100);
 
@@ -92,6 +96,9 @@ pub struct Compactor {
     locks: SessionLocks,
     /// Refused summaries per session since its last compaction (this process's view).
     refusals: Mutex<HashMap<SessionId, u32>>,
+    /// Each recently checked session's live tail as counted (its owner's; another owner's
+    /// check reads nothing of it).
+    counts: Mutex<HashMap<SessionId, Vec<CountedEvent>>>,
 }
 
 enum Attempt {
@@ -105,7 +112,15 @@ enum Attempt {
 
 impl Compactor {
     pub fn new(pool: PgPool, bus: Bus, upstream: UpstreamClient, settings: Settings) -> Self {
-        Self { pool, bus, upstream, settings, locks: SessionLocks::default(), refusals: Mutex::default() }
+        Self {
+            pool,
+            bus,
+            upstream,
+            settings,
+            locks: SessionLocks::default(),
+            refusals: Mutex::default(),
+            counts: Mutex::default(),
+        }
     }
 
     /// The budget for a request to `model` (else the default model).
@@ -136,7 +151,7 @@ impl Compactor {
         };
         for _ in 0..MAX_ROUNDS {
             // Most checks find the request within budget: counting needs no event's payload.
-            let counted = live_counts(&self.pool, owner, session).await?.ok_or(CompactError::NotFound)?;
+            let counted = self.counts(owner, session).await?;
             let checked = Checked { compacted_through, tokens: size(&counted), budget };
             if checked.within_budget() {
                 return Ok(checked);
@@ -202,8 +217,34 @@ impl Compactor {
                 }
             }
         }
-        let counted = live_counts(&self.pool, owner, session).await?.ok_or(CompactError::NotFound)?;
+        let counted = self.counts(owner, session).await?;
         Ok(Checked { compacted_through, tokens: size(&counted), budget })
+    }
+
+    /// The session's live tail as counted: from what the last check kept, the events
+    /// committed since. Called with the session's lock held.
+    async fn counts(&self, owner: &Owner, session: SessionId) -> Result<Vec<CountedEvent>, CompactError> {
+        let kept = self.counts_map().remove(&session);
+        let counted = match kept {
+            Some(kept) => live_counts_after(&self.pool, owner, session, kept).await?,
+            None => live_counts(&self.pool, owner, session).await?,
+        }
+        .ok_or(CompactError::NotFound)?;
+        if counted.len() <= MAX_KEPT_EVENTS {
+            let mut map = self.counts_map();
+            if map.len() >= COUNTS_KEPT {
+                if let Some(any) = map.keys().next().copied() {
+                    map.remove(&any);
+                }
+            }
+            map.insert(session, counted.clone());
+        }
+        Ok(counted)
+    }
+
+    fn counts_map(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, Vec<CountedEvent>>> {
+        // Whole entries only; a panic elsewhere cannot leave one half-written.
+        self.counts.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// One compaction of `plan`: facts first, then the summary, then the conditional append.

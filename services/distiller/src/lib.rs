@@ -3,6 +3,9 @@
 //! residue later turns see instead of raw traces; after a session's first turn it also
 //! names the session. Appends go through the writer with deterministic ids.
 
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 use turnlog_core::events::{EventBody, EventKind, Failure, TurnMemory};
@@ -47,13 +50,41 @@ pub async fn run(config: DistillerConfig, shutdown: CancellationToken) -> anyhow
         Origin::Live,
         "distiller running",
         config,
-        Distiller,
+        Distiller::default(),
         shutdown.cancelled_owned(),
     )
     .await
 }
 
-struct Distiller;
+/// Sessions whose answers a distiller remembers having seen.
+const ANSWERED_KEPT: usize = 65_536;
+
+#[derive(Default)]
+struct Distiller {
+    /// The lowest seq of an answer seen in each recently seen session: a later answer is not
+    /// its first, so it needs no title look-up (a fork is a session of its own).
+    answered: Mutex<HashMap<SessionId, i64>>,
+}
+
+impl Distiller {
+    /// Whether an answer of `turn`'s session before it was seen; notes `turn` either way.
+    fn answered_before(&self, turn: &CommittedEvent) -> bool {
+        // Whole entries only; a panic elsewhere cannot leave one half-written.
+        let mut seen = self.answered.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(first) = seen.get_mut(&turn.session_id) {
+            let before = *first < turn.seq;
+            *first = (*first).min(turn.seq);
+            return before;
+        }
+        if seen.len() >= ANSWERED_KEPT {
+            if let Some(any) = seen.keys().next().copied() {
+                seen.remove(&any);
+            }
+        }
+        seen.insert(turn.session_id, turn.seq);
+        false
+    }
+}
 
 impl TurnTask for Distiller {
     async fn handle(
@@ -69,6 +100,9 @@ impl TurnTask for Distiller {
             return Ok(());
         }
         distill_turn(w, &event).await?;
+        if self.answered_before(&event) {
+            return Ok(());
+        }
         title_session(w, &event).await
     }
 }
@@ -251,6 +285,24 @@ mod tests {
             serde_json::from_str(r#"{"key_findings": ["Alice is 30."], "mood": "fine"}"#).unwrap();
         assert_eq!(r.key_findings, ["Alice is 30."]);
         assert!(serde_json::from_str::<Residue>(r#"{"key_findings": "not a list"}"#).is_err());
+    }
+
+    #[test]
+    fn an_answer_after_one_seen_is_not_a_sessions_first() {
+        let answer = |session: SessionId, seq: i64| -> CommittedEvent {
+            serde_json::from_value(serde_json::json!({
+                "session_id": session, "owner": "alice", "seq": seq, "event_id": EventId::new(),
+                "kind": "assistant_turn", "payload": {}, "created_at": "2026-12-07T00:00:00Z",
+            }))
+            .unwrap()
+        };
+        let (d, s, fork) = (Distiller::default(), SessionId::new(), SessionId::new());
+        assert!(!d.answered_before(&answer(s, 5)), "the first seen is looked up");
+        assert!(!d.answered_before(&answer(s, 5)), "so is its redelivery");
+        assert!(d.answered_before(&answer(s, 9)));
+        assert!(!d.answered_before(&answer(fork, 12)), "a fork is a session of its own");
+        assert!(!d.answered_before(&answer(s, 2)), "an earlier answer seen late is looked up");
+        assert!(d.answered_before(&answer(s, 5)));
     }
 
     #[test]

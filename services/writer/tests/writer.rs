@@ -292,6 +292,8 @@ async fn racing_compactions_with_the_same_expectation_apply_once() {
 /// What the compactor's check reads (`read::live_counts`, counted in SQL from the stored
 /// payloads) is what the live tail counts from the decoded ones: tool steps and results,
 /// answers, the compaction's boundary, and nothing before it; another owner finds nothing.
+/// A tail or counts read earlier and brought up to date (`read::live_tail_after`,
+/// `read::live_counts_after`) are the ones read again, across a compaction too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_live_counts_are_the_live_tail_s_counts() {
     let h = Harness::start().await;
@@ -326,6 +328,11 @@ async fn the_live_counts_are_the_live_tail_s_counts() {
     let tail = read::live_tail(&h.env.pool, &alice, s).await.unwrap().unwrap();
     assert_eq!(counts().await.unwrap().unwrap(), tail.counted);
     assert_eq!(tail.counted.iter().filter(|c| c.tool).count(), 2, "{:?}", tail.counted);
+    let (early_tail, early_counts) = (tail.clone(), counts().await.unwrap().unwrap());
+    let same = read::live_tail_after(&h.env.pool, &alice, s, tail.clone()).await.unwrap().unwrap();
+    assert_eq!((same.events, same.counted), (tail.events, tail.counted), "nothing new");
+    let after = |c: Vec<_>| read::live_counts_after(&h.env.pool, &alice, s, c);
+    assert_eq!(after(early_counts.clone()).await.unwrap().unwrap(), early_counts, "nothing new");
 
     h.user(s, "alice", "and now?").await;
     append(EventBody::CompactionApplied(CompactionApplied {
@@ -338,7 +345,12 @@ async fn the_live_counts_are_the_live_tail_s_counts() {
     assert_eq!(counts().await.unwrap().unwrap(), tail.counted);
     assert_eq!(tail.counted.first().map(|c| c.seq), Some(4));
     assert!(tail.counted.iter().any(|c| c.replaces_through == Some(3)));
+    let later = read::live_tail_after(&h.env.pool, &alice, s, early_tail.clone()).await.unwrap().unwrap();
+    assert_eq!((later.state, later.events, later.counted), (tail.state, tail.events, tail.counted.clone()));
+    assert_eq!(after(early_counts.clone()).await.unwrap().unwrap(), tail.counted);
     assert!(read::live_counts(&h.env.pool, &owner("bob"), s).await.unwrap().is_none());
+    assert!(read::live_counts_after(&h.env.pool, &owner("bob"), s, early_counts).await.unwrap().is_none());
+    assert!(read::live_tail_after(&h.env.pool, &owner("bob"), s, early_tail).await.unwrap().is_none());
     h.stop().await;
 }
 

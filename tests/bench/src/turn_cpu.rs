@@ -129,6 +129,8 @@ async fn run(
         ("nats", Part::nats(nats)),
     ]);
     crate::cpu::statements_reset(&env.pool).await;
+    // (A profiler started now sees only the metered turns.)
+    eprintln!("metering {} turns", SESSIONS * TURNS_EACH);
     let started = Instant::now();
     let (turns, spent) = meter.measure(talk(sessions, TURNS_EACH)).await;
     let seconds = started.elapsed().as_secs_f64();

@@ -65,6 +65,9 @@ pub struct TurnStart {
     /// A continued turn: its last step's server calls are seen to (run, asked about) before
     /// the next step (DESIGN §14).
     pub continued: bool,
+    /// The live tail as read before the user message, when it was: the request's is this
+    /// and the events committed since.
+    pub tail: Option<read::LiveTail>,
 }
 
 /// What a client may set for one turn's request (the OpenAI-compatible routes): recorded
@@ -213,8 +216,9 @@ enum Ending {
 }
 
 #[tracing::instrument(skip_all, fields(session_id = %start.session, attempt_id))]
-async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
+async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, mut start: TurnStart) {
     let started = Instant::now();
+    let tail = start.tail.take();
     let attempt_id = turn.attempt_id.clone();
     tracing::Span::current().record("attempt_id", attempt_id.as_str());
     let mut t = Turn {
@@ -232,6 +236,7 @@ async fn run(app: &Arc<Ingress>, turn: &Arc<ActiveTurn>, start: TurnStart) {
         steps_before: 0,
         options: start.options.clone(),
         server_names: Default::default(),
+        tail,
     };
     let meta = Meta {
         session_id: Some(start.session),
@@ -312,6 +317,8 @@ struct Turn<'a> {
     options: TurnOptions,
     /// The offered tools that are server tools (DESIGN §14).
     server_names: std::collections::HashSet<String>,
+    /// The start's live tail, until the first request is built from it.
+    tail: Option<read::LiveTail>,
 }
 
 impl Turn<'_> {
@@ -487,6 +494,7 @@ impl Turn<'_> {
     /// function an audit rebuilds it with, and recorded (`self.request`) before it is sent.
     async fn build_request(&mut self) -> Result<RequestBody, Ending> {
         let app = self.app;
+        let kept = self.tail.take();
         let owner = &self.start.owner;
         // A turn's first step offers the servers' tools beside the client's (DESIGN §14);
         // later steps offer what the first did.
@@ -519,9 +527,9 @@ impl Turn<'_> {
                 })
         };
         let (extras, tail) = match &options.extras {
-            Some(extras) => (extras.clone(), self.live_tail().await),
+            Some(extras) => (extras.clone(), self.live_tail(kept).await),
             None => {
-                let (memories, tail) = tokio::join!(recall, self.live_tail());
+                let (memories, tail) = tokio::join!(recall, self.live_tail(kept));
                 (
                     Extras { date: Some(chrono::Utc::now().format("%Y-%m-%d (%A)").to_string()), memories },
                     tail,
@@ -541,7 +549,7 @@ impl Turn<'_> {
         // log, so it is asked only when the request is over.
         let compacted = size <= budget || {
             let compacted = self.ask_compactor(reserve).await;
-            tail = self.live_tail().await?;
+            tail = self.live_tail(None).await?;
             size = request_size(history_tokens_with(&tail.counted, history), reserve);
             compacted
         };
@@ -616,9 +624,15 @@ impl Turn<'_> {
         Ok(body)
     }
 
-    /// The session's live tail, or the turn's failure.
-    async fn live_tail(&self) -> Result<read::LiveTail, Ending> {
-        match read::live_tail(&self.app.pool, &self.start.owner, self.start.session).await {
+    /// The session's live tail (from `kept`, read earlier, and what came since, when given),
+    /// or the turn's failure.
+    async fn live_tail(&self, kept: Option<read::LiveTail>) -> Result<read::LiveTail, Ending> {
+        let (pool, owner, session) = (&self.app.pool, &self.start.owner, self.start.session);
+        let read = match kept {
+            Some(tail) => read::live_tail_after(pool, owner, session, tail).await,
+            None => read::live_tail(pool, owner, session).await,
+        };
+        match read {
             Ok(Some(tail)) => Ok(tail),
             Ok(None) => {
                 Err(Ending::Failed { code: FailureCode::NotFound, message: "the session is gone".into() })

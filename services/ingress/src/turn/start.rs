@@ -149,13 +149,18 @@ pub async fn begin_turn(
     let holder = app.instance_id.clone();
     let lease = app.leases.acquire(session, &holder).await?.ok_or_else(turn_running)?;
     let leased = t0.elapsed();
-    // A turn paused for tools ends without their results (a new session has none).
-    if create.is_none() {
-        if let Err(e) = super::cancel_waiting(app, caller, session).await {
-            let _ = app.leases.release(lease).await;
-            return Err(e);
-        }
-    }
+    // A turn paused for tools ends without their results (a new session has none). The
+    // live tail read for that is the start of the one the request is built from.
+    let tail = match create {
+        Some(_) => None,
+        None => match super::cancel_waiting(app, caller, session).await {
+            Ok(tail) => Some(tail),
+            Err(e) => {
+                let _ = app.leases.release(lease).await;
+                return Err(e);
+            }
+        },
+    };
 
     let model = app.config.model_for(&message);
     let user_text = message.text.clone();
@@ -195,6 +200,7 @@ pub async fn begin_turn(
             options,
             results: Vec::new(),
             continued: false,
+            tail,
         },
     );
     Ok(follow_local(turn, 0))
@@ -334,6 +340,7 @@ async fn retried(
         options,
         results: Vec::new(),
         continued,
+        tail: None,
     };
     Ok(follow_local(start_turn(app, start), 0))
 }

@@ -253,6 +253,7 @@ impl Resumed {
             options: self.options,
             results,
             continued: true,
+            tail: None,
         }
     }
 }
@@ -364,13 +365,16 @@ fn required_of(events: &[Event]) -> Vec<Required> {
 /// Before a new user message: the calls a paused turn still waits for are recorded as
 /// `cancelled` (DESIGN §14), each with the event id its result would have had, so a
 /// result sent later is a 409 and a resend of the message records nothing twice. A server
-/// call still running is asked to stop.
-pub async fn cancel_waiting(app: &AppState, caller: &Caller, id: SessionId) -> Result<(), ApiError> {
-    let events = read::current_turn(&app.pool, caller.owner(), id, CURRENT_TURN_EVENTS)
-        .await?
-        .ok_or_else(ApiError::session_not_found)?;
-    let sources = server::sources(&events);
-    for call in waiting_calls(&events) {
+/// call still running is asked to stop. The live tail they were found in, as read before.
+pub async fn cancel_waiting(
+    app: &AppState,
+    caller: &Caller,
+    id: SessionId,
+) -> Result<read::LiveTail, ApiError> {
+    let tail =
+        read::live_tail(&app.pool, caller.owner(), id).await?.ok_or_else(ApiError::session_not_found)?;
+    let sources = server::sources(&tail.events);
+    for call in waiting_calls(&tail.events) {
         let event_id = result_event_id(caller, id, &call.id);
         let source = sources.get(&call.id).cloned().unwrap_or_else(|| "client".into());
         if server::is_server(&sources, &call.id) {
@@ -389,7 +393,7 @@ pub async fn cancel_waiting(app: &AppState, caller: &Caller, id: SessionId) -> R
         });
         submit(app, &AppendRequest::append(id, caller.owner(), event_id, &body)).await?;
     }
-    Ok(())
+    Ok(tail)
 }
 
 /// The event id of a call's result in session `id`: one per call, so a resend records

@@ -83,6 +83,25 @@ struct CountedRow {
     asks_for_tools: bool,
 }
 
+/// [`CountedRow`]'s columns, from `session_events e`: `payload_asks_for_tools` and the
+/// compaction's `replaces_through_seq`, in SQL (a test compares the two reads); a CASE
+/// evaluates in order, so only an array is measured.
+macro_rules! counted_columns {
+    () => {
+        "SELECT e.seq, e.kind, e.tokens,
+                CASE WHEN e.kind = 'compaction_applied' THEN (e.payload ->> 'replaces_through_seq')::int8
+                END AS replaces_through,
+                CASE WHEN e.kind = 'assistant_turn'
+                      AND jsonb_typeof(e.payload #> '{llm,message,tool_calls}') = 'array'
+                     THEN jsonb_array_length(e.payload #> '{llm,message,tool_calls}') > 0
+                     ELSE false END AS asks_for_tools"
+    };
+}
+
+fn counted_row(r: &CountedRow) -> Result<CountedEvent, DecodeError> {
+    Ok(counted(r.seq, EventKind::try_from(&r.kind)?, r.tokens, r.replaces_through, r.asks_for_tools))
+}
+
 /// A session's live tail: its newest compaction and every event after that compaction's
 /// boundary — all that the model's context and the next request's size depend on.
 #[derive(Debug, Clone)]
@@ -93,23 +112,81 @@ pub struct LiveTail {
 }
 
 pub async fn live_tail(pool: &PgPool, owner: &Owner, id: SessionId) -> Result<Option<LiveTail>, ReadError> {
+    tail_from(pool, owner, id, Vec::new(), Vec::new()).await
+}
+
+/// The live tail again, from `tail` (read earlier, by [`live_tail`] or this) and the events
+/// committed since: the same as a new [`live_tail`], without reading or decoding again what
+/// `tail` holds. Events are only ever appended, in seq order, and a newer compaction moves
+/// the start past what it replaces; both hold over a fork's branch log.
+pub async fn live_tail_after(
+    pool: &PgPool,
+    owner: &Owner,
+    id: SessionId,
+    tail: LiveTail,
+) -> Result<Option<LiveTail>, ReadError> {
+    tail_from(pool, owner, id, tail.events, tail.counted).await
+}
+
+/// The live tail from the start of one read earlier (`events`, `counted`: none for a new one).
+async fn tail_from(
+    pool: &PgPool,
+    owner: &Owner,
+    id: SessionId,
+    mut events: Vec<Event>,
+    mut counted: Vec<CountedEvent>,
+) -> Result<Option<LiveTail>, ReadError> {
     let Some(state) = get_session(pool, owner, id).await? else { return Ok(None) };
     // The compaction itself comes after the boundary it replaces (the writer checks it),
     // so one range per segment holds the whole tail.
+    let start = state.compacted_through.unwrap_or(0);
+    let after = events.last().map_or(start, |e| e.seq.max(start));
     let rows: Vec<StoredEvent> = sqlx::query_as(branch_sql!(
         "SELECT ",
         event_columns!(),
-        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto AND e.seq > $3
-          ORDER BY e.seq"
+        branch_events!("AND e.seq > $3"),
+        " ORDER BY e.seq"
     ))
     .bind(id.0)
     .bind(owner.as_str())
-    .bind(state.compacted_through.unwrap_or(0))
+    .bind(after)
     .fetch_all(pool)
     .await?;
-    let counted = rows.iter().map(StoredEvent::counted).collect::<Result<Vec<_>, _>>()?;
-    let events = rows.iter().map(StoredEvent::decode).collect::<Result<Vec<_>, _>>()?;
+    let kept = events.partition_point(|e| e.seq <= start);
+    events.drain(..kept);
+    counted.drain(..kept);
+    for row in &rows {
+        counted.push(row.counted()?);
+        events.push(row.decode()?);
+    }
     Ok(Some(LiveTail { state, events, counted }))
+}
+
+/// The live tail's counts again ([`live_counts`]), from `counted` (read earlier, by
+/// [`live_counts`] or this) and the events committed since, read as counts. None when the
+/// session is not the owner's.
+pub async fn live_counts_after(
+    pool: &PgPool,
+    owner: &Owner,
+    id: SessionId,
+    mut counted: Vec<CountedEvent>,
+) -> Result<Option<Vec<CountedEvent>>, ReadError> {
+    let rows = counted_after(pool, owner, id, counted.last().map_or(0, |e| e.seq)).await?;
+    // Nothing new, or no such session: the whole read tells which.
+    if rows.is_empty() {
+        return live_counts(pool, owner, id).await;
+    }
+    for r in &rows {
+        counted.push(counted_row(r)?);
+    }
+    // A newer compaction starts the tail after what it replaces (the session row's
+    // `compacted_through`, which the writer sets from it).
+    let compaction = counted.iter().rev().find(|e| e.kind == EventKind::CompactionApplied);
+    if let Some(boundary) = compaction.and_then(|c| c.replaces_through) {
+        let kept = counted.partition_point(|e| e.seq <= boundary);
+        counted.drain(..kept);
+    }
+    Ok(Some(counted))
 }
 
 /// The live tail as the budget counts it ([`LiveTail::counted`]) without its events: what
@@ -119,35 +196,34 @@ pub async fn live_counts(
     owner: &Owner,
     id: SessionId,
 ) -> Result<Option<Vec<CountedEvent>>, ReadError> {
-    // `payload_asks_for_tools` and the compaction's `replaces_through_seq`, in SQL (a test
-    // compares the two reads); a CASE evaluates in order, so only an array is measured.
-    let rows: Vec<CountedRow> = sqlx::query_as(branch_sql!(
-        "SELECT e.seq, e.kind, e.tokens,
-                CASE WHEN e.kind = 'compaction_applied' THEN (e.payload ->> 'replaces_through_seq')::int8
-                END AS replaces_through,
-                CASE WHEN e.kind = 'assistant_turn'
-                      AND jsonb_typeof(e.payload #> '{llm,message,tool_calls}') = 'array'
-                     THEN jsonb_array_length(e.payload #> '{llm,message,tool_calls}') > 0
-                     ELSE false END AS asks_for_tools
-           FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
-            AND e.seq > (SELECT coalesce(s.compacted_through, 0) FROM sessions s WHERE s.id = $1)
-          ORDER BY e.seq"
-    ))
-    .bind(id.0)
-    .bind(owner.as_str())
-    .fetch_all(pool)
-    .await?;
+    let rows = counted_after(pool, owner, id, 0).await?;
     // Never empty for a session: the tail holds its start or its newest compaction.
     if rows.is_empty() {
         return Ok(None);
     }
-    let counted = rows
-        .iter()
-        .map(|r| {
-            Ok(counted(r.seq, EventKind::try_from(&r.kind)?, r.tokens, r.replaces_through, r.asks_for_tools))
-        })
-        .collect::<Result<Vec<_>, DecodeError>>()?;
-    Ok(Some(counted))
+    Ok(Some(rows.iter().map(counted_row).collect::<Result<Vec<_>, DecodeError>>()?))
+}
+
+/// The live tail's events after seq `after`, as counted rows (none when the session is not
+/// the owner's).
+async fn counted_after(
+    pool: &PgPool,
+    owner: &Owner,
+    id: SessionId,
+    after: i64,
+) -> Result<Vec<CountedRow>, sqlx::Error> {
+    sqlx::query_as(branch_sql!(
+        counted_columns!(),
+        branch_events!(
+            "AND e.seq > greatest($3, (SELECT coalesce(s.compacted_through, 0) FROM sessions s WHERE s.id = $1))"
+        ),
+        " ORDER BY e.seq"
+    ))
+    .bind(id.0)
+    .bind(owner.as_str())
+    .bind(after)
+    .fetch_all(pool)
+    .await
 }
 
 /// Every event of a session, decoded. Services read pages or a live tail instead; this is
@@ -230,9 +306,8 @@ pub async fn tail_through(
               ORDER BY x.seq DESC LIMIT 1)
          SELECT ",
         event_columns!(),
-        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto AND e.seq <= $3
-            AND e.seq > coalesce((SELECT boundary FROM c), 0)
-          ORDER BY e.seq"
+        branch_events!("AND e.seq <= $3 AND e.seq > coalesce((SELECT boundary FROM c), 0)"),
+        " ORDER BY e.seq"
     ))
     .bind(id.0)
     .bind(owner.as_str())

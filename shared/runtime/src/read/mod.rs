@@ -24,9 +24,10 @@ macro_rules! session_columns {
 /// its segments — each ancestor of its lineage with the last seq read from it, then the
 /// session itself — for session `$1`; with an owner in `$2`, only when the session is that
 /// owner's and not hidden (none otherwise), with `$2` NULL, any session's (the workers'
-/// reads of a committed turn). Events are joined per segment
-/// (`e.session_id = b.sid AND e.seq <= b.upto`), each segment a range of the primary key,
-/// so no read loads an ancestor whole; seqs are disjoint across segments.
+/// reads of a committed turn). Events are read per segment
+/// (`e.session_id = b.sid AND e.seq <= b.upto`, [`branch_events!`] where the planner must
+/// not choose otherwise), each segment a range of the primary key, so no read loads an
+/// ancestor whole; seqs are disjoint across segments.
 macro_rules! branch_sql {
     ($($rest:expr),+ $(,)?) => {
         concat!(
@@ -36,6 +37,22 @@ macro_rules! branch_sql {
                   WHERE s.id = $1 AND ($2::text IS NULL OR (s.owner = $2 AND s.hidden_seq IS NULL))
              ) ",
             $($rest),+
+        )
+    };
+}
+
+/// The branch's events as `e`, for each segment those that also meet `$cond` (`AND …` on
+/// `e`): each segment's read as a range of its index, whatever the table's size. (A plain
+/// join lets the planner scan the whole table while it is small, as a new store's is, on
+/// every read; `OFFSET 0` keeps the subquery apart, so its conditions stay in its scan.)
+macro_rules! branch_events {
+    ($cond:expr) => {
+        concat!(
+            " FROM branch b, LATERAL (
+                 SELECT * FROM session_events e
+                  WHERE e.session_id = b.sid AND e.seq <= b.upto ",
+            $cond,
+            " OFFSET 0) e"
         )
     };
 }
@@ -58,7 +75,8 @@ mod turns;
 
 pub use crate::outcome::recorded_outcome;
 pub use events::{
-    all_events, event_at, events_page, live_counts, live_tail, tail_through, LiveTail, StoredEvent,
+    all_events, event_at, events_page, live_counts, live_counts_after, live_tail, live_tail_after,
+    tail_through, LiveTail, StoredEvent,
 };
 pub use listing::{explain_list_sessions, list_sessions, Cursor, ListQuery};
 pub use memories::{recall_memories, recall_relevant, CommonWords, Memory};

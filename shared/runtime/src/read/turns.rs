@@ -113,14 +113,15 @@ pub async fn current_turn(
     let rows: Vec<StoredEvent> = sqlx::query_as(branch_sql!(
         "SELECT ",
         event_columns!(),
-        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
-          WHERE e.kind IN ('user_message', 'assistant_turn', 'tool_execution', 'permission_request',
-                           'permission_resolved')
-            AND e.seq >= COALESCE((SELECT max(x.seq) FROM branch ub, LATERAL (
-                    SELECT u.seq FROM session_events u
-                     WHERE u.session_id = ub.sid AND u.seq <= ub.upto AND u.kind = 'user_message'
-                     ORDER BY u.seq DESC LIMIT 1) x), 0)
-          ORDER BY e.seq LIMIT $3"
+        branch_events!(
+            "AND e.kind IN ('user_message', 'assistant_turn', 'tool_execution', 'permission_request',
+                            'permission_resolved')
+             AND e.seq >= COALESCE((SELECT max(x.seq) FROM branch ub, LATERAL (
+                     SELECT u.seq FROM session_events u
+                      WHERE u.session_id = ub.sid AND u.seq <= ub.upto AND u.kind = 'user_message'
+                      ORDER BY u.seq DESC LIMIT 1) x), 0)"
+        ),
+        " ORDER BY e.seq LIMIT $3"
     ))
     .bind(id.0)
     .bind(owner.as_str())
@@ -146,14 +147,15 @@ pub async fn turn_events(
     let rows: Vec<StoredEvent> = sqlx::query_as(branch_sql!(
         "SELECT ",
         event_columns!(),
-        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
-          WHERE e.seq <= $3
-            AND e.seq >= coalesce((SELECT max(x.seq) FROM branch xb, LATERAL (
-                                       SELECT u.seq FROM session_events u
-                                        WHERE u.session_id = xb.sid AND u.seq <= xb.upto AND u.seq < $3
-                                          AND u.kind = 'user_message'
-                                        ORDER BY u.seq DESC LIMIT 1) x), $3)
-          ORDER BY e.seq LIMIT $4"
+        branch_events!(
+            "AND e.seq <= $3
+             AND e.seq >= coalesce((SELECT max(x.seq) FROM branch xb, LATERAL (
+                                        SELECT u.seq FROM session_events u
+                                         WHERE u.session_id = xb.sid AND u.seq <= xb.upto AND u.seq < $3
+                                           AND u.kind = 'user_message'
+                                         ORDER BY u.seq DESC LIMIT 1) x), $3)"
+        ),
+        " ORDER BY e.seq LIMIT $4"
     ))
     .bind(session.0)
     .bind(None::<&str>)
@@ -168,8 +170,9 @@ pub async fn turn_events(
 /// `before` is its first when it has none (the distiller titles a session after it).
 pub async fn answered_before(pool: &PgPool, session: SessionId, before: i64) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar(branch_sql!(
-        "SELECT EXISTS (SELECT 1 FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto
-                         WHERE e.kind = 'assistant_turn' AND e.seq < $3)"
+        "SELECT EXISTS (SELECT 1",
+        branch_events!("AND e.kind = 'assistant_turn' AND e.seq < $3"),
+        ")"
     ))
     .bind(session.0)
     .bind(None::<&str>)
@@ -242,9 +245,11 @@ pub async fn attempt_request(
     sqlx::query_as(branch_sql!(
         "SELECT ",
         event_columns!(),
-        " FROM branch b JOIN session_events e ON e.session_id = b.sid AND e.seq <= b.upto AND e.seq < $4
-          WHERE e.kind = 'pending_state' AND e.payload ->> 'attempt_id' = $3 AND e.payload ? 'request'
-          ORDER BY e.seq LIMIT 1"
+        branch_events!(
+            "AND e.seq < $4 AND e.kind = 'pending_state' AND e.payload ->> 'attempt_id' = $3
+             AND e.payload ? 'request'"
+        ),
+        " ORDER BY e.seq LIMIT 1"
     ))
     .bind(id.0)
     .bind(owner.as_str())
