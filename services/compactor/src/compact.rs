@@ -31,9 +31,10 @@ const MAX_ROUNDS: u32 = 16;
 /// A span can be halved only so often before it is a single message.
 const MAX_HALVINGS: u32 = 16;
 /// Sessions whose live tail's counts a compactor keeps between checks, and the longest tail
-/// it keeps: a session's next check reads only the events committed since its last.
-const COUNTS_KEPT: usize = 1024;
-const MAX_KEPT_EVENTS: usize = 4096;
+/// it keeps (at most about 40 MiB in all): a session's next check reads only the events
+/// committed since its last.
+const COUNTS_KEPT: usize = 512;
+const MAX_KEPT_EVENTS: usize = 2048;
 /// How often the facts wait looks for new `memory_extracted` events.
 const FACTS_POLL: Duration = Duration::from_millis(100);
 
